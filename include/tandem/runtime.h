@@ -1,0 +1,69 @@
+// Who am I: rank, world size, local rank and device of this process, read from mpirun
+// (OMPI_COMM_WORLD_*), srun (SLURM_*) or plain env (RANK, WORLD_SIZE, LOCAL_RANK), and the
+// communicators over all ranks. One Runtime per process, created once and passed explicitly.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <memory>
+#include <string>
+
+#include "tandem/comm.h"
+
+namespace tandem {
+
+struct ProcessInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_size = 1;
+  std::string launcher = "none";  // "mpirun", "srun", "env" or "none"
+};
+
+// Reads the environment only; never initializes anything.
+ProcessInfo detect_process_info();
+
+struct RuntimeOptions {
+  // Compute threads per rank; 0 = cores on this host / local ranks (at least 1).
+  int threads = 0;
+  // "auto" (CUDA when available), "cpu" or "cuda".
+  std::string device = "auto";
+  // "auto" (NCCL for CUDA, MPI for CPU), "mpi", "nccl" or "self" (world size 1 only).
+  std::string backend = "auto";
+  CommOptions comm;
+  // NCCL bootstrap without MPI: a directory shared by all ranks (TANDEM_STORE_DIR).
+  std::string store_dir;
+};
+
+class Runtime {
+ public:
+  explicit Runtime(const RuntimeOptions& opts = {});
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  const ProcessInfo& info() const { return info_; }
+  int rank() const { return info_.rank; }
+  int world_size() const { return info_.world_size; }
+  int threads() const { return threads_; }
+  c10::Device device() const { return device_; }
+
+  // Communicator for tensors on device(): NCCL on CUDA, MPI (or self) on CPU.
+  CommPtr world() const { return world_; }
+  // Communicator for CPU tensors (MPI or self); used for metadata and host-side checks.
+  CommPtr cpu_world() const { return cpu_world_; }
+
+  // Ends every rank of the job at once (MPI_Abort when under MPI); use after an unrecoverable
+  // error so that no peer hangs waiting for this rank.
+  [[noreturn]] void abort(int code) const;
+
+ private:
+  ProcessInfo info_;
+  int threads_ = 1;
+  c10::Device device_{c10::kCPU};
+  CommPtr cpu_world_;
+  CommPtr world_;
+  bool mpi_initialized_here_ = false;
+};
+
+}  // namespace tandem

@@ -1,0 +1,137 @@
+// Shared pieces of every backend: counters, error text, completed work, and the
+// world-size-1 "self" communicator.
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+#include "comm/backends.h"
+#include "tandem/comm.h"
+
+namespace tandem {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+  }
+  return "?";
+}
+
+std::map<std::string, OpStats> Communicator::stats() const {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  return stats_;
+}
+
+void Communicator::reset_stats() {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  stats_.clear();
+}
+
+void Communicator::record(const std::string& op, int64_t bytes) {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  auto& s = stats_[op];
+  s.calls += 1;
+  s.bytes += bytes;
+}
+
+void Communicator::record_seconds(const std::string& op, double seconds) {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  stats_[op].seconds += seconds;
+}
+
+#ifndef TANDEM_WITH_MPI
+bool has_mpi_backend() { return false; }
+#endif
+#ifndef TANDEM_WITH_NCCL
+bool has_nccl_backend() { return false; }
+#endif
+
+namespace detail {
+
+std::string describe(int rank, const std::string& op, const at::Tensor& t) {
+  std::ostringstream os;
+  os << "rank " << rank << ": " << op;
+  if (t.defined()) {
+    os << " of " << c10::toString(t.scalar_type()) << t.sizes() << " (" << t.numel() * t.element_size()
+       << " bytes)";
+  }
+  return os.str();
+}
+
+namespace {
+
+class CompletedWork : public Work {
+ public:
+  explicit CompletedWork(std::exception_ptr e) : error_(std::move(e)) {}
+  void wait() override {
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool is_completed() override { return true; }
+
+ private:
+  std::exception_ptr error_;
+};
+
+void check_same_device(int rank, const char* op, const at::Tensor& a, const at::Tensor& b) {
+  if (a.device() != b.device() || a.scalar_type() != b.scalar_type()) {
+    throw CommError(describe(rank, op, a) + ": input and output differ in device or dtype (" +
+                    c10::toString(a.scalar_type()) + " on " + a.device().str() + " vs " +
+                    c10::toString(b.scalar_type()) + " on " + b.device().str() + ")");
+  }
+}
+
+// World size 1: every operation is a local copy, completed on return.
+class SelfCommunicator : public Communicator {
+ public:
+  explicit SelfCommunicator(const CommOptions& o) : Communicator(o) {}
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string backend() const override { return "self"; }
+
+  WorkPtr allreduce_async(at::Tensor t, ReduceOp) override {
+    record("allreduce", t.numel() * t.element_size());
+    return completed_work();
+  }
+  WorkPtr reduce_scatter_async(at::Tensor out, at::Tensor in, ReduceOp) override {
+    return copy_op("reduce_scatter", out, in);
+  }
+  WorkPtr allgather_async(at::Tensor out, at::Tensor in) override { return copy_op("allgather", out, in); }
+  WorkPtr broadcast_async(at::Tensor t, int root) override {
+    if (root != 0) throw CommError(describe(0, "broadcast", t) + ": root " + std::to_string(root) + " out of range for world size 1");
+    record("broadcast", t.numel() * t.element_size());
+    return completed_work();
+  }
+  WorkPtr send_async(at::Tensor t, int dst, int) override {
+    throw CommError(describe(0, "send", t) + ": no peer " + std::to_string(dst) + " in a world of size 1");
+  }
+  WorkPtr recv_async(at::Tensor t, int src, int) override {
+    throw CommError(describe(0, "recv", t) + ": no peer " + std::to_string(src) + " in a world of size 1");
+  }
+  WorkPtr barrier_async() override { return completed_work(); }
+  CommPtr split(int color, int) override {
+    if (color < 0) return nullptr;
+    return std::make_shared<SelfCommunicator>(CommOptions{timeout()});
+  }
+
+ private:
+  WorkPtr copy_op(const char* op, at::Tensor& out, at::Tensor& in) {
+    check_same_device(0, op, in, out);
+    if (in.numel() != out.numel()) {
+      throw CommError(describe(0, op, in) + ": output has " + std::to_string(out.numel()) +
+                      " elements, expected " + std::to_string(in.numel()));
+    }
+    record(op, in.numel() * in.element_size());
+    out.copy_(in.reshape(out.sizes()));
+    return completed_work();
+  }
+};
+
+}  // namespace
+
+WorkPtr completed_work(std::exception_ptr error) { return std::make_shared<CompletedWork>(std::move(error)); }
+
+CommPtr make_self_communicator(const CommOptions& opts) { return std::make_shared<SelfCommunicator>(opts); }
+
+}  // namespace detail
+}  // namespace tandem

@@ -1,0 +1,496 @@
+// MPI backend (CPU tensors). Each communicator owns one progress thread that starts every
+// operation as a non-blocking MPI call (MPI_Iallreduce, MPI_Isend, ...) and drives them all
+// with MPI_Test: OpenMPI advances non-blocking operations only inside MPI calls, so without
+// this thread a bucket "started" during backward would not move until wait() (see
+// docs/ARCHITECTURE.md). Callers block on a condition variable with a timeout, never inside MPI.
+#include <mpi.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <atomic>
+#include <climits>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <sstream>
+#include <thread>
+
+#include "comm/backends.h"
+#include "tandem/comm.h"
+
+namespace tandem {
+
+bool has_mpi_backend() { return true; }
+
+namespace detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string mpi_error_string(int code) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, buf, &len);
+  return std::string(buf, len);
+}
+
+// ---- reductions MPI lacks: bfloat16 and float16, carried as 16-bit words
+template <typename T>
+void sum_fn(void* in, void* inout, int* len, MPI_Datatype*) {
+  auto* a = static_cast<const T*>(in);
+  auto* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = T(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+}
+template <typename T>
+void max_fn(void* in, void* inout, int* len, MPI_Datatype*) {
+  auto* a = static_cast<const T*>(in);
+  auto* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    float x = static_cast<float>(a[i]), y = static_cast<float>(b[i]);
+    if (x > y || x != x) b[i] = a[i];
+  }
+}
+
+struct HalfOps {
+  MPI_Op bf16_sum, bf16_max, f16_sum, f16_max;
+};
+const HalfOps& half_ops() {
+  static HalfOps ops = [] {
+    HalfOps o{};
+    MPI_Op_create(&sum_fn<c10::BFloat16>, 1, &o.bf16_sum);
+    MPI_Op_create(&max_fn<c10::BFloat16>, 1, &o.bf16_max);
+    MPI_Op_create(&sum_fn<c10::Half>, 1, &o.f16_sum);
+    MPI_Op_create(&max_fn<c10::Half>, 1, &o.f16_max);
+    return o;
+  }();
+  return ops;
+}
+
+MPI_Datatype mpi_type(at::ScalarType t, const std::string& where) {
+  switch (t) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kLong: return MPI_INT64_T;
+    case at::kInt: return MPI_INT32_T;
+    case at::kByte: return MPI_UINT8_T;
+    case at::kChar: return MPI_INT8_T;
+    case at::kBool: return MPI_C_BOOL;
+    case at::kBFloat16:
+    case at::kHalf: return MPI_UINT16_T;
+    default:
+      throw CommError(where + ": dtype " + c10::toString(t) +
+                      " is not supported by the MPI backend (use float32, float64, bfloat16, float16, "
+                      "int64, int32, int8 or uint8)");
+  }
+}
+
+MPI_Op mpi_op(ReduceOp op, at::ScalarType t, const std::string& where) {
+  if (t == at::kBFloat16) return op == ReduceOp::kMax ? half_ops().bf16_max : half_ops().bf16_sum;
+  if (t == at::kHalf) return op == ReduceOp::kMax ? half_ops().f16_max : half_ops().f16_sum;
+  if (t == at::kBool) {
+    if (op == ReduceOp::kAvg) throw CommError(where + ": avg of a bool tensor is undefined");
+    return op == ReduceOp::kMax ? MPI_LOR : MPI_LOR;
+  }
+  if (op == ReduceOp::kAvg && !at::isFloatingType(t)) {
+    throw CommError(where + ": avg needs a floating-point tensor; use sum on " + c10::toString(t));
+  }
+  return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM;
+}
+
+int checked_count(int64_t n, const std::string& where) {
+  if (n > INT_MAX) {
+    throw CommError(where + ": " + std::to_string(n) + " elements exceed MPI's int count; split the tensor");
+  }
+  return static_cast<int>(n);
+}
+
+class MpiWork : public Work {
+ public:
+  MpiWork(std::string what, std::chrono::milliseconds timeout) : what_(std::move(what)), timeout_(timeout) {}
+
+  void wait() override {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (!done_) {
+      waiters_->fetch_add(1);
+      bool ok = cv_.wait_for(lk, timeout_, [&] { return done_; });
+      waiters_->fetch_sub(1);
+      if (!ok) {
+        std::ostringstream os;
+        os << what_ << " timed out after " << std::chrono::duration<double>(timeout_).count()
+           << " s; is every rank alive and calling the same operations in the same order?";
+        throw CommTimeout(os.str());
+      }
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return done_;
+  }
+  double seconds() const override { return seconds_; }
+
+  void finish(double secs, std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      seconds_ = secs;
+      error_ = std::move(e);
+      done_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  std::atomic<int>* waiters_ = nullptr;  // the owner's count of blocked callers
+  const std::string what_;
+
+ private:
+  std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  double seconds_ = 0.0;
+  std::exception_ptr error_;
+};
+
+struct PendingOp {
+  std::string name;
+  std::shared_ptr<MpiWork> work;
+  std::function<void(std::vector<MPI_Request>&)> start;  // issues the non-blocking calls
+  std::function<void()> finish;                          // after completion: copy back, scale
+  std::vector<MPI_Request> reqs;
+  Clock::time_point started;
+};
+
+class MpiCommunicator : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, const CommOptions& opts) : Communicator(opts), comm_(comm) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    if (const char* p = std::getenv("TANDEM_MPI_POLL_US")) poll_us_ = std::atoi(p);
+    thread_ = std::thread([this] { loop(); });
+  }
+
+  ~MpiCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    // A thread stuck on an operation whose peer is gone cannot be joined; leave it to
+    // process exit (the runtime aborts the job in that case).
+    if (stuck_.load()) {
+      thread_.detach();
+    } else {
+      thread_.join();
+    }
+    if (comm_ != MPI_COMM_WORLD && comm_ != MPI_COMM_NULL && !stuck_.load()) {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized) MPI_Comm_free(&comm_);
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "mpi"; }
+
+  WorkPtr allreduce_async(at::Tensor t, ReduceOp op) override {
+    auto what = describe(rank_, std::string("allreduce(") + to_string(op) + ")", t);
+    check_cpu(t, what);
+    auto type = mpi_type(t.scalar_type(), what);
+    auto mop = mpi_op(op, t.scalar_type(), what);
+    int count = checked_count(t.numel(), what);
+    at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
+    int n = size_;
+    return enqueue("allreduce", what, t.numel() * t.element_size(),
+                   [=](std::vector<MPI_Request>& r) {
+                     r.resize(1);
+                     check(MPI_Iallreduce(MPI_IN_PLACE, buf.data_ptr(), count, type, mop, comm_, &r[0]), what);
+                   },
+                   [=]() mutable {
+                     if (op == ReduceOp::kAvg) buf.div_(n);
+                     if (!buf.is_same(t)) t.copy_(buf);
+                   });
+  }
+
+  WorkPtr reduce_scatter_async(at::Tensor out, at::Tensor in, ReduceOp op) override {
+    auto what = describe(rank_, std::string("reduce_scatter(") + to_string(op) + ")", in);
+    check_cpu(in, what);
+    check_pair(out, in, what);
+    if (in.numel() != out.numel() * size_) {
+      throw CommError(what + ": input has " + std::to_string(in.numel()) + " elements, expected world size " +
+                      std::to_string(size_) + " x output's " + std::to_string(out.numel()));
+    }
+    auto type = mpi_type(in.scalar_type(), what);
+    auto mop = mpi_op(op, in.scalar_type(), what);
+    int count = checked_count(out.numel(), what);
+    checked_count(in.numel(), what);
+    at::Tensor src = in.contiguous();
+    at::Tensor dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+    int n = size_;
+    return enqueue("reduce_scatter", what, in.numel() * in.element_size(),
+                   [=](std::vector<MPI_Request>& r) {
+                     r.resize(1);
+                     check(MPI_Ireduce_scatter_block(src.data_ptr(), dst.data_ptr(), count, type, mop, comm_, &r[0]),
+                           what);
+                   },
+                   [=]() mutable {
+                     if (op == ReduceOp::kAvg) dst.div_(n);
+                     if (!dst.is_same(out)) out.copy_(dst);
+                   });
+  }
+
+  WorkPtr allgather_async(at::Tensor out, at::Tensor in) override {
+    auto what = describe(rank_, "allgather", in);
+    check_cpu(in, what);
+    check_pair(out, in, what);
+    if (out.numel() != in.numel() * size_) {
+      throw CommError(what + ": output has " + std::to_string(out.numel()) + " elements, expected world size " +
+                      std::to_string(size_) + " x input's " + std::to_string(in.numel()));
+    }
+    auto type = mpi_type(in.scalar_type(), what);
+    int count = checked_count(in.numel(), what);
+    checked_count(out.numel(), what);
+    at::Tensor src = in.contiguous();
+    at::Tensor dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+    return enqueue("allgather", what, in.numel() * in.element_size(),
+                   [=](std::vector<MPI_Request>& r) {
+                     r.resize(1);
+                     check(MPI_Iallgather(src.data_ptr(), count, type, dst.data_ptr(), count, type, comm_, &r[0]), what);
+                   },
+                   [=]() mutable {
+                     if (!dst.is_same(out)) out.copy_(dst);
+                   });
+  }
+
+  WorkPtr broadcast_async(at::Tensor t, int root) override {
+    auto what = describe(rank_, "broadcast(root " + std::to_string(root) + ")", t);
+    check_cpu(t, what);
+    check_peer(root, what);
+    auto type = mpi_type(t.scalar_type(), what);
+    int count = checked_count(t.numel(), what);
+    at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
+    return enqueue("broadcast", what, t.numel() * t.element_size(),
+                   [=](std::vector<MPI_Request>& r) {
+                     r.resize(1);
+                     check(MPI_Ibcast(buf.data_ptr(), count, type, root, comm_, &r[0]), what);
+                   },
+                   [=]() mutable {
+                     if (!buf.is_same(t)) t.copy_(buf);
+                   });
+  }
+
+  WorkPtr send_async(at::Tensor t, int dst, int tag) override {
+    auto what = describe(rank_, "send(to " + std::to_string(dst) + ", tag " + std::to_string(tag) + ")", t);
+    check_cpu(t, what);
+    check_peer(dst, what);
+    auto type = mpi_type(t.scalar_type(), what);
+    int count = checked_count(t.numel(), what);
+    at::Tensor buf = t.contiguous();
+    return enqueue("send", what, t.numel() * t.element_size(),
+                   [=](std::vector<MPI_Request>& r) {
+                     r.resize(1);
+                     check(MPI_Isend(buf.data_ptr(), count, type, dst, tag, comm_, &r[0]), what);
+                   },
+                   [] {});
+  }
+
+  WorkPtr recv_async(at::Tensor t, int src, int tag) override {
+    auto what = describe(rank_, "recv(from " + std::to_string(src) + ", tag " + std::to_string(tag) + ")", t);
+    check_cpu(t, what);
+    check_peer(src, what);
+    auto type = mpi_type(t.scalar_type(), what);
+    int count = checked_count(t.numel(), what);
+    at::Tensor buf = t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous);
+    return enqueue("recv", what, t.numel() * t.element_size(),
+                   [=](std::vector<MPI_Request>& r) {
+                     r.resize(1);
+                     check(MPI_Irecv(buf.data_ptr(), count, type, src, tag, comm_, &r[0]), what);
+                   },
+                   [=]() mutable {
+                     if (!buf.is_same(t)) t.copy_(buf);
+                   });
+  }
+
+  WorkPtr barrier_async() override {
+    auto what = "rank " + std::to_string(rank_) + ": barrier";
+    return enqueue("barrier", what, 0,
+                   [=](std::vector<MPI_Request>& r) {
+                     r.resize(1);
+                     check(MPI_Ibarrier(comm_, &r[0]), what);
+                   },
+                   [] {});
+  }
+
+  CommPtr split(int color, int key) override {
+    // MPI_Comm_split is blocking; run it on the progress thread so that it is ordered with the
+    // operations already queued here.
+    auto what = "rank " + std::to_string(rank_) + ": split(color " + std::to_string(color) + ")";
+    auto newcomm = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
+    auto w = enqueue("split", what, 0,
+                     [=](std::vector<MPI_Request>& r) {
+                       r.clear();
+                       check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, newcomm.get()), what);
+                     },
+                     [] {});
+    w->wait();
+    if (*newcomm == MPI_COMM_NULL) return nullptr;
+    return std::make_shared<MpiCommunicator>(*newcomm, CommOptions{timeout()});
+  }
+
+ private:
+  static void check(int rc, const std::string& what) {
+    if (rc != MPI_SUCCESS) throw CommError(what + " failed in MPI: " + mpi_error_string(rc));
+  }
+  void check_cpu(const at::Tensor& t, const std::string& what) const {
+    if (!t.defined()) throw CommError(what + ": tensor is undefined");
+    if (!t.device().is_cpu()) {
+      throw CommError(what + ": the MPI backend takes CPU tensors, this one is on " + t.device().str() +
+                      "; use the NCCL backend for CUDA tensors");
+    }
+  }
+  void check_pair(const at::Tensor& out, const at::Tensor& in, const std::string& what) const {
+    if (!out.defined() || !out.device().is_cpu() || out.scalar_type() != in.scalar_type()) {
+      throw CommError(what + ": output must be a CPU tensor of the input's dtype");
+    }
+  }
+  void check_peer(int peer, const std::string& what) const {
+    if (peer < 0 || peer >= size_) {
+      throw CommError(what + ": peer rank " + std::to_string(peer) + " out of range for world size " +
+                      std::to_string(size_));
+    }
+  }
+
+  WorkPtr enqueue(const char* name, const std::string& what, int64_t bytes,
+                  std::function<void(std::vector<MPI_Request>&)> start, std::function<void()> finish) {
+    record(name, bytes);
+    auto op = std::make_shared<PendingOp>();
+    op->name = name;
+    op->work = std::make_shared<MpiWork>(what, timeout());
+    op->work->waiters_ = &waiters_;
+    op->start = std::move(start);
+    op->finish = std::move(finish);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      queue_.push_back(op);
+    }
+    cv_.notify_one();
+    return op->work;
+  }
+
+  void loop() {
+    std::vector<std::shared_ptr<PendingOp>> inflight;
+    std::deque<std::shared_ptr<PendingOp>> fresh;
+    int idle_rounds = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        if (inflight.empty()) cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+        if (stop_ && queue_.empty() && inflight.empty()) return;
+        fresh.swap(queue_);
+      }
+      for (auto& op : fresh) {
+        op->started = Clock::now();
+        try {
+          op->start(op->reqs);
+          inflight.push_back(op);
+        } catch (...) {
+          op->work->finish(0.0, std::current_exception());
+        }
+      }
+      fresh.clear();
+      bool progressed = false;
+      // Complete in issue order where possible; test every op so all of them advance.
+      for (size_t i = 0; i < inflight.size();) {
+        auto& op = inflight[i];
+        int flag = 1;
+        int rc = MPI_SUCCESS;
+        if (!op->reqs.empty()) rc = MPI_Testall(static_cast<int>(op->reqs.size()), op->reqs.data(), &flag, MPI_STATUSES_IGNORE);
+        if (rc != MPI_SUCCESS) {
+          op->work->finish(0.0, std::make_exception_ptr(CommError(op->work->what_ + " failed in MPI: " + mpi_error_string(rc))));
+        } else if (flag) {
+          std::exception_ptr err;
+          try {
+            op->finish();
+          } catch (...) {
+            err = std::current_exception();
+          }
+          double secs = std::chrono::duration<double>(Clock::now() - op->started).count();
+          record_seconds(op->name, secs);
+          op->work->finish(secs, err);
+        } else {
+          ++i;
+          continue;
+        }
+        progressed = true;
+        inflight.erase(inflight.begin() + static_cast<long>(i));
+      }
+      stuck_.store(!inflight.empty());
+      if (!inflight.empty() && !progressed) {
+        // Nobody blocked on us: give the cores to compute, polling at most every poll_us_.
+        // Someone blocked: poll as fast as the scheduler lets us.
+        ++idle_rounds;
+        if (waiters_.load() == 0 && poll_us_ > 0 && idle_rounds > 16) {
+          std::this_thread::sleep_for(std::chrono::microseconds(poll_us_));
+        } else {
+          std::this_thread::yield();
+        }
+      } else {
+        idle_rounds = 0;
+      }
+    }
+  }
+
+  MPI_Comm comm_;
+  int rank_ = 0, size_ = 1;
+  int poll_us_ = 0;
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<PendingOp>> queue_;
+  bool stop_ = false;
+  std::atomic<int> waiters_{0};
+  std::atomic<bool> stuck_{false};
+};
+
+}  // namespace
+
+bool mpi_init_if_needed() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized) return false;
+  int provided = 0;
+  int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+  if (rc != MPI_SUCCESS) throw CommError("MPI_Init_thread failed: " + mpi_error_string(rc));
+  if (provided < MPI_THREAD_MULTIPLE) {
+    throw CommError("this MPI library does not provide MPI_THREAD_MULTIPLE (got level " + std::to_string(provided) +
+                    "); Tandem's MPI backend needs it for its progress threads");
+  }
+  return true;
+}
+
+void mpi_finalize() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+void mpi_abort(int code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+CommPtr make_mpi_world(const CommOptions& opts) {
+  MPI_Comm dup;
+  MPI_Comm_dup(MPI_COMM_WORLD, &dup);
+  return std::make_shared<MpiCommunicator>(dup, opts);
+}
+
+}  // namespace detail
+}  // namespace tandem

@@ -1,0 +1,13 @@
+// Precompiled header for every Tandem target: the heavy LibTorch headers parsed once.
+#pragma once
+#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>

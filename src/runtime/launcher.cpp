@@ -1,0 +1,239 @@
+// `tandem launch`: wraps mpirun, rewrites its output tags to "[rank R] ", and turns its
+// failure report into one line naming the failed rank.
+#include "tandem/launcher.h"
+
+#include "tandem_build_config.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <regex>
+#include <stdexcept>
+
+namespace tandem {
+namespace {
+
+pid_t g_child = -1;
+
+void forward_signal(int sig) {
+  if (g_child > 0) kill(g_child, sig);
+}
+
+std::string find_mpirun() {
+  if (const char* p = std::getenv("TANDEM_MPIRUN")) return p;
+  if (*TANDEM_MPIEXEC && access(TANDEM_MPIEXEC, X_OK) == 0) return TANDEM_MPIEXEC;
+  return "mpirun";
+}
+
+// Splits a byte stream into lines and hands each to `on_line`.
+struct LineBuffer {
+  std::string pending;
+  template <typename F>
+  void feed(const char* data, size_t n, F&& on_line) {
+    pending.append(data, n);
+    size_t pos;
+    while ((pos = pending.find('\n')) != std::string::npos) {
+      on_line(pending.substr(0, pos));
+      pending.erase(0, pos + 1);
+    }
+  }
+  template <typename F>
+  void flush(F&& on_line) {
+    if (!pending.empty()) on_line(pending);
+    pending.clear();
+  }
+};
+
+}  // namespace
+
+std::string self_executable() {
+  char buf[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) throw std::runtime_error("cannot read /proc/self/exe to re-launch this program");
+  buf[n] = '\0';
+  return buf;
+}
+
+std::vector<std::string> mpirun_command(const LaunchOptions& opts, const std::vector<std::string>& argv) {
+  std::vector<std::string> cmd = {find_mpirun(), "-n", std::to_string(opts.nprocs)};
+  if (geteuid() == 0) cmd.push_back("--allow-run-as-root");
+  // Workers may outnumber cores on a development machine; never pin them to cores, and let
+  // idle ranks yield the CPU instead of spinning.
+  for (const char* a : {"--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
+                        "--mca", "btl_vader_single_copy_mechanism", "none"}) {
+    cmd.push_back(a);
+  }
+  if (opts.hostfile.empty()) {
+    for (const char* a : {"--mca", "btl", "self,vader"}) cmd.push_back(a);
+  } else {
+    for (const char* a : {"--hostfile"}) cmd.push_back(a);
+    cmd.push_back(opts.hostfile);
+    for (const char* a : {"--mca", "btl", "self,vader,tcp"}) cmd.push_back(a);
+  }
+  if (opts.prefix_output) cmd.push_back("--tag-output");
+  for (const auto& e : opts.env) {
+    cmd.push_back("-x");
+    cmd.push_back(e);
+  }
+  for (const auto& a : opts.mpi_args) cmd.push_back(a);
+  cmd.insert(cmd.end(), argv.begin(), argv.end());
+  return cmd;
+}
+
+int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
+  if (opts.nprocs < 1) throw std::invalid_argument("-n must be at least 1 (got " + std::to_string(opts.nprocs) + ")");
+  if (argv.empty()) throw std::invalid_argument("no program to launch; usage: tandem launch -n N -- PROGRAM ARGS...");
+  if (!opts.hostfile.empty() && access(opts.hostfile.c_str(), R_OK) != 0) {
+    throw std::invalid_argument("hostfile '" + opts.hostfile + "' cannot be read: " + std::strerror(errno));
+  }
+  auto cmd = mpirun_command(opts, argv);
+
+  int out_pipe[2], err_pipe[2];
+  if (pipe(out_pipe) != 0 || pipe(err_pipe) != 0) throw std::runtime_error("pipe() failed");
+  pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork() failed");
+  if (pid == 0) {
+    dup2(out_pipe[1], 1);
+    dup2(err_pipe[1], 2);
+    close(out_pipe[0]);
+    close(err_pipe[0]);
+    close(out_pipe[1]);
+    close(err_pipe[1]);
+    setenv("OMPI_MCA_mpi_yield_when_idle", "1", 1);
+    std::vector<char*> args;
+    for (auto& s : cmd) args.push_back(const_cast<char*>(s.c_str()));
+    args.push_back(nullptr);
+    execvp(args[0], args.data());
+    std::fprintf(stderr, "tandem launch: cannot run '%s': %s; install OpenMPI (apt-get install openmpi-bin)\n",
+                 args[0], std::strerror(errno));
+    _exit(127);
+  }
+  g_child = pid;
+  struct sigaction sa {};
+  sa.sa_handler = forward_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  close(out_pipe[1]);
+  close(err_pipe[1]);
+
+  static const std::regex tag(R"(^\[\d+,(\d+)\]<(stdout|stderr)>:(.*)$)");
+  static const std::regex exit_rank(R"(Process name:\s*\[\[\d+,\d+\],(\d+)\])");
+  static const std::regex exit_code(R"(Exit code:\s*(-?\d+))");
+  static const std::regex signal_rank(R"(process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)(.*))");
+  static const std::regex abort_rank(R"(MPI_ABORT was invoked on rank (\d+) in communicator \S+)");
+  static const std::regex abort_code(R"(with errorcode (-?\d+))");
+
+  std::vector<std::string> mpirun_lines;  // mpirun's own messages
+  int failed_rank = -1, failed_code = 0, failed_signal = 0;
+  std::string signal_name;
+  auto handle = [&](const std::string& line, bool is_err) {
+    std::smatch m;
+    if (opts.prefix_output && std::regex_match(line, m, tag)) {
+      std::ostream& os = m[2] == "stderr" ? std::cerr : std::cout;
+      os << "[rank " << m[1] << "] " << m[3] << '\n';
+      os.flush();
+      return;
+    }
+    bool is_mpirun_report = false;
+    if (std::regex_search(line, m, exit_rank)) {
+      if (failed_rank < 0) failed_rank = std::stoi(m[1]);
+      is_mpirun_report = true;
+    } else if (std::regex_search(line, m, exit_code)) {
+      failed_code = std::stoi(m[1]);
+      is_mpirun_report = true;
+    } else if (std::regex_search(line, m, signal_rank)) {
+      if (failed_rank < 0) {
+        failed_rank = std::stoi(m[1]);
+        failed_signal = std::stoi(m[2]);
+        signal_name = m[3];
+      }
+      is_mpirun_report = true;
+    } else if (std::regex_search(line, m, abort_rank)) {
+      if (failed_rank < 0) failed_rank = std::stoi(m[1]);
+      is_mpirun_report = true;
+    } else if (std::regex_search(line, m, abort_code)) {
+      if (failed_code == 0) failed_code = std::stoi(m[1]);
+      is_mpirun_report = true;
+    }
+    if (opts.prefix_output || is_mpirun_report || line.rfind("---", 0) == 0 ||
+        line.find("mpirun") != std::string::npos || line.find("Primary job") != std::string::npos) {
+      mpirun_lines.push_back(line);
+      return;
+    }
+    (is_err ? std::cerr : std::cout) << line << '\n';
+    (is_err ? std::cerr : std::cout).flush();
+  };
+
+  LineBuffer out_buf, err_buf;
+  struct pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
+  int open_fds = 2;
+  char buf[65536];
+  while (open_fds > 0) {
+    int rc = poll(fds, 2, -1);
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      ssize_t n = read(fds[i].fd, buf, sizeof(buf));
+      if (n <= 0) {
+        close(fds[i].fd);
+        fds[i].fd = -1;
+        --open_fds;
+        continue;
+      }
+      // Progress lines ("\r...") from an untagged rank 0 go straight through.
+      if (!opts.prefix_output && i == 0 && std::memchr(buf, '\r', static_cast<size_t>(n))) {
+        auto& lb = out_buf;
+        lb.pending.append(buf, static_cast<size_t>(n));
+        size_t cut = lb.pending.rfind('\r');
+        size_t nl = lb.pending.rfind('\n');
+        size_t upto = (nl != std::string::npos && nl > cut) ? nl + 1 : cut + 1;
+        std::string chunk = lb.pending.substr(0, upto);
+        lb.pending.erase(0, upto);
+        std::cout << chunk;
+        std::cout.flush();
+        continue;
+      }
+      (i == 0 ? out_buf : err_buf).feed(buf, static_cast<size_t>(n), [&](const std::string& l) { handle(l, i == 1); });
+    }
+  }
+  out_buf.flush([&](const std::string& l) { handle(l, false); });
+  err_buf.flush([&](const std::string& l) { handle(l, true); });
+
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  g_child = -1;
+  int rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  if (rc == 0) return 0;
+
+  std::string reason;
+  if (failed_rank >= 0) {
+    reason = "rank " + std::to_string(failed_rank);
+    if (failed_signal) {
+      reason += " was killed by signal " + std::to_string(failed_signal) + signal_name;
+      rc = 128 + failed_signal;
+    } else {
+      reason += " exited with code " + std::to_string(failed_code);
+      if (failed_code > 0 && failed_code < 256) rc = failed_code;
+    }
+    reason += "; the other ranks were stopped";
+  } else {
+    for (const auto& l : mpirun_lines) std::cerr << l << '\n';
+    reason = "mpirun exited with code " + std::to_string(rc);
+  }
+  std::cerr << "tandem launch: " << reason << '\n';
+  return rc == 0 ? 1 : rc;
+}
+
+}  // namespace tandem

@@ -1,0 +1,1 @@
+tandem_add_dist_test(dist_placeholder 2 "*")

@@ -1,0 +1,41 @@
+// tandem: train, launch and check distributed jobs. Thin: flags in, library calls out.
+#include <cstring>
+#include <exception>
+#include <iostream>
+#include <string>
+
+#include "commands.h"
+
+namespace {
+const char* kUsage =
+    "usage: tandem COMMAND [OPTIONS]\n"
+    "\n"
+    "commands:\n"
+    "  train      train a model on N workers (default: the CNN on Fashion-MNIST, 2 workers, DDP)\n"
+    "  launch     run a program on N workers: tandem launch -n N [--hostfile F] -- PROGRAM ARGS...\n"
+    "  selftest   check every collective across the workers: tandem selftest [-n N]\n"
+    "\n"
+    "Run 'tandem COMMAND --help' for a command's options.\n";
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    // The main job: training with its defaults.
+    return tandem::cli::cmd_train(argc, argv);
+  }
+  std::string cmd = argv[1];
+  try {
+    if (cmd == "train") return tandem::cli::cmd_train(argc - 1, argv + 1);
+    if (cmd == "launch") return tandem::cli::cmd_launch(argc - 1, argv + 1);
+    if (cmd == "selftest") return tandem::cli::cmd_selftest(argc - 1, argv + 1);
+    if (cmd == "-h" || cmd == "--help" || cmd == "help") {
+      std::cout << kUsage;
+      return 0;
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "tandem " << cmd << ": " << e.what() << '\n';
+    return 1;
+  }
+  std::cerr << "tandem: unknown command '" << cmd << "'\n\n" << kUsage;
+  return 2;
+}
