@@ -134,6 +134,7 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
   std::vector<std::string> mpirun_lines;  // mpirun's own messages
   int failed_rank = -1, failed_code = 0, failed_signal = 0;
   std::string signal_name;
+  bool in_box = false;
   auto handle = [&](const std::string& line, bool is_err) {
     std::smatch m;
     if (opts.prefix_output && std::regex_match(line, m, tag)) {
@@ -163,7 +164,11 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
       if (failed_code == 0) failed_code = std::stoi(m[1]);
       is_mpirun_report = true;
     }
-    if (opts.prefix_output || is_mpirun_report || line.rfind("---", 0) == 0 ||
+    // mpirun's boxed help texts and "[host:pid] ..." notes are kept for the summary, not shown.
+    static const std::regex orte_note(R"(^\[[^\]\s]+:\d+\] )");
+    bool rule = line.rfind("-----", 0) == 0;
+    if (rule) in_box = !in_box;
+    if (opts.prefix_output || is_mpirun_report || rule || in_box || std::regex_search(line, orte_note) ||
         line.find("mpirun") != std::string::npos || line.find("Primary job") != std::string::npos) {
       mpirun_lines.push_back(line);
       return;

@@ -1,5 +1,147 @@
-#include "commands.h"
+// `tandem train`: parses flags; when not already a worker, measures one worker briefly (for
+// the speedup figure) and launches N workers of itself; each worker runs tandem::train().
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+#include <filesystem>
 #include <iostream>
+
+#include "commands.h"
+#include "tandem/launcher.h"
+#include "tandem/runtime.h"
+#include "tandem/trainer.h"
+
 namespace tandem::cli {
-int cmd_train(int, char**) { std::cerr << "train: under construction\n"; return 1; }
+
+int cmd_train(int argc, char** argv) {
+  CLI::App app{"Train a model on N workers. With no options: the CNN on Fashion-MNIST, 2 workers, DDP, one epoch.",
+               "tandem train"};
+  TrainConfig cfg;
+  int nprocs = 2;
+  int threads = 0;
+  std::string device = "cpu";
+  double timeout_s = 300;
+  bool no_baseline = false, no_eval = false, no_progress = false, no_overlap = false;
+  int64_t baseline_steps = 30;
+  app.add_option("--model", cfg.model, "mlp | cnn | cnn_bn")->capture_default_str();
+  app.add_option("--data", cfg.data, "directory with the IDX files (Fashion-MNIST layout)")->capture_default_str();
+  app.add_option("--strategy", cfg.strategy, "single | ddp")->capture_default_str();
+  app.add_option("-n,--nprocs", nprocs, "workers to launch")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--epochs", cfg.epochs, "epochs")->capture_default_str();
+  app.add_option("--batch", cfg.batch, "global batch size (split across workers)")->capture_default_str();
+  app.add_option("--optimizer", cfg.optimizer, "sgd | adam | adamw")->capture_default_str();
+  app.add_option("--lr", cfg.lr, "learning rate")->capture_default_str();
+  app.add_option("--momentum", cfg.momentum, "SGD momentum")->capture_default_str();
+  app.add_option("--weight-decay", cfg.weight_decay, "weight decay")->capture_default_str();
+  app.add_flag("--scale-lr", cfg.scale_lr, "linear scaling rule: lr x workers (Goyal et al.)");
+  app.add_option("--warmup-steps", cfg.warmup_steps, "linear warmup steps from lr to the scaled lr")->capture_default_str();
+  app.add_option("--seed", cfg.seed, "seed for initialisation and shuffling")->capture_default_str();
+  app.add_option("--threads", threads, "compute threads per worker (0: cores / workers)")->capture_default_str();
+  app.add_option("--max-steps", cfg.max_steps, "stop after this many steps (-1: all)")->capture_default_str();
+  app.add_option("--metrics", cfg.metrics_path, "write per-step metrics and the report as JSON lines");
+  app.add_option("--bucket-mb", cfg.bucket_mb, "DDP bucket size cap in MiB")->capture_default_str();
+  app.add_flag("--find-unused", cfg.find_unused, "allow parameters that get no gradient (taken as zero)");
+  app.add_option("--compress", cfg.compress, "gradients on the wire: none | bf16 | fp16")->capture_default_str();
+  app.add_flag("--no-overlap", no_overlap, "all-reduce only after backward (to measure overlap)");
+  app.add_option("--eval-limit", cfg.eval_limit, "evaluate on at most this many test samples")->capture_default_str();
+  app.add_flag("--no-eval", no_eval, "skip the test-set evaluation");
+  app.add_flag("--no-baseline", no_baseline, "skip measuring one worker for the speedup figure");
+  app.add_option("--baseline-steps", baseline_steps, "steps of the one-worker measurement")->capture_default_str();
+  app.add_flag("--no-progress", no_progress, "no progress display");
+  app.add_option("--log-every", cfg.log_every, "plain progress line every N steps")->capture_default_str();
+  app.add_option("--device", device, "cpu | cuda | auto")->capture_default_str();
+  app.add_option("--timeout", timeout_s, "seconds any communication may block before failing")->capture_default_str();
+  app.add_option("--baseline-sps", cfg.baseline_samples_per_second, "(internal) one worker's samples/s")
+      ->group("");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  cfg.evaluate = !no_eval;
+  cfg.progress = !no_progress;
+  cfg.overlap = !no_overlap;
+
+  RuntimeOptions ro;
+  ro.threads = threads;
+  ro.device = device;
+  ro.comm.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+
+  const bool is_worker = detect_process_info().launcher != "none";
+  if (!is_worker) {
+    if (!std::filesystem::is_directory(cfg.data)) {
+      std::cerr << "tandem train: dataset directory '" << cfg.data
+                << "' not found; install Fashion-MNIST (apt-get install dataset-fashion-mnist) or pass --data DIR\n";
+      return 2;
+    }
+    if (nprocs > 1 && cfg.strategy == "single") {
+      std::cerr << "tandem train: --strategy single runs one worker; use -n 1, or --strategy ddp for " << nprocs
+                << " workers\n";
+      return 2;
+    }
+    if (cfg.batch % nprocs != 0) {
+      std::cerr << "tandem train: --batch " << cfg.batch << " (global) does not split evenly over " << nprocs
+                << " workers; use a multiple of " << nprocs << "\n";
+      return 2;
+    }
+  }
+  if (!is_worker && nprocs > 1) {
+    std::vector<std::string> args = {self_executable(), "train"};
+    for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+    if (!no_baseline && cfg.baseline_samples_per_second <= 0) {
+      // One worker, the same per-worker threads and global batch, a few steps: the reference
+      // for the speedup figure.
+      TrainConfig b = cfg;
+      b.max_steps = baseline_steps;
+      b.evaluate = false;
+      b.progress = false;
+      b.metrics_path.clear();
+      if (b.strategy == "ddp") b.strategy = "single";
+      RuntimeOptions bro = ro;
+      bro.threads = threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency() / nprocs);
+      bro.backend = "self";
+      std::cout << "measuring one worker (" << baseline_steps << " steps, " << bro.threads
+                << " thread(s)) for the speedup figure..." << std::endl;
+      try {
+        Runtime rt(bro);
+        auto r = train(rt, b);
+        if (r.step_ms_median > 0) {
+          double sps = cfg.batch * 1000.0 / r.step_ms_median;
+          args.push_back("--baseline-sps");
+          args.push_back(std::to_string(sps));
+        }
+      } catch (const std::exception& e) {
+        std::cerr << "tandem train: " << e.what() << "\n";
+        return 1;
+      }
+    }
+    LaunchOptions lo;
+    lo.nprocs = nprocs;
+    lo.prefix_output = false;
+    if (isatty(1)) lo.env.push_back("TANDEM_PROGRESS_TTY=1");
+    std::cout << "launching " << nprocs << " workers (" << cfg.strategy << ")" << std::endl;
+    return launch(lo, args);
+  }
+
+  std::unique_ptr<Runtime> rt;
+  try {
+    rt = std::make_unique<Runtime>(ro);
+  } catch (const std::exception& e) {
+    std::cerr << "tandem train: " << e.what() << "\n";
+    return 1;
+  }
+  try {
+    auto report = train(*rt, cfg);
+    if (rt->rank() == 0) std::cout << format_report(cfg, report) << std::flush;
+  } catch (const std::exception& e) {
+    auto* ce = dynamic_cast<const c10::Error*>(&e);
+    std::cerr << "tandem train: rank " << rt->rank() << ": " << (ce ? ce->what_without_backtrace() : e.what())
+              << std::endl;
+    if (rt->world_size() > 1) rt->abort(1);  // stop the peers at once instead of letting them time out
+    return 1;
+  }
+  return 0;
 }
+
+}  // namespace tandem::cli

@@ -1,0 +1,99 @@
+// Data parallelism: DistributedDataParallel wraps any torch::nn::Module so that every rank
+// holds the same replica and, after loss.backward() returns, every parameter's .grad() holds
+// the gradient averaged over all ranks. Gradients are packed into buckets as autograd
+// produces them and each full bucket's all-reduce starts at once, overlapping the rest of
+// backward (PyTorch DDP's design: reverse registration order, small first bucket, buckets
+// rebuilt after the first iteration from the order gradients actually arrived).
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <c10/util/Optional.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/comm.h"
+
+namespace tandem {
+
+struct DDPOptions {
+  int64_t bucket_cap_bytes = 25 * 1024 * 1024;
+  int64_t first_bucket_bytes = 1024 * 1024;  // small, so communication starts early
+  // Re-plan buckets after the first step from the order gradients arrived in.
+  bool rebuild_buckets = true;
+  // Parameters that get no gradient in a step: true = treat them as zero gradients (after a
+  // check that costs one traversal of the graph); false = throw, naming them.
+  bool find_unused_parameters = false;
+  // Broadcast buffers (e.g. batch-norm running stats) from rank 0 before each forward.
+  bool broadcast_buffers = true;
+  // Gradients on the wire in this dtype (bf16/fp16) instead of the parameters' dtype.
+  c10::optional<at::ScalarType> compress_dtype;
+  // false: all-reduce every bucket only after backward has finished (no overlap; for
+  // measuring how much overlap hides).
+  bool overlap = true;
+  // false: no communication at all (each rank keeps its local gradient; for measuring the
+  // compute-only ceiling of a speedup). Never use for real training.
+  bool communicate = true;
+};
+
+// Per-step accounting, reset by DistributedDataParallel::reset_stats().
+struct DDPStats {
+  int64_t steps = 0;
+  int64_t buckets = 0;          // buckets in the current plan
+  int64_t bytes = 0;            // bytes all-reduced by this rank
+  double comm_seconds = 0.0;    // time the all-reduces took on the engine
+  double exposed_seconds = 0.0; // time backward's end waited for communication
+  // Share of communication hidden behind backward: 1 - exposed / comm (0 when no comm).
+  double hidden_fraction() const;
+};
+
+class DistributedDataParallel {
+ public:
+  // Broadcasts parameters and buffers from rank 0 and checks that every rank has the same
+  // parameter names, shapes and dtypes; throws naming the first mismatch.
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, CommPtr comm, DDPOptions opts = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  torch::nn::Module& module() { return *module_; }
+  std::shared_ptr<torch::nn::Module> module_ptr() { return module_; }
+
+  // Call before each forward: synchronizes buffers and arms the gradient hooks for the step.
+  void prepare_forward();
+
+  // Zeroes every gradient in place (one memset per bucket). Use this, or the optimizer's
+  // zero_grad() with its default set_to_none=true; zero_grad(false) cannot detach the
+  // gradients, which are views into the buckets after the first step.
+  void zero_grad();
+
+  // Gradient accumulation: while the guard lives, backward accumulates local gradients and
+  // communicates nothing; the first backward after it ends averages everything accumulated.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DistributedDataParallel& d);
+    ~NoSyncGuard();
+    NoSyncGuard(NoSyncGuard&& other) noexcept;
+    NoSyncGuard(const NoSyncGuard&) = delete;
+
+   private:
+    DistributedDataParallel* ddp_;
+  };
+  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  // Names of the buckets' parameters in the current plan (for tests and reports).
+  std::vector<std::vector<std::string>> bucket_plan() const;
+
+  DDPStats stats() const;
+  void reset_stats();
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tandem

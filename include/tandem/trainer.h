@@ -1,0 +1,70 @@
+// The training loop behind `tandem train`: shards the data, wraps the model in the chosen
+// strategy, trains with progress on rank 0, evaluates, and returns a report with time,
+// throughput, accuracy, memory and communication figures (the same on every rank).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tandem/runtime.h"
+
+namespace tandem {
+
+struct TrainConfig {
+  std::string model = "cnn";
+  std::string data = "/usr/share/datasets/fashion-mnist";
+  std::string strategy = "ddp";  // single | ddp
+  int epochs = 1;
+  int64_t batch = 128;  // global batch, split evenly across ranks
+  std::string optimizer = "sgd";  // sgd | adam | adamw
+  double lr = 0.05;
+  double momentum = 0.9;
+  double weight_decay = 0.0;
+  bool scale_lr = false;      // linear scaling rule: lr * world_size (Goyal et al.)
+  int64_t warmup_steps = 0;   // linear warmup from lr to the (scaled) lr
+  uint64_t seed = 0;
+  int64_t max_steps = -1;     // stop after this many steps (all epochs together); -1: no limit
+  int64_t eval_limit = -1;    // evaluate on at most this many test samples; -1: all
+  bool evaluate = true;
+  std::string metrics_path;   // JSON lines, written by rank 0
+  int64_t log_every = 50;     // plain progress lines every N steps when not on a terminal
+  bool progress = true;
+  // DDP knobs
+  int64_t bucket_mb = 25;
+  bool find_unused = false;
+  std::string compress = "none";  // none | bf16 | fp16
+  bool overlap = true;
+  bool communicate = true;    // false only to measure the compute-only ceiling
+  // Throughput of one worker on the same job (samples/s), measured by the launcher; 0 = unknown.
+  double baseline_samples_per_second = 0.0;
+};
+
+struct TrainReport {
+  int world_size = 1;
+  int64_t steps = 0;
+  int64_t samples = 0;             // global samples processed
+  double wall_seconds = 0.0;       // training loop only (no data loading, no evaluation)
+  double samples_per_second = 0.0;
+  double step_ms_median = 0.0;     // median wall time of a step (after the first)
+  double final_loss = 0.0;
+  std::vector<double> losses;      // global (all-rank mean) loss of every step
+  double test_accuracy = -1.0;     // in [0,1]; -1 when not evaluated
+  int64_t test_samples = 0;
+  std::vector<int64_t> peak_rss_bytes;  // per rank
+  double comm_seconds = 0.0;       // rank 0's gradient all-reduce time on the engine
+  double exposed_comm_seconds = 0.0;
+  double hidden_fraction = 0.0;
+  int64_t comm_bytes = 0;          // rank 0's gradient bytes all-reduced
+  int64_t parameters = 0;
+  double speedup = 0.0;            // samples/s over baseline, when a baseline was given
+};
+
+// Runs the whole job on this rank. Every rank must call it with the same config.
+// Throws std::invalid_argument / std::runtime_error with a message naming the bad input.
+TrainReport train(Runtime& rt, const TrainConfig& cfg);
+
+// The human-readable report rank 0 prints at the end.
+std::string format_report(const TrainConfig& cfg, const TrainReport& r);
+
+}  // namespace tandem

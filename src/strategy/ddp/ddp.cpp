@@ -1,0 +1,396 @@
+// DistributedDataParallel: gradient buckets filled by post-accumulate hooks, each full
+// bucket all-reduced asynchronously while backward goes on, and one wait at the end of
+// backward (an autograd final callback), after which param.grad() holds the average.
+#include "tandem/ddp.h"
+
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <sstream>
+
+#include "strategy/autograd_hooks.h"
+
+namespace tandem {
+
+double DDPStats::hidden_fraction() const {
+  if (comm_seconds <= 0.0) return 0.0;
+  return std::clamp(1.0 - exposed_seconds / comm_seconds, 0.0, 1.0);
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Bucket {
+  std::vector<size_t> params;   // indices into Impl::params, in launch order
+  std::vector<int64_t> offsets;  // element offset of each parameter in `flat`
+  at::Tensor flat;               // the parameters' dtype and device
+  at::Tensor wire;               // compressed copy sent on the wire (when compressing)
+  size_t pending = 0;            // parameters still waiting for their gradient this step
+  WorkPtr work;
+};
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream os;
+  os << c10::toString(t.scalar_type()) << t.sizes();
+  return os.str();
+}
+
+}  // namespace
+
+struct DistributedDataParallel::Impl {
+  CommPtr comm;
+  DDPOptions opts;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::vector<std::pair<std::string, at::Tensor>> buffers;
+  std::vector<std::shared_ptr<void>> accumulators;
+  std::shared_ptr<Impl*> self;  // hooks hold a weak_ptr to this, so they outlive us safely
+
+  std::vector<Bucket> buckets;
+  std::vector<std::pair<size_t, size_t>> where;  // param -> (bucket, slot)
+  std::vector<char> ready;
+  size_t next_bucket = 0;
+  bool callback_queued = false;
+  bool no_sync = false;
+  Clock::time_point backward_started;
+
+  std::vector<size_t> arrival;  // gradient order of the first synchronized step
+  bool plan_final = false;      // buckets rebuilt (or rebuilding not wanted)
+  bool rebuild_pending = false;
+  DDPStats stats;
+
+  at::Device device() const { return params.empty() ? at::Device(at::kCPU) : params[0].device(); }
+
+  // ---- construction-time checks and broadcast
+  void check_same_model() {
+    std::ostringstream sig;
+    std::vector<std::string> lines;
+    for (size_t i = 0; i < params.size(); ++i) lines.push_back("parameter '" + names[i] + "' " + shape_str(params[i]));
+    for (auto& b : buffers) lines.push_back("buffer '" + b.first + "' " + shape_str(b.second));
+    for (auto& l : lines) sig << l << '\n';
+    std::string mine = sig.str();
+
+    auto opts_u8 = at::TensorOptions().dtype(at::kByte).device(device());
+    auto opts_i64 = at::TensorOptions().dtype(at::kLong).device(device());
+    at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), opts_i64);
+    comm->broadcast(len, 0);
+    int64_t n = len.cpu().item<int64_t>();
+    at::Tensor bytes = at::zeros({std::max<int64_t>(n, 1)}, opts_u8);
+    if (comm->rank() == 0 && n > 0) bytes.copy_(at::from_blob(mine.data(), {n}, at::kByte));
+    comm->broadcast(bytes, 0);
+    at::Tensor host = bytes.cpu();
+    std::string root(reinterpret_cast<const char*>(host.data_ptr<uint8_t>()), static_cast<size_t>(n));
+
+    std::vector<std::string> root_lines;
+    std::istringstream is(root);
+    for (std::string l; std::getline(is, l);) root_lines.push_back(l);
+    int64_t first_diff = INT64_MAX;
+    for (size_t i = 0; i < std::max(lines.size(), root_lines.size()); ++i) {
+      if (i >= lines.size() || i >= root_lines.size() || lines[i] != root_lines[i]) {
+        first_diff = static_cast<int64_t>(i);
+        break;
+      }
+    }
+    at::Tensor diff = at::full({1}, first_diff == INT64_MAX ? -1 : first_diff, opts_i64);
+    at::Tensor all = at::empty({comm->size()}, opts_i64);
+    comm->allgather(all, diff);
+    auto all_cpu = all.cpu();
+    std::vector<int> bad;
+    for (int r = 0; r < comm->size(); ++r)
+      if (all_cpu[r].item<int64_t>() >= 0) bad.push_back(r);
+    if (bad.empty()) return;
+    std::ostringstream msg;
+    msg << "rank " << comm->rank() << ": DistributedDataParallel needs the same model on every rank; ";
+    if (first_diff != INT64_MAX) {
+      auto i = static_cast<size_t>(first_diff);
+      msg << "entry #" << i << " here is " << (i < lines.size() ? lines[i] : std::string("missing")) << " but on rank 0 it is "
+          << (i < root_lines.size() ? root_lines[i] : std::string("missing"));
+    } else {
+      msg << "rank(s)";
+      for (int r : bad) msg << ' ' << r;
+      msg << " hold a model different from rank 0's (see their errors)";
+    }
+    msg << ". Build the model identically on every rank.";
+    throw std::invalid_argument(msg.str());
+  }
+
+  void broadcast_state(bool include_params) {
+    torch::NoGradGuard ng;
+    std::vector<WorkPtr> works;
+    if (include_params)
+      for (auto& p : params) works.push_back(comm->broadcast_async(p.detach(), 0));
+    for (auto& b : buffers)
+      if (b.second.defined()) works.push_back(comm->broadcast_async(b.second.detach(), 0));
+    for (auto& w : works) w->wait();
+  }
+
+  // ---- buckets
+  void plan(const std::vector<size_t>& order) {
+    // Finish with the old buffers: keep any gradient they hold.
+    std::vector<at::Tensor> old_grads(params.size());
+    for (size_t i = 0; i < params.size(); ++i)
+      if (params[i].grad().defined()) old_grads[i] = params[i].grad().clone();
+
+    buckets.clear();
+    where.assign(params.size(), {0, 0});
+    Bucket cur;
+    int64_t cur_bytes = 0;
+    auto close = [&] {
+      if (!cur.params.empty()) buckets.push_back(std::move(cur));
+      cur = Bucket();
+      cur_bytes = 0;
+    };
+    for (size_t i : order) {
+      const auto& p = params[i];
+      int64_t bytes = p.numel() * p.element_size();
+      int64_t cap = buckets.empty() ? opts.first_bucket_bytes : opts.bucket_cap_bytes;
+      bool other_kind = !cur.params.empty() && (params[cur.params[0]].scalar_type() != p.scalar_type() ||
+                                                params[cur.params[0]].device() != p.device());
+      if (!cur.params.empty() && (cur_bytes + bytes > cap || other_kind)) close();
+      cur.params.push_back(i);
+      cur_bytes += bytes;
+    }
+    close();
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      auto& bk = buckets[b];
+      int64_t total = 0;
+      for (size_t s = 0; s < bk.params.size(); ++s) {
+        bk.offsets.push_back(total);
+        total += params[bk.params[s]].numel();
+        where[bk.params[s]] = {b, s};
+      }
+      const auto& p0 = params[bk.params[0]];
+      bk.flat = at::zeros({total}, p0.options().requires_grad(false));
+      bk.pending = bk.params.size();
+    }
+    // Parameters whose gradient lived in an old bucket now point at the new one.
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (old_grads[i].defined()) {
+        auto v = view(i);
+        v.copy_(old_grads[i]);
+        params[i].mutable_grad() = v;
+      }
+    }
+    ready.assign(params.size(), 0);
+    next_bucket = 0;
+    stats.buckets = static_cast<int64_t>(buckets.size());
+  }
+
+  at::Tensor view(size_t i) {
+    auto [b, s] = where[i];
+    auto& bk = buckets[b];
+    return bk.flat.narrow(0, bk.offsets[s], params[i].numel()).view(params[i].sizes());
+  }
+
+  bool is_view(const at::Tensor& g, const at::Tensor& v) const {
+    return g.defined() && g.data_ptr() == v.data_ptr() && g.sizes() == v.sizes() && g.strides() == v.strides();
+  }
+
+  void copy_into_bucket(size_t i) {
+    auto v = view(i);
+    const auto& g = params[i].grad();
+    if (is_view(g, v)) return;
+    torch::NoGradGuard ng;
+    if (g.defined()) {
+      v.copy_(g);
+    } else {
+      v.zero_();
+    }
+  }
+
+  // ---- per step
+  void on_grad_ready(size_t i) {
+    if (!opts.communicate || no_sync) return;
+    if (!callback_queued) {
+      callback_queued = true;
+      backward_started = Clock::now();
+      std::weak_ptr<Impl*> weak = self;
+      detail::queue_backward_callback([weak] {
+        if (auto s = weak.lock()) (*s)->finalize();
+      });
+    }
+    if (ready[i]) return;
+    ready[i] = 1;
+    if (!plan_final) arrival.push_back(i);
+    copy_into_bucket(i);
+    auto& bk = buckets[where[i].first];
+    if (--bk.pending == 0 && opts.overlap) launch_ready();
+  }
+
+  void launch_ready() {
+    // Buckets go out in plan order on every rank, so collectives match across ranks.
+    while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) launch(next_bucket++);
+  }
+
+  void launch(size_t b) {
+    auto& bk = buckets[b];
+    if (opts.compress_dtype && *opts.compress_dtype != bk.flat.scalar_type()) {
+      bk.wire = bk.flat.to(*opts.compress_dtype);
+    } else {
+      bk.wire = bk.flat;
+    }
+    stats.bytes += bk.wire.numel() * bk.wire.element_size();
+    bk.work = comm->allreduce_async(bk.wire, ReduceOp::kAvg);
+  }
+
+  void finalize() {
+    callback_queued = false;
+    std::vector<size_t> missing;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!ready[i]) missing.push_back(i);
+    for (size_t i : missing) {
+      // A gradient accumulated in earlier no_sync steps still counts; otherwise zero.
+      copy_into_bucket(i);
+      ready[i] = 1;
+    }
+    for (auto& bk : buckets) bk.pending = 0;
+    launch_ready();
+
+    auto t0 = Clock::now();
+    std::exception_ptr err;
+    for (auto& bk : buckets) {
+      try {
+        bk.work->wait();
+      } catch (...) {
+        if (!err) err = std::current_exception();
+      }
+    }
+    stats.exposed_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    if (err) std::rethrow_exception(err);
+    torch::NoGradGuard ng;
+    for (auto& bk : buckets) {
+      stats.comm_seconds += bk.work->seconds();
+      if (!bk.wire.is_same(bk.flat)) bk.flat.copy_(bk.wire);
+      bk.work.reset();
+      bk.pending = bk.params.size();
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto v = view(i);
+      if (!is_view(params[i].grad(), v)) params[i].mutable_grad() = v;
+    }
+    std::fill(ready.begin(), ready.end(), 0);
+    next_bucket = 0;
+    stats.steps += 1;
+    if (!plan_final) {
+      plan_final = true;
+      rebuild_pending = opts.rebuild_buckets;
+    }
+    if (!missing.empty() && !opts.find_unused_parameters) {
+      std::ostringstream msg;
+      msg << "rank " << comm->rank() << ": " << missing.size() << " parameter(s) received no gradient in this step:";
+      for (size_t k = 0; k < std::min<size_t>(missing.size(), 8); ++k) msg << " '" << names[missing[k]] << "'";
+      if (missing.size() > 8) msg << " ...";
+      msg << ". Their gradients were taken as zero. If this is intended, enable find_unused_parameters "
+             "(tandem train --find-unused); otherwise make sure every parameter takes part in the loss.";
+      throw std::runtime_error(msg.str());
+    }
+  }
+
+  void rebuild_from_arrival() {
+    rebuild_pending = false;
+    // Rank 0's arrival order decides, so that every rank builds the same buckets.
+    auto order = at::full({static_cast<int64_t>(params.size())}, -1, at::TensorOptions().dtype(at::kLong).device(device()));
+    if (comm->rank() == 0 && arrival.size() == params.size()) {
+      auto host = at::tensor(std::vector<int64_t>(arrival.begin(), arrival.end()), at::kLong);
+      order.copy_(host);
+    }
+    comm->broadcast(order, 0);
+    auto host = order.cpu();
+    std::vector<size_t> o;
+    for (int64_t k = 0; k < host.numel(); ++k) {
+      int64_t v = host[k].item<int64_t>();
+      if (v < 0) return;  // rank 0 saw an incomplete order (unused parameters): keep the plan
+      o.push_back(static_cast<size_t>(v));
+    }
+    std::vector<size_t> current;
+    for (auto& bk : buckets) current.insert(current.end(), bk.params.begin(), bk.params.end());
+    if (o != current) plan(o);
+  }
+};
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, CommPtr comm,
+                                                 DDPOptions opts)
+    : module_(std::move(module)), impl_(std::make_unique<Impl>()) {
+  if (!module_) throw std::invalid_argument("DistributedDataParallel needs a module");
+  if (!comm) throw std::invalid_argument("DistributedDataParallel needs a communicator");
+  if (opts.bucket_cap_bytes <= 0 || opts.first_bucket_bytes <= 0) {
+    throw std::invalid_argument("DDP bucket sizes must be positive");
+  }
+  if (opts.compress_dtype && *opts.compress_dtype != at::kBFloat16 && *opts.compress_dtype != at::kHalf) {
+    throw std::invalid_argument("DDP gradient compression supports bfloat16 and float16 only");
+  }
+  auto& I = *impl_;
+  I.comm = std::move(comm);
+  I.opts = opts;
+  I.self = std::make_shared<Impl*>(impl_.get());
+  for (auto& kv : module_->named_parameters(/*recurse=*/true)) {
+    if (!kv.value().requires_grad()) continue;
+    I.names.push_back(kv.key());
+    I.params.push_back(kv.value());
+  }
+  for (auto& kv : module_->named_buffers(/*recurse=*/true)) I.buffers.emplace_back(kv.key(), kv.value());
+
+  I.check_same_model();
+  I.broadcast_state(/*include_params=*/true);
+
+  std::vector<size_t> order(I.params.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;  // reverse registration
+  I.plan(order);
+
+  std::weak_ptr<Impl*> weak = I.self;
+  for (size_t i = 0; i < I.params.size(); ++i) {
+    I.accumulators.push_back(detail::add_post_accumulate_grad_hook(I.params[i], [weak, i] {
+      if (auto s = weak.lock()) (*s)->on_grad_ready(i);
+    }));
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+
+void DistributedDataParallel::prepare_forward() {
+  auto& I = *impl_;
+  if (!I.opts.communicate) return;
+  if (I.rebuild_pending && !I.no_sync) I.rebuild_from_arrival();
+  if (I.opts.broadcast_buffers && !I.buffers.empty()) I.broadcast_state(/*include_params=*/false);
+}
+
+void DistributedDataParallel::zero_grad() {
+  torch::NoGradGuard ng;
+  auto& I = *impl_;
+  for (auto& bk : I.buckets) bk.flat.zero_();
+  for (size_t i = 0; i < I.params.size(); ++i) {
+    auto& g = I.params[i].mutable_grad();
+    if (g.defined() && !I.is_view(g, I.view(i))) g.zero_();
+  }
+}
+
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& d) : ddp_(&d) { d.impl_->no_sync = true; }
+DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
+  if (ddp_) ddp_->impl_->no_sync = false;
+}
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept : ddp_(other.ddp_) {
+  other.ddp_ = nullptr;
+}
+
+std::vector<std::vector<std::string>> DistributedDataParallel::bucket_plan() const {
+  std::vector<std::vector<std::string>> out;
+  for (auto& bk : impl_->buckets) {
+    out.emplace_back();
+    for (size_t i : bk.params) out.back().push_back(impl_->names[i]);
+  }
+  return out;
+}
+
+DDPStats DistributedDataParallel::stats() const { return impl_->stats; }
+
+void DistributedDataParallel::reset_stats() {
+  auto buckets = impl_->stats.buckets;
+  impl_->stats = DDPStats();
+  impl_->stats.buckets = buckets;
+}
+
+}  // namespace tandem

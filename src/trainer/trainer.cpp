@@ -1,0 +1,307 @@
+#include "tandem/trainer.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include "tandem/data.h"
+#include "tandem/ddp.h"
+#include "tandem/models.h"
+#include "trainer/progress.h"
+
+namespace tandem {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      std::istringstream is(line.substr(6));
+      int64_t kb = 0;
+      is >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg, std::vector<at::Tensor> params) {
+  if (cfg.optimizer == "sgd") {
+    return std::make_unique<torch::optim::SGD>(
+        params, torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay));
+  }
+  if (cfg.optimizer == "adam") {
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  }
+  if (cfg.optimizer == "adamw") {
+    return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
+  }
+  throw std::invalid_argument("unknown optimizer '" + cfg.optimizer + "' (use sgd, adam or adamw)");
+}
+
+void set_lr(torch::optim::Optimizer& opt, double lr) {
+  for (auto& g : opt.param_groups()) g.options().set_lr(lr);
+}
+
+void validate(const TrainConfig& cfg, int world) {
+  if (cfg.strategy != "single" && cfg.strategy != "ddp") {
+    throw std::invalid_argument("unknown strategy '" + cfg.strategy + "' (this build supports: single, ddp)");
+  }
+  if (cfg.strategy == "single" && world != 1) {
+    throw std::invalid_argument("--strategy single runs one worker, but " + std::to_string(world) +
+                                " were launched; use -n 1 or --strategy ddp");
+  }
+  if (cfg.epochs < 1) throw std::invalid_argument("--epochs must be at least 1");
+  if (cfg.batch < 1) throw std::invalid_argument("--batch must be at least 1");
+  if (cfg.batch % world != 0) {
+    throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " (global) does not split evenly over " +
+                                std::to_string(world) + " workers; use a multiple of " + std::to_string(world));
+  }
+  if (!(cfg.lr > 0.0) || !std::isfinite(cfg.lr)) throw std::invalid_argument("--lr must be a positive number");
+  if (cfg.compress != "none" && cfg.compress != "bf16" && cfg.compress != "fp16") {
+    throw std::invalid_argument("--compress must be none, bf16 or fp16");
+  }
+  if (cfg.bucket_mb < 1) throw std::invalid_argument("--bucket-mb must be at least 1");
+  if (cfg.model != "mlp" && cfg.model != "cnn" && cfg.model != "cnn_bn") {
+    throw std::invalid_argument("--model " + cfg.model +
+                                " cannot train on an image dataset (IDX); use mlp, cnn or cnn_bn");
+  }
+}
+
+}  // namespace
+
+TrainReport train(Runtime& rt, const TrainConfig& cfg) {
+  auto comm = rt.world();
+  const int world = comm->size(), rank = comm->rank();
+  validate(cfg, world);
+  const auto dev = rt.device();
+  // Small host-side agreements (losses, accuracy, memory) go through the device communicator.
+  auto small = [&](at::Tensor t) { return t.to(dev); };
+
+  // Data: every rank reads the files; each trains on its shard.
+  auto train_set = data::load_fashion_mnist(cfg.data, /*train=*/true);
+  data::Dataset test_set;
+  if (cfg.evaluate) test_set = data::load_fashion_mnist(cfg.data, /*train=*/false);
+  if (train_set.size() < world) {
+    throw std::invalid_argument("the training set has " + std::to_string(train_set.size()) + " samples, fewer than the " +
+                                std::to_string(world) + " workers; use fewer workers");
+  }
+  if (dev.is_cuda()) {
+    train_set.images = train_set.images.to(dev);
+    train_set.labels = train_set.labels.to(dev);
+    if (test_set.size() > 0) {
+      test_set.images = test_set.images.to(dev);
+      test_set.labels = test_set.labels.to(dev);
+    }
+  }
+
+  torch::manual_seed(cfg.seed);
+  auto model = models::make_model(cfg.model);
+  model->to(dev);
+  TrainReport rep;
+  rep.world_size = world;
+  rep.parameters = models::count_parameters(*model);
+
+  std::unique_ptr<DistributedDataParallel> ddp;
+  if (cfg.strategy == "ddp") {
+    DDPOptions o;
+    o.bucket_cap_bytes = cfg.bucket_mb * 1024 * 1024;
+    o.find_unused_parameters = cfg.find_unused;
+    if (cfg.compress == "bf16") o.compress_dtype = at::kBFloat16;
+    if (cfg.compress == "fp16") o.compress_dtype = at::kHalf;
+    o.overlap = cfg.overlap;
+    o.communicate = cfg.communicate;
+    ddp = std::make_unique<DistributedDataParallel>(model.ptr(), comm, o);
+  }
+  auto optimizer = make_optimizer(cfg, model->parameters());
+  const double target_lr = cfg.lr * (cfg.scale_lr ? world : 1);
+
+  data::DistributedSampler sampler(train_set.size(), rank, world, /*shuffle=*/true, cfg.seed);
+  const int64_t local_batch = cfg.batch / world;
+  const int64_t steps_per_epoch = (sampler.num_samples() + local_batch - 1) / local_batch;
+  int64_t total_steps = steps_per_epoch * cfg.epochs;
+  if (cfg.max_steps >= 0) total_steps = std::min(total_steps, cfg.max_steps);
+
+  Progress progress(rank == 0 && cfg.progress, total_steps, cfg.log_every);
+  std::vector<double> local_losses;
+  std::vector<double> step_ms;
+  int64_t step = 0, samples = 0;
+  model->train();
+  auto t_start = Clock::now();
+  for (int epoch = 0; epoch < cfg.epochs && step < total_steps; ++epoch) {
+    sampler.set_epoch(epoch);
+    auto chunks = data::batches(sampler.indices(), local_batch, /*drop_last=*/false);
+    for (auto& idx : chunks) {
+      if (step >= total_steps) break;
+      auto t0 = Clock::now();
+      double lr = target_lr;
+      if (cfg.warmup_steps > 0 && step < cfg.warmup_steps) {
+        lr = cfg.lr + (target_lr - cfg.lr) * static_cast<double>(step + 1) / static_cast<double>(cfg.warmup_steps);
+      }
+      set_lr(*optimizer, lr);
+      auto [x, y] = data::gather_batch(train_set, idx);
+      if (ddp) ddp->prepare_forward();
+      if (ddp) {
+        ddp->zero_grad();
+      } else {
+        optimizer->zero_grad(/*set_to_none=*/false);
+      }
+      auto out = model->forward(x);
+      auto loss = torch::nn::functional::cross_entropy(out, y);
+      loss.backward();
+      optimizer->step();
+      double l = loss.item<double>();
+      if (!std::isfinite(l)) {
+        throw std::runtime_error("rank " + std::to_string(rank) + ": loss became " + std::to_string(l) + " at step " +
+                                 std::to_string(step) + "; lower --lr (now " + std::to_string(lr) + ")");
+      }
+      local_losses.push_back(l);
+      ++step;
+      samples += static_cast<int64_t>(idx.size()) * world;
+      step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      progress.update(epoch + 1, cfg.epochs, step, l, samples, Clock::now() - t_start);
+    }
+  }
+  rep.wall_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
+  progress.finish();
+  rep.steps = step;
+  rep.samples = samples;
+  rep.samples_per_second = rep.wall_seconds > 0 ? samples / rep.wall_seconds : 0.0;
+  if (step_ms.size() > 1) {
+    std::vector<double> s(step_ms.begin() + 1, step_ms.end());
+    std::nth_element(s.begin(), s.begin() + s.size() / 2, s.end());
+    rep.step_ms_median = s[s.size() / 2];
+  } else if (!step_ms.empty()) {
+    rep.step_ms_median = step_ms[0];
+  }
+
+  // Global per-step losses: one all-reduce of every step's local loss.
+  if (!local_losses.empty()) {
+    auto lt = small(torch::tensor(local_losses, torch::kDouble));
+    comm->allreduce(lt, ReduceOp::kAvg);
+    auto host = lt.cpu();
+    rep.losses.assign(host.data_ptr<double>(), host.data_ptr<double>() + host.numel());
+    rep.final_loss = rep.losses.back();
+  }
+
+  // Evaluation: each rank scores a disjoint slice of the test set (no padding), then sum.
+  if (cfg.evaluate && test_set.size() > 0) {
+    model->eval();
+    torch::NoGradGuard ng;
+    int64_t n = cfg.eval_limit >= 0 ? std::min(cfg.eval_limit, test_set.size()) : test_set.size();
+    std::vector<int64_t> mine;
+    for (int64_t i = rank; i < n; i += world) mine.push_back(i);
+    int64_t correct = 0;
+    for (auto& idx : data::batches(mine, 1000, false)) {
+      auto [x, y] = data::gather_batch(test_set, idx);
+      correct += model->forward(x).argmax(1).eq(y).sum().item<int64_t>();
+    }
+    auto t = small(torch::tensor({correct, static_cast<int64_t>(mine.size())}, torch::kLong));
+    comm->allreduce(t, ReduceOp::kSum);
+    auto host = t.cpu();
+    rep.test_samples = host[1].item<int64_t>();
+    rep.test_accuracy = rep.test_samples > 0 ? static_cast<double>(host[0].item<int64_t>()) / rep.test_samples : 0.0;
+    model->train();
+  }
+
+  // Memory per rank.
+  {
+    int64_t mem = peak_rss_bytes();
+    auto mine = small(torch::tensor({mem}, torch::kLong));
+    auto all = small(torch::empty({world}, torch::kLong));
+    comm->allgather(all, mine);
+    auto host = all.cpu();
+    rep.peak_rss_bytes.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + world);
+  }
+  if (ddp) {
+    auto s = ddp->stats();
+    rep.comm_seconds = s.comm_seconds;
+    rep.exposed_comm_seconds = s.exposed_seconds;
+    rep.hidden_fraction = s.hidden_fraction();
+    rep.comm_bytes = s.bytes;
+  }
+  // Speedup from median step times (robust to the first step and a short last batch).
+  if (cfg.baseline_samples_per_second > 0 && rep.step_ms_median > 0) {
+    rep.speedup = (cfg.batch * 1000.0 / rep.step_ms_median) / cfg.baseline_samples_per_second;
+  }
+
+  if (rank == 0 && !cfg.metrics_path.empty()) {
+    std::ofstream f(cfg.metrics_path);
+    if (!f) throw std::runtime_error("cannot write metrics to '" + cfg.metrics_path + "'; check the directory exists");
+    for (size_t i = 0; i < rep.losses.size(); ++i) {
+      f << nlohmann::json{{"step", i + 1}, {"loss", rep.losses[i]}, {"step_ms", i < step_ms.size() ? step_ms[i] : 0.0}}.dump()
+        << '\n';
+    }
+    nlohmann::json r = {{"report", true},
+                        {"model", cfg.model},
+                        {"strategy", cfg.strategy},
+                        {"world_size", world},
+                        {"steps", rep.steps},
+                        {"samples", rep.samples},
+                        {"wall_seconds", rep.wall_seconds},
+                        {"samples_per_second", rep.samples_per_second},
+                        {"step_ms_median", rep.step_ms_median},
+                        {"final_loss", rep.final_loss},
+                        {"test_accuracy", rep.test_accuracy},
+                        {"test_samples", rep.test_samples},
+                        {"peak_rss_bytes", rep.peak_rss_bytes},
+                        {"comm_seconds", rep.comm_seconds},
+                        {"exposed_comm_seconds", rep.exposed_comm_seconds},
+                        {"hidden_fraction", rep.hidden_fraction},
+                        {"comm_bytes", rep.comm_bytes},
+                        {"parameters", rep.parameters},
+                        {"speedup", rep.speedup}};
+    f << r.dump() << '\n';
+    if (!f) throw std::runtime_error("writing metrics to '" + cfg.metrics_path + "' failed (disk full?)");
+  }
+  return rep;
+}
+
+std::string format_report(const TrainConfig& cfg, const TrainReport& r) {
+  std::ostringstream os;
+  os << std::fixed;
+  os << "\n== tandem train report ==\n";
+  os << "model            " << cfg.model << " (" << r.parameters << " parameters), strategy " << cfg.strategy << ", "
+     << r.world_size << " worker(s)\n";
+  os << "steps            " << r.steps << " (global batch " << cfg.batch << ", " << r.samples << " samples)\n";
+  os << "wall time        " << std::setprecision(1) << r.wall_seconds << " s (training loop)\n";
+  os << "throughput       " << std::setprecision(0) << r.samples_per_second << " samples/s, median step "
+     << std::setprecision(1) << r.step_ms_median << " ms\n";
+  if (r.speedup > 0) {
+    os << "speedup          " << std::setprecision(2) << r.speedup << "x against one worker ("
+       << std::setprecision(0) << cfg.baseline_samples_per_second << " samples/s), efficiency "
+       << std::setprecision(0) << 100.0 * r.speedup / r.world_size << "%\n";
+  }
+  os << "final loss       " << std::setprecision(4) << r.final_loss << "\n";
+  if (r.test_accuracy >= 0) {
+    os << "test accuracy    " << std::setprecision(2) << 100.0 * r.test_accuracy << "% (" << r.test_samples
+       << " samples)\n";
+  }
+  os << "peak memory      ";
+  for (size_t i = 0; i < r.peak_rss_bytes.size(); ++i) {
+    os << (i ? ", " : "") << "rank " << i << " " << std::setprecision(0) << r.peak_rss_bytes[i] / (1024.0 * 1024.0)
+       << " MiB";
+  }
+  os << "\n";
+  if (r.world_size > 1 && cfg.strategy == "ddp") {
+    os << "communication    " << std::setprecision(2) << r.comm_seconds << " s all-reduce ("
+       << std::setprecision(1) << r.comm_bytes / (1024.0 * 1024.0) << " MiB), " << std::setprecision(2)
+       << r.exposed_comm_seconds << " s exposed, " << std::setprecision(0) << 100.0 * r.hidden_fraction
+       << "% hidden behind backward\n";
+  }
+  return os.str();
+}
+
+}  // namespace tandem
