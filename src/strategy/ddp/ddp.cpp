@@ -246,6 +246,7 @@ struct DistributedDataParallel::Impl {
       // A gradient accumulated in earlier no_sync steps still counts; otherwise zero.
       copy_into_bucket(i);
       ready[i] = 1;
+      if (!plan_final) arrival.push_back(i);
     }
     for (auto& bk : buckets) bk.pending = 0;
     launch_ready();
