@@ -23,6 +23,7 @@ struct TrainConfig {
   double weight_decay = 0.0;
   bool scale_lr = false;      // linear scaling rule: lr * world_size (Goyal et al.)
   int64_t warmup_steps = 0;   // linear warmup from lr to the (scaled) lr
+  std::string schedule = "cosine";  // after warmup: cosine (decay to 0 at the last step) | constant
   uint64_t seed = 0;
   int64_t max_steps = -1;     // stop after this many steps (all epochs together); -1: no limit
   int64_t eval_limit = -1;    // evaluate on at most this many test samples; -1: all

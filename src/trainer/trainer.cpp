@@ -73,6 +73,9 @@ void validate(const TrainConfig& cfg, int world) {
   if (cfg.compress != "none" && cfg.compress != "bf16" && cfg.compress != "fp16") {
     throw std::invalid_argument("--compress must be none, bf16 or fp16");
   }
+  if (cfg.schedule != "cosine" && cfg.schedule != "constant") {
+    throw std::invalid_argument("--schedule must be cosine or constant");
+  }
   if (cfg.bucket_mb < 1) throw std::invalid_argument("--bucket-mb must be at least 1");
   if (cfg.model != "mlp" && cfg.model != "cnn" && cfg.model != "cnn_bn") {
     throw std::invalid_argument("--model " + cfg.model +
@@ -149,6 +152,9 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       double lr = target_lr;
       if (cfg.warmup_steps > 0 && step < cfg.warmup_steps) {
         lr = cfg.lr + (target_lr - cfg.lr) * static_cast<double>(step + 1) / static_cast<double>(cfg.warmup_steps);
+      } else if (cfg.schedule == "cosine") {
+        double t = static_cast<double>(step - cfg.warmup_steps) / static_cast<double>(std::max<int64_t>(1, total_steps - cfg.warmup_steps));
+        lr = target_lr * 0.5 * (1.0 + std::cos(M_PI * t));
       }
       set_lr(*optimizer, lr);
       auto [x, y] = data::gather_batch(train_set, idx);

@@ -18,7 +18,8 @@ int cmd_launch(int argc, char** argv) {
   }
   CLI::App app{"Run PROGRAM on N workers through mpirun; stop all of them if one fails.", "tandem launch"};
   LaunchOptions opts;
-  app.add_option("-n,--nprocs", opts.nprocs, "number of workers")->check(CLI::PositiveNumber);
+  // No CLI11 range check: launch() rejects -n < 1 with a clearer message than CLI11's.
+  app.add_option("-n,--nprocs", opts.nprocs, "number of workers");
   app.add_option("--hostfile", opts.hostfile, "mpirun hostfile (several machines)")->check(CLI::ExistingFile);
   app.add_option("-x,--env", opts.env, "NAME=VALUE for every worker (repeatable)");
   app.add_option("--mpi-arg", opts.mpi_args, "extra argument passed to mpirun (repeatable)");

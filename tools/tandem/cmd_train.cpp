@@ -36,6 +36,8 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--weight-decay", cfg.weight_decay, "weight decay")->capture_default_str();
   app.add_flag("--scale-lr", cfg.scale_lr, "linear scaling rule: lr x workers (Goyal et al.)");
   app.add_option("--warmup-steps", cfg.warmup_steps, "linear warmup steps from lr to the scaled lr")->capture_default_str();
+  app.add_option("--schedule", cfg.schedule, "learning rate after warmup: cosine (to 0 at the end) | constant")
+      ->capture_default_str();
   app.add_option("--seed", cfg.seed, "seed for initialisation and shuffling")->capture_default_str();
   app.add_option("--threads", threads, "compute threads per worker (0: cores / workers)")->capture_default_str();
   app.add_option("--max-steps", cfg.max_steps, "stop after this many steps (-1: all)")->capture_default_str();

@@ -1,0 +1,99 @@
+// The reference causal transformer: pre-LN blocks, fused qkv, scaled_dot_product_attention, GELU.
+#include "tandem/models.h"
+
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+namespace tandem::models {
+
+TokenEmbeddingImpl::TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t seq_) : seq(seq_) {
+  tok = register_module("tok", torch::nn::Embedding(vocab, d_model));
+  pos = register_module("pos", torch::nn::Embedding(seq_, d_model));
+  torch::NoGradGuard g;
+  tok->weight.normal_(0.0, 0.02);
+  pos->weight.normal_(0.0, 0.02);
+}
+
+torch::Tensor TokenEmbeddingImpl::forward(const torch::Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 2, "tandem::models::TokenEmbedding: expected token ids [B, T], got ",
+              ids.sizes());
+  const int64_t t = ids.size(1);
+  TORCH_CHECK(t <= seq, "tandem::models::TokenEmbedding: sequence of ", t,
+              " tokens is longer than the model's maximum ", seq, "; truncate it or raise config.seq");
+  auto positions = torch::arange(t, torch::TensorOptions().dtype(torch::kLong).device(ids.device()));
+  return tok->forward(ids) + pos->forward(positions).unsqueeze(0);
+}
+
+TransformerBlockImpl::TransformerBlockImpl(int64_t d_model, int64_t heads_, int64_t mlp_ratio) : heads(heads_) {
+  ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+  qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
+  proj = register_module("proj", torch::nn::Linear(d_model, d_model));
+  ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+  fc1 = register_module("fc1", torch::nn::Linear(d_model, mlp_ratio * d_model));
+  fc2 = register_module("fc2", torch::nn::Linear(mlp_ratio * d_model, d_model));
+}
+
+torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3, "tandem::models::TransformerBlock: expected [B, T, D], got ", x.sizes());
+  const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads;
+  // [B, T, 3D] -> 3 x [B, H, T, hd]
+  auto q_k_v = qkv->forward(ln1->forward(x)).view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4});
+  auto att = at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], /*attn_mask=*/{},
+                                              /*dropout_p=*/0.0, /*is_causal=*/true);
+  auto h = x + proj->forward(att.transpose(1, 2).reshape({b, t, d}));
+  return h + fc2->forward(torch::gelu(fc1->forward(ln2->forward(h))));
+}
+
+torch::Tensor LastTokenImpl::forward(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3, "tandem::models::LastToken: expected [B, T, D], got ", x.sizes());
+  return x.select(1, x.size(1) - 1);
+}
+
+torch::nn::Sequential transformer(const TransformerConfig& c) {
+  auto positive = [](const char* what, int64_t v) {
+    if (v < 1) {
+      throw std::invalid_argument(std::string("tandem::models::transformer: config.") + what +
+                                  " must be >= 1, got " + std::to_string(v));
+    }
+  };
+  positive("vocab", c.vocab);
+  positive("d_model", c.d_model);
+  positive("heads", c.heads);
+  positive("layers", c.layers);
+  positive("seq", c.seq);
+  positive("mlp_ratio", c.mlp_ratio);
+  if (c.num_classes < 0) {
+    throw std::invalid_argument("tandem::models::transformer: config.num_classes must be >= 0 (0 = LM head), got " +
+                                std::to_string(c.num_classes));
+  }
+  if (c.d_model % c.heads != 0) {
+    throw std::invalid_argument("tandem::models::transformer: d_model " + std::to_string(c.d_model) +
+                                " is not divisible by heads " + std::to_string(c.heads));
+  }
+  torch::nn::Sequential net;
+  net->push_back(TokenEmbedding(c.vocab, c.d_model, c.seq));
+  for (int64_t i = 0; i < c.layers; ++i) net->push_back(TransformerBlock(c.d_model, c.heads, c.mlp_ratio));
+  net->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  if (c.num_classes == 0) {
+    net->push_back(torch::nn::Linear(c.d_model, c.vocab));
+  } else {
+    net->push_back(LastToken());
+    net->push_back(torch::nn::Linear(c.d_model, c.num_classes));
+  }
+  return net;
+}
+
+TransformerConfig transformer_tiny_config() {
+  TransformerConfig c;
+  c.vocab = 256;
+  c.d_model = 64;
+  c.heads = 4;
+  c.layers = 2;
+  c.seq = 64;
+  c.mlp_ratio = 4;
+  c.num_classes = 0;
+  return c;
+}
+
+}  // namespace tandem::models
