@@ -77,6 +77,12 @@ void validate(const TrainConfig& cfg, int world) {
     throw std::invalid_argument("--schedule must be cosine or constant");
   }
   if (cfg.bucket_mb < 1) throw std::invalid_argument("--bucket-mb must be at least 1");
+  auto known = models::model_names();
+  if (std::find(known.begin(), known.end(), cfg.model) == known.end()) {
+    std::string list;
+    for (auto& k : known) list += (list.empty() ? "" : ", ") + k;
+    throw std::invalid_argument("unknown model '" + cfg.model + "' (known: " + list + ")");
+  }
   if (cfg.model != "mlp" && cfg.model != "cnn" && cfg.model != "cnn_bn") {
     throw std::invalid_argument("--model " + cfg.model +
                                 " cannot train on an image dataset (IDX); use mlp, cnn or cnn_bn");

@@ -1,0 +1,7 @@
+# `tandem train` as a user runs it.
+add_test(NAME e2e_train_loss_parity COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_parity.sh $<TARGET_FILE:tandem_cli> steps)
+set_tests_properties(e2e_train_loss_parity PROPERTIES TIMEOUT 300 PROCESSORS 2)
+add_test(NAME e2e_train_accuracy_parity COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_parity.sh $<TARGET_FILE:tandem_cli> epoch)
+set_tests_properties(e2e_train_accuracy_parity PROPERTIES TIMEOUT 900 PROCESSORS 2)
+add_test(NAME e2e_train_bad_input COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_bad_input.sh $<TARGET_FILE:tandem_cli>)
+set_tests_properties(e2e_train_bad_input PROPERTIES TIMEOUT 600 PROCESSORS 2)

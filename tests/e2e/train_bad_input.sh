@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Bad input to `tandem train`: each case must exit non-zero, quickly, with a message that
+# names the problem. usage: train_bad_input.sh TANDEM
+set -uo pipefail
+tandem=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fails=0
+expect() {  # expect NAME PATTERN -- command...
+  local name=$1 pattern=$2; shift 3
+  local start=$SECONDS
+  timeout 120 "$@" >"$tmp/out" 2>&1
+  local rc=$?
+  if [ $rc -eq 0 ] || [ $rc -eq 124 ] || ! grep -qE -- "$pattern" "$tmp/out"; then
+    echo "FAIL $name (exit $rc, $((SECONDS - start)) s); output:"; sed 's/^/    /' "$tmp/out" | tail -20
+    fails=$((fails + 1))
+  else
+    echo "ok   $name (exit $rc, $((SECONDS - start)) s): $(grep -m1 -E -- "$pattern" "$tmp/out")"
+  fi
+}
+expect missing-dataset "dataset directory '/nonexistent' not found.*apt-get install dataset-fashion-mnist" -- \
+  "$tandem" train --data /nonexistent --no-baseline
+expect uneven-batch "does not split evenly over 2 workers" -- "$tandem" train -n 2 --batch 127 --no-baseline
+expect wrong-model "cannot train on an image dataset" -- "$tandem" train -n 1 --model transformer_tiny --max-steps 1
+expect unknown-model "unknown model .resnet9000. \\(known: mlp" -- "$tandem" train -n 1 --model resnet9000 --max-steps 1
+expect unknown-strategy "unknown strategy 'zero9'" -- "$tandem" train -n 1 --strategy zero9 --max-steps 1
+expect single-with-many "strategy single runs one worker" -- "$tandem" train -n 2 --strategy single
+expect unknown-flag "--frobnicate|not expected|extras" -- "$tandem" train --frobnicate
+expect bad-lr "lr must be a positive number" -- "$tandem" train -n 1 --lr -1 --max-steps 1
+
+# A corrupt dataset: truncated image file, on 2 workers (the error must stop both, not hang).
+mkdir -p "$tmp/corrupt"
+for f in /usr/share/datasets/fashion-mnist/*; do cp "$f" "$tmp/corrupt/"; done
+python3 - "$tmp/corrupt/train-images-idx3-ubyte.gz" <<'PY'
+import gzip, sys
+p = sys.argv[1]
+data = gzip.open(p).read()
+gzip.open(p, "wb").write(data[: len(data) // 3])
+PY
+expect truncated-file "train-images-idx3-ubyte.gz" -- "$tandem" train -n 2 --data "$tmp/corrupt" --no-baseline
+
+# More workers than samples: a 3-sample IDX dataset on 4 workers.
+mkdir -p "$tmp/tiny"
+python3 - "$tmp/tiny" <<'PY'
+import gzip, struct, sys
+d = sys.argv[1]
+for split, n in (("train", 3), ("t10k", 3)):
+    with gzip.open(f"{d}/{split}-images-idx3-ubyte.gz", "wb") as f:
+        f.write(struct.pack(">IIII", 0x803, n, 28, 28) + bytes(n * 784))
+    with gzip.open(f"{d}/{split}-labels-idx1-ubyte.gz", "wb") as f:
+        f.write(struct.pack(">II", 0x801, n) + bytes([1] * n))
+PY
+expect more-workers-than-samples "fewer than the 4 workers" -- "$tandem" train -n 4 --data "$tmp/tiny" --batch 4 --no-baseline
+
+echo "$fails failed"
+[ $fails -eq 0 ]
