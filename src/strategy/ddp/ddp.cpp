@@ -58,6 +58,21 @@ struct DistributedDataParallel::Impl {
   bool no_sync = false;
   Clock::time_point backward_started;
 
+  // Works of the last step: their engine time is known only once they completed, which on
+  // CUDA (where wait() only orders streams) is later than the end of backward.
+  std::vector<WorkPtr> finished;
+  void collect_seconds() {
+    std::vector<WorkPtr> still;
+    for (auto& w : finished) {
+      if (w->is_completed()) {
+        stats.comm_seconds += w->seconds();
+      } else {
+        still.push_back(w);
+      }
+    }
+    finished.swap(still);
+  }
+
   std::vector<size_t> arrival;  // gradient order of the first synchronized step
   bool plan_final = false;      // buckets rebuilt (or rebuilding not wanted)
   bool rebuild_pending = false;
@@ -264,7 +279,7 @@ struct DistributedDataParallel::Impl {
     if (err) std::rethrow_exception(err);
     torch::NoGradGuard ng;
     for (auto& bk : buckets) {
-      stats.comm_seconds += bk.work->seconds();
+      finished.push_back(bk.work);
       if (!bk.wire.is_same(bk.flat)) bk.flat.copy_(bk.wire);
       bk.work.reset();
       bk.pending = bk.params.size();
@@ -355,6 +370,7 @@ DistributedDataParallel::~DistributedDataParallel() = default;
 void DistributedDataParallel::prepare_forward() {
   auto& I = *impl_;
   if (!I.opts.communicate) return;
+  I.collect_seconds();
   if (I.rebuild_pending && !I.no_sync) I.rebuild_from_arrival();
   if (I.opts.broadcast_buffers && !I.buffers.empty()) I.broadcast_state(/*include_params=*/false);
 }
@@ -386,10 +402,14 @@ std::vector<std::vector<std::string>> DistributedDataParallel::bucket_plan() con
   return out;
 }
 
-DDPStats DistributedDataParallel::stats() const { return impl_->stats; }
+DDPStats DistributedDataParallel::stats() const {
+  impl_->collect_seconds();
+  return impl_->stats;
+}
 
 void DistributedDataParallel::reset_stats() {
   auto buckets = impl_->stats.buckets;
+  impl_->finished.clear();
   impl_->stats = DDPStats();
   impl_->stats.buckets = buckets;
 }

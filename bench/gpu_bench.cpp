@@ -1,0 +1,787 @@
+// gpu_bench: GPU correctness checks of the NCCL communicator and GPU benchmarks of Tandem's
+// DDP, driven by scripts/gpu-check.sh. Plain flags and plain output (no CLI11, no JSON
+// library), so that it builds wherever LibTorch does.
+//
+//   gpu_bench check [--skip-timeout-test]
+//       Every Communicator operation of the NCCL backend on CUDA tensors, against references
+//       each rank computes locally, plus stream semantics, errors, split, timeout/abort and a
+//       DDP gradient check. World size from RANK / WORLD_SIZE / LOCAL_RANK (with
+//       TANDEM_STORE_DIR for the file bootstrap) or mpirun; 1 when none is set.
+//   gpu_bench bench --model cnn|transformer [--batch B] [--steps N] [--warmup W]
+//                   [--layers L] [--dmodel D] [--heads H] [--seq S] [--no-oom-retry]
+//       Step time of Tandem DDP on NCCL for one model (mirrored exactly by
+//       bench/torch_ddp_gpu.py); prints one line "RESULT {json}".
+//
+// Exit codes: 0 ok, 1 a check or benchmark failed, 2 usage error or no CUDA in this build /
+// on this machine, 3 skipped: NCCL refused this setup (e.g. two ranks on one GPU).
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tandem/comm.h"
+#include "tandem/ddp.h"
+#include "tandem/runtime.h"
+
+#ifdef TANDEM_WITH_CUDA
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/cuda.h>
+
+#include "compat/torch_compat.h"
+#endif
+
+namespace {
+
+struct Args {
+  std::string cmd;
+  std::map<std::string, std::string> kv;
+  std::string get(const std::string& k, const std::string& d) const {
+    auto it = kv.find(k);
+    return it == kv.end() ? d : it->second;
+  }
+  int64_t num(const std::string& k, int64_t d) const { return std::stoll(get(k, std::to_string(d))); }
+  bool flag(const std::string& k) const { return kv.count(k) > 0; }
+};
+
+const char* kUsage =
+    "usage: gpu_bench check [--skip-timeout-test]\n"
+    "       gpu_bench bench --model cnn|transformer [--batch B] [--steps N] [--warmup W]\n"
+    "                       [--layers L] [--dmodel D] [--heads H] [--seq S] [--no-oom-retry]\n";
+
+// ---------------------------------------------------------------- models (mirrored in bench/torch_ddp_gpu.py)
+
+// conv32-conv64-fc128-fc10 on 1x28x28 inputs.
+struct CnnImpl : torch::nn::Module {
+  CnnImpl()
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)))),
+        fc1(register_module("fc1", torch::nn::Linear(64 * 7 * 7, 128))),
+        fc2(register_module("fc2", torch::nn::Linear(128, 10))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::max_pool2d(torch::relu(conv1(x)), 2);
+    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
+    x = torch::relu(fc1(x.flatten(1)));
+    return fc2(x);
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Cnn);
+
+// Pre-LN block: x + proj(attn(ln1(x))), then x + fc2(gelu(fc1(ln2(x)))); non-causal SDPA.
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t d, int64_t h)
+      : heads(h),
+        ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        qkv(register_module("qkv", torch::nn::Linear(d, 3 * d))),
+        proj(register_module("proj", torch::nn::Linear(d, d))),
+        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        fc1(register_module("fc1", torch::nn::Linear(d, 4 * d))),
+        fc2(register_module("fc2", torch::nn::Linear(4 * d, d))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    const int64_t B = x.size(0), S = x.size(1), D = x.size(2);
+    auto t = qkv(ln1(x)).view({B, S, 3, heads, D / heads}).permute({2, 0, 3, 1, 4});  // [3, B, H, S, hd]
+    auto a = at::scaled_dot_product_attention(t[0], t[1], t[2]);                        // [B, H, S, hd]
+    x = x + proj(a.transpose(1, 2).reshape({B, S, D}));
+    x = x + fc2(torch::gelu(fc1(ln2(x))));
+    return x;
+  }
+  int64_t heads;
+  torch::nn::LayerNorm ln1;
+  torch::nn::Linear qkv, proj;
+  torch::nn::LayerNorm ln2;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Block);
+
+struct TransformerImpl : torch::nn::Module {
+  TransformerImpl(int64_t layers, int64_t d, int64_t h) {
+    for (int64_t i = 0; i < layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(d, h)));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& b : blocks) x = b->forward(x);
+    return ln_f(x);
+  }
+  std::vector<Block> blocks;
+  torch::nn::LayerNorm ln_f{nullptr};
+};
+TORCH_MODULE(Transformer);
+
+int64_t count_params(torch::nn::Module& m) {
+  int64_t n = 0;
+  for (auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    o += c;
+  }
+  return o;
+}
+
+#ifdef TANDEM_WITH_CUDA
+
+using tandem::CommError;
+using tandem::CommPtr;
+using tandem::CommTimeout;
+using tandem::ReduceOp;
+
+bool is_skip_error(const std::string& msg) {
+  return msg.find("Duplicate GPU") != std::string::npos || msg.find("duplicate GPU") != std::string::npos;
+}
+
+// ---------------------------------------------------------------- check
+
+class Checker {
+ public:
+  Checker(CommPtr comm, c10::Device dev, bool timeout_test)
+      : comm_(std::move(comm)), dev_(dev), me_(comm_->rank()), R_(comm_->size()), timeout_test_(timeout_test) {}
+
+  int run() {
+    section("collectives per dtype", [&] { dtypes(); });
+    section("non-contiguous tensors", [&] { noncontiguous(); });
+    section("errors", [&] { errors(); });
+    section("streams", [&] { streams(); });
+    section("many in flight", [&] { many_in_flight(); });
+    section("synchronize, seconds, stats", [&] { sync_and_stats(); });
+    section("barrier", [&] {
+      comm_->barrier();
+      report("barrier", true);
+    });
+    section("split", [&] { split(); });
+    section("ddp", [&] { ddp(); });
+    if (timeout_test_) section("timeout and abort", [&] { timeout_abort(); });
+    section("world still healthy", [&] {
+      auto t = at::ones({1000}, opts(at::kFloat));
+      auto w = comm_->allreduce_async(t, ReduceOp::kSum);
+      w->synchronize();
+      report("allreduce after the abort test", t.cpu().eq(static_cast<double>(R_)).all().item<bool>());
+    });
+    std::cout << "check: rank " << me_ << ": " << passed_ << " passed, " << failed_ << " failed (world size " << R_
+              << ", backend " << comm_->backend() << ")" << std::endl;
+    return failed_ == 0 ? 0 : 1;
+  }
+
+ private:
+  at::TensorOptions opts(at::ScalarType t) const { return at::TensorOptions().dtype(t).device(dev_); }
+
+  void report(const std::string& what, bool ok, const std::string& detail = "") {
+    (ok ? passed_ : failed_) += 1;
+    if (me_ == 0 || !ok) {
+      std::cout << "check " << (ok ? "ok     " : "FAILED ") << "rank " << me_ << ": " << what;
+      if (!detail.empty()) std::cout << " -- " << detail;
+      std::cout << std::endl;
+    }
+  }
+
+  template <typename F>
+  void section(const std::string& name, F&& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      report(name + " (threw)", false, e.what());
+    }
+  }
+
+  // Rank r's input: small integers, exact in every dtype and in sums over a few ranks.
+  at::Tensor input(int r, int64_t n, at::ScalarType t) const {
+    auto v = (at::arange(n, at::kLong) * 7 + r * 131).remainder(23);
+    if (t == at::kBool) return v.remainder(3).eq(0).to(dev_);
+    if (t != at::kByte) v = v - 11;
+    return v.to(t).to(dev_);
+  }
+  at::Tensor input_d(int r, int64_t n, at::ScalarType t) const { return input(r, n, t).cpu().to(at::kDouble); }
+
+  static bool same(const at::Tensor& got, const at::Tensor& want, double tol = 1e-6) {
+    auto g = got.cpu().to(at::kDouble).reshape(-1);
+    auto w = want.cpu().to(at::kDouble).reshape(-1);
+    return g.numel() == w.numel() && at::allclose(g, w, tol, tol);
+  }
+
+  std::string tag(const std::string& op, at::ScalarType t, int64_t n) const {
+    return op + " " + c10::toString(t) + "[" + std::to_string(n) + "]";
+  }
+
+  void dtypes() {
+    const std::vector<at::ScalarType> types = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf,
+                                               at::kLong,  at::kInt,    at::kByte};
+    for (auto t : types) {
+      const bool fp = at::isFloatingType(t);
+      const double tol = (t == at::kBFloat16 || t == at::kHalf) ? 1e-2 : 1e-6;
+      for (int64_t n : {int64_t(1), int64_t(1000), int64_t(1 << 20) + 3}) {
+        at::Tensor sum = at::zeros({n}, at::kDouble), mx;
+        for (int r = 0; r < R_; ++r) {
+          auto x = input_d(r, n, t);
+          sum += x;
+          mx = mx.defined() ? at::maximum(mx, x) : x;
+        }
+        auto a = input(me_, n, t);
+        comm_->allreduce(a, ReduceOp::kSum);
+        report(tag("allreduce sum", t, n), same(a, sum, tol));
+        a = input(me_, n, t);
+        comm_->allreduce(a, ReduceOp::kMax);
+        report(tag("allreduce max", t, n), same(a, mx, tol));
+        if (fp) {
+          a = input(me_, n, t);
+          comm_->allreduce(a, ReduceOp::kAvg);
+          report(tag("allreduce avg", t, n), same(a, sum / R_, tol));
+        }
+        // reduce_scatter: input R*n, chunk `me` of the sum over ranks
+        {
+          at::Tensor big_sum = at::zeros({n * R_}, at::kDouble);
+          for (int r = 0; r < R_; ++r) big_sum += input_d(r, n * R_, t);
+          auto out = at::empty({n}, opts(t));
+          comm_->reduce_scatter(out, input(me_, n * R_, t), ReduceOp::kSum);
+          report(tag("reduce_scatter sum", t, n), same(out, big_sum.narrow(0, me_ * n, n), tol));
+          if (fp) {
+            comm_->reduce_scatter(out, input(me_, n * R_, t), ReduceOp::kAvg);
+            report(tag("reduce_scatter avg", t, n), same(out, big_sum.narrow(0, me_ * n, n) / R_, tol));
+          }
+        }
+        {
+          auto out = at::empty({n * R_}, opts(t));
+          comm_->allgather(out, input(me_, n, t));
+          std::vector<at::Tensor> parts;
+          for (int r = 0; r < R_; ++r) parts.push_back(input_d(r, n, t));
+          report(tag("allgather", t, n), same(out, at::cat(parts)));
+        }
+        {
+          auto b = input(me_, n, t);
+          comm_->broadcast(b, R_ - 1);
+          report(tag("broadcast from " + std::to_string(R_ - 1), t, n), same(b, input_d(R_ - 1, n, t)));
+        }
+        {
+          // Ring (to self when alone): post the send first on every rank, then the receive.
+          int next = (me_ + 1) % R_, prev = (me_ + R_ - 1) % R_;
+          auto got = at::empty({n}, opts(t));
+          auto ws = comm_->send_async(input(me_, n, t), next, 7);
+          auto wr = comm_->recv_async(got, prev, 7);
+          ws->wait();
+          wr->wait();
+          report(tag("send/recv ring", t, n), same(got, input_d(prev, n, t)));
+        }
+      }
+    }
+  }
+
+  void noncontiguous() {
+    const int64_t rows = 64, cols = 33, n = rows * cols;
+    at::Tensor sum = at::zeros({n}, at::kDouble);
+    for (int r = 0; r < R_; ++r) sum += input_d(r, n, at::kFloat);
+    {
+      auto base = input(me_, n, at::kFloat).view({rows, cols});
+      auto view = base.t();  // [cols, rows], not contiguous
+      comm_->allreduce(view, ReduceOp::kSum);
+      report("allreduce on a transposed view", !view.is_contiguous() && same(base, sum));
+    }
+    {
+      auto store = at::zeros({n, R_}, opts(at::kFloat));
+      auto out = store.t();  // [R, n], not contiguous
+      comm_->allgather(out, input(me_, n, at::kFloat));
+      bool ok = true;
+      for (int r = 0; r < R_; ++r) ok = ok && same(store.select(1, r), input_d(r, n, at::kFloat));
+      report("allgather into a non-contiguous output", ok);
+    }
+    {
+      at::Tensor big_sum = at::zeros({n * R_}, at::kDouble);
+      for (int r = 0; r < R_; ++r) big_sum += input_d(r, n * R_, at::kFloat);
+      auto store = at::zeros({2 * n}, opts(at::kFloat));
+      auto out = store.slice(0, 0, 2 * n, 2);  // every other element
+      auto in_store = at::zeros({n * R_, 2}, opts(at::kFloat));
+      in_store.select(1, 1).copy_(input(me_, n * R_, at::kFloat));
+      comm_->reduce_scatter(out, in_store.select(1, 1), ReduceOp::kSum);
+      report("reduce_scatter with strided input and output",
+             same(out, big_sum.narrow(0, me_ * n, n)) && store.slice(0, 1, 2 * n, 2).eq(0).all().item<bool>());
+    }
+    {
+      auto base = input(me_, n, at::kFloat).view({rows, cols});
+      auto view = base.t();
+      comm_->broadcast(view, 0);
+      report("broadcast on a transposed view", same(base, input_d(0, n, at::kFloat)));
+    }
+    {
+      int next = (me_ + 1) % R_, prev = (me_ + R_ - 1) % R_;
+      auto store = at::zeros({rows, cols}, opts(at::kFloat));
+      auto view = store.t();
+      auto src = input(me_, n, at::kFloat).view({rows, cols}).t();
+      auto ws = comm_->send_async(src, next, 1);
+      auto wr = comm_->recv_async(view, prev, 1);
+      ws->wait();
+      wr->wait();
+      report("send/recv with transposed views", same(store, input_d(prev, n, at::kFloat)));
+    }
+  }
+
+  template <typename F>
+  void expect_error(const std::string& what, F&& f, const std::string& must_contain) {
+    try {
+      f();
+      report(what, false, "no exception");
+    } catch (const CommError& e) {
+      std::string msg = e.what();
+      bool ok = msg.find(must_contain) != std::string::npos && msg.find("rank " + std::to_string(me_)) != std::string::npos;
+      report(what, ok, ok ? "" : "message: " + msg);
+      if (ok && me_ == 0) std::cout << "      message: " << msg << std::endl;
+    } catch (const std::exception& e) {
+      report(what, false, std::string("wrong exception type: ") + e.what());
+    }
+  }
+
+  void errors() {
+    expect_error("CPU tensor is refused", [&] { comm_->allreduce(at::ones({4}), ReduceOp::kSum); }, "CUDA tensors");
+    expect_error("reduce_scatter size mismatch",
+                 [&] { comm_->reduce_scatter(at::empty({3}, opts(at::kFloat)), at::empty({3 * R_ + 1}, opts(at::kFloat))); },
+                 "elements");
+    expect_error("allgather size mismatch",
+                 [&] { comm_->allgather(at::empty({2 * R_ + 1}, opts(at::kFloat)), at::empty({2}, opts(at::kFloat))); },
+                 "elements");
+    expect_error("allgather dtype mismatch",
+                 [&] { comm_->allgather(at::empty({2 * R_}, opts(at::kDouble)), at::empty({2}, opts(at::kFloat))); },
+                 "dtype");
+    expect_error("peer out of range", [&] { comm_->send(at::empty({2}, opts(at::kFloat)), R_, 0); }, "out of range");
+    expect_error("broadcast root out of range", [&] { comm_->broadcast(at::empty({2}, opts(at::kFloat)), -1); },
+                 "out of range");
+    expect_error("unsupported dtype",
+                 [&] { comm_->allreduce(at::zeros({2}, opts(at::kComplexFloat)), ReduceOp::kSum); }, "not supported");
+    expect_error("avg of integers", [&] { comm_->allreduce(at::zeros({2}, opts(at::kInt)), ReduceOp::kAvg); },
+                 "floating-point");
+    expect_error("undefined tensor", [&] { comm_->allreduce(at::Tensor(), ReduceOp::kSum); }, "undefined");
+  }
+
+  void streams() {
+    const int idx = dev_.index();
+    auto side = c10::cuda::getStreamFromPool(false, idx);
+    const int64_t n = 1 << 20;
+    at::Tensor t;
+    double host_ms = 0;
+    {
+      c10::cuda::CUDAStreamGuard g(side);
+      t = at::ones({n}, opts(at::kFloat));
+      at::cuda::sleep(int64_t(1) << 30);  // ~0.5 s of GPU time on the side stream
+      t.fill_(2.0);                        // the allreduce must see this value
+      auto h0 = std::chrono::steady_clock::now();
+      auto w = comm_->allreduce_async(t, ReduceOp::kSum);
+      w->wait();
+      host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
+      t.mul_(1.0);  // a consumer on the same stream, ordered after the allreduce by wait()
+      side.synchronize();
+    }
+    report("allreduce ordered after the producer on the caller's (non-default) stream", t.cpu().eq(2.0 * R_).all().item<bool>());
+    std::ostringstream d;
+    d << "async + wait() took " << host_ms << " ms on the host while the GPU was busy ~500 ms";
+    report("wait() does not block the host", host_ms < 200.0, d.str());
+    if (me_ == 0) std::cout << "      " << d.str() << std::endl;
+    // is_completed() turns true without any wait on the host side.
+    auto t2 = at::ones({n}, opts(at::kFloat));
+    auto w2 = comm_->allreduce_async(t2, ReduceOp::kSum);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!w2->is_completed() && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+    report("is_completed() becomes true", w2->is_completed());
+  }
+
+  void many_in_flight() {
+    const int64_t n = (1 << 20) + 5;
+    std::vector<at::Tensor> ts;
+    std::vector<tandem::WorkPtr> ws;
+    for (int k = 0; k < 16; ++k) {
+      ts.push_back(at::full({n}, static_cast<double>(k + me_), opts(at::kFloat)));
+      ws.push_back(comm_->allreduce_async(ts.back(), ReduceOp::kSum));
+    }
+    // Drop our references to half of the inputs' producers: record_stream must keep memory safe.
+    for (auto& w : ws) w->wait();
+    bool ok = true;
+    double rank_sum = R_ * (R_ - 1) / 2.0;
+    for (int k = 0; k < 16; ++k) ok = ok && ts[k].cpu().eq(k * R_ + rank_sum).all().item<bool>();
+    report("16 allreduces in flight, then waited", ok);
+    // Temporaries freed right after the call: their memory must not be reused before the op ran.
+    std::vector<tandem::WorkPtr> ws2;
+    for (int k = 0; k < 8; ++k) ws2.push_back(comm_->allreduce_async(at::full({n}, 1.0, opts(at::kFloat)), ReduceOp::kSum));
+    auto junk = at::full({8 * n}, 5.0, opts(at::kFloat));  // would overwrite reused memory
+    for (auto& w : ws2) w->synchronize();
+    report("inputs freed while in flight (record_stream)", junk.eq(5.0).all().item<bool>());
+  }
+
+  void sync_and_stats() {
+    comm_->reset_stats();
+    auto t = at::ones({16 << 20}, opts(at::kFloat));  // 64 MB
+    auto w = comm_->allreduce_async(t, ReduceOp::kSum);
+    w->synchronize();
+    report("synchronize() then is_completed()", w->is_completed());
+    report("seconds() > 0 after completion", w->seconds() > 0.0, std::to_string(w->seconds()) + " s");
+    auto st = comm_->stats();
+    auto& a = st["allreduce"];
+    report("stats count the allreduce", a.calls == 1 && a.bytes == (int64_t(16) << 20) * 4,
+           std::to_string(a.calls) + " calls, " + std::to_string(a.bytes) + " bytes");
+    report("stats accumulate seconds", a.seconds > 0.0, std::to_string(a.seconds) + " s");
+    report("result of the 64 MB allreduce", t.cpu().eq(static_cast<double>(R_)).all().item<bool>());
+  }
+
+  void split() {
+    auto sub = comm_->split(me_ % 2, me_);
+    if (!sub) {
+      report("split(rank % 2) returned a communicator", false);
+      return;
+    }
+    int expect = (R_ + 1 - me_ % 2) / 2;
+    report("split(rank % 2): size", sub->size() == expect && sub->rank() == me_ / 2,
+           "size " + std::to_string(sub->size()) + ", rank " + std::to_string(sub->rank()));
+    auto t = at::full({1000}, static_cast<double>(me_), opts(at::kFloat));
+    sub->allreduce(t, ReduceOp::kSum);
+    double want = 0;
+    for (int r = me_ % 2; r < R_; r += 2) want += r;
+    report("allreduce on the split communicator", t.cpu().eq(want).all().item<bool>());
+    auto only0 = comm_->split(me_ == 0 ? 0 : -1, 0);
+    report("split with a negative color returns nullptr", me_ == 0 ? (only0 && only0->size() == 1) : !only0);
+    if (only0) {
+      auto u = at::full({10}, 3.0, opts(at::kFloat));
+      only0->allreduce(u, ReduceOp::kSum);
+      report("size-1 communicator from split", u.cpu().eq(3.0).all().item<bool>());
+    }
+  }
+
+  void ddp() {
+    torch::manual_seed(42 + me_);  // different init per rank: DDP must broadcast rank 0's
+    auto model = torch::nn::Linear(16, 4);
+    model->to(dev_);
+    tandem::DistributedDataParallel ddp(model.ptr(), comm_);
+    std::vector<at::Tensor> xs;
+    for (int r = 0; r < R_; ++r) {
+      auto gen = at::detail::createCPUGenerator(100 + r);
+      xs.push_back(at::randn({8, 16}, gen).to(dev_));
+    }
+    // Reference: the average over ranks of the local gradients of rank 0's parameters.
+    auto w0 = model->weight.detach().clone(), b0 = model->bias.detach().clone();
+    at::Tensor gw = at::zeros_like(w0), gb = at::zeros_like(b0);
+    for (int r = 0; r < R_; ++r) {
+      auto w = w0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
+      at::linear(xs[r], w, b).pow(2).sum().backward();
+      gw += w.grad() / R_;
+      gb += b.grad() / R_;
+    }
+    for (int step = 0; step < 2; ++step) {  // the second step runs on the rebuilt buckets
+      model->zero_grad();
+      ddp.prepare_forward();
+      model->forward(xs[me_]).pow(2).sum().backward();
+      bool ok = at::allclose(model->weight.grad().cpu(), gw.cpu(), 1e-4, 1e-4) &&
+                at::allclose(model->bias.grad().cpu(), gb.cpu(), 1e-4, 1e-4);
+      report("DDP averages gradients over NCCL (step " + std::to_string(step + 1) + ")", ok);
+    }
+  }
+
+  void timeout_abort() {
+    // A receive nobody sends: synchronize() must give up after the timeout, abort that
+    // communicator and throw CommTimeout; the world communicator must stay usable.
+    auto sub = comm_->split(0, me_);
+    sub->set_timeout(std::chrono::milliseconds(3000));
+    if (me_ == 0) {
+      int peer = R_ > 1 ? 1 : 0;
+      auto t = at::empty({1024}, opts(at::kFloat));
+      auto t0 = std::chrono::steady_clock::now();
+      try {
+        auto w = sub->recv_async(t, peer, 99);
+        w->synchronize();
+        report("unmatched recv times out", false, "synchronize() returned");
+      } catch (const CommTimeout& e) {
+        double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        report("unmatched recv: CommTimeout after the timeout", s >= 2.5 && s < 30, e.what());
+        expect_error("an aborted communicator refuses new work",
+                     [&] { sub->allreduce(at::ones({1}, opts(at::kFloat)), ReduceOp::kSum); }, "aborted");
+      } catch (const CommError& e) {
+        // NCCL may refuse an unmatched receive from self outright; that is an error too.
+        report("unmatched recv fails with CommError", R_ == 1, e.what());
+      }
+    }
+    comm_->barrier();
+  }
+
+  CommPtr comm_;
+  c10::Device dev_;
+  int me_, R_;
+  bool timeout_test_;
+  int passed_ = 0, failed_ = 0;
+};
+
+int run_check(const Args& a) {
+  if (!torch::cuda::is_available()) {
+    std::cerr << "gpu_bench check: no CUDA device visible\n";
+    return 2;
+  }
+  auto info = tandem::detect_process_info();
+  std::unique_ptr<tandem::Runtime> rt;
+  try {
+    tandem::RuntimeOptions ro;
+    ro.device = "cuda";
+    ro.backend = "nccl";
+    ro.comm.timeout = std::chrono::seconds(60);
+    rt = std::make_unique<tandem::Runtime>(ro);
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    if (is_skip_error(msg)) {
+      std::cout << "check SKIPPED rank " << info.rank << ": NCCL refuses this setup (" << msg << ")" << std::endl;
+      return 3;
+    }
+    std::cerr << "gpu_bench check: rank " << info.rank << ": cannot create the NCCL runtime: " << msg << std::endl;
+    return 1;
+  }
+  auto comm = rt->world();
+  if (!comm || comm->backend() != "nccl") {
+    std::cerr << "gpu_bench check: expected the nccl backend, got " << (comm ? comm->backend() : "none") << std::endl;
+    return 1;
+  }
+  std::cout << "check: rank " << comm->rank() << " of " << comm->size() << " on " << rt->device().str()
+            << (std::getenv("TANDEM_NCCL_BLOCKING") ? " (TANDEM_NCCL_BLOCKING set)" : "") << std::endl;
+  Checker c(comm, rt->device(), !a.flag("--skip-timeout-test"));
+  int rc = c.run();
+  torch::cuda::synchronize();
+  return rc;
+}
+
+// ---------------------------------------------------------------- bench
+
+struct BenchConfig {
+  std::string model = "cnn";
+  int64_t batch = 512, steps = 50, warmup = 10;
+  int64_t layers = 12, dmodel = 2048, heads = 16, seq = 2048;
+  bool oom_retry = true;
+};
+
+struct BenchOut {
+  std::vector<double> ms;
+  double total_ms = 0;
+  int64_t params = 0;
+  int64_t batch = 0;
+  int64_t peak_bytes = 0;
+  tandem::DDPStats ddp;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n == 0 ? 0.0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
+}
+double quantile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  if (v.empty()) return 0.0;
+  size_t i = static_cast<size_t>(std::lround(q * (v.size() - 1)));
+  return v[i];
+}
+
+// Model FLOPs per step (forward + backward), the MFU convention of PaLM / Megatron:
+// 6 * params * tokens for the weights, plus 12 * layers * seq^2 * d_model * batch for the
+// attention scores and their use (QK^T and AV, 2 FLOPs per multiply-add, backward twice the
+// forward). Recomputation inside flash attention's backward is not counted.
+double transformer_flops(const BenchConfig& c, int64_t params, int64_t batch) {
+  double tokens = static_cast<double>(batch) * c.seq;
+  return 6.0 * params * tokens + 12.0 * c.layers * double(c.seq) * c.seq * c.dmodel * batch;
+}
+
+BenchOut bench_once(const BenchConfig& c, int64_t batch, tandem::Runtime& rt) {
+  auto dev = rt.device();
+  const auto idx = dev.index();
+  torch::manual_seed(0);
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  at::Tensor x, y;
+  bool autocast = false;
+  auto gen = at::detail::createCPUGenerator(1234);
+  if (c.model == "cnn") {
+    Cnn m;
+    m->to(dev);
+    module = m.ptr();
+    forward = [m](const at::Tensor& in) mutable { return m->forward(in); };
+    x = at::randn({batch, 1, 28, 28}, gen).to(dev);
+    y = at::randint(0, 10, {batch}, gen).to(dev);
+  } else if (c.model == "transformer") {
+    Transformer m(c.layers, c.dmodel, c.heads);
+    m->to(dev);
+    module = m.ptr();
+    forward = [m](const at::Tensor& in) mutable { return m->forward(in); };
+    x = at::randn({batch, c.seq, c.dmodel}, at::TensorOptions().device(dev));
+    autocast = true;
+  } else {
+    throw std::invalid_argument("unknown --model '" + c.model + "' (use cnn or transformer)");
+  }
+  BenchOut out;
+  out.batch = batch;
+  out.params = count_params(*module);
+  tandem::DistributedDataParallel ddp(module, rt.world());
+  torch::optim::AdamW opt(module->parameters(), torch::optim::AdamWOptions(1e-4));
+  auto stream = c10::cuda::getCurrentCUDAStream(idx);
+
+  auto step = [&] {
+    opt.zero_grad();  // set_to_none, as PyTorch's default
+    ddp.prepare_forward();
+    at::Tensor loss;
+    {
+      std::optional<tandem::compat::AutocastScope> ac;
+      if (autocast) ac.emplace(at::kCUDA, at::kBFloat16);
+      auto o = forward(x);
+      loss = autocast ? o.to(at::kFloat).pow(2).mean() : at::cross_entropy_loss(o, y);
+    }
+    loss.backward();
+    opt.step();
+  };
+
+  for (int64_t s = 0; s < c.warmup; ++s) step();
+  torch::cuda::synchronize(idx);
+  tandem::compat::reset_cuda_peak_stats(idx);
+  ddp.reset_stats();
+  std::vector<cudaEvent_t> ev(c.steps + 1);
+  for (auto& e : ev) cudaEventCreate(&e);
+  cudaEventRecord(ev[0], stream.stream());
+  for (int64_t s = 0; s < c.steps; ++s) {
+    step();
+    cudaEventRecord(ev[s + 1], stream.stream());
+  }
+  torch::cuda::synchronize(idx);
+  for (int64_t s = 0; s < c.steps; ++s) {
+    float ms = 0;
+    cudaEventElapsedTime(&ms, ev[s], ev[s + 1]);
+    out.ms.push_back(ms);
+  }
+  float total = 0;
+  cudaEventElapsedTime(&total, ev[0], ev[c.steps]);
+  out.total_ms = total;
+  for (auto& e : ev) cudaEventDestroy(e);
+  out.peak_bytes = tandem::compat::cuda_peak_allocated_bytes(idx);
+  out.ddp = ddp.stats();
+  return out;
+}
+
+bool is_oom(const std::exception& e) {
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e)) return true;
+  std::string m = e.what();
+  return m.find("out of memory") != std::string::npos || m.find("CUDA out of memory") != std::string::npos;
+}
+
+int run_bench(const Args& a) {
+  if (!torch::cuda::is_available()) {
+    std::cerr << "gpu_bench bench: no CUDA device visible\n";
+    return 2;
+  }
+  BenchConfig c;
+  c.model = a.get("--model", "cnn");
+  const bool tf = c.model == "transformer";
+  c.batch = a.num("--batch", tf ? 32 : 512);
+  c.steps = a.num("--steps", tf ? 20 : 50);
+  c.warmup = a.num("--warmup", tf ? 5 : 10);
+  c.layers = a.num("--layers", 12);
+  c.dmodel = a.num("--dmodel", 2048);
+  c.heads = a.num("--heads", 16);
+  c.seq = a.num("--seq", 2048);
+  c.oom_retry = !a.flag("--no-oom-retry");
+  if (c.steps < 1 || c.batch < 1 || c.warmup < 0 || c.dmodel % c.heads) {
+    std::cerr << "gpu_bench bench: need --steps >= 1, --batch >= 1, --warmup >= 0 and heads dividing dmodel\n";
+    return 2;
+  }
+
+  tandem::RuntimeOptions ro;
+  ro.device = "cuda";
+  ro.backend = "nccl";
+  tandem::Runtime rt(ro);
+  const int64_t total_steps = c.steps;
+  BenchOut out;
+  int64_t batch = c.batch;
+  for (;;) {
+    try {
+      out = bench_once(c, batch, rt);
+      break;
+    } catch (const std::exception& e) {
+      if (!is_oom(e) || !c.oom_retry || batch <= 1) throw;
+      std::cerr << "gpu_bench: out of memory at batch " << batch << "; retrying with batch " << batch / 2 << std::endl;
+      batch /= 2;
+      torch::cuda::synchronize();
+      c10::cuda::CUDACachingAllocator::emptyCache();
+    }
+  }
+  const double med = median(out.ms);
+  double flops = 0;
+  std::string formula;
+  if (c.model == "transformer") {
+    flops = transformer_flops(c, out.params, out.batch);
+    formula = "6*params*tokens + 12*layers*seq^2*d_model*batch (tokens = batch*seq; non-causal attention)";
+  }
+  const double tflops = flops > 0 ? flops / (med / 1e3) / 1e12 : 0.0;
+  std::ostringstream js;
+  js.precision(6);
+  js << "{\"framework\": \"tandem\", \"model\": \"" << c.model << "\", \"world_size\": " << rt.world_size()
+     << ", \"backend\": \"" << rt.world()->backend() << "\", \"batch\": " << out.batch
+     << ", \"requested_batch\": " << c.batch << ", \"steps\": " << total_steps << ", \"warmup\": " << c.warmup
+     << ", \"params\": " << out.params << ", \"ms_median\": " << med << ", \"ms_p10\": " << quantile(out.ms, 0.1)
+     << ", \"ms_p90\": " << quantile(out.ms, 0.9) << ", \"ms_mean_throughput\": " << out.total_ms / total_steps
+     << ", \"peak_mem_gb\": " << out.peak_bytes / 1e9 << ", \"flops_per_step\": " << flops
+     << ", \"tflops\": " << tflops << ", \"mfu_vs_989\": " << tflops / 989.0
+     << ", \"flops_formula\": \"" << json_escape(formula) << "\", \"precision\": \""
+     << (c.model == "transformer" ? "bf16 autocast" : "fp32 (TF32 convolutions per LibTorch defaults)")
+     << "\", \"optimizer\": \"AdamW (LibTorch, per-tensor)\", \"ddp_buckets\": " << out.ddp.buckets
+     << ", \"ddp_bytes_per_step\": " << (out.ddp.steps ? out.ddp.bytes / out.ddp.steps : 0)
+     << ", \"ddp_hidden_fraction\": " << out.ddp.hidden_fraction();
+  if (c.model == "transformer") {
+    js << ", \"layers\": " << c.layers << ", \"d_model\": " << c.dmodel << ", \"heads\": " << c.heads
+       << ", \"seq\": " << c.seq;
+  }
+  js << "}";
+  std::cout << "RESULT " << js.str() << std::endl;
+  return 0;
+}
+
+#endif  // TANDEM_WITH_CUDA
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  if (argc < 2) {
+    std::cerr << kUsage;
+    return 2;
+  }
+  a.cmd = argv[1];
+  for (int i = 2; i < argc; ++i) {
+    std::string k = argv[i];
+    if (k.rfind("--", 0) != 0) {
+      std::cerr << "gpu_bench: unexpected argument '" << k << "'\n" << kUsage;
+      return 2;
+    }
+    if (k == "--no-oom-retry" || k == "--skip-timeout-test") {
+      a.kv[k] = "1";
+    } else if (i + 1 < argc) {
+      a.kv[k] = argv[++i];
+    } else {
+      std::cerr << "gpu_bench: option " << k << " needs a value\n" << kUsage;
+      return 2;
+    }
+  }
+#ifdef TANDEM_WITH_CUDA
+  try {
+    if (a.cmd == "check") return run_check(a);
+    if (a.cmd == "bench") return run_bench(a);
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    std::cerr << "gpu_bench " << a.cmd << ": " << msg << std::endl;
+    return is_skip_error(msg) ? 3 : 1;
+  }
+  std::cerr << "gpu_bench: unknown command '" << a.cmd << "'\n" << kUsage;
+  return 2;
+#else
+  (void)count_params;
+  (void)json_escape;
+  std::cerr << "gpu_bench: this build has no CUDA (LibTorch without CUDA); nothing to run\n";
+  return 2;
+#endif
+}

@@ -1,0 +1,94 @@
+// The one place for LibTorch API that differs between versions. Everything else in Tandem
+// calls these wrappers instead of the version-specific API. Keep it small.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/version.h>
+
+#ifdef TANDEM_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#define TANDEM_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace tandem::compat {
+
+// ---- autocast (mixed precision in forward) ----
+// The device-typed API (set_autocast_enabled(kCUDA, ...)) appeared in LibTorch 2.4; before it
+// there were per-device functions (set_enabled, set_autocast_gpu_dtype, ...).
+inline bool autocast_enabled(at::DeviceType dev) {
+#if TANDEM_TORCH_AT_LEAST(2, 4)
+  return at::autocast::is_autocast_enabled(dev);
+#else
+  return dev == at::kCUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+#endif
+}
+inline at::ScalarType autocast_dtype(at::DeviceType dev) {
+#if TANDEM_TORCH_AT_LEAST(2, 4)
+  return at::autocast::get_autocast_dtype(dev);
+#else
+  return dev == at::kCUDA ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
+#endif
+}
+inline void set_autocast(at::DeviceType dev, bool enabled, at::ScalarType dtype) {
+#if TANDEM_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(dev, enabled);
+  at::autocast::set_autocast_dtype(dev, dtype);
+#else
+  if (dev == at::kCUDA) {
+    at::autocast::set_enabled(enabled);
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  } else {
+    at::autocast::set_cpu_enabled(enabled);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  }
+#endif
+}
+
+// Python's `with torch.autocast(device_type, dtype):` for C++: ops in scope run in `dtype`
+// where autocast's op lists say so; the cache of casted weights is dropped when the
+// outermost scope ends (as Python does). Construct on the thread that runs forward.
+class AutocastScope {
+ public:
+  AutocastScope(at::DeviceType dev, at::ScalarType dtype, bool enabled = true)
+      : dev_(dev), prev_enabled_(autocast_enabled(dev)), prev_dtype_(autocast_dtype(dev)) {
+    set_autocast(dev_, enabled, dtype);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastScope() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    set_autocast(dev_, prev_enabled_, prev_dtype_);
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  at::DeviceType dev_;
+  bool prev_enabled_;
+  at::ScalarType prev_dtype_;
+};
+
+#ifdef TANDEM_WITH_CUDA
+// Tell the caching allocator that `t`'s memory is in use by work on `stream`, so that it is
+// not handed out again before that work completes (Python: tensor.record_stream(stream)).
+// Harmless for memory the caching allocator does not own (e.g. from_blob).
+inline void record_stream(const at::Tensor& t, const c10::cuda::CUDAStream& stream) {
+  if (!t.defined() || !t.is_cuda() || !t.has_storage()) return;
+  c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+}
+
+// Peak bytes held by tensors on `device` since the last reset (Python:
+// torch.cuda.max_memory_allocated). The stats type moved between namespaces across versions.
+inline int64_t cuda_peak_allocated_bytes(c10::DeviceIndex device) {
+  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+  return stats.allocated_bytes[0].peak;  // index 0: StatType::AGGREGATE
+}
+inline void reset_cuda_peak_stats(c10::DeviceIndex device) {
+  c10::cuda::CUDACachingAllocator::resetPeakStats(device);
+}
+#endif
+
+}  // namespace tandem::compat
