@@ -155,6 +155,7 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
         failed_rank = std::stoi(m[1]);
         failed_signal = std::stoi(m[2]);
         signal_name = m[3];
+        while (!signal_name.empty() && (signal_name.back() == '.' || signal_name.back() == ' ')) signal_name.pop_back();
       }
       is_mpirun_report = true;
     } else if (std::regex_search(line, m, abort_rank)) {
@@ -236,6 +237,10 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
   } else {
     for (const auto& l : mpirun_lines) std::cerr << l << '\n';
     reason = "mpirun exited with code " + std::to_string(rc);
+    // A worker killed very early can be reported only as "returned a non-zero exit code".
+    if (rc > 128 && rc < 160) {
+      reason += " (a worker was killed by signal " + std::to_string(rc - 128) + "; mpirun did not say which rank)";
+    }
   }
   std::cerr << "tandem launch: " << reason << '\n';
   return rc == 0 ? 1 : rc;

@@ -1,8 +1,10 @@
-// MPI backend (CPU tensors). Each communicator owns one progress thread that starts every
-// operation as a non-blocking MPI call (MPI_Iallreduce, MPI_Isend, ...) and drives them all
-// with MPI_Test: OpenMPI advances non-blocking operations only inside MPI calls, so without
-// this thread a bucket "started" during backward would not move until wait() (see
-// docs/ARCHITECTURE.md). Callers block on a condition variable with a timeout, never inside MPI.
+// MPI backend (CPU tensors). Each communicator owns one progress thread: OpenMPI advances
+// operations only inside MPI calls, so without it a bucket "started" during backward would not
+// move until wait() (docs/ARCHITECTURE.md). The thread runs collectives as OpenMPI's tuned
+// blocking calls, one at a time in issue order, and point-to-point operations as non-blocking
+// ones that it drives with MPI_Test (and that progress inside the blocking calls too), so that
+// pipelines can post sends and receives in any order. Callers block on a condition variable
+// with a timeout, never inside MPI.
 #include <mpi.h>
 
 #include <ATen/ATen.h>
@@ -159,6 +161,7 @@ struct PendingOp {
   std::shared_ptr<MpiWork> work;
   std::function<void(std::vector<MPI_Request>&)> start;  // issues the non-blocking calls
   std::function<void()> finish;                          // after completion: copy back, scale
+  std::function<void()> blocking;                        // the same as one blocking MPI call (collectives)
   std::vector<MPI_Request> reqs;
   Clock::time_point started;
 };
@@ -170,6 +173,7 @@ class MpiCommunicator : public Communicator {
     MPI_Comm_size(comm_, &size_);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     if (const char* p = std::getenv("TANDEM_MPI_POLL_US")) poll_us_ = std::atoi(p);
+    if (const char* m = std::getenv("TANDEM_MPI_COLLECTIVES")) blocking_collectives_ = std::string(m) != "nonblocking";
     thread_ = std::thread([this] { loop(); });
   }
 
@@ -213,7 +217,8 @@ class MpiCommunicator : public Communicator {
                    [=]() mutable {
                      if (op == ReduceOp::kAvg) buf.div_(n);
                      if (!buf.is_same(t)) t.copy_(buf);
-                   });
+                   },
+                   [=] { check(MPI_Allreduce(MPI_IN_PLACE, buf.data_ptr(), count, type, mop, comm_), what); });
   }
 
   WorkPtr reduce_scatter_async(at::Tensor out, at::Tensor in, ReduceOp op) override {
@@ -240,7 +245,8 @@ class MpiCommunicator : public Communicator {
                    [=]() mutable {
                      if (op == ReduceOp::kAvg) dst.div_(n);
                      if (!dst.is_same(out)) out.copy_(dst);
-                   });
+                   },
+                   [=] { check(MPI_Reduce_scatter_block(src.data_ptr(), dst.data_ptr(), count, type, mop, comm_), what); });
   }
 
   WorkPtr allgather_async(at::Tensor out, at::Tensor in) override {
@@ -263,7 +269,8 @@ class MpiCommunicator : public Communicator {
                    },
                    [=]() mutable {
                      if (!dst.is_same(out)) out.copy_(dst);
-                   });
+                   },
+                   [=] { check(MPI_Allgather(src.data_ptr(), count, type, dst.data_ptr(), count, type, comm_), what); });
   }
 
   WorkPtr broadcast_async(at::Tensor t, int root) override {
@@ -280,7 +287,8 @@ class MpiCommunicator : public Communicator {
                    },
                    [=]() mutable {
                      if (!buf.is_same(t)) t.copy_(buf);
-                   });
+                   },
+                   [=] { check(MPI_Bcast(buf.data_ptr(), count, type, root, comm_), what); });
   }
 
   WorkPtr send_async(at::Tensor t, int dst, int tag) override {
@@ -322,7 +330,7 @@ class MpiCommunicator : public Communicator {
                      r.resize(1);
                      check(MPI_Ibarrier(comm_, &r[0]), what);
                    },
-                   [] {});
+                   [] {}, [=] { check(MPI_Barrier(comm_), what); });
   }
 
   CommPtr split(int color, int key) override {
@@ -351,10 +359,17 @@ class MpiCommunicator : public Communicator {
       throw CommError(what + ": the MPI backend takes CPU tensors, this one is on " + t.device().str() +
                       "; use the NCCL backend for CUDA tensors");
     }
+    if (t.layout() != at::kStrided) {
+      std::ostringstream os;
+      os << what << ": the MPI backend takes dense (strided) tensors, this one's layout is " << t.layout()
+         << "; convert it with to_dense()";
+      throw CommError(os.str());
+    }
   }
   void check_pair(const at::Tensor& out, const at::Tensor& in, const std::string& what) const {
-    if (!out.defined() || !out.device().is_cpu() || out.scalar_type() != in.scalar_type()) {
-      throw CommError(what + ": output must be a CPU tensor of the input's dtype");
+    if (!out.defined() || !out.device().is_cpu() || out.layout() != at::kStrided ||
+        out.scalar_type() != in.scalar_type()) {
+      throw CommError(what + ": output must be a dense (strided) CPU tensor of the input's dtype");
     }
   }
   void check_peer(int peer, const std::string& what) const {
@@ -365,7 +380,8 @@ class MpiCommunicator : public Communicator {
   }
 
   WorkPtr enqueue(const char* name, const std::string& what, int64_t bytes,
-                  std::function<void(std::vector<MPI_Request>&)> start, std::function<void()> finish) {
+                  std::function<void(std::vector<MPI_Request>&)> start, std::function<void()> finish,
+                  std::function<void()> blocking = nullptr) {
     record(name, bytes);
     auto op = std::make_shared<PendingOp>();
     op->name = name;
@@ -373,6 +389,7 @@ class MpiCommunicator : public Communicator {
     op->work->waiters_ = &waiters_;
     op->start = std::move(start);
     op->finish = std::move(finish);
+    op->blocking = std::move(blocking);
     {
       std::lock_guard<std::mutex> lk(mu_);
       queue_.push_back(op);
@@ -394,6 +411,21 @@ class MpiCommunicator : public Communicator {
       }
       for (auto& op : fresh) {
         op->started = Clock::now();
+        if (blocking_collectives_ && op->blocking) {
+          // The tuned blocking algorithm; earlier non-blocking operations (p2p) still progress
+          // inside it.
+          std::exception_ptr err;
+          try {
+            op->blocking();
+            op->finish();
+          } catch (...) {
+            err = std::current_exception();
+          }
+          double secs = std::chrono::duration<double>(Clock::now() - op->started).count();
+          record_seconds(op->name, secs);
+          op->work->finish(secs, err);
+          continue;
+        }
         try {
           op->start(op->reqs);
           inflight.push_back(op);
@@ -447,6 +479,10 @@ class MpiCommunicator : public Communicator {
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
   int poll_us_ = 0;
+  // Collectives as blocking MPI calls on the progress thread (OpenMPI's tuned algorithms)
+  // instead of non-blocking ones (libnbc), which measured 0.70-0.74x their bandwidth from 1 MiB
+  // up (docs/BENCHMARKS.md); TANDEM_MPI_COLLECTIVES=blocking|nonblocking.
+  bool blocking_collectives_ = true;
   std::thread thread_;
   std::mutex mu_;
   std::condition_variable cv_;
