@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything Tandem needs on Debian 12 and builds it. Idempotent: packages already
 # present are not reinstalled, pip reuses its download cache (~/.cache/pip), and the build is
-# incremental (ccache across clones). Usage: scripts/setup.sh [--no-build]
+# incremental. Usage: scripts/setup.sh [--no-build]
 #   TANDEM_BUILD_DIR   build directory (default: build)
 #   TANDEM_TORCH       pip requirement for torch (default: torch==2.11.0)
 set -euo pipefail
@@ -54,6 +54,6 @@ if [ ! -f "$build_dir/build.ninja" ]; then
   log "configuring $build_dir"
   cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 fi
-log "building (a clean build takes about 6 minutes on 2 cores)"
+log "building (a clean build takes about 5-6 minutes on 2 cores)"
 cmake --build "$build_dir"
 log "done in $(( $(date +%s) - t0 )) s: $build_dir/tandem"
