@@ -14,7 +14,7 @@ namespace tandem {
 struct TrainConfig {
   std::string model = "cnn";
   std::string data = "/usr/share/datasets/fashion-mnist";
-  std::string strategy = "ddp";  // single | ddp
+  std::string strategy = "ddp";  // single | ddp | zero1 | zero2 (ZeRO stages 1 and 2)
   int epochs = 1;
   int64_t batch = 128;  // global batch, split evenly across ranks
   std::string optimizer = "sgd";  // sgd | adam | adamw
@@ -58,6 +58,11 @@ struct TrainReport {
   double hidden_fraction = 0.0;
   int64_t comm_bytes = 0;          // rank 0's gradient bytes all-reduced
   int64_t parameters = 0;
+  // Rank 0's bytes of parameters, gradients and optimizer state held after training (for
+  // zero1/zero2 the sharded figures; see ZeroMemory in tandem/zero.h).
+  int64_t parameter_bytes = 0;
+  int64_t gradient_bytes = 0;
+  int64_t optimizer_state_bytes = 0;
   double speedup = 0.0;            // samples/s over baseline, when a baseline was given
 };
 

@@ -16,6 +16,7 @@
 #include "tandem/data.h"
 #include "tandem/ddp.h"
 #include "tandem/models.h"
+#include "tandem/zero.h"
 #include "trainer/progress.h"
 
 namespace tandem {
@@ -56,8 +57,8 @@ void set_lr(torch::optim::Optimizer& opt, double lr) {
 }
 
 void validate(const TrainConfig& cfg, int world) {
-  if (cfg.strategy != "single" && cfg.strategy != "ddp") {
-    throw std::invalid_argument("unknown strategy '" + cfg.strategy + "' (this build supports: single, ddp)");
+  if (cfg.strategy != "single" && cfg.strategy != "ddp" && cfg.strategy != "zero1" && cfg.strategy != "zero2") {
+    throw std::invalid_argument("unknown strategy '" + cfg.strategy + "' (this build supports: single, ddp, zero1, zero2)");
   }
   if (cfg.strategy == "single" && world != 1) {
     throw std::invalid_argument("--strategy single runs one worker, but " + std::to_string(world) +
@@ -134,7 +135,22 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     o.communicate = cfg.communicate;
     ddp = std::make_unique<DistributedDataParallel>(model.ptr(), comm, o);
   }
-  auto optimizer = make_optimizer(cfg, model->parameters());
+  // ZeRO owns its optimizer (over this rank's shard) and the step.
+  std::unique_ptr<ZeroDataParallel> zero;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (cfg.strategy == "zero1" || cfg.strategy == "zero2") {
+    if (cfg.optimizer != "sgd" && cfg.optimizer != "adam" && cfg.optimizer != "adamw") make_optimizer(cfg, {});
+    ZeroOptions o;
+    o.stage = cfg.strategy == "zero1" ? 1 : 2;
+    o.bucket_cap_bytes = cfg.bucket_mb * 1024 * 1024;
+    o.optimizer.kind = cfg.optimizer;
+    o.optimizer.lr = cfg.lr;
+    o.optimizer.momentum = cfg.momentum;
+    o.optimizer.weight_decay = cfg.weight_decay;
+    zero = std::make_unique<ZeroDataParallel>(model.ptr(), comm, o);
+  } else {
+    optimizer = make_optimizer(cfg, model->parameters());
+  }
   const double target_lr = cfg.lr * (cfg.scale_lr ? world : 1);
 
   data::DistributedSampler sampler(train_set.size(), rank, world, /*shuffle=*/true, cfg.seed);
@@ -162,18 +178,29 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
         double t = static_cast<double>(step - cfg.warmup_steps) / static_cast<double>(std::max<int64_t>(1, total_steps - cfg.warmup_steps));
         lr = target_lr * 0.5 * (1.0 + std::cos(M_PI * t));
       }
-      set_lr(*optimizer, lr);
+      if (zero) {
+        zero->set_lr(lr);
+      } else {
+        set_lr(*optimizer, lr);
+      }
       auto [x, y] = data::gather_batch(train_set, idx);
       if (ddp) ddp->prepare_forward();
+      if (zero) zero->prepare_forward();
       if (ddp) {
         ddp->zero_grad();
+      } else if (zero) {
+        zero->zero_grad();
       } else {
         optimizer->zero_grad(/*set_to_none=*/false);
       }
       auto out = model->forward(x);
       auto loss = torch::nn::functional::cross_entropy(out, y);
       loss.backward();
-      optimizer->step();
+      if (zero) {
+        zero->step();
+      } else {
+        optimizer->step();
+      }
       double l = loss.item<double>();
       if (!std::isfinite(l)) {
         throw std::runtime_error("rank " + std::to_string(rank) + ": loss became " + std::to_string(l) + " at step " +
@@ -237,6 +264,27 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     auto host = all.cpu();
     rep.peak_rss_bytes.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + world);
   }
+  if (zero) {
+    auto m = zero->memory();
+    rep.parameter_bytes = m.parameter_bytes;
+    rep.gradient_bytes = m.gradient_bytes;
+    rep.optimizer_state_bytes = m.optimizer_state_bytes;
+  } else {
+    for (auto& p : model->parameters()) {
+      rep.parameter_bytes += p.numel() * p.element_size();
+      if (p.grad().defined()) rep.gradient_bytes += p.grad().numel() * p.grad().element_size();
+    }
+    rep.optimizer_state_bytes = optimizer_state_bytes(*optimizer);
+  }
+  {
+    // The same figures on every rank: rank 0's.
+    auto t = small(torch::tensor({rep.parameter_bytes, rep.gradient_bytes, rep.optimizer_state_bytes}, torch::kLong));
+    comm->broadcast(t, 0);
+    auto host = t.cpu();
+    rep.parameter_bytes = host[0].item<int64_t>();
+    rep.gradient_bytes = host[1].item<int64_t>();
+    rep.optimizer_state_bytes = host[2].item<int64_t>();
+  }
   if (ddp) {
     auto s = ddp->stats();
     rep.comm_seconds = s.comm_seconds;
@@ -274,6 +322,9 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
                         {"hidden_fraction", rep.hidden_fraction},
                         {"comm_bytes", rep.comm_bytes},
                         {"parameters", rep.parameters},
+                        {"parameter_bytes", rep.parameter_bytes},
+                        {"gradient_bytes", rep.gradient_bytes},
+                        {"optimizer_state_bytes", rep.optimizer_state_bytes},
                         {"speedup", rep.speedup}};
     f << r.dump() << '\n';
     if (!f) throw std::runtime_error("writing metrics to '" + cfg.metrics_path + "' failed (disk full?)");
@@ -307,6 +358,9 @@ std::string format_report(const TrainConfig& cfg, const TrainReport& r) {
        << " MiB";
   }
   os << "\n";
+  os << "model state      " << std::setprecision(2) << "parameters " << r.parameter_bytes / (1024.0 * 1024.0)
+     << " MiB, gradients " << r.gradient_bytes / (1024.0 * 1024.0) << " MiB, optimizer state "
+     << r.optimizer_state_bytes / (1024.0 * 1024.0) << " MiB (rank 0)\n";
   if (r.world_size > 1 && cfg.strategy == "ddp") {
     os << "communication    " << std::setprecision(2) << r.comm_seconds << " s all-reduce ("
        << std::setprecision(1) << r.comm_bytes / (1024.0 * 1024.0) << " MiB), " << std::setprecision(2)

@@ -1,0 +1,7 @@
+# ZeRO stages 1 and 2 against DDP (losses, parameters, clipping) and the memory model, on 2 and 4 ranks.
+foreach(np 2 4)
+  tandem_add_dist_test(dist_zero_np${np} ${np} "Zero.*" TIMEOUT 240)
+endforeach()
+# `tandem train --strategy zero1|zero2` against --strategy ddp (losses and reported memory).
+add_test(NAME e2e_train_zero COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_zero.sh $<TARGET_FILE:tandem_cli>)
+set_tests_properties(e2e_train_zero PROPERTIES TIMEOUT 300 PROCESSORS 2)
