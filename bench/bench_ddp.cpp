@@ -18,7 +18,7 @@
 
 int main(int argc, char** argv) {
   std::string model_name = "cnn", mode = "ddp";
-  int64_t batch = 128, steps = 30, warmup = 5, bucket_kb = 25 * 1024, first_kb = 1024;
+  int64_t batch = 128, steps = 30, warmup = 5, bucket_kb = 25 * 1024, first_kb = 0;  // 0: DDP's automatic choice
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--model") model_name = v;

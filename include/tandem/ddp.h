@@ -20,7 +20,11 @@ namespace tandem {
 
 struct DDPOptions {
   int64_t bucket_cap_bytes = 25 * 1024 * 1024;
-  int64_t first_bucket_bytes = 1024 * 1024;  // small, so communication starts early
+  // A small first bucket lets communication start early in backward. 0 = automatic: 1 MiB for
+  // CUDA tensors (NCCL runs beside the compute), the full cap for CPU tensors, where the
+  // all-reduce needs the very cores backward is using and an early bucket only adds
+  // contention (measured: docs/BENCHMARKS.md, "DDP bucket policy on CPU").
+  int64_t first_bucket_bytes = 0;
   // Re-plan buckets after the first step from the order gradients arrived in.
   bool rebuild_buckets = true;
   // Parameters that get no gradient in a step: true = treat them as zero gradients (after a

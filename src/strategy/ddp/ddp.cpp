@@ -270,8 +270,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     : module_(std::move(module)), impl_(std::make_unique<Impl>()) {
   if (!module_) throw std::invalid_argument("DistributedDataParallel needs a module");
   if (!comm) throw std::invalid_argument("DistributedDataParallel needs a communicator");
-  if (opts.bucket_cap_bytes <= 0 || opts.first_bucket_bytes <= 0) {
-    throw std::invalid_argument("DDP bucket sizes must be positive");
+  if (opts.bucket_cap_bytes <= 0 || opts.first_bucket_bytes < 0) {
+    throw std::invalid_argument("DDP bucket sizes must be positive (first_bucket_bytes 0 = automatic)");
   }
   if (opts.compress_dtype && *opts.compress_dtype != at::kBFloat16 && *opts.compress_dtype != at::kHalf) {
     throw std::invalid_argument("DDP gradient compression supports bfloat16 and float16 only");
@@ -287,6 +287,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   for (auto& kv : module_->named_buffers(/*recurse=*/true)) I.buffers.emplace_back(kv.key(), kv.value());
 
+  if (I.opts.first_bucket_bytes == 0) {
+    bool cuda = !I.params.empty() && I.params[0].is_cuda();
+    I.opts.first_bucket_bytes = cuda ? std::min<int64_t>(1024 * 1024, I.opts.bucket_cap_bytes) : I.opts.bucket_cap_bytes;
+  }
   I.check_same_model();
   I.broadcast_state(/*include_params=*/true);
 
