@@ -22,6 +22,16 @@ std::shared_ptr<void> add_post_accumulate_grad_hook(const at::Tensor& param, std
   return acc;
 }
 
+std::vector<std::shared_ptr<void>> add_post_accumulate_grad_hooks(const std::vector<at::Tensor>& params,
+                                                                  std::function<void(size_t)> fn) {
+  std::vector<std::shared_ptr<void>> handles;
+  handles.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    handles.push_back(add_post_accumulate_grad_hook(params[i], [fn, i] { fn(i); }));
+  }
+  return handles;
+}
+
 void queue_backward_callback(std::function<void()> fn) {
   torch::autograd::Engine::get_default_engine().queue_callback(std::move(fn));
 }

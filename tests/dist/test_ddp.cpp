@@ -6,6 +6,7 @@
 
 #include "tandem/ddp.h"
 #include "tests/dist/dist_env.h"
+#include "tests/dist/train_test_util.h"
 
 namespace tandem::test {
 namespace {
@@ -36,19 +37,7 @@ TwoPath make_model(uint64_t seed) {
 }
 
 std::pair<torch::Tensor, torch::Tensor> global_batch(int64_t n, uint64_t seed) {
-  auto g = at::detail::createCPUGenerator(seed);
-  return {torch::randn({n, 13}, g), torch::randint(0, 5, {n}, g)};
-}
-
-torch::Tensor slice_for_rank(const torch::Tensor& t, int rank, int world) {
-  int64_t b = t.size(0) / world;
-  return t.narrow(0, rank * b, b);
-}
-
-double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
-  auto d = (a.to(torch::kDouble) - b.to(torch::kDouble)).norm().item<double>();
-  auto r = b.to(torch::kDouble).norm().item<double>();
-  return d / std::max(r, 1e-30);
+  return test::global_batch(n, seed, 5);
 }
 
 // Reference: full batch on one process.

@@ -398,6 +398,21 @@ class MpiCommunicator : public Communicator {
     return op->work;
   }
 
+  // Runs the operation's blocking call (if asked) and its finishing step, then completes its
+  // Work with the time since it started and any error either raised.
+  void complete(PendingOp& op, bool run_blocking) {
+    std::exception_ptr err;
+    try {
+      if (run_blocking) op.blocking();
+      op.finish();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    double secs = std::chrono::duration<double>(Clock::now() - op.started).count();
+    record_seconds(op.name, secs);
+    op.work->finish(secs, err);
+  }
+
   void loop() {
     std::vector<std::shared_ptr<PendingOp>> inflight;
     std::deque<std::shared_ptr<PendingOp>> fresh;
@@ -414,16 +429,7 @@ class MpiCommunicator : public Communicator {
         if (blocking_collectives_ && op->blocking) {
           // The tuned blocking algorithm; earlier non-blocking operations (p2p) still progress
           // inside it.
-          std::exception_ptr err;
-          try {
-            op->blocking();
-            op->finish();
-          } catch (...) {
-            err = std::current_exception();
-          }
-          double secs = std::chrono::duration<double>(Clock::now() - op->started).count();
-          record_seconds(op->name, secs);
-          op->work->finish(secs, err);
+          complete(*op, true);
           continue;
         }
         try {
@@ -444,15 +450,7 @@ class MpiCommunicator : public Communicator {
         if (rc != MPI_SUCCESS) {
           op->work->finish(0.0, std::make_exception_ptr(CommError(op->work->what_ + " failed in MPI: " + mpi_error_string(rc))));
         } else if (flag) {
-          std::exception_ptr err;
-          try {
-            op->finish();
-          } catch (...) {
-            err = std::current_exception();
-          }
-          double secs = std::chrono::duration<double>(Clock::now() - op->started).count();
-          record_seconds(op->name, secs);
-          op->work->finish(secs, err);
+          complete(*op, false);
         } else {
           ++i;
           continue;

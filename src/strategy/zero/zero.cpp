@@ -393,11 +393,9 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
   I.build_optimizer();
 
   std::weak_ptr<Impl*> weak = I.self;
-  for (size_t i = 0; i < I.params.size(); ++i) {
-    I.accumulators.push_back(detail::add_post_accumulate_grad_hook(I.params[i], [weak, i] {
-      if (auto s = weak.lock()) (*s)->on_grad_ready(i);
-    }));
-  }
+  I.accumulators = detail::add_post_accumulate_grad_hooks(I.params, [weak](size_t i) {
+    if (auto s = weak.lock()) (*s)->on_grad_ready(i);
+  });
 }
 
 ZeroDataParallel::~ZeroDataParallel() = default;
