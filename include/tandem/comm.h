@@ -73,9 +73,12 @@ class Communicator {
   // In place on `tensor`.
   virtual WorkPtr allreduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::kSum) = 0;
   // input.numel() == size() * output.numel(); rank r receives the reduction of chunk r.
+  // In place (NCCL's convention) when output is chunk r of a contiguous input: the rest of
+  // the input is clobbered. Otherwise output must not overlap input.
   virtual WorkPtr reduce_scatter_async(at::Tensor output, at::Tensor input,
                                        ReduceOp op = ReduceOp::kSum) = 0;
-  // output.numel() == size() * input.numel(); chunk r of output is rank r's input.
+  // output.numel() == size() * input.numel(); chunk r of output is rank r's input. In place
+  // when input is chunk r of a contiguous output; otherwise they must not overlap.
   virtual WorkPtr allgather_async(at::Tensor output, at::Tensor input) = 0;
   virtual WorkPtr broadcast_async(at::Tensor tensor, int root) = 0;
   virtual WorkPtr send_async(at::Tensor tensor, int dst, int tag = 0) = 0;

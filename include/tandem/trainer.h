@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -14,7 +15,9 @@ namespace tandem {
 struct TrainConfig {
   std::string model = "cnn";
   std::string data = "/usr/share/datasets/fashion-mnist";
-  std::string strategy = "ddp";  // single | ddp | zero1 | zero2 (ZeRO stages 1 and 2)
+  std::string strategy = "ddp";  // single | ddp | zero1 | zero2 | zero3 (ZeRO stages 1-3)
+  std::string precision = "fp32";  // fp32 | bf16 | fp16 (fp32 master weights, fp16 with loss scaling)
+  double max_grad_norm = 0.0;      // clip the global gradient norm; 0 = off
   int epochs = 1;
   int64_t batch = 128;  // global batch, split evenly across ranks
   std::string optimizer = "sgd";  // sgd | adam | adamw
@@ -57,9 +60,20 @@ struct TrainReport {
   double exposed_comm_seconds = 0.0;
   double hidden_fraction = 0.0;
   int64_t comm_bytes = 0;          // rank 0's gradient bytes all-reduced
+  // What the strategy moved per training step on rank 0, from the Communicator's counters:
+  // payload bytes handed to each collective, and the bytes a ring algorithm puts on the wire
+  // per rank (all-reduce 2(N-1)/N S, reduce-scatter and all-gather (N-1)/N S of the full size S).
+  std::map<std::string, double> comm_bytes_per_step;
+  double wire_bytes_per_step = 0.0;
+  double comm_engine_seconds = 0.0;  // rank 0's seconds on the engine over the loop, all operations
+  std::string precision = "fp32";
+  double loss_scale = 1.0;         // fp16: the final dynamic loss scale
+  int64_t skipped_steps = 0;       // fp16: steps skipped on overflow
+  int64_t peak_gathered_bytes = 0; // zero3: most gathered unit parameters alive at once
   int64_t parameters = 0;
   // Rank 0's bytes of parameters, gradients and optimizer state held after training (for
-  // zero1/zero2 the sharded figures; see ZeroMemory in tandem/zero.h).
+  // zero1-3 the sharded figures, masters included in the optimizer state; see ZeroMemory in
+  // tandem/zero.h).
   int64_t parameter_bytes = 0;
   int64_t gradient_bytes = 0;
   int64_t optimizer_state_bytes = 0;

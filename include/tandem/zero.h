@@ -1,8 +1,15 @@
-// ZeRO stages 1 and 2 (Rajbhandari et al., DeepSpeed): data parallelism whose optimizer
-// state (stage 1) and also gradients (stage 2) are partitioned over the ranks. Every rank
-// keeps a full copy of the parameters; rank r steps only the 1/N it owns, then the updated
-// parameters are all-gathered. In fp32 with elementwise optimizers (SGD, Adam, AdamW) a step
-// gives the same result as DistributedDataParallel followed by the same optimizer.
+// ZeRO stages 1, 2 and 3 (Rajbhandari et al., DeepSpeed): data parallelism whose optimizer
+// state (stage 1), also gradients (stage 2) and also parameters (stage 3) are partitioned over
+// the ranks. Rank r steps only the 1/N it owns. Stages 1 and 2 keep a full replica of the
+// parameters and all-gather the updated ones after each step; stage 3 keeps only its shard and
+// gathers each unit's parameters just before the unit's forward and again before its backward,
+// freeing them after each. In fp32 with elementwise optimizers (SGD, Adam, AdamW) a step gives
+// the same result as DistributedDataParallel followed by the same optimizer.
+//
+// Mixed precision (bf16, fp16): the model's parameters, activations and gradients are in the
+// low precision; the owning rank keeps fp32 master weights of its shard, and the optimizer
+// (state in fp32) steps those. fp16 uses dynamic loss scaling: multiply the loss by
+// scale_loss() before backward; step() unscales, and skips the step on inf/NaN.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -13,70 +20,80 @@
 #include <string>
 
 #include "tandem/comm.h"
+#include "tandem/optim.h"
+#include "tandem/precision.h"
 
 namespace tandem {
 
 // The optimizer ZeroDataParallel builds over the owned shard (LibTorch's own classes).
-struct ZeroOptimizerOptions {
-  std::string kind = "adamw";  // sgd | adam | adamw
-  double lr = 1e-3;
-  double momentum = 0.0;      // sgd
-  bool nesterov = false;      // sgd
-  double weight_decay = 0.0;  // sgd and adam: L2 added to the gradient; adamw: decoupled
-  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // adam, adamw
-};
+using ZeroOptimizerOptions = OptimizerOptions;
 
 struct ZeroOptions {
-  int stage = 1;  // 1: optimizer state sharded; 2: gradients sharded too
-  // Gradients are flattened (reverse registration order) into buckets of at most this many
-  // bytes (a single larger parameter gets a bucket of its own); each bucket is padded to a
-  // multiple of the world size and rank r owns the r-th chunk of every bucket. A full
-  // bucket's all-reduce (stage 1) or reduce-scatter (stage 2) starts during backward.
+  int stage = 1;  // 1: optimizer state sharded; 2: gradients too; 3: parameters too
+  // Stages 1 and 2: gradients are flattened (reverse registration order) into buckets of at
+  // most this many bytes (a single larger parameter gets a bucket of its own). Stage 3: one
+  // bucket per unit (see below), whatever its size. Each bucket is padded to a multiple of
+  // the world size and rank r owns the r-th chunk of every bucket. A full bucket's all-reduce
+  // (stage 1) or reduce-scatter (stages 2, 3) starts during backward.
   int64_t bucket_cap_bytes = 8 * 1024 * 1024;
   // Clip the global gradient norm (computed across the shards) to this value; 0 = off.
   double max_grad_norm = 0.0;
   // Broadcast buffers (batch-norm running stats) from rank 0 in prepare_forward().
   bool broadcast_buffers = true;
-  // Stage 2: reduce-scatters in flight at once (each holds one bucket of gradient scratch).
+  // Stages 2, 3: reduce-scatters in flight at once (each holds one bucket of gradient scratch).
   int max_inflight_buckets = 2;
+  // Stage 3 units. When the module is a torch::nn::Sequential, each child that holds
+  // parameters is a unit and forward() gathers it just before it runs (all-gathering the next
+  // `prefetch` units meanwhile), frees it after, and gathers it again when the gradient of its
+  // output arrives in backward. Any other module is a single unit, gathered by
+  // prepare_forward() and freed after backward.
+  int prefetch = 1;
+  // Mixed precision: the module is converted to compute_dtype(precision) at construction;
+  // fp32 masters of the shard are taken from its values before the conversion.
+  Precision precision = Precision::kFP32;
+  LossScalerOptions loss_scaler;  // fp16 only
   ZeroOptimizerOptions optimizer;
 };
 
-// Per-rank bytes actually held (persistent tensors, after a step), and the ZeRO paper's model.
-// Model (fp32 everywhere, Ψ = parameter count, N = world size, 4-byte elements):
-//   parameters        4Ψ            (a full replica on every rank, both stages)
-//   gradients         stage 1: 4Ψ   stage 2: 4Ψ/N
-//   optimizer state   Adam/AdamW: 8Ψ/N (exp_avg, exp_avg_sq); SGD with momentum: 4Ψ/N; else 0
+// Per-rank bytes actually held (persistent tensors, after a step), and the ZeRO paper's model
+// (Ψ = parameter count, N = world size, e = bytes per element of the parameters: 4 in fp32,
+// 2 in bf16/fp16; masters and optimizer state are fp32):
+//   parameters        stages 1, 2: eΨ          stage 3: eΨ/N
+//   gradients         stage 1: eΨ              stages 2, 3: eΨ/N
+//   optimizer state   (4K + (e == 2 ? 4 : 0))Ψ/N, K = state tensors (Adam 2, SGD+momentum 1)
+//                     i.e. fp32 masters count as optimizer state, as in the paper (Adam in
+//                     mixed precision: 2Ψ + 2Ψ + 12Ψ for no sharding).
 // Measured values include the padding of each bucket to a multiple of N (< N elements per
-// bucket) and nothing transient (stage 2's in-flight bucket scratch is freed after backward).
+// bucket) and nothing transient (bucket scratch and stage 3's gathered units are freed after
+// backward; their peaks are reported separately).
 struct ZeroMemory {
   int stage = 1;
   int world_size = 1;
   int64_t parameters = 0;  // Ψ
   int64_t parameter_bytes = 0;
   int64_t gradient_bytes = 0;
-  int64_t optimizer_state_bytes = 0;
+  int64_t optimizer_state_bytes = 0;  // optimizer state + fp32 masters
+  int64_t master_bytes = 0;           // of which fp32 masters (0 in fp32)
   int64_t model_parameter_bytes = 0;
   int64_t model_gradient_bytes = 0;
   int64_t model_optimizer_state_bytes = 0;
-  // Stage 2: the most bucket scratch (local gradients on their way to the reduce-scatter)
+  // Stages 2, 3: the most bucket scratch (local gradients on their way to the reduce-scatter)
   // alive at once during any backward so far; bounded by about max_inflight_buckets + 1
   // buckets, not the full gradient size. 0 for stage 1.
   int64_t peak_scratch_bytes = 0;
+  // Stage 3: the most bytes of gathered (full) unit parameters alive at once; 0 otherwise.
+  int64_t peak_gathered_bytes = 0;
   int64_t total() const { return parameter_bytes + gradient_bytes + optimizer_state_bytes; }
   int64_t model_total() const { return model_parameter_bytes + model_gradient_bytes + model_optimizer_state_bytes; }
 };
 
-// Bytes of the tensors in an optimizer's state (SGD momentum buffers, Adam moments); for
-// comparing a plain (unsharded) optimizer with ZeroDataParallel's.
-int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
-
 class ZeroDataParallel {
  public:
   // Collective. Checks that every rank has the same model, broadcasts parameters and buffers
-  // from rank 0, moves the parameters into one flat buffer (they become views of it) and
-  // builds the optimizer over this rank's shard. All parameters that require grad must share
-  // one dtype and device.
+  // from rank 0, moves the parameters into flat buffers (they become views of them), builds
+  // the optimizer over this rank's shard and (stage 3) frees all but the shard. All
+  // parameters that require grad must share one dtype and device. Throws
+  // std::invalid_argument for a stage, precision or optimizer that cannot work.
   ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, CommPtr comm, ZeroOptions opts = {});
   ~ZeroDataParallel();
   ZeroDataParallel(const ZeroDataParallel&) = delete;
@@ -85,18 +102,32 @@ class ZeroDataParallel {
   torch::nn::Module& module() { return *module_; }
   std::shared_ptr<torch::nn::Module> module_ptr() { return module_; }
 
-  // Before each forward: synchronizes buffers and arms the gradient hooks.
+  // Before each forward: synchronizes buffers; stage 3 with a module that is not a Sequential
+  // gathers its parameters.
   void prepare_forward();
-  // Zeroes the gradients (stage 1: the full flat buffer; stage 2: this rank's shard).
+  // The module's forward. Stage 3 with a Sequential: unit by unit, gathering and freeing
+  // parameters (the only correct way to run such a model: its parameters are not resident
+  // outside). Otherwise the module's own forward (Sequential: input -> output tensor).
+  at::Tensor forward(const at::Tensor& input);
+  // The loss to call backward() on: loss * the loss scale (fp16), else loss itself.
+  at::Tensor scale_loss(const at::Tensor& loss) const;
+  // Zeroes the gradients (stage 1: the full flat buffer; stages 2, 3: this rank's shard).
   void zero_grad();
-  // After one loss.backward(): clips (when max_grad_norm > 0), steps the owned shard, and
-  // all-gathers the parameters. Stage 2 supports one backward per step (no accumulation).
-  void step();
+  // After one or more backward passes (gradients accumulate over them; call zero_grad()
+  // before the first backward of every step): unscales
+  // (fp16), checks for inf/NaN, clips (when max_grad_norm > 0), steps the owned shard, and
+  // (stages 1, 2) all-gathers the parameters. Returns false when an fp16 overflow skipped
+  // the step (the loss scale is backed off).
+  bool step();
 
   void set_lr(double lr);
   double lr() const;
   // Global gradient norm before clipping, from the last step (-1 when clipping is off).
   double last_grad_norm() const;
+  const LossScaler& loss_scaler() const;
+  Precision precision() const;
+  // Stage 3: the number of units (1 for a module that is not a Sequential); 0 otherwise.
+  int units() const;
 
   ZeroMemory memory() const;
   int stage() const;

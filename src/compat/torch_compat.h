@@ -91,4 +91,21 @@ inline void reset_cuda_peak_stats(c10::DeviceIndex device) {
 }
 #endif
 
+// ---- storage that outlives its memory (ZeRO-3 / FSDP's "free the unsharded parameter") ----
+// Releases the memory behind `t`'s storage while every view of it (parameters, tensors that
+// autograd saved) keeps pointing at the same StorageImpl; alloc_storage gives it fresh memory
+// of `nbytes` again (contents undefined). Python's FSDP does the same with storage.resize_(0).
+inline void free_storage(const at::Tensor& t) {
+  auto* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+inline void alloc_storage(const at::Tensor& t, size_t nbytes) {
+  auto* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == nbytes) return;
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+inline bool storage_allocated(const at::Tensor& t) { return t.storage().nbytes() > 0; }
+
 }  // namespace tandem::compat

@@ -16,6 +16,8 @@
 #include "tandem/data.h"
 #include "tandem/ddp.h"
 #include "tandem/models.h"
+#include "tandem/optim.h"
+#include "tandem/precision.h"
 #include "tandem/zero.h"
 #include "trainer/progress.h"
 
@@ -38,27 +40,42 @@ int64_t peak_rss_bytes() {
   return 0;
 }
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg, std::vector<at::Tensor> params) {
-  if (cfg.optimizer == "sgd") {
-    return std::make_unique<torch::optim::SGD>(
-        params, torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay));
-  }
-  if (cfg.optimizer == "adam") {
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(cfg.lr).weight_decay(cfg.weight_decay));
-  }
-  if (cfg.optimizer == "adamw") {
-    return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(cfg.lr).weight_decay(cfg.weight_decay));
-  }
-  throw std::invalid_argument("unknown optimizer '" + cfg.optimizer + "' (use sgd, adam or adamw)");
+OptimizerOptions optimizer_options(const TrainConfig& cfg) {
+  OptimizerOptions o;
+  o.kind = cfg.optimizer;
+  o.lr = cfg.lr;
+  o.momentum = cfg.optimizer == "sgd" ? cfg.momentum : 0.0;
+  o.weight_decay = cfg.weight_decay;
+  return o;
 }
 
-void set_lr(torch::optim::Optimizer& opt, double lr) {
-  for (auto& g : opt.param_groups()) g.options().set_lr(lr);
+// The bytes a ring algorithm puts on the wire per rank for the payloads the Communicator
+// counted: all-reduce 2(N-1)/N S; reduce-scatter (N-1)/N S (S: its full-size input);
+// all-gather (N-1) s (s: its per-rank input); broadcast S (a pipelined chain).
+double wire_bytes(const std::map<std::string, OpStats>& st, int n) {
+  auto get = [&](const char* k) {
+    auto it = st.find(k);
+    return it == st.end() ? 0.0 : static_cast<double>(it->second.bytes);
+  };
+  const double f = n > 1 ? static_cast<double>(n - 1) / n : 0.0;
+  return 2 * f * get("allreduce") + f * get("reduce_scatter") + (n - 1) * get("allgather") +
+         (n > 1 ? get("broadcast") : 0.0);
 }
 
 void validate(const TrainConfig& cfg, int world) {
-  if (cfg.strategy != "single" && cfg.strategy != "ddp" && cfg.strategy != "zero1" && cfg.strategy != "zero2") {
-    throw std::invalid_argument("unknown strategy '" + cfg.strategy + "' (this build supports: single, ddp, zero1, zero2)");
+  if (cfg.strategy != "single" && cfg.strategy != "ddp" && cfg.strategy != "zero1" && cfg.strategy != "zero2" &&
+      cfg.strategy != "zero3") {
+    throw std::invalid_argument("unknown strategy '" + cfg.strategy +
+                                "' (this build supports: single, ddp, zero1, zero2, zero3)");
+  }
+  const auto prec = parse_precision(cfg.precision);
+  if (cfg.max_grad_norm < 0) throw std::invalid_argument("--max-grad-norm must be >= 0 (0: no clipping)");
+  if (cfg.compress != "none" && prec != Precision::kFP32) {
+    throw std::invalid_argument("--compress " + cfg.compress + " compresses fp32 gradients; with --precision " +
+                                cfg.precision + " they already travel in " + cfg.precision + " (drop --compress)");
+  }
+  if (cfg.strategy != "ddp" && cfg.compress != "none") {
+    throw std::invalid_argument("--compress applies to --strategy ddp only");
   }
   if (cfg.strategy == "single" && world != 1) {
     throw std::invalid_argument("--strategy single runs one worker, but " + std::to_string(world) +
@@ -71,6 +88,7 @@ void validate(const TrainConfig& cfg, int world) {
                                 std::to_string(world) + " workers; use a multiple of " + std::to_string(world));
   }
   if (!(cfg.lr > 0.0) || !std::isfinite(cfg.lr)) throw std::invalid_argument("--lr must be a positive number");
+  validate(optimizer_options(cfg));
   if (cfg.compress != "none" && cfg.compress != "bf16" && cfg.compress != "fp16") {
     throw std::invalid_argument("--compress must be none, bf16 or fp16");
   }
@@ -117,12 +135,26 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     }
   }
 
+  const auto prec = parse_precision(cfg.precision);
+  const auto dtype = compute_dtype(prec);
   torch::manual_seed(cfg.seed);
   auto model = models::make_model(cfg.model);
   model->to(dev);
   TrainReport rep;
   rep.world_size = world;
   rep.parameters = models::count_parameters(*model);
+  rep.precision = precision_name(prec);
+
+  // ZeRO owns its optimizer (over this rank's shard), its masters and the step; otherwise the
+  // optimizer (with fp32 masters in bf16/fp16) is built over the fp32 model, which is then
+  // converted to the compute dtype.
+  const bool is_zero = cfg.strategy.rfind("zero", 0) == 0;
+  std::unique_ptr<MixedPrecisionOptimizer> optimizer;
+  if (!is_zero) {
+    optimizer = std::make_unique<MixedPrecisionOptimizer>(model->parameters(), prec, optimizer_options(cfg),
+                                                          LossScalerOptions{}, world > 1 ? comm : nullptr);
+    if (prec != Precision::kFP32) model->to(dtype);
+  }
 
   std::unique_ptr<DistributedDataParallel> ddp;
   if (cfg.strategy == "ddp") {
@@ -135,22 +167,21 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     o.communicate = cfg.communicate;
     ddp = std::make_unique<DistributedDataParallel>(model.ptr(), comm, o);
   }
-  // ZeRO owns its optimizer (over this rank's shard) and the step.
   std::unique_ptr<ZeroDataParallel> zero;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  if (cfg.strategy == "zero1" || cfg.strategy == "zero2") {
-    if (cfg.optimizer != "sgd" && cfg.optimizer != "adam" && cfg.optimizer != "adamw") make_optimizer(cfg, {});
+  if (is_zero) {
     ZeroOptions o;
-    o.stage = cfg.strategy == "zero1" ? 1 : 2;
+    o.stage = cfg.strategy.back() - '0';
     o.bucket_cap_bytes = cfg.bucket_mb * 1024 * 1024;
-    o.optimizer.kind = cfg.optimizer;
-    o.optimizer.lr = cfg.lr;
-    o.optimizer.momentum = cfg.momentum;
-    o.optimizer.weight_decay = cfg.weight_decay;
+    o.optimizer = optimizer_options(cfg);
+    o.precision = prec;
+    o.max_grad_norm = cfg.max_grad_norm;
     zero = std::make_unique<ZeroDataParallel>(model.ptr(), comm, o);
-  } else {
-    optimizer = make_optimizer(cfg, model->parameters());
   }
+  auto forward = [&](const at::Tensor& x) {
+    auto in = prec == Precision::kFP32 ? x : x.to(dtype);
+    auto out = zero ? zero->forward(in) : model->forward(in);
+    return out.to(at::kFloat);  // the loss and the argmax in fp32
+  };
   const double target_lr = cfg.lr * (cfg.scale_lr ? world : 1);
 
   data::DistributedSampler sampler(train_set.size(), rank, world, /*shuffle=*/true, cfg.seed);
@@ -164,6 +195,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   std::vector<double> step_ms;
   int64_t step = 0, samples = 0;
   model->train();
+  const auto stats_before = comm->stats();
   auto t_start = Clock::now();
   for (int epoch = 0; epoch < cfg.epochs && step < total_steps; ++epoch) {
     sampler.set_epoch(epoch);
@@ -181,7 +213,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       if (zero) {
         zero->set_lr(lr);
       } else {
-        set_lr(*optimizer, lr);
+        optimizer->set_lr(lr);
       }
       auto [x, y] = data::gather_batch(train_set, idx);
       if (ddp) ddp->prepare_forward();
@@ -191,15 +223,14 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       } else if (zero) {
         zero->zero_grad();
       } else {
-        optimizer->zero_grad(/*set_to_none=*/false);
+        optimizer->zero_grad();
       }
-      auto out = model->forward(x);
-      auto loss = torch::nn::functional::cross_entropy(out, y);
-      loss.backward();
+      auto loss = torch::nn::functional::cross_entropy(forward(x), y);
+      (zero ? zero->scale_loss(loss) : optimizer->scale_loss(loss)).backward();
       if (zero) {
         zero->step();
       } else {
-        optimizer->step();
+        optimizer->step(cfg.max_grad_norm);
       }
       double l = loss.item<double>();
       if (!std::isfinite(l)) {
@@ -215,6 +246,34 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   }
   rep.wall_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
   progress.finish();
+  {
+    // Communication of the training loop alone (before the report's own collectives).
+    auto after = comm->stats();
+    std::map<std::string, OpStats> delta;
+    for (auto& [op, st] : after) {
+      OpStats d = st;
+      auto it = stats_before.find(op);
+      if (it != stats_before.end()) {
+        d.calls -= it->second.calls;
+        d.bytes -= it->second.bytes;
+        d.seconds -= it->second.seconds;
+      }
+      if (d.calls > 0) delta[op] = d;
+    }
+    const double steps_d = std::max<int64_t>(step, 1);
+    for (auto& [op, d] : delta) {
+      rep.comm_bytes_per_step[op] = d.bytes / steps_d;
+      rep.comm_engine_seconds += d.seconds;
+    }
+    rep.wire_bytes_per_step = wire_bytes(delta, world) / steps_d;
+  }
+  if (zero) {
+    rep.loss_scale = zero->loss_scaler().scale();
+    rep.skipped_steps = zero->loss_scaler().skipped_steps();
+  } else {
+    rep.loss_scale = optimizer->scaler().scale();
+    rep.skipped_steps = optimizer->scaler().skipped_steps();
+  }
   rep.steps = step;
   rep.samples = samples;
   rep.samples_per_second = rep.wall_seconds > 0 ? samples / rep.wall_seconds : 0.0;
@@ -245,7 +304,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     int64_t correct = 0;
     for (auto& idx : data::batches(mine, 1000, false)) {
       auto [x, y] = data::gather_batch(test_set, idx);
-      correct += model->forward(x).argmax(1).eq(y).sum().item<int64_t>();
+      correct += forward(x).argmax(1).eq(y).sum().item<int64_t>();
     }
     auto t = small(torch::tensor({correct, static_cast<int64_t>(mine.size())}, torch::kLong));
     comm->allreduce(t, ReduceOp::kSum);
@@ -269,12 +328,13 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     rep.parameter_bytes = m.parameter_bytes;
     rep.gradient_bytes = m.gradient_bytes;
     rep.optimizer_state_bytes = m.optimizer_state_bytes;
+    rep.peak_gathered_bytes = m.peak_gathered_bytes;
   } else {
     for (auto& p : model->parameters()) {
       rep.parameter_bytes += p.numel() * p.element_size();
       if (p.grad().defined()) rep.gradient_bytes += p.grad().numel() * p.grad().element_size();
     }
-    rep.optimizer_state_bytes = optimizer_state_bytes(*optimizer);
+    rep.optimizer_state_bytes = optimizer->optimizer_state_bytes() + optimizer->master_bytes();
   }
   {
     // The same figures on every rank: rank 0's.
@@ -307,6 +367,13 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     nlohmann::json r = {{"report", true},
                         {"model", cfg.model},
                         {"strategy", cfg.strategy},
+                        {"precision", rep.precision},
+                        {"loss_scale", rep.loss_scale},
+                        {"skipped_steps", rep.skipped_steps},
+                        {"comm_bytes_per_step", rep.comm_bytes_per_step},
+                        {"wire_bytes_per_step", rep.wire_bytes_per_step},
+                        {"comm_engine_seconds", rep.comm_engine_seconds},
+                        {"peak_gathered_bytes", rep.peak_gathered_bytes},
                         {"world_size", world},
                         {"steps", rep.steps},
                         {"samples", rep.samples},
@@ -337,7 +404,7 @@ std::string format_report(const TrainConfig& cfg, const TrainReport& r) {
   os << std::fixed;
   os << "\n== tandem train report ==\n";
   os << "model            " << cfg.model << " (" << r.parameters << " parameters), strategy " << cfg.strategy << ", "
-     << r.world_size << " worker(s)\n";
+     << r.world_size << " worker(s), " << r.precision << "\n";
   os << "steps            " << r.steps << " (global batch " << cfg.batch << ", " << r.samples << " samples)\n";
   os << "wall time        " << std::setprecision(1) << r.wall_seconds << " s (training loop)\n";
   os << "throughput       " << std::setprecision(0) << r.samples_per_second << " samples/s, median step "
@@ -360,7 +427,22 @@ std::string format_report(const TrainConfig& cfg, const TrainReport& r) {
   os << "\n";
   os << "model state      " << std::setprecision(2) << "parameters " << r.parameter_bytes / (1024.0 * 1024.0)
      << " MiB, gradients " << r.gradient_bytes / (1024.0 * 1024.0) << " MiB, optimizer state "
-     << r.optimizer_state_bytes / (1024.0 * 1024.0) << " MiB (rank 0)\n";
+     << r.optimizer_state_bytes / (1024.0 * 1024.0) << " MiB" << (r.precision != "fp32" ? " incl. fp32 masters" : "")
+     << " (rank 0)\n";
+  if (r.peak_gathered_bytes > 0) {
+    os << "gathered (zero3) " << std::setprecision(2) << r.peak_gathered_bytes / (1024.0 * 1024.0)
+       << " MiB of full parameters alive at most (rank 0)\n";
+  }
+  if (r.precision == "fp16") {
+    os << "loss scale       " << std::setprecision(0) << r.loss_scale << ", " << r.skipped_steps
+       << " step(s) skipped on overflow\n";
+  }
+  if (r.world_size > 1 && !r.comm_bytes_per_step.empty()) {
+    os << "traffic per step " << std::setprecision(2) << r.wire_bytes_per_step / (1024.0 * 1024.0)
+       << " MiB on the wire per rank (ring model); payload:";
+    for (auto& [op, b] : r.comm_bytes_per_step) os << " " << op << " " << b / (1024.0 * 1024.0) << " MiB";
+    os << "\n";
+  }
   if (r.world_size > 1 && cfg.strategy == "ddp") {
     os << "communication    " << std::setprecision(2) << r.comm_seconds << " s all-reduce ("
        << std::setprecision(1) << r.comm_bytes / (1024.0 * 1024.0) << " MiB), " << std::setprecision(2)

@@ -264,6 +264,33 @@ TEST(NonContiguous, ReduceScatterIntoStridedOutput) {
   EXPECT_TRUE(exactly(out_base.slice(0, 0, 2 * n, 2), at::full({n}, -3.0)));
 }
 
+// ---- in place (NCCL's convention: the chunk this rank owns inside the full buffer)
+
+TEST(EdgeCases, ReduceScatterInPlaceIntoOwnChunk) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+    const int64_t n = 1001;
+    auto buf = rank_input(me, R * n, at::kFloat, 31);
+    auto all = all_inputs(R, R * n, at::kFloat, 31).to(at::kDouble);
+    comm->reduce_scatter(buf.narrow(0, me * n, n), buf, op);
+    auto ref = all.sum(0).narrow(0, me * n, n);
+    if (op == ReduceOp::kAvg) ref = ref / R;
+    EXPECT_TRUE(within(buf.narrow(0, me * n, n), ref, R * eps_of(at::kFloat) * all.abs().sum(0).narrow(0, me * n, n)))
+        << (op == ReduceOp::kSum ? "sum" : "avg");
+  }
+}
+
+TEST(EdgeCases, AllgatherInPlaceFromOwnChunk) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  const int64_t n = 777;
+  auto buf = at::full({R * n}, -1.0, at::kDouble);
+  buf.narrow(0, me * n, n).copy_(rank_input(me, n, at::kDouble, 32));
+  comm->allgather(buf, buf.narrow(0, me * n, n));
+  for (int r = 0; r < R; ++r) EXPECT_TRUE(exactly(buf.narrow(0, r * n, n), rank_input(r, n, at::kDouble, 32))) << r;
+}
+
 // ---- zero elements and barrier
 
 TEST(EdgeCases, EmptyTensorsAreNoOps) {

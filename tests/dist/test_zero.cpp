@@ -1,11 +1,13 @@
-// ZeroDataParallel (ZeRO stages 1 and 2) against DistributedDataParallel with LibTorch's
+// ZeroDataParallel (ZeRO stages 1, 2 and 3) against DistributedDataParallel with LibTorch's
 // optimizer over the full model, run side by side on the same data: per-step losses,
-// gradients (stage 1), parameters, clipping by the global norm, and the memory each rank
-// holds against the ZeRO paper's model. Parameter counts are odd so that padding is exercised.
+// gradients (stage 1), parameters, clipping by the global norm, gradient accumulation, mixed
+// precision and loss scaling, and the memory each rank holds against the ZeRO paper's model.
+// Parameter counts are odd so that padding is exercised.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <limits>
 
 #include "tandem/ddp.h"
 #include "tandem/zero.h"
@@ -30,6 +32,18 @@ TORCH_MODULE(SmallNet);
 SmallNet make_net(uint64_t seed) {
   torch::manual_seed(seed);
   return SmallNet();
+}
+
+// The same network as a Sequential: three stage-3 units (the Linear children).
+torch::nn::Sequential make_seq(uint64_t seed) {
+  torch::manual_seed(seed);
+  SmallNet n;  // the same initial values as make_net(seed)
+  torch::nn::Sequential s(torch::nn::Linear(13, 9), torch::nn::Tanh(), torch::nn::Linear(9, 5), torch::nn::Tanh(),
+                          torch::nn::Linear(5, 3));
+  torch::NoGradGuard ng;
+  auto src = n->parameters(), dst = s->parameters();
+  for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+  return s;
 }
 
 std::pair<torch::Tensor, torch::Tensor> global_batch(int64_t n, uint64_t seed) {
@@ -65,15 +79,17 @@ ZeroOptimizerOptions adamw() {
 }
 
 // DDP (+ clip_grad_norm_ on the full gradients) and ZeRO side by side for `steps` steps.
-void compare_with_ddp(int stage, const ZeroOptimizerOptions& oo, int64_t bucket_cap, double max_norm, int steps) {
+void compare_with_ddp(int stage, const ZeroOptimizerOptions& oo, int64_t bucket_cap, double max_norm, int steps,
+                      bool sequential = false) {
   auto comm = world();
   const int R = comm->size(), me = comm->rank();
   const int64_t B = 6 * R;
   SCOPED_TRACE("stage " + std::to_string(stage) + ", " + oo.kind + ", bucket cap " + std::to_string(bucket_cap) +
-               ", max_norm " + std::to_string(max_norm));
+               ", max_norm " + std::to_string(max_norm) + (sequential ? ", Sequential" : ", custom module"));
   // Different seeds per rank: both wrappers must start from rank 0's weights.
   auto ref = make_net(40 + me);
-  auto net = make_net(40 + me);
+  std::shared_ptr<torch::nn::Module> net = sequential ? std::static_pointer_cast<torch::nn::Module>(make_seq(40 + me).ptr())
+                                                      : std::static_pointer_cast<torch::nn::Module>(make_net(40 + me).ptr());
   DistributedDataParallel ddp(ref.ptr(), comm);
   auto ref_opt = plain_optimizer(oo, ref->parameters());
   ZeroOptions zo;
@@ -81,7 +97,13 @@ void compare_with_ddp(int stage, const ZeroOptimizerOptions& oo, int64_t bucket_
   zo.bucket_cap_bytes = bucket_cap;
   zo.max_grad_norm = max_norm;
   zo.optimizer = oo;
-  ZeroDataParallel zero(net.ptr(), comm, zo);
+  ZeroDataParallel zero(net, comm, zo);
+  if (stage == 3) EXPECT_EQ(zero.units(), sequential ? 3 : 1);
+  auto run = [&](const torch::Tensor& x) {
+    if (sequential) return zero.forward(x);
+    zero.prepare_forward();  // stage 3: gathers the single unit
+    return std::dynamic_pointer_cast<SmallNetImpl>(net)->forward(x);
+  };
   EXPECT_EQ(zero.padded_numel() % R, 0);
   EXPECT_EQ(zero.shard_numel() * R, zero.padded_numel());
   EXPECT_GE(zero.padded_numel(), 194);
@@ -99,22 +121,30 @@ void compare_with_ddp(int stage, const ZeroOptimizerOptions& oo, int64_t bucket_
 
     zero.prepare_forward();
     zero.zero_grad();
-    auto loss = torch::nn::functional::cross_entropy(net->forward(xs), ys);
+    auto loss = torch::nn::functional::cross_entropy(run(xs), ys);
     loss.backward();
     auto rp = ref->parameters(), zp = net->parameters();
     for (size_t i = 0; i < zp.size(); ++i) {
       if (stage == 1) {
-        // Stage 1 all-reduces: every rank holds the full averaged gradient (before clipping).
-        if (max_norm <= 0) EXPECT_LT(rel_err(zp[i].grad(), rp[i].grad()), 1e-5) << "step " << step << " param " << i;
+        // Stage 1 keeps full-size gradients (reduced only in the chunk this rank owns).
+        EXPECT_TRUE(zp[i].grad().defined()) << "param " << i;
       } else {
         EXPECT_FALSE(zp[i].grad().defined()) << "stage 2 keeps no full-size gradient (param " << i << ")";
       }
     }
-    zero.step();
+    EXPECT_TRUE(zero.step());
     ref_opt->step();
     double a = loss.item<double>(), b = ref_loss.item<double>();
     EXPECT_LE(std::abs(a - b), 1e-5 * std::abs(b)) << "loss at step " << step;
     if (max_norm > 0) EXPECT_NEAR(zero.last_grad_norm(), ref_norm, 1e-5 * ref_norm) << "step " << step;
+  }
+  if (stage == 3) {
+    // Parameters are not resident between steps: one more forward gathers them; compare the
+    // outputs (all ranks on the same input) with DDP's.
+    auto [x, y] = global_batch(B, 4242);
+    torch::NoGradGuard ng;
+    EXPECT_LT(rel_err(run(x), ref->forward(x)), 1e-5) << "outputs after the steps";
+    return;
   }
   auto rp = ref->parameters(), zp = net->parameters();
   for (size_t i = 0; i < zp.size(); ++i) EXPECT_LT(rel_err(zp[i], rp[i]), 1e-5) << "param " << i << " after the steps";
@@ -147,10 +177,219 @@ TEST(Zero, Stage2MatchesDDPWithAdamW) {
   compare_with_ddp(2, adamw(), 1 << 20, 0.0, 20);
 }
 
+TEST(Zero, Stage3MatchesDDPWithSgdMomentum) {
+  compare_with_ddp(3, sgd_momentum(), 100, 0.0, 20, /*sequential=*/true);  // three units
+  compare_with_ddp(3, sgd_momentum(), 100, 0.0, 20, /*sequential=*/false);  // one unit
+}
+
+TEST(Zero, Stage3MatchesDDPWithAdamW) {
+  compare_with_ddp(3, adamw(), 100, 0.0, 20, /*sequential=*/true);
+  compare_with_ddp(3, adamw(), 100, 0.0, 20, /*sequential=*/false);
+}
+
+TEST(Zero, Stage1And2ThroughForwardOfASequential) {
+  compare_with_ddp(1, adamw(), 100, 0.0, 5, /*sequential=*/true);
+  compare_with_ddp(2, adamw(), 100, 0.0, 5, /*sequential=*/true);
+}
+
 TEST(Zero, ClippingMatchesDDPWithClipGradNorm) {
   compare_with_ddp(1, sgd_momentum(), 300, 0.05, 8);
   compare_with_ddp(2, sgd_momentum(), 300, 0.05, 8);
   compare_with_ddp(2, adamw(), 1 << 20, 0.05, 8);
+  compare_with_ddp(3, adamw(), 1 << 20, 0.05, 8, /*sequential=*/true);
+}
+
+// Two backward passes on the halves of each rank's batch, then one step: the same update as
+// one backward on the whole (the gradient is the mean of the two half-batch means).
+TEST(Zero, GradientAccumulationMatchesOneBigBatch) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  for (int stage : {1, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    auto big = make_seq(7), acc = make_seq(7);
+    ZeroOptions zo;
+    zo.stage = stage;
+    zo.bucket_cap_bytes = 200;
+    zo.optimizer = adamw();
+    ZeroDataParallel zbig(big.ptr(), comm, zo), zacc(acc.ptr(), comm, zo);
+    for (int step = 0; step < 6; ++step) {
+      auto [x, y] = global_batch(8 * R, 300 + step);
+      auto xs = slice_for_rank(x, me, R), ys = slice_for_rank(y, me, R);
+      zbig.zero_grad();
+      torch::nn::functional::cross_entropy(zbig.forward(xs), ys).backward();
+      zbig.step();
+      zacc.zero_grad();
+      for (int h = 0; h < 2; ++h) {
+        auto xh = xs.narrow(0, 4 * h, 4), yh = ys.narrow(0, 4 * h, 4);
+        (torch::nn::functional::cross_entropy(zacc.forward(xh), yh) / 2).backward();
+      }
+      zacc.step();
+    }
+    auto [x, y] = global_batch(4, 99);
+    torch::NoGradGuard ng;
+    EXPECT_LT(rel_err(zacc.forward(x), zbig.forward(x)), 1e-5);
+  }
+}
+
+// Eight Linear(31, 31)-Tanh layers: eight stage-3 units, or eight buckets of kLayer elements.
+constexpr int64_t kLayer = 31 * 31 + 31;
+torch::nn::Sequential eight_layers() {
+  torch::manual_seed(8);
+  torch::nn::Sequential net;
+  for (int l = 0; l < 8; ++l) {
+    net->push_back(torch::nn::Linear(31, 31));
+    net->push_back(torch::nn::Tanh());
+  }
+  return net;
+}
+
+// Stage 3 holds 1/N of the parameters between steps, and during forward and backward never
+// more than a few units gathered at once (eight units; prefetch 1).
+TEST(Zero, Stage3GathersAFewUnitsAtATime) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  auto net = eight_layers();
+  const int64_t layer = kLayer, psi = 8 * layer;
+  const int64_t unit_bytes = 4 * ((layer + R - 1) / R * R);
+  ZeroOptions zo;
+  zo.stage = 3;
+  zo.prefetch = 1;
+  zo.optimizer.kind = "sgd";
+  zo.optimizer.lr = 0.01;
+  ZeroDataParallel zero(net.ptr(), comm, zo);
+  EXPECT_EQ(zero.units(), 8);
+  auto x = torch::randn({2 * R, 31}, at::detail::createCPUGenerator(3));
+  for (int s = 0; s < 2; ++s) {
+    zero.zero_grad();
+    zero.forward(slice_for_rank(x, me, R)).pow(2).mean().backward();
+    zero.step();
+  }
+  auto m = zero.memory();
+  EXPECT_EQ(m.parameter_bytes, 4 * zero.shard_numel()) << "only the shard is resident after a step";
+  EXPECT_EQ(m.model_parameter_bytes, 4 * psi / R);
+  EXPECT_GE(m.peak_gathered_bytes, 2 * unit_bytes) << "prefetch should overlap the next unit's gather";
+  EXPECT_LE(m.peak_gathered_bytes, 3 * unit_bytes) << "a unit in use, one prefetched, one being freed at most";
+  for (auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+  // Evaluation without autograd gathers and frees as it goes, too.
+  {
+    torch::NoGradGuard ng;
+    auto y = zero.forward(x);
+    EXPECT_EQ(y.size(0), 2 * R);
+  }
+  EXPECT_EQ(zero.memory().parameter_bytes, 4 * zero.shard_numel());
+}
+
+// Mixed precision: the model computes in bf16 and the fp32 masters are sharded. The losses
+// follow fp32 DDP's to bf16 accuracy, and the masters (not the bf16 copies) carry the updates:
+// a learning rate too small to change a bf16 weight still moves the master.
+TEST(Zero, Bf16FollowsFp32WithShardedMasters) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  for (int stage : {1, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    auto ref = make_seq(11), net = make_seq(11);
+    DistributedDataParallel ddp(ref.ptr(), comm);
+    auto oo = adamw();
+    auto ref_opt = plain_optimizer(oo, ref->parameters());
+    ZeroOptions zo;
+    zo.stage = stage;
+    zo.bucket_cap_bytes = 300;
+    zo.optimizer = oo;
+    zo.precision = Precision::kBF16;
+    ZeroDataParallel zero(net.ptr(), comm, zo);
+    for (auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), at::kBFloat16);
+    double worst = 0;
+    for (int step = 0; step < 20; ++step) {
+      auto [x, y] = global_batch(6 * R, 500 + step);
+      auto xs = slice_for_rank(x, me, R), ys = slice_for_rank(y, me, R);
+      ddp.zero_grad();
+      auto rl = torch::nn::functional::cross_entropy(ref->forward(xs), ys);
+      rl.backward();
+      ref_opt->step();
+      zero.zero_grad();
+      auto zl = torch::nn::functional::cross_entropy(zero.forward(xs.to(at::kBFloat16)).to(at::kFloat), ys);
+      zero.scale_loss(zl).backward();
+      EXPECT_TRUE(zero.step());
+      double a = zl.item<double>(), b = rl.item<double>();
+      worst = std::max(worst, std::abs(a - b) / std::abs(b));
+    }
+    EXPECT_LT(worst, 0.03) << "bf16 losses drift from fp32's";
+    auto m = zero.memory();
+    EXPECT_EQ(m.master_bytes, 4 * zero.shard_numel());
+    const int64_t psi = m.parameters;
+    const double params = stage < 3 ? 2.0 * psi : 2.0 * psi / R;
+    EXPECT_NEAR(m.parameter_bytes, params, 0.1 * params + 2 * R * 4);
+    // AdamW in mixed precision: 12 bytes per parameter (master + 2 moments), sharded.
+    EXPECT_EQ(m.model_optimizer_state_bytes, 12 * psi / R);
+    EXPECT_NEAR(m.optimizer_state_bytes, 12.0 * psi / R, 0.1 * 12.0 * psi / R + 12 * 3 * R);
+
+    // Tiny updates accumulate in the fp32 masters, below what a bf16 weight (8 bits of
+    // mantissa) can register: the masters move, the model's outputs do not.
+    for (auto& p : zero.optimizer().param_groups()[0].params()) EXPECT_EQ(p.scalar_type(), at::kFloat);
+    std::vector<torch::Tensor> before;
+    for (auto& p : zero.optimizer().param_groups()[0].params()) before.push_back(p.detach().clone());
+    auto [x, y] = global_batch(6 * R, 900);
+    auto probe = [&] {
+      torch::NoGradGuard ng;
+      return zero.forward(x.to(at::kBFloat16)).to(at::kFloat);
+    };
+    auto out_before = probe();
+    zero.set_lr(1e-7);
+    for (int s = 0; s < 3; ++s) {
+      zero.zero_grad();
+      torch::nn::functional::cross_entropy(zero.forward(slice_for_rank(x, me, R).to(at::kBFloat16)).to(at::kFloat),
+                                           slice_for_rank(y, me, R))
+          .backward();
+      zero.step();
+    }
+    double moved = 0;
+    auto after = zero.optimizer().param_groups()[0].params();
+    for (size_t i = 0; i < after.size(); ++i) moved += (after[i].detach() - before[i]).abs().sum().item<double>();
+    EXPECT_GT(moved, 0.0) << "the fp32 masters must take the small updates";
+    EXPECT_TRUE(torch::equal(probe(), out_before)) << "updates of ~1e-7 are below bf16's resolution";
+  }
+}
+
+// fp16 dynamic loss scaling: an overflowing step is skipped on every rank (parameters
+// unchanged) and the scale backs off; growth_interval good steps grow it again.
+TEST(Zero, Fp16LossScalingSkipsOverflowAndRecovers) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    auto net = make_seq(12);
+    ZeroOptions zo;
+    zo.stage = stage;
+    zo.optimizer = sgd_momentum();
+    zo.precision = Precision::kFP16;
+    zo.loss_scaler.init_scale = 1024.0;
+    zo.loss_scaler.growth_interval = 3;
+    ZeroDataParallel zero(net.ptr(), comm, zo);
+    auto snapshot = [&] {
+      torch::NoGradGuard ng;
+      auto [x, y] = global_batch(4, 1);
+      return zero.forward(x.to(at::kHalf)).to(at::kFloat);
+    };
+    auto [x, y] = global_batch(4 * R, 21);
+    auto xs = slice_for_rank(x, me, R).to(at::kHalf), ys = slice_for_rank(y, me, R);
+    // One rank's loss becomes inf: every rank must skip.
+    auto out0 = snapshot();
+    zero.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(zero.forward(xs).to(at::kFloat), ys);
+    if (me == R - 1) loss = loss * std::numeric_limits<float>::infinity();
+    zero.scale_loss(loss).backward();
+    EXPECT_FALSE(zero.step());
+    EXPECT_EQ(zero.loss_scaler().scale(), 512.0);
+    EXPECT_EQ(zero.loss_scaler().skipped_steps(), 1);
+    EXPECT_TRUE(torch::equal(snapshot(), out0)) << "a skipped step must not change the parameters";
+    for (int s = 0; s < 3; ++s) {
+      zero.zero_grad();
+      zero.scale_loss(torch::nn::functional::cross_entropy(zero.forward(xs).to(at::kFloat), ys)).backward();
+      EXPECT_TRUE(zero.step());
+    }
+    EXPECT_EQ(zero.loss_scaler().scale(), 1024.0) << "three good steps grow the scale back";
+    EXPECT_FALSE(torch::equal(snapshot(), out0)) << "good steps change the parameters";
+  }
 }
 
 // 64 -> 63 -> 10 (4735 parameters) with Adam: per-rank bytes against the paper's model and
@@ -158,7 +397,7 @@ TEST(Zero, ClippingMatchesDDPWithClipGradNorm) {
 TEST(Zero, MemoryFollowsTheModel) {
   auto comm = world();
   const int R = comm->size(), me = comm->rank();
-  for (int stage : {1, 2}) {
+  for (int stage : {1, 2, 3}) {
     SCOPED_TRACE("stage " + std::to_string(stage));
     torch::manual_seed(5);
     auto net = torch::nn::Sequential(torch::nn::Linear(64, 63), torch::nn::Tanh(), torch::nn::Linear(63, 10));
@@ -176,7 +415,7 @@ TEST(Zero, MemoryFollowsTheModel) {
     for (int s = 0; s < 2; ++s) {
       zero.prepare_forward();
       zero.zero_grad();
-      torch::nn::functional::cross_entropy(net->forward(slice_for_rank(x, me, R)), slice_for_rank(y, me, R)).backward();
+      torch::nn::functional::cross_entropy(zero.forward(slice_for_rank(x, me, R)), slice_for_rank(y, me, R)).backward();
       zero.step();
       plain_opt.zero_grad();
       torch::nn::functional::cross_entropy(plain->forward(x), y).backward();
@@ -184,11 +423,11 @@ TEST(Zero, MemoryFollowsTheModel) {
     }
     auto m = zero.memory();
     EXPECT_EQ(m.parameters, psi);
-    EXPECT_EQ(m.model_parameter_bytes, 4 * psi);
+    EXPECT_EQ(m.model_parameter_bytes, stage < 3 ? 4 * psi : 4 * psi / R);
     EXPECT_EQ(m.model_gradient_bytes, stage == 1 ? 4 * psi : 4 * psi / R);
     EXPECT_EQ(m.model_optimizer_state_bytes, 8 * psi / R);
     auto within = [](int64_t measured, double expected) { return std::abs(measured - expected) <= 0.1 * expected; };
-    EXPECT_TRUE(within(m.parameter_bytes, 4.0 * psi)) << m.parameter_bytes;
+    EXPECT_TRUE(within(m.parameter_bytes, stage < 3 ? 4.0 * psi : 4.0 * psi / R)) << m.parameter_bytes;
     EXPECT_TRUE(within(m.gradient_bytes, stage == 1 ? 4.0 * psi : 4.0 * psi / R)) << m.gradient_bytes;
     EXPECT_TRUE(within(m.optimizer_state_bytes, 8.0 * psi / R)) << m.optimizer_state_bytes;
     // Independently: plain Adam over the whole model holds N times this rank's share.
@@ -200,9 +439,10 @@ TEST(Zero, MemoryFollowsTheModel) {
     comm->allreduce(mine, ReduceOp::kSum);
     EXPECT_EQ(mine[0].item<int64_t>(), 8 * zero.padded_numel());
     EXPECT_EQ(mine[1].item<int64_t>(), (stage == 1 ? R : 1) * 4 * zero.padded_numel());
-    if (stage == 2) {
+    if (stage >= 2) {
       for (auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
     }
+    if (stage == 3) EXPECT_EQ(mine[0].item<int64_t>() / 2, 4 * zero.padded_numel());
   }
 }
 
@@ -211,13 +451,8 @@ TEST(Zero, MemoryFollowsTheModel) {
 TEST(Zero, Stage2ScratchStaysWithinAFewBuckets) {
   auto comm = world();
   const int R = comm->size(), me = comm->rank();
-  torch::manual_seed(8);
-  torch::nn::Sequential net;
-  for (int l = 0; l < 8; ++l) {
-    net->push_back(torch::nn::Linear(31, 31));
-    net->push_back(torch::nn::Tanh());
-  }
-  const int64_t layer = 31 * 31 + 31, psi = 8 * layer;
+  auto net = eight_layers();
+  const int64_t layer = kLayer, psi = 8 * layer;
   ZeroOptions zo;
   zo.stage = 2;
   zo.bucket_cap_bytes = 4 * layer;  // one layer per bucket (bias and weight together)
@@ -242,13 +477,44 @@ TEST(Zero, Stage2ScratchStaysWithinAFewBuckets) {
 
 TEST(Zero, RejectsBadOptions) {
   auto comm = world();
-  auto net = make_net(1);
+  auto expect_invalid = [&](ZeroOptions zo, const std::string& what) {
+    auto net = make_net(1);
+    try {
+      ZeroDataParallel z(net.ptr(), comm, zo);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_FALSE(std::string(e.what()).empty()) << what;
+    }
+  };
   ZeroOptions zo;
-  zo.stage = 3;
-  EXPECT_THROW(ZeroDataParallel(net.ptr(), comm, zo), std::invalid_argument);
-  zo.stage = 1;
+  zo.stage = 4;
+  expect_invalid(zo, "stage 4");
+  zo.stage = 0;
+  expect_invalid(zo, "stage 0");
+  zo = ZeroOptions();
   zo.optimizer.kind = "lamb";
-  EXPECT_THROW(ZeroDataParallel(net.ptr(), comm, zo), std::invalid_argument);
+  expect_invalid(zo, "optimizer lamb");
+  zo = ZeroOptions();
+  zo.optimizer.lr = -1;
+  expect_invalid(zo, "negative lr");
+  zo = ZeroOptions();
+  zo.precision = Precision::kFP16;
+  zo.loss_scaler.growth_factor = 0.5;
+  expect_invalid(zo, "loss scale growth factor below 1");
+  zo = ZeroOptions();
+  zo.stage = 3;
+  zo.prefetch = -1;
+  expect_invalid(zo, "negative prefetch");
+  // A double-precision model cannot train in bf16 with fp32 masters.
+  zo = ZeroOptions();
+  zo.precision = Precision::kBF16;
+  auto dbl = make_net(1);
+  dbl->to(at::kDouble);
+  EXPECT_THROW(ZeroDataParallel(dbl.ptr(), comm, zo), std::invalid_argument);
+  // forward() needs a Sequential.
+  auto net = make_net(1);
+  ZeroDataParallel z(net.ptr(), comm, ZeroOptions{});
+  EXPECT_THROW(z.forward(torch::zeros({2, 13})), std::invalid_argument);
 }
 
 }  // namespace

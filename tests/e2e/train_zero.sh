@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# `tandem train --strategy zero1|zero2` against --strategy ddp: the same per-step losses
-# (within 1e-5 relative; fp32, elementwise AdamW) and the per-rank memory the report gives
-# (optimizer state 1/N of DDP's; stage 2 gradients 1/N too, within 10%).
+# `tandem train --strategy zero1|zero2|zero3` against --strategy ddp: the same per-step losses
+# (within 1e-5 relative; fp32, elementwise AdamW), the per-rank memory the report gives
+# (optimizer state 1/N of DDP's; stage 2 gradients 1/N too; stage 3 parameters 1/N too, within
+# 10%) and the traffic the Communicator counted (stages 1, 2: DDP's; stage 3: 1.5x, within 10%).
 # usage: train_zero.sh TANDEM
 set -euo pipefail
 tandem=$1
@@ -9,7 +10,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 common=(-n 2 --model mlp --optimizer adamw --lr 0.001 --batch 64 --seed 5 --max-steps 12 --no-eval --no-baseline
         --no-progress --threads 1)
-for s in ddp zero1 zero2; do
+for s in ddp zero1 zero2 zero3; do
   "$tandem" train --strategy "$s" "${common[@]}" --metrics "$out/$s.jsonl" >"$out/log_$s" 2>&1 ||
     { cat "$out/log_$s"; exit 1; }
 done
@@ -25,7 +26,7 @@ def load(s):
     return steps, rep
 ref, rd = load("ddp")
 ok = True
-for s in ("zero1", "zero2"):
+for s in ("zero1", "zero2", "zero3"):
     l, r = load(s)
     assert len(l) == len(ref) == 12, (s, len(l), len(ref))
     worst = max(abs(a - b) / abs(b) for a, b in zip(l, ref))
@@ -34,16 +35,21 @@ for s in ("zero1", "zero2"):
     near = lambda a, b: abs(a - b) <= 0.1 * b
     n = r["world_size"]
     checks = {
-        "parameters": near(r["parameter_bytes"], rd["parameter_bytes"]),
+        "parameters": near(r["parameter_bytes"], rd["parameter_bytes"] / (n if s == "zero3" else 1)),
         "optimizer state": near(r["optimizer_state_bytes"], rd["optimizer_state_bytes"] / n),
         "gradients": near(r["gradient_bytes"], rd["gradient_bytes"] / (1 if s == "zero1" else n)),
     }
+    wire, ref_wire = r["wire_bytes_per_step"], rd["wire_bytes_per_step"]
+    factor = 1.5 if s == "zero3" else 1.0
+    print(f"{s}: {wire / 2**20:.2f} MiB on the wire per step and rank, ddp {ref_wire / 2**20:.2f} MiB "
+          f"({wire / ref_wire:.2f}x, expected {factor}x)")
+    checks["traffic"] = abs(wire - factor * ref_wire) <= 0.1 * factor * ref_wire
     print(f"{s}: bytes params {r['parameter_bytes']} grads {r['gradient_bytes']} optimizer {r['optimizer_state_bytes']}"
           f" (ddp: {rd['parameter_bytes']} {rd['gradient_bytes']} {rd['optimizer_state_bytes']})")
     for k, v in checks.items():
         if not v:
             ok = False
-            print(f"FAIL: {s} {k} bytes do not follow the ZeRO model")
+            print(f"FAIL: {s} {k} does not follow the ZeRO model")
 print("zero train " + ("ok" if ok else "FAILED"))
 sys.exit(0 if ok else 1)
 PY

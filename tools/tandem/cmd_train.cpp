@@ -26,7 +26,13 @@ int cmd_train(int argc, char** argv) {
   int64_t baseline_steps = 30;
   app.add_option("--model", cfg.model, "mlp | cnn | cnn_bn")->capture_default_str();
   app.add_option("--data", cfg.data, "directory with the IDX files (Fashion-MNIST layout)")->capture_default_str();
-  app.add_option("--strategy", cfg.strategy, "single | ddp | zero1 | zero2 (ZeRO: optimizer state, +gradients sharded)")->capture_default_str();
+  app.add_option("--strategy", cfg.strategy,
+                 "single | ddp | zero1 | zero2 | zero3 (ZeRO: optimizer state, +gradients, +parameters sharded)")
+      ->capture_default_str();
+  app.add_option("--precision", cfg.precision,
+                 "fp32 | bf16 | fp16 (compute precision; fp32 master weights; fp16 with dynamic loss scaling)")
+      ->capture_default_str();
+  app.add_option("--max-grad-norm", cfg.max_grad_norm, "clip the global gradient norm (0: off)")->capture_default_str();
   app.add_option("-n,--nprocs", nprocs, "workers to launch")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--epochs", cfg.epochs, "epochs")->capture_default_str();
   app.add_option("--batch", cfg.batch, "global batch size (split across workers)")->capture_default_str();
@@ -99,7 +105,7 @@ int cmd_train(int argc, char** argv) {
       b.evaluate = false;
       b.progress = false;
       b.metrics_path.clear();
-      if (b.strategy == "ddp" || b.strategy == "zero1" || b.strategy == "zero2") b.strategy = "single";
+      if (b.strategy != "single") b.strategy = "single";
       RuntimeOptions bro = ro;
       bro.threads = threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency() / nprocs);
       bro.backend = "self";

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <climits>
+#include <cstring>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -233,9 +234,26 @@ class MpiCommunicator : public Communicator {
     auto mop = mpi_op(op, in.scalar_type(), what);
     int count = checked_count(out.numel(), what);
     checked_count(in.numel(), what);
+    int n = size_;
+    if (is_own_chunk(out, in)) {
+      // In place: MPI_IN_PLACE takes the input from the receive buffer and leaves the result
+      // at its start; move it to this rank's chunk.
+      const int64_t bytes = out.numel() * out.element_size();
+      const int me = rank_;
+      return enqueue("reduce_scatter", what, in.numel() * in.element_size(),
+                     [=](std::vector<MPI_Request>& r) {
+                       r.resize(1);
+                       check(MPI_Ireduce_scatter_block(MPI_IN_PLACE, in.data_ptr(), count, type, mop, comm_, &r[0]),
+                             what);
+                     },
+                     [=]() mutable {
+                       if (me != 0) std::memcpy(out.data_ptr(), in.data_ptr(), bytes);
+                       if (op == ReduceOp::kAvg) out.div_(n);
+                     },
+                     [=] { check(MPI_Reduce_scatter_block(MPI_IN_PLACE, in.data_ptr(), count, type, mop, comm_), what); });
+    }
     at::Tensor src = in.contiguous();
     at::Tensor dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
-    int n = size_;
     return enqueue("reduce_scatter", what, in.numel() * in.element_size(),
                    [=](std::vector<MPI_Request>& r) {
                      r.resize(1);
@@ -260,6 +278,16 @@ class MpiCommunicator : public Communicator {
     auto type = mpi_type(in.scalar_type(), what);
     int count = checked_count(in.numel(), what);
     checked_count(out.numel(), what);
+    if (is_own_chunk(in, out)) {
+      // In place: this rank's contribution already sits where it will be received.
+      return enqueue("allgather", what, in.numel() * in.element_size(),
+                     [=](std::vector<MPI_Request>& r) {
+                       r.resize(1);
+                       check(MPI_Iallgather(MPI_IN_PLACE, 0, type, out.data_ptr(), count, type, comm_, &r[0]), what);
+                     },
+                     [] {},
+                     [=] { check(MPI_Allgather(MPI_IN_PLACE, 0, type, out.data_ptr(), count, type, comm_), what); });
+    }
     at::Tensor src = in.contiguous();
     at::Tensor dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
     return enqueue("allgather", what, in.numel() * in.element_size(),
@@ -371,6 +399,12 @@ class MpiCommunicator : public Communicator {
         out.scalar_type() != in.scalar_type()) {
       throw CommError(what + ": output must be a dense (strided) CPU tensor of the input's dtype");
     }
+  }
+  // `chunk` is chunk rank_ of the contiguous `whole` (NCCL's in-place convention).
+  bool is_own_chunk(const at::Tensor& chunk, const at::Tensor& whole) const {
+    if (!chunk.is_contiguous() || !whole.is_contiguous() || !chunk.is_alias_of(whole)) return false;
+    auto* base = static_cast<const char*>(whole.data_ptr());
+    return static_cast<const char*>(chunk.data_ptr()) == base + rank_ * chunk.numel() * chunk.element_size();
   }
   void check_peer(int peer, const std::string& what) const {
     if (peer < 0 || peer >= size_) {

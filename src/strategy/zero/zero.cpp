@@ -1,20 +1,31 @@
-// ZeroDataParallel: ZeRO stages 1 and 2 as one class whose stage is a switch (llm.c's
+// ZeroDataParallel: ZeRO stages 1, 2 and 3 as one class whose stage is a switch (llm.c's
 // zero.cuh), not a hierarchy.
 //
-// Layout: the parameters (reverse registration order, the order backward produces their
-// gradients) are packed into buckets of at most bucket_cap_bytes; each bucket is padded to a
-// multiple of the world size N and the buckets lie one after another in one flat buffer, of
-// which the model's parameters become views. Rank r owns chunk r of every bucket, so a
-// bucket's reduce-scatter delivers exactly the gradient chunk rank r steps. The optimizer's
-// parameters are views of the owned chunks (no second copy of the parameters).
+// Layout: parameters are packed into buckets, each padded to a multiple of the world size N;
+// rank r owns chunk r of every bucket, so a bucket's reduce-scatter delivers exactly the
+// gradient chunk rank r steps. Stages 1 and 2 cut buckets by size (reverse registration order,
+// the order backward produces gradients) and lay them one after another in one flat buffer of
+// which the model's parameters become views. Stage 3 makes one bucket per unit (a child of a
+// Sequential), each with its own storage that is freed whenever the unit is not in use; the
+// rank keeps only its chunk (`shard`).
 //
 // Per step: post-accumulate hooks copy each finished gradient into its bucket; a full bucket
-// (in bucket order, identical on every rank) is all-reduced (stage 1, into a full-size
-// gradient buffer the parameters' .grad() are views of) or reduce-scattered into the rank's
-// gradient shard (stage 2, from a per-bucket scratch freed once the collective finished; the
-// parameters' .grad() are released). An autograd final callback waits for the collectives.
-// step() clips by the global norm (sum of squares of the shards, all-reduced), steps the
-// shard and all-gathers every bucket's parameters.
+// (in bucket order, identical on every rank) is reduce-scattered. Stage 1 does it in place in
+// a full-size gradient buffer the parameters' .grad() are views of (summing; the rest of the
+// bucket is zeroed afterwards so that a further backward accumulates correctly, and step()
+// divides by N). Stages 2 and 3 reduce-scatter from a per-bucket scratch (freed once the
+// collective finished; the parameters' .grad() are released) into the rank's gradient shard.
+// So every stage moves what DDP's all-reduce moves (reduce-scatter + all-gather), stage 3
+// one more all-gather. An autograd final callback waits for the collectives.
+// step() unscales and checks (fp16), clips by the global norm (sum of squares of the shards,
+// all-reduced), steps the shard's masters and (stages 1, 2) all-gathers every bucket.
+//
+// Stage 3 gathering: forward() all-gathers unit u (unless prefetched), starts the gather of
+// the next unit(s), runs the unit, frees it, and hooks the unit's output so that when its
+// gradient arrives (just before the unit's backward) the unit is gathered again and the one
+// before it prefetched. When the unit's last gradient has been accumulated its parameters are
+// freed again. Freeing releases the memory of the unit's storage but keeps the StorageImpl, so
+// the views that autograd saved stay valid and see the re-gathered values.
 #include "tandem/zero.h"
 
 #include <ATen/ATen.h>
@@ -24,57 +35,42 @@
 #include <cmath>
 #include <deque>
 #include <sstream>
+#include <unordered_map>
 
+#include "compat/torch_compat.h"
 #include "strategy/autograd_hooks.h"
 #include "strategy/model_sync.h"
 
 namespace tandem {
-
-int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt) {
-  int64_t total = 0;
-  auto add = [&](const at::Tensor& t) {
-    if (t.defined()) total += t.numel() * t.element_size();
-  };
-  for (auto& kv : opt.state()) {
-    const auto* s = kv.second.get();
-    if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(s)) {
-      add(a->exp_avg());
-      add(a->exp_avg_sq());
-      add(a->max_exp_avg_sq());
-    } else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(s)) {
-      add(w->exp_avg());
-      add(w->exp_avg_sq());
-      add(w->max_exp_avg_sq());
-    } else if (auto* g = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
-      add(g->momentum_buffer());
-    } else if (auto* ad = dynamic_cast<const torch::optim::AdagradParamState*>(s)) {
-      add(ad->sum());
-    } else if (auto* rm = dynamic_cast<const torch::optim::RMSpropParamState*>(s)) {
-      add(rm->square_avg());
-      add(rm->momentum_buffer());
-      add(rm->grad_avg());
-    }
-  }
-  return total;
-}
-
 namespace {
+
+enum class Gather { kFree, kInFlight, kReady };
 
 struct Bucket {
   std::vector<size_t> params;  // indices into Impl::params, in flat order
-  int64_t offset = 0;          // first element in the flat buffers
+  int64_t offset = 0;          // stages 1, 2: first element in the flat buffers
   int64_t numel = 0;           // elements of its parameters
   int64_t padded = 0;          // numel rounded up to a multiple of N
   int64_t chunk = 0;           // padded / N: what each rank owns
-  int64_t shard_offset = 0;    // where this bucket's chunk lies in the rank's shard
+  int64_t shard_offset = 0;    // where this bucket's chunk lies in the rank's gradient shard
   size_t pending = 0;          // parameters still waiting for their gradient this step
-  at::Tensor scratch;          // stage 2: the bucket's local gradients while reduce-scattered
+  at::Tensor full;    // all its parameters (stage 3: memory only while gathered)
+  at::Tensor shard;   // this rank's chunk, compute dtype (stages 1, 2: a view of full)
+  at::Tensor master;  // what the optimizer steps: the shard itself in fp32, else an fp32 copy
+  at::Tensor scratch;  // stages 2, 3: the bucket's local gradients while reduce-scattered
+  at::Tensor accum;    // stages 2, 3, second and later backward: the reduced chunk to add
   WorkPtr work;
+  // stage 3
+  int unit = -1;
+  Gather state = Gather::kReady;
+  WorkPtr gather;
 };
 
 bool same_view(const at::Tensor& g, const at::Tensor& v) {
   return g.defined() && g.data_ptr() == v.data_ptr() && g.sizes() == v.sizes() && g.strides() == v.strides();
 }
+
+int64_t nbytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
 
 }  // namespace
 
@@ -87,128 +83,282 @@ struct ZeroDataParallel::Impl {
   std::vector<std::pair<std::string, at::Tensor>> buffers;
   std::vector<std::shared_ptr<void>> accumulators;
   std::shared_ptr<Impl*> self;  // hooks hold a weak_ptr to this
+  torch::nn::SequentialImpl* sequential = nullptr;  // stage 3 per-unit forward
 
   std::vector<Bucket> buckets;
   std::vector<size_t> bucket_of;
-  std::vector<int64_t> offset_of;  // element offset of each parameter in `flat`
+  std::vector<int64_t> offset_of;  // element offset of each parameter within its bucket
   int64_t psi = 0;
-  at::Tensor flat;        // every parameter (the module's parameters are views of it)
+  at::Tensor flat;        // stages 1, 2: every parameter
   at::Tensor grad_flat;   // stage 1: every gradient, averaged after backward
-  at::Tensor grad_shard;  // stage 2: this rank's averaged gradient chunks
-  std::vector<at::Tensor> shard_params;  // views of flat: the owned chunks
+  at::Tensor grad_shard;  // stages 2, 3: this rank's averaged gradient chunks
   std::unique_ptr<torch::optim::Optimizer> optim;
+  bool mixed = false;  // fp32 masters separate from the low-precision shard
+  LossScaler scaler{false};
+
+  // stage 3
+  std::vector<size_t> unit_bucket;  // unit (forward order) -> bucket
+  std::vector<int> child_unit;      // Sequential child -> unit, or -1
 
   std::vector<char> ready;
   size_t next_bucket = 0;
   bool callback_queued = false;
-  std::deque<size_t> inflight;  // stage 2: launched, scratch still held
+  bool grads_fresh = true;      // no backward since zero_grad(): reduce-scatter overwrites
+  bool owned_summed = false;    // stage 1: the owned chunks hold sums over ranks, not means
+  std::deque<size_t> inflight;  // stages 2, 3: launched, scratch still held
   double last_norm = -1.0;
-  int64_t scratch_live = 0, scratch_peak = 0;  // stage 2: bytes of bucket scratch alive
+  int64_t scratch_live = 0, scratch_peak = 0;  // bytes of bucket scratch alive
+  int64_t gathered_live = 0, gathered_peak = 0;  // stage 3: bytes of gathered units
+
+  std::string where() const { return "rank " + std::to_string(rank) + ": ZeRO-" + std::to_string(opts.stage); }
+
+  at::Tensor param_view(const at::Tensor& bucket_buf, size_t i) const {
+    return bucket_buf.narrow(0, offset_of[i], params[i].numel()).view(params[i].sizes());
+  }
+  at::Tensor grad_view(size_t i) const {
+    const auto& bk = buckets[bucket_of[i]];
+    return param_view(grad_flat.narrow(0, bk.offset, bk.padded), i);
+  }
+  at::Tensor grad_chunk(const Bucket& bk) const {
+    return opts.stage == 1 ? grad_flat.narrow(0, bk.offset + rank * bk.chunk, bk.chunk)
+                           : grad_shard.narrow(0, bk.shard_offset, bk.chunk);
+  }
 
   at::Tensor new_scratch(const Bucket& bk) {
-    auto t = at::zeros({bk.padded}, flat.options());
-    scratch_live += t.numel() * t.element_size();
+    auto t = at::zeros({bk.padded}, bk.shard.options());
+    scratch_live += nbytes(t);
     scratch_peak = std::max(scratch_peak, scratch_live);
     return t;
   }
   void free_scratch(Bucket& bk) {
-    if (bk.scratch.defined()) scratch_live -= bk.scratch.numel() * bk.scratch.element_size();
+    scratch_live -= nbytes(bk.scratch);
     bk.scratch = at::Tensor();
   }
 
-  std::string where() const { return "rank " + std::to_string(rank) + ": ZeRO-" + std::to_string(opts.stage); }
+  // ---- layout
 
-  at::Tensor param_view(const at::Tensor& buf, size_t i) const {
-    return buf.narrow(0, offset_of[i], params[i].numel()).view(params[i].sizes());
+  // Stages 1, 2: buckets by size. Stage 3: one bucket per unit, units in reverse forward order.
+  void plan_buckets() {
+    const int64_t esize = params.empty() ? 4 : params[0].element_size();
+    if (opts.stage < 3) {
+      Bucket cur;
+      int64_t cur_bytes = 0;
+      for (size_t k = 0; k < params.size(); ++k) {
+        size_t i = params.size() - 1 - k;  // reverse registration order
+        int64_t bytes = params[i].numel() * esize;
+        if (!cur.params.empty() && cur_bytes + bytes > opts.bucket_cap_bytes) {
+          buckets.push_back(std::move(cur));
+          cur = Bucket();
+          cur_bytes = 0;
+        }
+        cur.params.push_back(i);
+        cur_bytes += bytes;
+      }
+      if (!cur.params.empty()) buckets.push_back(std::move(cur));
+      return;
+    }
+    std::unordered_map<const void*, size_t> index;
+    for (size_t i = 0; i < params.size(); ++i) index[params[i].unsafeGetTensorImpl()] = i;
+    std::vector<std::vector<size_t>> units;
+    if (sequential) {
+      std::vector<char> taken(params.size(), 0);
+      for (auto& child : sequential->children()) {
+        std::vector<size_t> u;
+        for (auto& p : child->parameters(/*recurse=*/true)) {
+          auto it = index.find(p.unsafeGetTensorImpl());
+          if (it == index.end() || taken[it->second]) continue;  // frozen, or shared with an earlier unit
+          taken[it->second] = 1;
+          u.push_back(it->second);
+        }
+        child_unit.push_back(u.empty() ? -1 : static_cast<int>(units.size()));
+        if (!u.empty()) units.push_back(std::move(u));
+      }
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (!taken[i]) {
+          throw std::invalid_argument(where() + ": parameter '" + names[i] +
+                                      "' belongs to no child of the Sequential; register it in a child module");
+        }
+      }
+    } else {
+      std::vector<size_t> all(params.size());
+      for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+      if (!all.empty()) units.push_back(std::move(all));
+    }
+    unit_bucket.assign(units.size(), 0);
+    for (size_t k = 0; k < units.size(); ++k) {
+      size_t u = units.size() - 1 - k;
+      Bucket bk;
+      bk.unit = static_cast<int>(u);
+      bk.params.assign(units[u].rbegin(), units[u].rend());
+      unit_bucket[u] = buckets.size();
+      buckets.push_back(std::move(bk));
+    }
   }
 
   void build_layout() {
-    const int64_t esize = params.empty() ? 4 : params[0].element_size();
-    Bucket cur;
-    int64_t cur_bytes = 0;
-    auto close = [&] {
-      if (!cur.params.empty()) buckets.push_back(std::move(cur));
-      cur = Bucket();
-      cur_bytes = 0;
-    };
-    for (size_t k = 0; k < params.size(); ++k) {
-      size_t i = params.size() - 1 - k;  // reverse registration order
-      int64_t bytes = params[i].numel() * esize;
-      if (!cur.params.empty() && cur_bytes + bytes > opts.bucket_cap_bytes) close();
-      cur.params.push_back(i);
-      cur_bytes += bytes;
-    }
-    close();
+    plan_buckets();
     bucket_of.assign(params.size(), 0);
     offset_of.assign(params.size(), 0);
     int64_t off = 0, shard_off = 0;
     for (size_t b = 0; b < buckets.size(); ++b) {
       auto& bk = buckets[b];
-      bk.offset = off;
       for (size_t i : bk.params) {
         bucket_of[i] = b;
-        offset_of[i] = off + bk.numel;
+        offset_of[i] = bk.numel;
         bk.numel += params[i].numel();
       }
-      bk.padded = (bk.numel + world - 1) / world * world;
-      if (bk.padded == 0) bk.padded = world;
+      bk.padded = std::max<int64_t>((bk.numel + world - 1) / world * world, world);
       bk.chunk = bk.padded / world;
+      bk.offset = off;
       bk.shard_offset = shard_off;
       bk.pending = bk.params.size();
       off += bk.padded;
       shard_off += bk.chunk;
     }
     torch::NoGradGuard ng;
-    auto opts_t = params.empty() ? at::TensorOptions().dtype(at::kFloat) : params[0].options().requires_grad(false);
-    flat = at::zeros({std::max<int64_t>(off, 1)}, opts_t);
-    for (size_t i = 0; i < params.size(); ++i) {
-      auto v = param_view(flat, i);
-      v.copy_(params[i].detach());
-      params[i].set_data(v);
+    const auto dtype = params.empty() ? at::kFloat : params[0].scalar_type();
+    const auto device = params.empty() ? at::Device(at::kCPU) : params[0].device();
+    // Masters keep the parameters' values before any conversion to the compute dtype.
+    const auto compute = mixed ? compute_dtype(opts.precision) : dtype;
+    const auto copts = at::TensorOptions().dtype(compute).device(device);
+    if (opts.stage < 3) flat = at::zeros({std::max<int64_t>(off, 1)}, copts);
+    for (auto& bk : buckets) {
+      auto values = at::zeros({bk.padded}, at::TensorOptions().dtype(dtype).device(device));
+      for (size_t i : bk.params) param_view(values, i).copy_(params[i].detach());
+      auto mine = values.narrow(0, rank * bk.chunk, bk.chunk);
+      if (mixed) bk.master = mine.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      bk.full = opts.stage < 3 ? flat.narrow(0, bk.offset, bk.padded) : at::empty({bk.padded}, copts);
+      bk.full.copy_(values);
+      bk.shard = opts.stage < 3 ? bk.full.narrow(0, rank * bk.chunk, bk.chunk) : bk.full.narrow(0, rank * bk.chunk, bk.chunk).clone();
+      if (!mixed) bk.master = bk.shard;
+      for (size_t i : bk.params) params[i].set_data(param_view(bk.full, i));
     }
-    for (auto& bk : buckets) shard_params.push_back(flat.narrow(0, bk.offset + rank * bk.chunk, bk.chunk));
+    if (mixed) {
+      for (auto& b : buffers) {
+        if (at::isFloatingType(b.second.scalar_type())) b.second.set_data(b.second.to(compute));
+      }
+    }
     if (opts.stage == 1) {
       grad_flat = at::zeros_like(flat);
     } else {
-      grad_shard = at::zeros({std::max<int64_t>(shard_off, 1)}, opts_t);
+      grad_shard = at::zeros({std::max<int64_t>(shard_off, 1)}, copts);
     }
-    link_shard_grads();
+    if (opts.stage == 3) {
+      for (auto& bk : buckets) {
+        gathered_live += nbytes(bk.full);
+        release(bk);
+      }
+      gathered_peak = 0;
+    }
     ready.assign(params.size(), 0);
   }
 
   void build_optimizer() {
-    const auto& o = opts.optimizer;
-    if (o.kind == "sgd") {
-      optim = std::make_unique<torch::optim::SGD>(
-          shard_params,
-          torch::optim::SGDOptions(o.lr).momentum(o.momentum).nesterov(o.nesterov).weight_decay(o.weight_decay));
-    } else if (o.kind == "adam") {
-      optim = std::make_unique<torch::optim::Adam>(
-          shard_params,
-          torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
-    } else if (o.kind == "adamw") {
-      optim = std::make_unique<torch::optim::AdamW>(
-          shard_params,
-          torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
-    } else {
-      throw std::invalid_argument(where() + ": unknown optimizer '" + o.kind + "' (use sgd, adam or adamw)");
+    std::vector<at::Tensor> masters;
+    for (auto& bk : buckets) masters.push_back(bk.master);
+    optim = make_optimizer(masters, opts.optimizer);
+  }
+
+  // ---- stage 3: gathering units
+
+  void start_gather(Bucket& bk) {
+    if (bk.state != Gather::kFree) return;
+    compat::alloc_storage(bk.full, static_cast<size_t>(nbytes(bk.full)));
+    gathered_live += nbytes(bk.full);
+    gathered_peak = std::max(gathered_peak, gathered_live);
+    bk.state = Gather::kInFlight;
+    bk.gather = comm->allgather_async(bk.full, bk.shard);
+  }
+  void ensure_gathered(Bucket& bk) {
+    start_gather(bk);
+    if (bk.state == Gather::kInFlight) {
+      auto w = std::move(bk.gather);
+      bk.gather.reset();
+      bk.state = Gather::kReady;
+      try {
+        w->wait();
+      } catch (...) {
+        release(bk);
+        throw;
+      }
+    }
+  }
+  void release(Bucket& bk) {
+    if (opts.stage < 3 || bk.state == Gather::kFree) return;
+    if (bk.gather) {
+      auto w = std::move(bk.gather);
+      bk.gather.reset();
+      try {
+        w->wait();  // the engine must be done writing before the memory goes
+      } catch (...) {
+      }
+    }
+    compat::free_storage(bk.full);
+    gathered_live -= nbytes(bk.full);
+    bk.state = Gather::kFree;
+  }
+  void release_all() {
+    for (auto& bk : buckets) release(bk);
+  }
+
+  at::Tensor forward(const at::Tensor& input) {
+    const bool grad = at::GradMode::is_enabled();
+    const int U = static_cast<int>(unit_bucket.size());
+    at::Tensor x = input;
+    size_t k = 0;
+    for (auto it = sequential->begin(); it != sequential->end(); ++it, ++k) {
+      const int u = child_unit[k];
+      if (u < 0) {
+        x = it->forward(x);
+        continue;
+      }
+      auto& bk = buckets[unit_bucket[u]];
+      ensure_gathered(bk);
+      for (int d = 1; d <= opts.prefetch && u + d < U; ++d) start_gather(buckets[unit_bucket[u + d]]);
+      x = it->forward(x);
+      const bool backward_comes = grad && x.requires_grad();
+      if (backward_comes) {
+        std::weak_ptr<Impl*> weak = self;
+        x.register_hook([weak, u](const at::TensorBase&) {
+          if (auto s = weak.lock()) (*s)->pre_backward(u);
+        });
+      }
+      // The last unit's backward runs first: keep it.
+      if (!(backward_comes && u == U - 1)) release(bk);
+    }
+    return x;
+  }
+
+  void pre_backward(int u) {
+    arm_final_callback();
+    ensure_gathered(buckets[unit_bucket[u]]);
+    for (int d = 1; d <= opts.prefetch && u - d >= 0; ++d) {
+      auto& prev = buckets[unit_bucket[u - d]];
+      if (prev.pending > 0) start_gather(prev);
     }
   }
 
   // ---- per step, from the autograd hooks
+
+  void arm_final_callback() {
+    if (callback_queued) return;
+    callback_queued = true;
+    std::weak_ptr<Impl*> weak = self;
+    detail::queue_backward_callback([weak] {
+      if (auto s = weak.lock()) (*s)->finalize();
+    });
+  }
+
   void on_grad_ready(size_t i) {
-    if (!callback_queued) {
-      callback_queued = true;
-      std::weak_ptr<Impl*> weak = self;
-      detail::queue_backward_callback([weak] {
-        if (auto s = weak.lock()) (*s)->finalize();
-      });
-    }
+    arm_final_callback();
     if (ready[i]) return;
     ready[i] = 1;
     take_gradient(i);
     auto& bk = buckets[bucket_of[i]];
-    if (--bk.pending == 0) launch_ready();
+    if (--bk.pending == 0) {
+      release(bk);  // stage 3: the unit's backward is done
+      launch_ready();
+    }
   }
 
   // Moves parameter i's gradient where its bucket's collective will find it.
@@ -216,7 +366,7 @@ struct ZeroDataParallel::Impl {
     torch::NoGradGuard ng;
     auto& g = params[i].mutable_grad();
     if (opts.stage == 1) {
-      auto v = param_view(grad_flat, i);
+      auto v = grad_view(i);
       if (same_view(g, v)) return;  // accumulated in place
       if (g.defined()) {
         v.copy_(g);
@@ -227,8 +377,8 @@ struct ZeroDataParallel::Impl {
     } else {
       auto& bk = buckets[bucket_of[i]];
       if (!bk.scratch.defined()) bk.scratch = new_scratch(bk);
-      if (g.defined()) bk.scratch.narrow(0, offset_of[i] - bk.offset, params[i].numel()).view(params[i].sizes()).copy_(g);
-      g = at::Tensor();  // stage 2 keeps no full-size gradient
+      if (g.defined()) param_view(bk.scratch, i).copy_(g);
+      g = at::Tensor();  // stages 2, 3 keep no full-size gradient
     }
   }
 
@@ -240,106 +390,148 @@ struct ZeroDataParallel::Impl {
   void wait_oldest() {
     size_t b = inflight.front();
     inflight.pop_front();
-    auto w = std::move(buckets[b].work);
-    buckets[b].work.reset();
+    auto& bk = buckets[b];
+    auto w = std::move(bk.work);
+    bk.work.reset();
     try {
       w->wait();
     } catch (...) {
-      free_scratch(buckets[b]);
+      free_scratch(bk);
+      bk.accum = at::Tensor();
       throw;
     }
-    free_scratch(buckets[b]);
+    free_scratch(bk);
+    if (bk.accum.defined()) {
+      grad_shard.narrow(0, bk.shard_offset, bk.chunk).add_(bk.accum);
+      bk.accum = at::Tensor();
+    }
   }
 
   void launch(size_t b) {
     auto& bk = buckets[b];
     if (opts.stage == 1) {
-      bk.work = comm->allreduce_async(grad_flat.narrow(0, bk.offset, bk.padded), ReduceOp::kAvg);
-    } else {
-      while (static_cast<int>(inflight.size()) >= std::max(1, opts.max_inflight_buckets)) wait_oldest();
-      if (!bk.scratch.defined()) bk.scratch = new_scratch(bk);
-      bk.work = comm->reduce_scatter_async(grad_shard.narrow(0, bk.shard_offset, bk.chunk), bk.scratch, ReduceOp::kAvg);
-      inflight.push_back(b);
+      auto whole = grad_flat.narrow(0, bk.offset, bk.padded);
+      bk.work = comm->reduce_scatter_async(whole.narrow(0, rank * bk.chunk, bk.chunk), whole, ReduceOp::kSum);
+      return;
     }
+    while (static_cast<int>(inflight.size()) >= std::max(1, opts.max_inflight_buckets)) wait_oldest();
+    if (!bk.scratch.defined()) bk.scratch = new_scratch(bk);
+    // After the first backward since zero_grad() the reduced chunk is added, not written.
+    at::Tensor out = grad_shard.narrow(0, bk.shard_offset, bk.chunk);
+    if (!grads_fresh) out = bk.accum = at::empty({bk.chunk}, grad_shard.options());
+    bk.work = comm->reduce_scatter_async(out, bk.scratch, ReduceOp::kAvg);
+    inflight.push_back(b);
   }
 
   void finalize() {
     callback_queued = false;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (ready[i]) continue;
-      ready[i] = 1;
-      take_gradient(i);
-    }
-    for (auto& bk : buckets) bk.pending = 0;
     std::exception_ptr err;
+    auto keep_first = [&] {
+      if (!err) err = std::current_exception();
+    };
     try {
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (ready[i]) continue;
+        ready[i] = 1;
+        take_gradient(i);
+      }
+      for (auto& bk : buckets) bk.pending = 0;
       launch_ready();
     } catch (...) {
-      err = std::current_exception();
+      keep_first();
     }
     if (opts.stage == 1) {
+      torch::NoGradGuard ng;
       for (auto& bk : buckets) {
         try {
           if (bk.work) bk.work->wait();
         } catch (...) {
-          if (!err) err = std::current_exception();
+          keep_first();
         }
         bk.work.reset();
+        // The in-place reduce-scatter clobbered the other ranks' chunks: zero them, so that
+        // another backward before step() adds only its own gradients there.
+        grad_flat.narrow(0, bk.offset, rank * bk.chunk).zero_();
+        grad_flat.narrow(0, bk.offset + (rank + 1) * bk.chunk, (world - rank - 1) * bk.chunk).zero_();
       }
+      owned_summed = true;
     } else {
       while (!inflight.empty()) {
         try {
           wait_oldest();
         } catch (...) {
-          if (!err) err = std::current_exception();
+          keep_first();
         }
       }
       for (auto& bk : buckets) free_scratch(bk);
     }
+    release_all();
     for (auto& bk : buckets) bk.pending = bk.params.size();
     std::fill(ready.begin(), ready.end(), 0);
     next_bucket = 0;
+    grads_fresh = false;
     if (err) std::rethrow_exception(err);
   }
 
-  double clip() {
+  // The optimizer's gradients: views of the averaged chunks (fp32), or fp32 copies of them
+  // (mixed precision; they live only inside step()).
+  void link_master_grads() {
+    if (owned_summed) {
+      for (auto& bk : buckets) grad_chunk(bk).div_(world);
+      owned_summed = false;
+    }
+    for (auto& bk : buckets) {
+      auto v = grad_chunk(bk);
+      if (mixed) {
+        bk.master.mutable_grad() = v.to(at::kFloat);
+      } else if (!same_view(bk.master.grad(), v)) {
+        bk.master.mutable_grad() = v;
+      }
+    }
+  }
+  void drop_master_grads() {
+    if (!mixed) return;
+    for (auto& bk : buckets) bk.master.mutable_grad() = at::Tensor();
+  }
+
+  bool step() {
     torch::NoGradGuard ng;
-    auto sq = at::zeros({1}, flat.options().dtype(at::kDouble));
-    for (auto& s : shard_params) sq += s.grad().to(at::kDouble).pow(2).sum();
-    comm->allreduce(sq, ReduceOp::kSum);
-    double norm = std::sqrt(sq.cpu().item<double>());
-    if (!std::isfinite(norm)) {
-      throw std::runtime_error(where() + ": the global gradient norm is " + std::to_string(norm) +
-                               "; lower the learning rate or check the loss for NaN/inf");
+    release_all();  // stage 3: gathered values are about to be stale
+    link_master_grads();
+    if (scaler.dynamic()) {
+      for (auto& bk : buckets) bk.master.mutable_grad().mul_(1.0 / scaler.scale());
     }
-    double coef = opts.max_grad_norm / (norm + 1e-6);
-    if (coef < 1.0)
-      for (auto& s : shard_params) s.mutable_grad().mul_(coef);
-    return norm;
-  }
-
-  // The optimizer's gradients are views of the averaged gradients; re-point them in case
-  // someone reset them (optimizer().zero_grad() sets them to none).
-  void link_shard_grads() {
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      const auto& bk = buckets[b];
-      auto v = opts.stage == 1 ? grad_flat.narrow(0, bk.offset + rank * bk.chunk, bk.chunk)
-                               : grad_shard.narrow(0, bk.shard_offset, bk.chunk);
-      if (!same_view(shard_params[b].grad(), v)) shard_params[b].mutable_grad() = v;
+    const bool clipping = opts.max_grad_norm > 0;
+    last_norm = -1.0;
+    if (clipping || scaler.dynamic()) {
+      auto sq = at::zeros({1}, buckets.empty() ? at::TensorOptions(at::kDouble)
+                                                : buckets[0].master.options().dtype(at::kDouble));
+      for (auto& bk : buckets) sq += bk.master.grad().to(at::kDouble).pow(2).sum();
+      comm->allreduce(sq, ReduceOp::kSum);
+      double norm = std::sqrt(sq.cpu().item<double>());
+      const bool found_inf = !std::isfinite(norm);
+      scaler.update(found_inf);
+      if (found_inf) {
+        drop_master_grads();
+        if (scaler.dynamic()) return false;  // every rank saw the same sum: all skip
+        throw std::runtime_error(where() + ": the global gradient norm is " + std::to_string(norm) +
+                                 "; lower the learning rate or check the loss for NaN/inf");
+      }
+      if (clipping) {
+        last_norm = norm;
+        double coef = opts.max_grad_norm / (norm + 1e-6);
+        if (coef < 1.0)
+          for (auto& bk : buckets) bk.master.mutable_grad().mul_(coef);
+      }
     }
-  }
-
-  void step() {
-    link_shard_grads();
-    last_norm = opts.max_grad_norm > 0 ? clip() : -1.0;
     optim->step();
-    torch::NoGradGuard ng;
+    drop_master_grads();
+    if (mixed)
+      for (auto& bk : buckets) bk.shard.copy_(bk.master);
+    if (opts.stage == 3) return true;  // the next forward gathers the new values
     std::vector<WorkPtr> works;
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      auto& bk = buckets[b];
-      // A copy of the owned chunk: MPI forbids the input to alias the output.
-      works.push_back(comm->allgather_async(flat.narrow(0, bk.offset, bk.padded), shard_params[b].clone()));
-    }
+    // In place: the owned chunk is where the all-gather receives this rank's part.
+    for (auto& bk : buckets) works.push_back(comm->allgather_async(bk.full, bk.shard));
     std::exception_ptr err;
     for (auto& w : works) {
       try {
@@ -349,6 +541,7 @@ struct ZeroDataParallel::Impl {
       }
     }
     if (err) std::rethrow_exception(err);
+    return true;
   }
 };
 
@@ -356,21 +549,23 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
     : module_(std::move(module)), impl_(std::make_unique<Impl>()) {
   if (!module_) throw std::invalid_argument("ZeroDataParallel needs a module");
   if (!comm) throw std::invalid_argument("ZeroDataParallel needs a communicator");
-  if (opts.stage != 1 && opts.stage != 2) {
-    throw std::invalid_argument("ZeroDataParallel supports stages 1 and 2, not " + std::to_string(opts.stage));
+  if (opts.stage < 1 || opts.stage > 3) {
+    throw std::invalid_argument("ZeRO stage must be 1, 2 or 3, not " + std::to_string(opts.stage));
   }
   if (opts.bucket_cap_bytes <= 0) throw std::invalid_argument("ZeRO bucket_cap_bytes must be positive");
   if (opts.max_grad_norm < 0) throw std::invalid_argument("ZeRO max_grad_norm must be >= 0 (0 = off)");
-  const auto& kind = opts.optimizer.kind;
-  if (kind != "sgd" && kind != "adam" && kind != "adamw") {
-    throw std::invalid_argument("ZeroDataParallel: unknown optimizer '" + kind + "' (use sgd, adam or adamw)");
-  }
+  if (opts.prefetch < 0) throw std::invalid_argument("ZeRO prefetch must be >= 0 (0 = gather each unit when needed)");
+  if (opts.max_inflight_buckets < 1) throw std::invalid_argument("ZeRO max_inflight_buckets must be >= 1");
+  validate(opts.optimizer);
+  if (opts.precision == Precision::kFP16) validate(opts.loss_scaler);
   auto& I = *impl_;
   I.comm = std::move(comm);
   I.opts = opts;
   I.world = I.comm->size();
   I.rank = I.comm->rank();
   I.self = std::make_shared<Impl*>(impl_.get());
+  I.scaler = LossScaler(opts.precision == Precision::kFP16, opts.loss_scaler);
+  if (opts.stage == 3) I.sequential = dynamic_cast<torch::nn::SequentialImpl*>(module_.get());
   for (auto& kv : module_->named_parameters(/*recurse=*/true)) {
     if (!kv.value().requires_grad()) continue;
     I.names.push_back(kv.key());
@@ -383,8 +578,16 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
                                   "' differs from '" + I.names[0] + "'. Convert the model first (module->to(...)).");
     }
   }
-  if (!I.params.empty() && !at::isFloatingType(I.params[0].scalar_type())) {
-    throw std::invalid_argument(I.where() + ": parameters must be floating point");
+  if (!I.params.empty()) {
+    const auto dt = I.params[0].scalar_type();
+    if (!at::isFloatingType(dt)) throw std::invalid_argument(I.where() + ": parameters must be floating point");
+    if (opts.precision != Precision::kFP32) {
+      if (dt != at::kFloat && dt != compute_dtype(opts.precision)) {
+        throw std::invalid_argument(I.where() + ": precision " + precision_name(opts.precision) +
+                                    " needs fp32 parameters (they are " + c10::toString(dt) + ")");
+      }
+      I.mixed = true;
+    }
   }
   detail::check_same_model(*I.comm, I.names, I.params, I.buffers, "ZeroDataParallel");
   detail::broadcast_from_rank0(*I.comm, I.params, I.buffers, /*include_params=*/true);
@@ -405,16 +608,35 @@ void ZeroDataParallel::prepare_forward() {
   if (I.opts.broadcast_buffers && !I.buffers.empty()) {
     detail::broadcast_from_rank0(*I.comm, I.params, I.buffers, /*include_params=*/false);
   }
+  if (I.opts.stage == 3 && !I.sequential)
+    for (auto& bk : I.buckets) I.ensure_gathered(bk);
+}
+
+at::Tensor ZeroDataParallel::forward(const at::Tensor& input) {
+  auto& I = *impl_;
+  if (I.opts.stage == 3 && I.sequential) return I.forward(input);
+  if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(module_.get())) {
+    if (I.opts.stage == 3) I.release_all();  // not reached: stage 3 Sequentials take the path above
+    return seq->forward(input);
+  }
+  throw std::invalid_argument(I.where() + ": forward() runs a torch::nn::Sequential; for another module call "
+                              "prepare_forward() and then the module's own forward");
+}
+
+at::Tensor ZeroDataParallel::scale_loss(const at::Tensor& loss) const {
+  return impl_->scaler.dynamic() ? loss * impl_->scaler.scale() : loss;
 }
 
 void ZeroDataParallel::zero_grad() {
   torch::NoGradGuard ng;
   auto& I = *impl_;
+  I.grads_fresh = true;
+  I.owned_summed = false;
   if (I.opts.stage == 1) {
     I.grad_flat.zero_();
     for (size_t i = 0; i < I.params.size(); ++i) {
       auto& g = I.params[i].mutable_grad();
-      if (g.defined() && !same_view(g, I.param_view(I.grad_flat, i))) g.zero_();
+      if (g.defined() && !same_view(g, I.grad_view(i))) g.zero_();
     }
   } else {
     I.grad_shard.zero_();
@@ -422,7 +644,7 @@ void ZeroDataParallel::zero_grad() {
   }
 }
 
-void ZeroDataParallel::step() { impl_->step(); }
+bool ZeroDataParallel::step() { return impl_->step(); }
 
 void ZeroDataParallel::set_lr(double lr) {
   for (auto& g : impl_->optim->param_groups()) g.options().set_lr(lr);
@@ -431,6 +653,12 @@ void ZeroDataParallel::set_lr(double lr) {
 double ZeroDataParallel::lr() const { return impl_->optim->param_groups().at(0).options().get_lr(); }
 
 double ZeroDataParallel::last_grad_norm() const { return impl_->last_norm; }
+
+const LossScaler& ZeroDataParallel::loss_scaler() const { return impl_->scaler; }
+
+Precision ZeroDataParallel::precision() const { return impl_->opts.precision; }
+
+int ZeroDataParallel::units() const { return impl_->opts.stage == 3 ? static_cast<int>(impl_->unit_bucket.size()) : 0; }
 
 int ZeroDataParallel::stage() const { return impl_->opts.stage; }
 
@@ -450,27 +678,31 @@ torch::optim::Optimizer& ZeroDataParallel::optimizer() { return *impl_->optim; }
 
 ZeroMemory ZeroDataParallel::memory() const {
   const auto& I = *impl_;
-  auto bytes = [](const at::Tensor& t) -> int64_t { return t.defined() ? t.numel() * t.element_size() : 0; };
   ZeroMemory m;
   m.stage = I.opts.stage;
   m.world_size = I.world;
   m.parameters = I.psi;
-  m.parameter_bytes = bytes(I.flat);  // the parameters are views of it
-  m.gradient_bytes = bytes(I.grad_flat) + bytes(I.grad_shard);
-  for (auto& bk : I.buckets) m.gradient_bytes += bytes(bk.scratch);
+  if (I.opts.stage < 3) {
+    m.parameter_bytes = nbytes(I.flat);  // the parameters are views of it
+  } else {
+    for (auto& bk : I.buckets) m.parameter_bytes += nbytes(bk.shard) + (bk.state == Gather::kFree ? 0 : nbytes(bk.full));
+  }
+  m.gradient_bytes = nbytes(I.grad_flat) + nbytes(I.grad_shard);
+  for (auto& bk : I.buckets) m.gradient_bytes += nbytes(bk.scratch) + nbytes(bk.accum);
   for (size_t i = 0; i < I.params.size(); ++i) {
     const auto& g = I.params[i].grad();
-    if (g.defined() && !(I.grad_flat.defined() && same_view(g, I.param_view(I.grad_flat, i)))) m.gradient_bytes += bytes(g);
+    if (g.defined() && !(I.grad_flat.defined() && same_view(g, I.grad_view(i)))) m.gradient_bytes += nbytes(g);
   }
-  m.optimizer_state_bytes = optimizer_state_bytes(*I.optim);
+  if (I.mixed)
+    for (auto& bk : I.buckets) m.master_bytes += nbytes(bk.master);
+  m.optimizer_state_bytes = optimizer_state_bytes(*I.optim) + m.master_bytes;
   m.peak_scratch_bytes = I.scratch_peak;
-  const int64_t e = I.flat.element_size();
+  m.peak_gathered_bytes = I.gathered_peak;
+  const int64_t e = I.opts.stage < 3 ? I.flat.element_size() : (I.buckets.empty() ? 4 : I.buckets[0].shard.element_size());
   const int64_t N = I.world;
-  m.model_parameter_bytes = e * I.psi;
+  m.model_parameter_bytes = I.opts.stage < 3 ? e * I.psi : e * I.psi / N;
   m.model_gradient_bytes = I.opts.stage == 1 ? e * I.psi : e * I.psi / N;
-  const auto& k = I.opts.optimizer.kind;
-  int64_t states = (k == "adam" || k == "adamw") ? 2 : (k == "sgd" && I.opts.optimizer.momentum != 0.0 ? 1 : 0);
-  m.model_optimizer_state_bytes = states * e * I.psi / N;
+  m.model_optimizer_state_bytes = (4 * optimizer_state_slots(I.opts.optimizer) + (I.mixed ? 4 : 0)) * I.psi / N;
   return m;
 }
 
