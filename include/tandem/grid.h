@@ -1,0 +1,58 @@
+// The dp x tp x pp process grid: every rank of the world gets a coordinate (dp, pp, tp) and the
+// three sub-communicators made with Communicator::split: tp (ranks that share one layer's
+// matrices), pp (the stages of one pipeline, ordered by stage) and dp (replicas of the same
+// shard, for DDP/ZeRO). Layout as Megatron-LM: tp varies fastest, then dp, then pp, so that
+// world rank = tp_rank + tp * (dp_rank + dp * pp_rank) and tensor-parallel peers are neighbours.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+#include "tandem/comm.h"
+
+namespace tandem {
+
+class ProcessGrid {
+ public:
+  // Collective over `world` (three splits, same order on every rank). dp = world size / (tp * pp).
+  // Throws std::invalid_argument when tp or pp < 1 or tp * pp does not divide the world size.
+  ProcessGrid(CommPtr world, int tp, int pp);
+
+  int world_size() const { return world_->size(); }
+  int world_rank() const { return world_->rank(); }
+  int dp_size() const { return dp_; }
+  int tp_size() const { return tp_; }
+  int pp_size() const { return pp_; }
+  int dp_rank() const { return dp_rank_; }
+  int tp_rank() const { return tp_rank_; }
+  int pp_rank() const { return pp_rank_; }
+
+  CommPtr world() const { return world_; }
+  CommPtr tp() const { return tp_comm_; }  // size tp_size(), rank tp_rank()
+  CommPtr pp() const { return pp_comm_; }  // size pp_size(), rank pp_rank() (= pipeline stage)
+  CommPtr dp() const { return dp_comm_; }  // size dp_size(), rank dp_rank()
+
+  // World rank of a coordinate.
+  int world_rank_of(int dp_rank, int pp_rank, int tp_rank) const;
+  // "dp 1/2, pp 0/2, tp 1/1" (for logs and errors).
+  std::string describe() const;
+
+ private:
+  CommPtr world_, tp_comm_, pp_comm_, dp_comm_;
+  int dp_ = 1, tp_ = 1, pp_ = 1;
+  int dp_rank_ = 0, tp_rank_ = 0, pp_rank_ = 0;
+};
+
+// Averages the gradients of `params` over `comm` in one flat all-reduce (ranks must pass the same
+// parameters, same shapes, same order). A parameter without a gradient counts as zero and gets one.
+// The simple data-parallel step for pipeline stages and tensor-parallel shards, whose gradients
+// are complete only after the whole (micro-batched) backward; DDP/ZeRO over grid.dp() also work.
+void average_gradients(const std::vector<at::Tensor>& params, Communicator& comm);
+
+// Broadcasts the values of `params` from `root` of `comm` in place (e.g. the same initial replica
+// on every dp rank of a grid, or the same dense weights on every tp rank before sharding).
+void broadcast_parameters(const std::vector<at::Tensor>& params, Communicator& comm, int root = 0);
+
+}  // namespace tandem

@@ -1,0 +1,146 @@
+// Megatron-LM tensor parallelism: a layer's matrices split across the ranks of a tensor-parallel
+// communicator (e.g. ProcessGrid::tp()). The collectives sit in autograd functions (copy_to_tp:
+// identity forward, all-reduce backward; reduce_from_tp: the reverse), so the blocks below are
+// ordinary modules: given the same dense weights on every tp rank, their outputs and gradients
+// equal the dense layer's (up to summation order). Every tp rank must run the same forwards.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+
+#include "tandem/comm.h"
+#include "tandem/models.h"
+
+namespace tandem::tp {
+
+// ---- the autograd functions (all collective over `tp`) ----
+at::Tensor copy_to_tp(const at::Tensor& x, const CommPtr& tp);      // f: identity / all-reduce(sum)
+at::Tensor reduce_from_tp(const at::Tensor& x, const CommPtr& tp);  // g: all-reduce(sum) / identity
+at::Tensor gather_from_tp(const at::Tensor& x, const CommPtr& tp);  // all-gather last dim / own slice
+at::Tensor scatter_to_tp(const at::Tensor& x, const CommPtr& tp);   // own slice of last dim / all-gather
+
+// Cross-entropy over logits split along the last (vocabulary) dimension: rank r holds classes
+// [r * V/tp, (r+1) * V/tp) of `local_logits` [..., V/tp]; `target` [...] holds global class ids.
+// Returns the per-element loss [...] (identical on every tp rank); take .mean() for the usual loss.
+// The full logits are never gathered (Megatron-LM's vocab-parallel cross-entropy).
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& target,
+                                        const CommPtr& tp);
+
+// Shard `n` rows/columns: this rank's [begin, end). Throws std::invalid_argument naming `what`
+// when n is not divisible by the tp size.
+int64_t shard_size(int64_t n, int tp_size, const char* what);
+
+// ---- layers ----
+
+// y = x W^T + b with W's output rows split: rank r holds rows [r*out/tp, (r+1)*out/tp). Input
+// replicated, output split along the last dim (or gathered when gather_output).
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  // Shards a dense layer (same weights expected on every tp rank).
+  ColumnParallelLinearImpl(const torch::nn::Linear& dense, CommPtr tp, bool gather_output = false);
+  // From this rank's shard directly: weight [out/tp, in], bias [out/tp] or undefined.
+  ColumnParallelLinearImpl(at::Tensor local_weight, at::Tensor local_bias, CommPtr tp, bool gather_output = false);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight, bias;
+  CommPtr tp;
+  bool gather_output;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+// y = x W^T + b with W's input columns split: rank r holds columns [r*in/tp, (r+1)*in/tp); the
+// input is split along its last dim (input_is_parallel, e.g. a ColumnParallelLinear's output) or
+// replicated (then this rank takes its slice); the output is all-reduced; the bias is replicated.
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  RowParallelLinearImpl(const torch::nn::Linear& dense, CommPtr tp, bool input_is_parallel = true);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight, bias;
+  CommPtr tp;
+  bool input_is_parallel;
+};
+TORCH_MODULE(RowParallelLinear);
+
+// Embedding with the vocabulary split: rank r holds rows [r*V/tp, (r+1)*V/tp); ids outside give
+// zeros locally and the partial results are all-reduced.
+class VocabParallelEmbeddingImpl : public torch::nn::Module {
+ public:
+  VocabParallelEmbeddingImpl(const torch::nn::Embedding& dense, CommPtr tp);
+  torch::Tensor forward(const torch::Tensor& ids);
+  torch::Tensor weight;
+  CommPtr tp;
+  int64_t vocab_begin = 0, vocab_end = 0;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+// models::TokenEmbedding with a vocabulary-parallel token table (positions replicated).
+class ParallelTokenEmbeddingImpl : public torch::nn::Module {
+ public:
+  ParallelTokenEmbeddingImpl(const models::TokenEmbeddingImpl& dense, CommPtr tp);
+  torch::Tensor forward(const torch::Tensor& ids);
+  VocabParallelEmbedding tok{nullptr};
+  torch::nn::Embedding pos{nullptr};
+  int64_t seq;
+};
+TORCH_MODULE(ParallelTokenEmbedding);
+
+// Column-parallel fc1, GELU, row-parallel fc2: one all-reduce forward, one backward.
+class ParallelMLPImpl : public torch::nn::Module {
+ public:
+  ParallelMLPImpl(const torch::nn::Linear& fc1, const torch::nn::Linear& fc2, CommPtr tp);
+  torch::Tensor forward(const torch::Tensor& x);
+  ColumnParallelLinear fc1{nullptr};
+  RowParallelLinear fc2{nullptr};
+};
+TORCH_MODULE(ParallelMLP);
+
+// Causal self-attention with the heads split: rank r computes heads [r*H/tp, (r+1)*H/tp) from its
+// slice of the fused qkv projection (q, k and v rows of its heads), then a row-parallel output
+// projection. Throws std::invalid_argument when heads is not divisible by the tp size.
+class ParallelSelfAttentionImpl : public torch::nn::Module {
+ public:
+  ParallelSelfAttentionImpl(const torch::nn::Linear& qkv, const torch::nn::Linear& proj, int64_t heads, CommPtr tp);
+  torch::Tensor forward(const torch::Tensor& x);  // [B, T, D] -> [B, T, D]
+  ColumnParallelLinear qkv{nullptr};
+  RowParallelLinear proj{nullptr};
+  int64_t heads, local_heads;
+};
+TORCH_MODULE(ParallelSelfAttention);
+
+// models::TransformerBlock, tensor-parallel: x + attn(ln1(x)), then + mlp(ln2(x)); layer norms
+// replicated. Two all-reduces forward, two backward.
+class ParallelTransformerBlockImpl : public torch::nn::Module {
+ public:
+  ParallelTransformerBlockImpl(const models::TransformerBlockImpl& dense, CommPtr tp);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  ParallelSelfAttention attn{nullptr};
+  ParallelMLP mlp{nullptr};
+};
+TORCH_MODULE(ParallelTransformerBlock);
+
+struct TensorParallelOptions {
+  // Broadcast the dense model's parameters from tp rank 0 before sharding, so that every tp rank
+  // shards the same weights whatever its seed.
+  bool sync_dense = true;
+  // LM head: false = gather the logits (output [B, T, V], any loss works); true = leave them split
+  // along the vocabulary ([B, T, V/tp]) for vocab_parallel_cross_entropy.
+  bool vocab_parallel_output = false;
+};
+
+// Converts a model of models.h into its tensor-parallel form over `tp` (collective): for the
+// transformer, TokenEmbedding -> ParallelTokenEmbedding, TransformerBlock -> ParallelTransformerBlock,
+// the LM head Linear -> ColumnParallelLinear (a classification head stays replicated); for an MLP,
+// Linear layers pair up as column-parallel then row-parallel (an odd last one stays replicated).
+// Other children (LayerNorm, activations, Flatten, LastToken) are shared as they are. The result
+// is still a flat Sequential with the same children, so a Pipeline can cut it. Throws
+// std::invalid_argument for heads, vocabulary or widths not divisible by the tp size.
+torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, TensorParallelOptions opts = {});
+
+}  // namespace tandem::tp

@@ -1,0 +1,105 @@
+// ProcessGrid: three Communicator::split calls; gradient averaging and parameter broadcast helpers.
+#include "tandem/grid.h"
+
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+namespace tandem {
+
+ProcessGrid::ProcessGrid(CommPtr world, int tp, int pp) : world_(std::move(world)), tp_(tp), pp_(pp) {
+  if (!world_) throw std::invalid_argument("tandem::ProcessGrid: no world communicator given");
+  const int n = world_->size();
+  if (tp < 1 || pp < 1) {
+    throw std::invalid_argument("tandem::ProcessGrid: tp and pp must be >= 1, got tp " + std::to_string(tp) +
+                                ", pp " + std::to_string(pp));
+  }
+  if (n % (tp * pp) != 0) {
+    throw std::invalid_argument("tandem::ProcessGrid: tp " + std::to_string(tp) + " x pp " + std::to_string(pp) +
+                                " does not divide the " + std::to_string(n) +
+                                " ranks; choose tp and pp whose product divides the number of workers");
+  }
+  dp_ = n / (tp * pp);
+  const int r = world_->rank();
+  tp_rank_ = r % tp;
+  dp_rank_ = (r / tp) % dp_;
+  pp_rank_ = r / (tp * dp_);
+  // Same split order on every rank. Colors identify the group, keys order it.
+  tp_comm_ = world_->split(/*color=*/pp_rank_ * dp_ + dp_rank_, /*key=*/tp_rank_);
+  pp_comm_ = world_->split(/*color=*/dp_rank_ * tp + tp_rank_, /*key=*/pp_rank_);
+  dp_comm_ = world_->split(/*color=*/pp_rank_ * tp + tp_rank_, /*key=*/dp_rank_);
+  if (!tp_comm_ || !pp_comm_ || !dp_comm_ || tp_comm_->size() != tp || pp_comm_->size() != pp ||
+      dp_comm_->size() != dp_ || tp_comm_->rank() != tp_rank_ || pp_comm_->rank() != pp_rank_ ||
+      dp_comm_->rank() != dp_rank_) {
+    throw CommError("rank " + std::to_string(r) + ": tandem::ProcessGrid: split gave groups of unexpected size or rank (" +
+                    describe() + "); is every rank building the same grid?");
+  }
+}
+
+int ProcessGrid::world_rank_of(int dp_rank, int pp_rank, int tp_rank) const {
+  return tp_rank + tp_ * (dp_rank + dp_ * pp_rank);
+}
+
+std::string ProcessGrid::describe() const {
+  return "dp " + std::to_string(dp_rank_) + "/" + std::to_string(dp_) + ", pp " + std::to_string(pp_rank_) + "/" +
+         std::to_string(pp_) + ", tp " + std::to_string(tp_rank_) + "/" + std::to_string(tp_);
+}
+
+namespace {
+// Parameters grouped by dtype and device, so that each group goes out as one flat buffer.
+template <typename F>
+void for_each_group(const std::vector<at::Tensor>& params, F&& f) {
+  std::vector<bool> done(params.size(), false);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (done[i]) continue;
+    std::vector<size_t> group;
+    for (size_t j = i; j < params.size(); ++j) {
+      if (!done[j] && params[j].scalar_type() == params[i].scalar_type() && params[j].device() == params[i].device()) {
+        group.push_back(j);
+        done[j] = true;
+      }
+    }
+    f(group);
+  }
+}
+}  // namespace
+
+void average_gradients(const std::vector<at::Tensor>& params, Communicator& comm) {
+  if (comm.size() == 1) return;
+  torch::NoGradGuard ng;
+  for_each_group(params, [&](const std::vector<size_t>& group) {
+    std::vector<at::Tensor> flat;
+    for (size_t i : group) {
+      auto p = params[i];
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      flat.push_back(p.grad().reshape({-1}));
+    }
+    auto buf = at::cat(flat);
+    comm.allreduce(buf, ReduceOp::kAvg);
+    int64_t off = 0;
+    for (size_t i : group) {
+      auto g = params[i].grad();
+      g.copy_(buf.narrow(0, off, g.numel()).view_as(g));
+      off += g.numel();
+    }
+  });
+}
+
+void broadcast_parameters(const std::vector<at::Tensor>& params, Communicator& comm, int root) {
+  if (comm.size() == 1) return;
+  torch::NoGradGuard ng;
+  for_each_group(params, [&](const std::vector<size_t>& group) {
+    std::vector<at::Tensor> flat;
+    for (size_t i : group) flat.push_back(params[i].detach().reshape({-1}));
+    auto buf = at::cat(flat);
+    comm.broadcast(buf, root);
+    int64_t off = 0;
+    for (size_t i : group) {
+      auto p = params[i].detach();
+      p.copy_(buf.narrow(0, off, p.numel()).view_as(p));
+      off += p.numel();
+    }
+  });
+}
+
+}  // namespace tandem

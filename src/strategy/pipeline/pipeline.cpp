@@ -1,0 +1,472 @@
+// Pipeline parallelism: partitions, the GPipe and 1F1B schedules, activation/gradient transfer
+// between stages, and the CPU memory meter used to measure activation memory.
+//
+// Transfers. Receives block (the data is needed); sends are asynchronous and kept in a pending
+// list until they complete, so that two neighbours each sending before receiving (1F1B's steady
+// state) cannot deadlock on a rendezvous-size message. Shapes are agreed per step: the first
+// micro-batch's activation is preceded by a small header (dtype, rank, sizes); the others must
+// have the same shape (equal micro-batches), which the sender checks. Gradients go back only for
+// floating-point activations, which both neighbours know from the dtype.
+#include "tandem/pipeline.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <limits>
+#include <stdexcept>
+
+namespace tandem {
+
+const char* to_string(PipelineSchedule s) { return s == PipelineSchedule::kGPipe ? "gpipe" : "1f1b"; }
+
+PipelineSchedule parse_pipeline_schedule(const std::string& s) {
+  if (s == "gpipe") return PipelineSchedule::kGPipe;
+  if (s == "1f1b") return PipelineSchedule::k1F1B;
+  throw std::invalid_argument("tandem: unknown pipeline schedule '" + s + "'; use gpipe or 1f1b");
+}
+
+// ---------------------------------------------------------------- partitions
+
+void validate_partition(const std::vector<int64_t>& parts, int64_t layers, int stages) {
+  const std::string L = std::to_string(layers), S = std::to_string(stages);
+  if (stages < 1) throw std::invalid_argument("tandem::Pipeline: need at least one stage, got " + S);
+  if (stages > layers) {
+    throw std::invalid_argument("tandem::Pipeline: " + S + " pipeline stages for a model of " + L +
+                                " layers (children of the Sequential); use at most " + L +
+                                " stages or a model with more layers");
+  }
+  if (static_cast<int64_t>(parts.size()) != stages) {
+    throw std::invalid_argument("tandem::Pipeline: the partition has " + std::to_string(parts.size()) +
+                                " entries for " + S + " stages; give one layer count per stage");
+  }
+  int64_t sum = 0;
+  for (size_t s = 0; s < parts.size(); ++s) {
+    if (parts[s] < 1) {
+      throw std::invalid_argument("tandem::Pipeline: the partition gives stage " + std::to_string(s) + " " +
+                                  std::to_string(parts[s]) + " layers; every stage needs at least one layer");
+    }
+    sum += parts[s];
+  }
+  if (sum != layers) {
+    throw std::invalid_argument("tandem::Pipeline: the partition covers " + std::to_string(sum) + " layers but the model has " +
+                                L + " (children of the Sequential); the layer counts must add up to " + L);
+  }
+}
+
+std::vector<int64_t> balance_partition(const std::vector<double>& costs, int stages) {
+  const int64_t n = static_cast<int64_t>(costs.size());
+  if (stages < 1 || stages > n) {
+    throw std::invalid_argument("tandem::balance_partition: cannot cut " + std::to_string(n) + " layers into " +
+                                std::to_string(stages) + " non-empty stages; use between 1 and " + std::to_string(n) +
+                                " stages");
+  }
+  std::vector<double> pre(n + 1, 0.0);
+  for (int64_t i = 0; i < n; ++i) pre[i + 1] = pre[i] + costs[i];
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[k][i]: smallest possible largest stage cost for the first i layers in k stages.
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<int64_t>> cut(stages + 1, std::vector<int64_t>(n + 1, 0));
+  best[0][0] = 0.0;
+  for (int k = 1; k <= stages; ++k) {
+    for (int64_t i = k; i <= n; ++i) {
+      for (int64_t j = k - 1; j < i; ++j) {
+        double c = std::max(best[k - 1][j], pre[i] - pre[j]);
+        if (c < best[k][i]) {
+          best[k][i] = c;
+          cut[k][i] = j;
+        }
+      }
+    }
+  }
+  std::vector<int64_t> parts(stages);
+  int64_t i = n;
+  for (int k = stages; k >= 1; --k) {
+    parts[k - 1] = i - cut[k][i];
+    i = cut[k][i];
+  }
+  return parts;
+}
+
+namespace {
+torch::nn::AnyModule& child(torch::nn::Sequential& model, int64_t i) { return *(model->begin() + i); }
+
+int64_t numel_of(const std::vector<at::Tensor>& ps) {
+  int64_t n = 0;
+  for (auto& p : ps) n += p.numel();
+  return n;
+}
+}  // namespace
+
+std::vector<int64_t> partition_by_parameters(torch::nn::Sequential& model, int stages) {
+  std::vector<double> costs;
+  for (auto it = model->begin(); it != model->end(); ++it) {
+    costs.push_back(static_cast<double>(std::max<int64_t>(1, numel_of(it->ptr()->parameters()))));
+  }
+  if (stages > static_cast<int64_t>(costs.size())) validate_partition({}, static_cast<int64_t>(costs.size()), stages);
+  return balance_partition(costs, stages);
+}
+
+std::vector<int64_t> partition_by_time(torch::nn::Sequential& model, const at::Tensor& sample_input, int stages,
+                                       Communicator& comm, int reps) {
+  const int64_t n = static_cast<int64_t>(model->size());
+  if (stages > n) validate_partition({}, n, stages);
+  std::vector<int64_t> parts(stages, 0);
+  if (comm.rank() == 0) {
+    std::vector<double> costs;
+    at::Tensor x = sample_input;
+    for (int64_t i = 0; i < n; ++i) {
+      auto& m = child(model, i);
+      at::Tensor xi = x.detach();
+      if (at::isFloatingType(xi.scalar_type())) xi.requires_grad_(true);
+      double best = std::numeric_limits<double>::infinity();
+      at::Tensor y;
+      for (int r = 0; r < std::max(1, reps); ++r) {
+        auto t0 = std::chrono::steady_clock::now();
+        y = m.forward(xi);
+        if (y.requires_grad()) y.backward(at::ones_like(y));
+        if (y.is_cuda()) y.cpu();  // synchronizes
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      costs.push_back(best);
+      x = y.detach();
+    }
+    for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+    parts = balance_partition(costs, stages);
+  }
+  if (comm.size() > 1) {
+    auto t = at::tensor(parts, at::kLong).to(sample_input.device());
+    comm.broadcast(t, 0);
+    t = t.cpu();
+    for (int s = 0; s < stages; ++s) parts[s] = t[s].item<int64_t>();
+  }
+  return parts;
+}
+
+// ---------------------------------------------------------------- memory meter
+
+namespace {
+std::atomic<int64_t> g_current{0}, g_peak{0};
+std::atomic<bool> g_installed{false};
+c10::Allocator* g_base = nullptr;
+c10::DeleterFnPtr g_base_deleter = nullptr;
+constexpr size_t kHeaderBytes = 64;  // keeps c10's 64-byte alignment
+
+void counting_delete(void* p) {
+  if (!p) return;
+  char* raw = static_cast<char*>(p) - kHeaderBytes;
+  g_current.fetch_sub(*reinterpret_cast<int64_t*>(raw));
+  g_base_deleter(raw);
+}
+
+class CountingAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    void* raw = g_base->raw_allocate(n + kHeaderBytes);
+    *reinterpret_cast<int64_t*>(raw) = static_cast<int64_t>(n);
+    const int64_t cur = g_current.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+    int64_t prev = g_peak.load();
+    while (cur > prev && !g_peak.compare_exchange_weak(prev, cur)) {
+    }
+    void* p = static_cast<char*>(raw) + kHeaderBytes;
+    return {p, p, &counting_delete, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &counting_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+};
+CountingAllocator g_counting;
+std::mutex g_install_mu;
+}  // namespace
+
+void MemoryMeter::install() {
+  std::lock_guard<std::mutex> lk(g_install_mu);
+  if (g_installed) return;
+  g_base = c10::GetCPUAllocator();
+  g_base_deleter = g_base->raw_deleter();
+  if (!g_base_deleter) throw std::runtime_error("tandem::MemoryMeter: the CPU allocator has no raw deleter; cannot wrap it");
+  c10::SetCPUAllocator(&g_counting, /*priority=*/100);
+  if (c10::GetCPUAllocator() != &g_counting) {
+    throw std::runtime_error("tandem::MemoryMeter: another CPU allocator with a higher priority is installed");
+  }
+  g_installed = true;
+}
+bool MemoryMeter::installed() { return g_installed; }
+int64_t MemoryMeter::current_bytes() { return g_current.load(); }
+int64_t MemoryMeter::peak_bytes() { return g_peak.load(); }
+void MemoryMeter::reset_peak() { g_peak.store(g_current.load()); }
+
+// ---------------------------------------------------------------- stats
+
+double PipelineStats::bubble_fraction() const {
+  return step_seconds > 0 ? std::max(0.0, step_seconds - compute_seconds) / step_seconds : 0.0;
+}
+double PipelineStats::bubble_ratio() const {
+  return compute_seconds > 0 ? std::max(0.0, step_seconds - compute_seconds) / compute_seconds : 0.0;
+}
+
+// ---------------------------------------------------------------- the pipeline
+
+namespace {
+constexpr int kTagHeader = 71, kTagActivation = 72, kTagGradient = 73;
+constexpr int64_t kMaxDims = 8, kHeaderLen = 2 + kMaxDims;
+
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+Pipeline::Pipeline(torch::nn::Sequential model, CommPtr stage_comm, PipelineOptions opts)
+    : comm_(std::move(stage_comm)), opts_(std::move(opts)) {
+  if (!model) throw std::invalid_argument("tandem::Pipeline: no model given");
+  if (!comm_) throw std::invalid_argument("tandem::Pipeline: no stage communicator given");
+  stages_ = comm_->size();
+  stage_ = comm_->rank();
+  const int64_t layers = static_cast<int64_t>(model->size());
+  if (opts_.micro_batches < 1) {
+    throw std::invalid_argument("tandem::Pipeline: micro_batches must be >= 1, got " +
+                                std::to_string(opts_.micro_batches));
+  }
+  if (stages_ > layers) validate_partition({}, layers, stages_);  // names the problem
+  partition_ = opts_.partition.empty() ? partition_by_parameters(model, stages_) : opts_.partition;
+  validate_partition(partition_, layers, stages_);
+  for (int s = 0; s < stage_; ++s) begin_ += partition_[s];
+  end_ = begin_ + partition_[stage_];
+  for (int64_t i = begin_; i < end_; ++i) stage_module_->push_back(std::to_string(i), child(model, i));
+  auto params = stage_module_->parameters();
+  device_ = params.empty() ? opts_.device : params.front().device();
+}
+
+std::vector<at::Tensor> Pipeline::parameters() const { return stage_module_->parameters(); }
+
+void Pipeline::reset_stats() { stats_ = PipelineStats(); }
+
+std::vector<std::pair<bool, int64_t>> Pipeline::schedule_for(PipelineSchedule s, int stage, int stages, int64_t m) {
+  std::vector<std::pair<bool, int64_t>> ops;
+  if (s == PipelineSchedule::kGPipe) {
+    for (int64_t i = 0; i < m; ++i) ops.emplace_back(true, i);
+    for (int64_t i = 0; i < m; ++i) ops.emplace_back(false, i);
+    return ops;
+  }
+  const int64_t warmup = std::min<int64_t>(stages - stage - 1, m);
+  for (int64_t i = 0; i < warmup; ++i) ops.emplace_back(true, i);
+  for (int64_t i = 0; i < m - warmup; ++i) {
+    ops.emplace_back(true, warmup + i);
+    ops.emplace_back(false, i);
+  }
+  for (int64_t i = m - warmup; i < m; ++i) ops.emplace_back(false, i);
+  return ops;
+}
+
+namespace {
+
+// Activation transfer state of one step on one stage.
+struct Transfer {
+  Transfer(Communicator& c, c10::Device d, PipelineStats& s) : comm(c), device(d), stats(s) {}
+  Communicator& comm;
+  c10::Device device;
+  PipelineStats& stats;
+  std::vector<std::pair<WorkPtr, at::Tensor>> pending;
+  bool have_in_header = false, sent_out_header = false;
+  std::vector<int64_t> in_shape, out_shape;
+  at::ScalarType in_dtype = at::kFloat;
+
+  void poll() {
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [](const std::pair<WorkPtr, at::Tensor>& p) { return p.first->is_completed(); }),
+                  pending.end());
+  }
+  void drain() {
+    for (auto& p : pending) p.first->wait();
+    pending.clear();
+  }
+  void send(at::Tensor t, int dst, int tag) {
+    t = t.contiguous();
+    stats.bytes_sent += static_cast<int64_t>(t.numel() * t.element_size());
+    pending.emplace_back(comm.send_async(t, dst, tag), t);
+  }
+  void recv(const at::Tensor& buf, int src, int tag, bool host) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto w = comm.recv_async(buf, src, tag);
+    if (host) {
+      w->synchronize();
+    } else {
+      w->wait();
+    }
+    stats.wait_seconds += since(t0);
+    stats.bytes_received += static_cast<int64_t>(buf.numel() * buf.element_size());
+  }
+
+  void send_activation(const at::Tensor& y, int dst, int stage) {
+    if (!sent_out_header) {
+      if (y.dim() > kMaxDims) {
+        throw std::invalid_argument("tandem::Pipeline: stage " + std::to_string(stage) + " outputs a tensor of " +
+                                    std::to_string(y.dim()) + " dimensions; at most " + std::to_string(kMaxDims) +
+                                    " can cross a stage boundary");
+      }
+      std::vector<int64_t> h(kHeaderLen, 0);
+      h[0] = static_cast<int64_t>(y.scalar_type());
+      h[1] = y.dim();
+      for (int64_t d = 0; d < y.dim(); ++d) h[2 + d] = y.size(d);
+      send(at::tensor(h, at::kLong).to(device), dst, kTagHeader);
+      out_shape = y.sizes().vec();
+      sent_out_header = true;
+    } else if (y.sizes().vec() != out_shape) {
+      throw std::runtime_error("tandem::Pipeline: stage " + std::to_string(stage) +
+                               " produced micro-batch outputs of different shapes in one step (" +
+                               c10::str(y.sizes()) + " after " + c10::str(c10::IntArrayRef(out_shape)) +
+                               "); every micro-batch must have the same shape");
+    }
+    send(y.detach(), dst, kTagActivation);
+  }
+
+  at::Tensor recv_activation(int src) {
+    if (!have_in_header) {
+      auto h = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(device));
+      recv(h, src, kTagHeader, /*host=*/true);
+      auto hc = h.cpu();
+      auto* p = hc.data_ptr<int64_t>();
+      in_dtype = static_cast<at::ScalarType>(p[0]);
+      in_shape.assign(p + 2, p + 2 + p[1]);
+      have_in_header = true;
+    }
+    auto x = at::empty(in_shape, at::TensorOptions().dtype(in_dtype).device(device));
+    recv(x, src, kTagActivation, /*host=*/false);
+    return x;
+  }
+};
+
+struct Slot {
+  at::Tensor input, output, loss;
+};
+
+}  // namespace
+
+at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targets, const PipelineLossFn& loss_fn) {
+  const int64_t m = opts_.micro_batches;
+  auto check = [&](const at::Tensor& t, const char* what) {
+    if (!t.defined()) return;
+    if (t.dim() == 0 || t.size(0) % m != 0) {
+      throw std::invalid_argument("tandem::Pipeline: a batch of " + std::to_string(t.dim() ? t.size(0) : 0) + " " +
+                                  what + " is not divisible into " + std::to_string(m) +
+                                  " micro-batches; use a batch size that is a multiple of micro_batches");
+    }
+  };
+  check(inputs, "inputs");
+  check(targets, "targets");
+  if (is_first() && !inputs.defined()) throw std::invalid_argument("tandem::Pipeline: stage 0 needs the inputs");
+  if (is_last() && !targets.defined()) {
+    throw std::invalid_argument("tandem::Pipeline: the last stage needs the targets");
+  }
+  if (is_last() && !loss_fn) throw std::invalid_argument("tandem::Pipeline: the last stage needs a loss function");
+  if (inputs.defined() && targets.defined() && inputs.size(0) != targets.size(0)) {
+    throw std::invalid_argument("tandem::Pipeline: " + std::to_string(inputs.size(0)) + " inputs but " +
+                                std::to_string(targets.size(0)) + " targets");
+  }
+
+  const auto t_step = std::chrono::steady_clock::now();
+  const int64_t meter_base = MemoryMeter::installed() ? MemoryMeter::current_bytes() : 0;
+  if (MemoryMeter::installed()) MemoryMeter::reset_peak();
+  stats_.compute_seconds = stats_.wait_seconds = 0.0;
+  stats_.bytes_sent = stats_.bytes_received = 0;
+  stats_.peak_live_micro_batches = 0;
+
+  Transfer tr{*comm_, device_, stats_};
+  std::vector<Slot> slots(m);
+  int64_t live = 0;
+  at::Tensor loss_sum;
+  const int64_t mb_in = inputs.defined() ? inputs.size(0) / m : 0;
+  const int64_t mb_tg = targets.defined() ? targets.size(0) / m : 0;
+
+  for (auto [forward, i] : schedule_for(opts_.schedule, stage_, stages_, m)) {
+    Slot& s = slots[i];
+    if (forward) {
+      at::Tensor x = is_first() ? inputs.narrow(0, i * mb_in, mb_in) : tr.recv_activation(stage_ - 1);
+      if (!is_first() && at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
+      auto t0 = std::chrono::steady_clock::now();
+      at::Tensor y = stage_module_->forward(x);
+      if (is_last()) {
+        s.loss = loss_fn(y, targets.narrow(0, i * mb_tg, mb_tg));
+        if (s.loss.numel() != 1) {
+          throw std::invalid_argument("tandem::Pipeline: the loss function returned " + std::to_string(s.loss.numel()) +
+                                      " values; it must return the scalar mean loss of the micro-batch");
+        }
+      } else {
+        s.output = y;
+      }
+      stats_.compute_seconds += since(t0);
+      if (!is_last()) tr.send_activation(y, stage_ + 1, stage_);
+      s.input = x;
+      stats_.peak_live_micro_batches = std::max(stats_.peak_live_micro_batches, ++live);
+    } else {
+      if (opts_.before_backward) opts_.before_backward(i, i == m - 1);
+      if (is_last()) {
+        auto t0 = std::chrono::steady_clock::now();
+        auto scaled = s.loss / static_cast<double>(m);
+        if (scaled.requires_grad()) scaled.backward();
+        stats_.compute_seconds += since(t0);
+        auto l = s.loss.detach().to(at::kDouble).reshape({});
+        loss_sum = loss_sum.defined() ? loss_sum + l : l;
+      } else if (at::isFloatingType(s.output.scalar_type())) {
+        auto g = at::empty(s.output.sizes(), s.output.options().memory_format(at::MemoryFormat::Contiguous));
+        tr.recv(g, stage_ + 1, kTagGradient, /*host=*/false);
+        if (s.output.requires_grad()) {
+          auto t0 = std::chrono::steady_clock::now();
+          s.output.backward(g);
+          stats_.compute_seconds += since(t0);
+        }
+      }
+      if (!is_first() && at::isFloatingType(s.input.scalar_type())) {
+        auto gx = s.input.grad();
+        tr.send(gx.defined() ? gx : at::zeros_like(s.input), stage_ - 1, kTagGradient);
+      }
+      s = Slot();
+      --live;
+    }
+    tr.poll();
+  }
+  tr.drain();
+
+  at::Tensor loss;
+  if (is_last()) loss = loss_sum / static_cast<double>(m);
+  if (opts_.broadcast_loss && stages_ > 1) {
+    auto buf = is_last() ? loss.reshape({1}).to(device_) : at::empty({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    comm_->broadcast(buf, stages_ - 1);
+    loss = buf.reshape({});
+  }
+  stats_.step_seconds = since(t_step);
+  stats_.peak_activation_bytes = MemoryMeter::installed() ? MemoryMeter::peak_bytes() - meter_base : -1;
+  stats_.micro_batches += m;
+  stats_.steps += 1;
+  return loss;
+}
+
+at::Tensor Pipeline::forward(const at::Tensor& inputs) {
+  const int64_t m = opts_.micro_batches;
+  if (inputs.defined() && (inputs.dim() == 0 || inputs.size(0) % m != 0)) {
+    throw std::invalid_argument("tandem::Pipeline: a batch of " + std::to_string(inputs.dim() ? inputs.size(0) : 0) +
+                                " inputs is not divisible into " + std::to_string(m) +
+                                " micro-batches; use a batch size that is a multiple of micro_batches");
+  }
+  if (is_first() && !inputs.defined()) throw std::invalid_argument("tandem::Pipeline: stage 0 needs the inputs");
+  torch::NoGradGuard ng;
+  PipelineStats scratch;
+  Transfer tr{*comm_, device_, scratch};
+  std::vector<at::Tensor> outs;
+  const int64_t mb = inputs.defined() ? inputs.size(0) / m : 0;
+  for (int64_t i = 0; i < m; ++i) {
+    at::Tensor x = is_first() ? inputs.narrow(0, i * mb, mb) : tr.recv_activation(stage_ - 1);
+    at::Tensor y = stage_module_->forward(x);
+    if (is_last()) {
+      outs.push_back(y);
+    } else {
+      tr.send_activation(y, stage_ + 1, stage_);
+    }
+    tr.poll();
+  }
+  tr.drain();
+  return is_last() ? at::cat(outs) : at::Tensor();
+}
+
+}  // namespace tandem

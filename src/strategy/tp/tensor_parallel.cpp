@@ -1,0 +1,333 @@
+// Megatron-LM tensor parallelism: the four autograd functions that carry the collectives, the
+// vocabulary-parallel cross-entropy, the sharded layers and the dense -> tensor-parallel converter.
+#include "tandem/tensor_parallel.h"
+
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+#include "tandem/grid.h"
+
+namespace tandem::tp {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// The communicator travels through autograd's saved data as a capsule.
+struct CommHolder : torch::CustomClassHolder {
+  explicit CommHolder(CommPtr c) : comm(std::move(c)) {}
+  CommPtr comm;
+};
+c10::IValue hold(const CommPtr& c) { return c10::IValue::make_capsule(c10::make_intrusive<CommHolder>(c)); }
+CommPtr held(const c10::IValue& v) { return c10::static_intrusive_pointer_cast<CommHolder>(v.toCapsule())->comm; }
+
+at::Tensor allreduced(const at::Tensor& t, Communicator& comm) {
+  auto r = t.clone(at::MemoryFormat::Contiguous);  // never reduce into a gradient others may share
+  comm.allreduce(r, ReduceOp::kSum);
+  return r;
+}
+
+// [..., n] on every rank -> [..., tp * n], rank r's block at [r*n, (r+1)*n).
+at::Tensor allgather_last_dim(const at::Tensor& t, Communicator& comm) {
+  auto in = t.contiguous();
+  std::vector<int64_t> shape{comm.size()};
+  for (auto s : in.sizes()) shape.push_back(s);
+  auto out = at::empty(shape, in.options());
+  comm.allgather(out, in);
+  return at::cat(out.unbind(0), -1);
+}
+
+at::Tensor own_slice_last_dim(const at::Tensor& t, Communicator& comm) {
+  const int64_t n = shard_size(t.size(-1), comm.size(), "the last dimension");
+  return t.narrow(-1, comm.rank() * n, n).contiguous();
+}
+
+struct CopyToTP : torch::autograd::Function<CopyToTP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue comm) {
+    ctx->saved_data["comm"] = comm;
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {allreduced(g[0], *held(ctx->saved_data["comm"])), at::Tensor()};
+  }
+};
+
+struct ReduceFromTP : torch::autograd::Function<ReduceFromTP> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, c10::IValue comm) {
+    return allreduced(x, *held(comm));
+  }
+  static variable_list backward(AutogradContext*, variable_list g) { return {g[0], at::Tensor()}; }
+};
+
+struct GatherFromTP : torch::autograd::Function<GatherFromTP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue comm) {
+    ctx->saved_data["comm"] = comm;
+    return allgather_last_dim(x, *held(comm));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {own_slice_last_dim(g[0], *held(ctx->saved_data["comm"])), at::Tensor()};
+  }
+};
+
+struct ScatterToTP : torch::autograd::Function<ScatterToTP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue comm) {
+    ctx->saved_data["comm"] = comm;
+    return own_slice_last_dim(x, *held(comm));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {allgather_last_dim(g[0], *held(ctx->saved_data["comm"])), at::Tensor()};
+  }
+};
+
+// Megatron-LM's _VocabParallelCrossEntropy: three all-reduces of [...]-sized tensors (max, the
+// target's logit, the sum of exponentials) instead of gathering [..., V] logits.
+struct VocabParallelCE : torch::autograd::Function<VocabParallelCE> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& target, c10::IValue cv) {
+    auto comm = held(cv);
+    const int64_t n = logits.size(-1), begin = comm->rank() * n, end = begin + n;
+    auto lg = logits.contiguous();
+    auto mx = std::get<0>(lg.max(-1)).contiguous();
+    comm->allreduce(mx, ReduceOp::kMax);
+    auto shifted = lg - mx.unsqueeze(-1);
+    auto outside = (target < begin).logical_or(target >= end);
+    auto local_t = (target - begin).masked_fill(outside, 0);
+    auto pred = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0).contiguous();
+    comm->allreduce(pred, ReduceOp::kSum);
+    auto e = shifted.exp();
+    auto sum = e.sum(-1).contiguous();
+    comm->allreduce(sum, ReduceOp::kSum);
+    auto softmax = e.div_(sum.unsqueeze(-1));
+    ctx->save_for_backward({softmax, outside, local_t});
+    return sum.log() - pred;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto saved = ctx->get_saved_variables();
+    auto grad = saved[0].clone();
+    auto inside = saved[1].logical_not().to(grad.scalar_type()).unsqueeze(-1);
+    grad.scatter_add_(-1, saved[2].unsqueeze(-1), -inside);
+    grad.mul_(g[0].unsqueeze(-1));
+    return {grad, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor copy_to_tp(const at::Tensor& x, const CommPtr& tp) { return CopyToTP::apply(x, hold(tp)); }
+at::Tensor reduce_from_tp(const at::Tensor& x, const CommPtr& tp) { return ReduceFromTP::apply(x, hold(tp)); }
+at::Tensor gather_from_tp(const at::Tensor& x, const CommPtr& tp) { return GatherFromTP::apply(x, hold(tp)); }
+at::Tensor scatter_to_tp(const at::Tensor& x, const CommPtr& tp) { return ScatterToTP::apply(x, hold(tp)); }
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& target, const CommPtr& tp) {
+  if (local_logits.dim() != target.dim() + 1 || local_logits.sizes().slice(0, target.dim()) != target.sizes()) {
+    throw std::invalid_argument("tandem::tp::vocab_parallel_cross_entropy: logits " + c10::str(local_logits.sizes()) +
+                                " do not match targets " + c10::str(target.sizes()) +
+                                "; expected logits [..., V/tp] for targets [...]");
+  }
+  return VocabParallelCE::apply(local_logits, target, hold(tp));
+}
+
+int64_t shard_size(int64_t n, int tp_size, const char* what) {
+  if (tp_size < 1 || n % tp_size != 0) {
+    throw std::invalid_argument(std::string("tandem::tp: ") + what + " (" + std::to_string(n) +
+                                ") is not divisible by the tensor-parallel size " + std::to_string(tp_size) +
+                                "; choose a tp size that divides it");
+  }
+  return n / tp_size;
+}
+
+// ---------------------------------------------------------------- layers
+
+namespace {
+at::Tensor shard(const at::Tensor& t, int64_t dim, int64_t n, int rank) {
+  return t.detach().narrow(dim, rank * n, n).clone();
+}
+}  // namespace
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& dense, CommPtr tp_, bool gather)
+    : tp(std::move(tp_)), gather_output(gather) {
+  const int64_t n = shard_size(dense->options.out_features(), tp->size(), "the output features of a column-parallel linear");
+  weight = register_parameter("weight", shard(dense->weight, 0, n, tp->rank()));
+  if (dense->options.bias()) bias = register_parameter("bias", shard(dense->bias, 0, n, tp->rank()));
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(at::Tensor w, at::Tensor b, CommPtr tp_, bool gather)
+    : tp(std::move(tp_)), gather_output(gather) {
+  weight = register_parameter("weight", w.detach().clone());
+  if (b.defined()) bias = register_parameter("bias", b.detach().clone());
+}
+
+torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
+  auto y = at::linear(copy_to_tp(x, tp), weight, bias);
+  return gather_output ? gather_from_tp(y, tp) : y;
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& dense, CommPtr tp_, bool parallel_in)
+    : tp(std::move(tp_)), input_is_parallel(parallel_in) {
+  const int64_t n = shard_size(dense->options.in_features(), tp->size(), "the input features of a row-parallel linear");
+  weight = register_parameter("weight", shard(dense->weight, 1, n, tp->rank()));
+  if (dense->options.bias()) bias = register_parameter("bias", dense->bias.detach().clone());
+}
+
+torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
+  auto in = input_is_parallel ? x : scatter_to_tp(x, tp);
+  auto y = reduce_from_tp(at::linear(in, weight), tp);
+  return bias.defined() ? y + bias : y;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embedding& dense, CommPtr tp_) : tp(std::move(tp_)) {
+  const int64_t n = shard_size(dense->options.num_embeddings(), tp->size(), "the vocabulary");
+  vocab_begin = tp->rank() * n;
+  vocab_end = vocab_begin + n;
+  weight = register_parameter("weight", shard(dense->weight, 0, n, tp->rank()));
+}
+
+torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
+  auto outside = (ids < vocab_begin).logical_or(ids >= vocab_end);
+  auto local = at::embedding(weight, (ids - vocab_begin).masked_fill(outside, 0));
+  return reduce_from_tp(local.masked_fill(outside.unsqueeze(-1), 0.0), tp);
+}
+
+ParallelTokenEmbeddingImpl::ParallelTokenEmbeddingImpl(const models::TokenEmbeddingImpl& dense, CommPtr tp)
+    : seq(dense.seq) {
+  this->tok = register_module("tok", VocabParallelEmbedding(dense.tok, tp));
+  pos = register_module("pos", dense.pos);
+}
+
+torch::Tensor ParallelTokenEmbeddingImpl::forward(const torch::Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 2, "tandem::tp::ParallelTokenEmbedding: expected token ids [B, T], got ", ids.sizes());
+  const int64_t t = ids.size(1);
+  TORCH_CHECK(t <= seq, "tandem::tp::ParallelTokenEmbedding: sequence of ", t, " tokens is longer than the maximum ", seq);
+  auto positions = torch::arange(t, torch::TensorOptions().dtype(torch::kLong).device(ids.device()));
+  return tok->forward(ids) + pos->forward(positions).unsqueeze(0);
+}
+
+ParallelMLPImpl::ParallelMLPImpl(const torch::nn::Linear& d1, const torch::nn::Linear& d2, CommPtr tp) {
+  fc1 = register_module("fc1", ColumnParallelLinear(d1, tp, false));
+  fc2 = register_module("fc2", RowParallelLinear(d2, tp, true));
+}
+
+torch::Tensor ParallelMLPImpl::forward(const torch::Tensor& x) { return fc2->forward(torch::gelu(fc1->forward(x))); }
+
+ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(const torch::nn::Linear& dqkv, const torch::nn::Linear& dproj,
+                                                     int64_t heads_, CommPtr tp)
+    : heads(heads_) {
+  const int64_t d = dqkv->options.in_features();
+  local_heads = shard_size(heads, tp->size(), "the number of attention heads");
+  if (d % heads != 0 || dqkv->options.out_features() != 3 * d) {
+    throw std::invalid_argument("tandem::tp::ParallelSelfAttention: expected a fused qkv linear [3*D, D] with D divisible by heads");
+  }
+  const int64_t hd = d / heads, r = tp->rank();
+  // Rows of the fused projection are (q|k|v, head, dim): keep this rank's heads of each.
+  auto w = dqkv->weight.detach().view({3, heads, hd, d}).narrow(1, r * local_heads, local_heads).reshape({-1, d});
+  at::Tensor b;
+  if (dqkv->options.bias()) b = dqkv->bias.detach().view({3, heads, hd}).narrow(1, r * local_heads, local_heads).reshape({-1});
+  qkv = register_module("qkv", ColumnParallelLinear(w, b, tp, false));
+  proj = register_module("proj", RowParallelLinear(dproj, tp, true));
+}
+
+torch::Tensor ParallelSelfAttentionImpl::forward(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3, "tandem::tp::ParallelSelfAttention: expected [B, T, D], got ", x.sizes());
+  const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads;
+  auto q_k_v = qkv->forward(x).view({b, t, 3, local_heads, hd}).permute({2, 0, 3, 1, 4});
+  auto att = at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], /*attn_mask=*/{},
+                                              /*dropout_p=*/0.0, /*is_causal=*/true);
+  return proj->forward(att.transpose(1, 2).reshape({b, t, local_heads * hd}));
+}
+
+ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(const models::TransformerBlockImpl& dense, CommPtr tp) {
+  ln1 = register_module("ln1", dense.ln1);
+  attn = register_module("attn", ParallelSelfAttention(dense.qkv, dense.proj, dense.heads, tp));
+  ln2 = register_module("ln2", dense.ln2);
+  mlp = register_module("mlp", ParallelMLP(dense.fc1, dense.fc2, tp));
+}
+
+torch::Tensor ParallelTransformerBlockImpl::forward(const torch::Tensor& x) {
+  auto h = x + attn->forward(ln1->forward(x));
+  return h + mlp->forward(ln2->forward(h));
+}
+
+// ---------------------------------------------------------------- the converter
+
+namespace {
+enum class Action { kKeep, kEmbedding, kBlock, kColumn, kColumnGather, kRow };
+
+bool elementwise(const std::shared_ptr<torch::nn::Module>& m) {
+  return m->as<torch::nn::ReLUImpl>() || m->as<torch::nn::GELUImpl>() || m->as<torch::nn::TanhImpl>() ||
+         m->as<torch::nn::SigmoidImpl>() || m->as<torch::nn::SiLUImpl>() || m->as<torch::nn::DropoutImpl>();
+}
+}  // namespace
+
+torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, TensorParallelOptions opts) {
+  if (!dense) throw std::invalid_argument("tandem::tp::tensor_parallel: no model given");
+  if (!tp) throw std::invalid_argument("tandem::tp::tensor_parallel: no tensor-parallel communicator given");
+  const int T = tp->size();
+  std::vector<std::shared_ptr<torch::nn::Module>> kids;
+  for (auto it = dense->begin(); it != dense->end(); ++it) kids.push_back(it->ptr());
+  const size_t n = kids.size();
+
+  // Plan (and check every size) before any collective, so that bad input fails at once everywhere.
+  std::vector<Action> plan(n, Action::kKeep);
+  bool is_transformer = false;
+  for (auto& k : kids) is_transformer = is_transformer || k->as<models::TransformerBlockImpl>() != nullptr;
+  for (size_t i = 0; i < n; ++i) {
+    if (auto* e = kids[i]->as<models::TokenEmbeddingImpl>()) {
+      shard_size(e->tok->options.num_embeddings(), T, "the vocabulary");
+      plan[i] = Action::kEmbedding;
+    } else if (auto* b = kids[i]->as<models::TransformerBlockImpl>()) {
+      shard_size(b->heads, T, "the number of attention heads");
+      shard_size(b->fc1->options.out_features(), T, "the MLP hidden width");
+      plan[i] = Action::kBlock;
+    }
+  }
+  if (is_transformer) {
+    // The LM head: a final Linear not preceded by LastToken (a classification head stays replicated).
+    if (n >= 2 && kids[n - 1]->as<torch::nn::LinearImpl>() && !kids[n - 2]->as<models::LastTokenImpl>()) {
+      shard_size(kids[n - 1]->as<torch::nn::LinearImpl>()->options.out_features(), T, "the vocabulary of the LM head");
+      plan[n - 1] = opts.vocab_parallel_output ? Action::kColumn : Action::kColumnGather;
+    }
+  } else {
+    // Pair Linear layers: column-parallel, elementwise children, row-parallel.
+    for (size_t i = 0; i < n; ++i) {
+      auto* a = kids[i]->as<torch::nn::LinearImpl>();
+      if (!a || plan[i] != Action::kKeep) continue;
+      size_t j = i + 1;
+      while (j < n && elementwise(kids[j])) ++j;
+      if (j < n && kids[j]->as<torch::nn::LinearImpl>() && plan[j] == Action::kKeep) {
+        shard_size(a->options.out_features(), T, "the hidden width of a Linear pair");
+        plan[i] = Action::kColumn;
+        plan[j] = Action::kRow;
+        i = j;
+      }
+    }
+  }
+
+  if (opts.sync_dense) broadcast_parameters(dense->parameters(), *tp, 0);
+
+  torch::nn::Sequential out;
+  for (size_t i = 0; i < n; ++i) {
+    auto it = dense->begin() + static_cast<std::ptrdiff_t>(i);
+    switch (plan[i]) {
+      case Action::kKeep: out->push_back(*it); break;
+      case Action::kEmbedding:
+        out->push_back(ParallelTokenEmbedding(*kids[i]->as<models::TokenEmbeddingImpl>(), tp));
+        break;
+      case Action::kBlock:
+        out->push_back(ParallelTransformerBlock(*kids[i]->as<models::TransformerBlockImpl>(), tp));
+        break;
+      case Action::kColumn:
+      case Action::kColumnGather:
+        out->push_back(ColumnParallelLinear(
+            torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(kids[i])), tp,
+            plan[i] == Action::kColumnGather));
+        break;
+      case Action::kRow:
+        out->push_back(RowParallelLinear(torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(kids[i])), tp, true));
+        break;
+    }
+  }
+  return out;
+}
+
+}  // namespace tandem::tp

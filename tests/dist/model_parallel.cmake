@@ -1,0 +1,8 @@
+# Model parallelism: pipeline (GPipe, 1F1B) with 2 and 4 stages, tensor parallelism with 2 and 4
+# ranks, and the dp x tp x pp grid with its compositions on 4 ranks, against single-process
+# training in float64.
+foreach(np 2 4)
+  tandem_add_dist_test(dist_pipeline_np${np} ${np} "Pipeline.*" TIMEOUT 120)
+  tandem_add_dist_test(dist_tensor_parallel_np${np} ${np} "TensorParallel.*" TIMEOUT 120)
+endforeach()
+tandem_add_dist_test(dist_grid_np4 4 "Grid.*" TIMEOUT 150)
