@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,5 +38,19 @@ int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt);
 // How many parameter-sized state tensors the optimizer keeps: Adam/AdamW 2, SGD with
 // momentum 1, plain SGD 0 (the "K" of the ZeRO paper's memory model, in elements).
 int optimizer_state_slots(const OptimizerOptions& o);
+
+// One parameter's optimizer state as named tensors: "exp_avg" and "exp_avg_sq" (Adam, AdamW),
+// "momentum_buffer" (SGD); `step` is Adam's per-parameter step count (0 for SGD). Empty slots:
+// the optimizer holds no state for it yet (before its first step). Used by checkpoints.
+struct ParamOptimizerState {
+  std::map<std::string, at::Tensor> slots;
+  int64_t step = 0;
+};
+// The state the optimizer keeps for `param` (one of its parameters), tensors shared, not copied.
+ParamOptimizerState get_param_state(const torch::optim::Optimizer& opt, const at::Tensor& param);
+// Replaces that state with copies of `s` (none when s.slots is empty). Throws
+// std::invalid_argument when the slots do not fit the optimizer (Adam needs exp_avg and
+// exp_avg_sq, SGD momentum_buffer) or a tensor's size differs from the parameter's.
+void set_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, const ParamOptimizerState& s);
 
 }  // namespace tandem

@@ -51,6 +51,8 @@ class LossScaler {
   void update(bool found_inf);
   int64_t skipped_steps() const { return skipped_; }
   int64_t overflow_free_steps() const { return good_; }
+  // Restores a saved scaler (a checkpoint): the scale and the counts of good and skipped steps.
+  void restore(double scale, int64_t overflow_free_steps, int64_t skipped_steps);
 
  private:
   bool dynamic_;
@@ -83,6 +85,10 @@ class MixedPrecisionOptimizer {
   void set_lr(double lr);
   double last_grad_norm() const { return last_norm_; }
   const LossScaler& scaler() const { return scaler_; }
+  // Restores the loss scaler from a checkpoint.
+  void restore_loss_scaler(double scale, int64_t overflow_free_steps, int64_t skipped_steps) {
+    scaler_.restore(scale, overflow_free_steps, skipped_steps);
+  }
   torch::optim::Optimizer& optimizer() { return *optim_; }
   // Bytes of the fp32 masters (0 in fp32) and of the optimizer state.
   int64_t master_bytes() const;

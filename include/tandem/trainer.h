@@ -42,6 +42,19 @@ struct TrainConfig {
   bool communicate = true;    // false only to measure the compute-only ceiling
   // Throughput of one worker on the same job (samples/s), measured by the launcher; 0 = unknown.
   double baseline_samples_per_second = 0.0;
+  // Model parallelism (tandem/grid.h): each replica spans tp x pp ranks, the other
+  // world / (tp * pp) ranks are data parallel (--strategy ddp or zero1 over the dp groups).
+  int tp = 1;                              // tensor parallel: Linear pairs column/row-parallel
+  int pp = 1;                              // pipeline stages (the Sequential cut by parameters)
+  int64_t micro_batches = 4;               // per replica and step, when pp > 1
+  std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b
+  // Checkpoints (tandem/checkpoint.h): save every N steps (0: never) into checkpoint_dir,
+  // keeping the newest checkpoint_keep (0: all); resume continues from the newest one there
+  // (parameters, optimizer state, step, data position, RNG), in any strategy and world size.
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  int checkpoint_keep = 0;
+  bool resume = false;
 };
 
 struct TrainReport {
@@ -78,7 +91,23 @@ struct TrainReport {
   int64_t gradient_bytes = 0;
   int64_t optimizer_state_bytes = 0;
   double speedup = 0.0;            // samples/s over baseline, when a baseline was given
+  int64_t first_step = 0;          // steps done before this run (resumed from a checkpoint)
+  // Layout: dp x tp x pp = world_size.
+  int dp = 1, tp = 1, pp = 1;
+  // Pipeline (pp > 1), from rank 0's replica, steps after the first: layers per stage, idle over
+  // compute time of each stage's train_step (theory for balanced stages: (pp - 1) / micro-batches)
+  // and the most micro-batches whose activations each stage held at once.
+  std::vector<int64_t> partition;
+  std::vector<double> bubble_per_stage;
+  double bubble_measured = 0.0;    // mean of bubble_per_stage
+  double bubble_theory = 0.0;      // (pp - 1) / micro_batches
+  std::vector<int64_t> peak_live_micro_batches;
 };
+
+// Checks a configuration for `world` ranks without running anything (the launcher calls it
+// before starting workers; train() calls it too). Throws std::invalid_argument naming the
+// problem and what to do.
+void validate_config(const TrainConfig& cfg, int world);
 
 // Runs the whole job on this rank. Every rank must call it with the same config.
 // Throws std::invalid_argument / std::runtime_error with a message naming the bad input.

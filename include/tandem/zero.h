@@ -16,8 +16,10 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tandem/comm.h"
 #include "tandem/optim.h"
@@ -87,6 +89,28 @@ struct ZeroMemory {
   int64_t model_total() const { return model_parameter_bytes + model_gradient_bytes + model_optimizer_state_bytes; }
 };
 
+// What one rank owns, for checkpoints (tandem/checkpoint.h): the layout that maps each
+// parameter onto the buckets, and this rank's chunk of every bucket: "param" (the fp32 master
+// values, or the parameters themselves in fp32) and the optimizer's state slots ("exp_avg",
+// "exp_avg_sq", "momentum_buffer"), each `chunk` elements, copied to the CPU. A bucket's full
+// flat vector is the ranks' chunks in rank order; parameter p is elements [offset, offset +
+// numel) of bucket `bucket`; the rest (padded - numel elements at the end) is padding.
+struct ZeroShardState {
+  struct Param {
+    std::string name;
+    std::vector<int64_t> shape;
+    int64_t bucket = 0, offset = 0, numel = 0;
+  };
+  struct Bucket {
+    int64_t numel = 0, padded = 0, chunk = 0;
+    std::map<std::string, at::Tensor> slots;
+  };
+  int stage = 1, world_size = 1, rank = 0;
+  std::vector<Param> params;  // registration order
+  std::vector<Bucket> buckets;
+  int64_t optimizer_step = 0;  // Adam's step count (0 for SGD or before the first step)
+};
+
 class ZeroDataParallel {
  public:
   // Collective. Checks that every rank has the same model, broadcasts parameters and buffers
@@ -136,6 +160,19 @@ class ZeroDataParallel {
   int64_t padded_numel() const;
   // The optimizer over the shard (its parameters are views of the owned chunks).
   torch::optim::Optimizer& optimizer();
+
+  // Checkpoints. shard_state(): copies of what this rank owns (see ZeroShardState); local.
+  ZeroShardState shard_state() const;
+  // Local (no collective; every rank must call it with the same values): sets every parameter
+  // from `params` (full values by name, any floating dtype, the parameter's shape) and the
+  // optimizer state of this rank's chunks from `optim` (full-size slots by name; a name
+  // missing or with empty slots means no state yet; all parameters of a bucket must agree).
+  // Stages 1, 2 refresh the full replica too. Throws std::invalid_argument naming a missing
+  // or misshapen parameter.
+  void load_full_state(const std::map<std::string, at::Tensor>& params,
+                       const std::map<std::string, ParamOptimizerState>& optim);
+  // Restores the fp16 loss scaler (no effect on the scale for fp32/bf16).
+  void restore_loss_scaler(double scale, int64_t overflow_free_steps, int64_t skipped_steps);
 
   struct Impl;
 

@@ -13,11 +13,15 @@
 #include <iostream>
 #include <sstream>
 
+#include "tandem/checkpoint.h"
 #include "tandem/data.h"
 #include "tandem/ddp.h"
+#include "tandem/grid.h"
 #include "tandem/models.h"
 #include "tandem/optim.h"
+#include "tandem/pipeline.h"
 #include "tandem/precision.h"
+#include "tandem/tensor_parallel.h"
 #include "tandem/zero.h"
 #include "trainer/progress.h"
 
@@ -59,10 +63,58 @@ double wire_bytes(const std::map<std::string, OpStats>& st, int n) {
   };
   const double f = n > 1 ? static_cast<double>(n - 1) / n : 0.0;
   return 2 * f * get("allreduce") + f * get("reduce_scatter") + (n - 1) * get("allgather") +
-         (n > 1 ? get("broadcast") : 0.0);
+         (n > 1 ? get("broadcast") : 0.0) + get("send");  // send: pipeline activations and gradients
+}
+
+// Model-parallel flags: --tp, --pp, --micro-batches, --pipeline-schedule. Returns the number of
+// data-parallel replicas, world / (tp * pp).
+int validate_model_parallel(const TrainConfig& cfg, int world) {
+  if (cfg.tp < 1 || cfg.pp < 1) {
+    throw std::invalid_argument("--tp and --pp must be at least 1, got --tp " + std::to_string(cfg.tp) + " --pp " +
+                                std::to_string(cfg.pp));
+  }
+  parse_pipeline_schedule(cfg.pipeline_schedule);  // names gpipe and 1f1b
+  if (cfg.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
+  const int tp = cfg.tp, pp = cfg.pp;
+  if (tp * pp == 1) return world;
+  const std::string layout = "--tp " + std::to_string(tp) + " x --pp " + std::to_string(pp);
+  if (world % (tp * pp) != 0) {
+    throw std::invalid_argument(layout + " = " + std::to_string(tp * pp) + " ranks per replica does not divide the " +
+                                std::to_string(world) + " workers; use -n a multiple of " + std::to_string(tp * pp));
+  }
+  if (cfg.strategy != "ddp" && cfg.strategy != "zero1") {
+    throw std::invalid_argument(layout + " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
+                                cfg.strategy + (cfg.strategy == "single" ? " (one worker)" : " (not supported yet)"));
+  }
+  if (cfg.precision != "fp32") {
+    throw std::invalid_argument(layout + " trains in fp32 only for now; drop --precision " + cfg.precision);
+  }
+  if (cfg.max_grad_norm > 0) {
+    throw std::invalid_argument(layout + ": --max-grad-norm would clip each shard by its own norm; not supported yet");
+  }
+  if (pp > 1 && cfg.compress != "none") {
+    throw std::invalid_argument("--pp " + std::to_string(pp) +
+                                ": pipeline gradients are averaged in one uncompressed all-reduce; drop --compress");
+  }
+  const int dp = world / (tp * pp);
+  if (cfg.batch % dp != 0) {
+    throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " (global) does not split evenly over " +
+                                std::to_string(dp) + " data-parallel replicas (" + std::to_string(world) +
+                                " workers / (" + layout + ")); use a multiple of " + std::to_string(dp));
+  }
+  if (pp > 1) {
+    if ((cfg.batch / dp) % cfg.micro_batches != 0) {
+      throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " gives each of the " + std::to_string(dp) +
+                                  " data-parallel replicas " + std::to_string(cfg.batch / dp) +
+                                  " samples, not divisible into " + std::to_string(cfg.micro_batches) +
+                                  " micro-batches; use a --batch multiple of " + std::to_string(dp * cfg.micro_batches));
+    }
+  }
+  return dp;
 }
 
 void validate(const TrainConfig& cfg, int world) {
+  const int dp = validate_model_parallel(cfg, world);
   if (cfg.strategy != "single" && cfg.strategy != "ddp" && cfg.strategy != "zero1" && cfg.strategy != "zero2" &&
       cfg.strategy != "zero3") {
     throw std::invalid_argument("unknown strategy '" + cfg.strategy +
@@ -83,7 +135,7 @@ void validate(const TrainConfig& cfg, int world) {
   }
   if (cfg.epochs < 1) throw std::invalid_argument("--epochs must be at least 1");
   if (cfg.batch < 1) throw std::invalid_argument("--batch must be at least 1");
-  if (cfg.batch % world != 0) {
+  if (dp == world && cfg.batch % world != 0) {
     throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " (global) does not split evenly over " +
                                 std::to_string(world) + " workers; use a multiple of " + std::to_string(world));
   }
@@ -106,25 +158,62 @@ void validate(const TrainConfig& cfg, int world) {
     throw std::invalid_argument("--model " + cfg.model +
                                 " cannot train on an image dataset (IDX); use mlp, cnn or cnn_bn");
   }
+  if (cfg.pp > 1) {
+    const auto layers = static_cast<int64_t>(models::make_model(cfg.model)->size());
+    if (cfg.pp > layers) {
+      throw std::invalid_argument("--pp " + std::to_string(cfg.pp) + ": more pipeline stages than the " +
+                                  std::to_string(layers) + " layers of --model " + cfg.model + "; use --pp " +
+                                  std::to_string(layers) + " or fewer");
+    }
+  }
 }
 
 }  // namespace
+
+namespace {
+
+void validate_checkpointing(const TrainConfig& cfg) {
+  if (cfg.checkpoint_every < 0) throw std::invalid_argument("--checkpoint-every must be >= 0 (0: never)");
+  if (cfg.checkpoint_keep < 0) throw std::invalid_argument("--keep must be >= 0 (0: keep all)");
+  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.checkpoint_dir.empty()) {
+    throw std::invalid_argument(std::string(cfg.resume ? "--resume" : "--checkpoint-every") +
+                                " needs --checkpoint-dir DIR");
+  }
+  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.tp * cfg.pp > 1) {
+    throw std::invalid_argument("checkpoints of tensor- or pipeline-parallel runs (--tp/--pp) are not supported yet");
+  }
+}
+
+}  // namespace
+
+void validate_config(const TrainConfig& cfg, int world) {
+  validate(cfg, world);
+  validate_checkpointing(cfg);
+}
 
 TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   auto comm = rt.world();
   const int world = comm->size(), rank = comm->rank();
   validate(cfg, world);
+  validate_checkpointing(cfg);
   const auto dev = rt.device();
   // Small host-side agreements (losses, accuracy, memory) go through the device communicator.
   auto small = [&](at::Tensor t) { return t.to(dev); };
 
-  // Data: every rank reads the files; each trains on its shard.
+  // The dp x tp x pp grid when the model is split; otherwise every rank is a replica.
+  std::unique_ptr<ProcessGrid> grid;
+  if (cfg.tp * cfg.pp > 1) grid = std::make_unique<ProcessGrid>(comm, cfg.tp, cfg.pp);
+  const int dp = grid ? grid->dp_size() : world, dp_rank = grid ? grid->dp_rank() : rank;
+  CommPtr dp_comm = grid ? grid->dp() : comm;
+
+  // Data: every rank reads the files; each replica trains on its shard (all tp and pp ranks of
+  // one replica read the same batch).
   auto train_set = data::load_fashion_mnist(cfg.data, /*train=*/true);
   data::Dataset test_set;
   if (cfg.evaluate) test_set = data::load_fashion_mnist(cfg.data, /*train=*/false);
-  if (train_set.size() < world) {
+  if (train_set.size() < dp) {
     throw std::invalid_argument("the training set has " + std::to_string(train_set.size()) + " samples, fewer than the " +
-                                std::to_string(world) + " workers; use fewer workers");
+                                std::to_string(dp) + (grid ? " data-parallel replicas" : " workers") + "; use fewer workers");
   }
   if (dev.is_cuda()) {
     train_set.images = train_set.images.to(dev);
@@ -144,6 +233,26 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   rep.world_size = world;
   rep.parameters = models::count_parameters(*model);
   rep.precision = precision_name(prec);
+  rep.dp = dp;
+  rep.tp = cfg.tp;
+  rep.pp = cfg.pp;
+
+  // Tensor parallelism: Linear pairs become column/row-parallel over grid.tp() (the head keeps
+  // gathering the logits, so the loss below is unchanged). Pipeline: this rank keeps its stage.
+  if (cfg.tp > 1) model = tp::tensor_parallel(model, grid->tp());
+  std::unique_ptr<Pipeline> pipe;
+  if (cfg.pp > 1) {
+    PipelineOptions po;
+    po.micro_batches = cfg.micro_batches;
+    po.schedule = parse_pipeline_schedule(cfg.pipeline_schedule);
+    po.device = dev;
+    pipe = std::make_unique<Pipeline>(model, grid->pp(), po);
+    rep.partition = pipe->partition();
+  }
+  // What this rank trains: its stage (pp > 1), else the whole (possibly tensor-parallel) model.
+  const std::vector<at::Tensor> trained = pipe ? pipe->parameters() : model->parameters();
+  const std::shared_ptr<torch::nn::Module> trained_module =
+      pipe ? pipe->stage_module().ptr() : std::shared_ptr<torch::nn::Module>(model.ptr());
 
   // ZeRO owns its optimizer (over this rank's shard), its masters and the step; otherwise the
   // optimizer (with fp32 masters in bf16/fp16) is built over the fp32 model, which is then
@@ -151,13 +260,16 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   const bool is_zero = cfg.strategy.rfind("zero", 0) == 0;
   std::unique_ptr<MixedPrecisionOptimizer> optimizer;
   if (!is_zero) {
-    optimizer = std::make_unique<MixedPrecisionOptimizer>(model->parameters(), prec, optimizer_options(cfg),
-                                                          LossScalerOptions{}, world > 1 ? comm : nullptr);
+    optimizer = std::make_unique<MixedPrecisionOptimizer>(trained, prec, optimizer_options(cfg),
+                                                          LossScalerOptions{}, dp > 1 ? dp_comm : nullptr);
     if (prec != Precision::kFP32) model->to(dtype);
   }
 
   std::unique_ptr<DistributedDataParallel> ddp;
-  if (cfg.strategy == "ddp") {
+  // DDP over the replicas (none to average with when a grid has one replica); with a pipeline,
+  // the stage's gradients are complete only after the whole micro-batched step and are averaged
+  // in one all-reduce over grid.dp() instead.
+  if (cfg.strategy == "ddp" && !pipe && (!grid || dp > 1)) {
     DDPOptions o;
     o.bucket_cap_bytes = cfg.bucket_mb * 1024 * 1024;
     o.find_unused_parameters = cfg.find_unused;
@@ -165,7 +277,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     if (cfg.compress == "fp16") o.compress_dtype = at::kHalf;
     o.overlap = cfg.overlap;
     o.communicate = cfg.communicate;
-    ddp = std::make_unique<DistributedDataParallel>(model.ptr(), comm, o);
+    ddp = std::make_unique<DistributedDataParallel>(model.ptr(), dp_comm, o);
   }
   std::unique_ptr<ZeroDataParallel> zero;
   if (is_zero) {
@@ -175,31 +287,102 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     o.optimizer = optimizer_options(cfg);
     o.precision = prec;
     o.max_grad_norm = cfg.max_grad_norm;
-    zero = std::make_unique<ZeroDataParallel>(model.ptr(), comm, o);
+    zero = std::make_unique<ZeroDataParallel>(trained_module, dp_comm, o);
   }
   auto forward = [&](const at::Tensor& x) {
     auto in = prec == Precision::kFP32 ? x : x.to(dtype);
     auto out = zero ? zero->forward(in) : model->forward(in);
     return out.to(at::kFloat);  // the loss and the argmax in fp32
   };
-  const double target_lr = cfg.lr * (cfg.scale_lr ? world : 1);
+  const double target_lr = cfg.lr * (cfg.scale_lr ? dp : 1);
 
-  data::DistributedSampler sampler(train_set.size(), rank, world, /*shuffle=*/true, cfg.seed);
-  const int64_t local_batch = cfg.batch / world;
-  const int64_t steps_per_epoch = (sampler.num_samples() + local_batch - 1) / local_batch;
+  data::DistributedSampler sampler(train_set.size(), dp_rank, dp, /*shuffle=*/true, cfg.seed);
+  const int64_t local_batch = cfg.batch / dp;
+  // A pipeline cuts every batch into micro-batches: a short last batch that does not divide is dropped.
+  const bool drop_last = pipe && (sampler.num_samples() % local_batch) % cfg.micro_batches != 0;
+  const int64_t steps_per_epoch =
+      drop_last ? sampler.num_samples() / local_batch : (sampler.num_samples() + local_batch - 1) / local_batch;
   int64_t total_steps = steps_per_epoch * cfg.epochs;
   if (cfg.max_steps >= 0) total_steps = std::min(total_steps, cfg.max_steps);
+
+  // Resume: parameters, optimizer state, loss scale and RNG from the newest checkpoint (any
+  // strategy and world size: it is resharded on load), then the step and data position.
+  int64_t start_step = 0, start_epoch = 0, skip_in_epoch = 0;
+  if (cfg.resume) {
+    const std::string dir = latest_checkpoint(cfg.checkpoint_dir);
+    if (dir.empty()) {
+      if (rank == 0) std::cout << "no checkpoint in '" << cfg.checkpoint_dir << "' yet; starting from step 0" << std::endl;
+    } else {
+      auto saved = read_checkpoint_meta(dir);
+      const auto extra = nlohmann::json::parse(saved.extra_json);
+      if (extra.value("batch", cfg.batch) != cfg.batch || extra.value("seed", cfg.seed) != cfg.seed) {
+        throw std::invalid_argument("checkpoint '" + dir + "' was saved with --batch " + extra.value("batch", nlohmann::json()).dump() +
+                                    " --seed " + extra.value("seed", nlohmann::json()).dump() +
+                                    "; resume with the same global batch and seed so that the data position holds");
+      }
+      CheckpointLoadOptions lo;
+      lo.expect_model = cfg.model;
+      auto meta = zero ? load_checkpoint(dir, *zero, rank, lo) : load_checkpoint(dir, *model, optimizer->optimizer(), rank, lo);
+      if (optimizer) optimizer->restore_loss_scaler(meta.loss_scale, meta.loss_scale_good_steps, meta.skipped_steps);
+      start_step = meta.step;
+      start_epoch = meta.epoch;
+      skip_in_epoch = meta.step_in_epoch;
+      if (rank == 0) {
+        std::cout << "resuming from " << dir << " (step " << meta.step << ", saved by " << meta.strategy << " on "
+                  << meta.world_size << " worker(s))" << std::endl;
+      }
+    }
+  }
+  rep.first_step = start_step;
+  auto save_checkpoint_now = [&](int64_t epoch, int64_t in_epoch, int64_t done) {
+    CheckpointMeta m;
+    m.model = cfg.model;
+    m.model_description = cfg.model + " (" + std::to_string(rep.parameters) + " parameters)";
+    m.strategy = cfg.strategy;
+    m.precision = rep.precision;
+    m.step = done;
+    m.epoch = epoch;
+    m.step_in_epoch = in_epoch;
+    m.seed = cfg.seed;
+    const LossScaler& sc = zero ? zero->loss_scaler() : optimizer->scaler();
+    m.loss_scale = sc.scale();
+    m.loss_scale_good_steps = sc.overflow_free_steps();
+    m.skipped_steps = sc.skipped_steps();
+    m.extra_json = nlohmann::json{{"batch", cfg.batch}, {"seed", cfg.seed}, {"lr", cfg.lr}, {"epochs", cfg.epochs}}.dump();
+    CheckpointSaveOptions so;
+    so.keep = cfg.checkpoint_keep;
+    auto cpu = rt.cpu_world();
+    if (zero) {
+      save_checkpoint(cfg.checkpoint_dir, m, *zero, *cpu, so);
+    } else {
+      save_checkpoint(cfg.checkpoint_dir, m, *model, optimizer->optimizer(), *cpu, so);
+    }
+  };
 
   Progress progress(rank == 0 && cfg.progress, total_steps, cfg.log_every);
   std::vector<double> local_losses;
   std::vector<double> step_ms;
-  int64_t step = 0, samples = 0;
+  int64_t step = start_step, samples = 0;
+  double pipe_step_s = 0.0, pipe_compute_s = 0.0;  // pipeline steps after the first
+  int64_t peak_live = 0;
+  auto pipe_loss = [](const at::Tensor& out, const at::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out.to(at::kFloat), target);
+  };
   model->train();
-  const auto stats_before = comm->stats();
+  // Every communicator the step uses (the grid's groups count their own traffic).
+  std::vector<CommPtr> comms = {comm};
+  if (grid) comms.insert(comms.end(), {grid->tp(), grid->pp(), grid->dp()});
+  std::vector<std::map<std::string, OpStats>> stats_before;
+  for (auto& c : comms) stats_before.push_back(c->stats());
   auto t_start = Clock::now();
-  for (int epoch = 0; epoch < cfg.epochs && step < total_steps; ++epoch) {
+  for (int epoch = static_cast<int>(start_epoch); epoch < cfg.epochs && step < total_steps; ++epoch) {
     sampler.set_epoch(epoch);
-    auto chunks = data::batches(sampler.indices(), local_batch, /*drop_last=*/false);
+    auto chunks = data::batches(sampler.indices(), local_batch, drop_last);
+    int64_t in_epoch = 0;  // batches of this epoch consumed (a resumed epoch skips those done before)
+    if (epoch == start_epoch && skip_in_epoch > 0) {
+      in_epoch = std::min<int64_t>(skip_in_epoch, static_cast<int64_t>(chunks.size()));
+      chunks.erase(chunks.begin(), chunks.begin() + in_epoch);
+    }
     for (auto& idx : chunks) {
       if (step >= total_steps) break;
       auto t0 = Clock::now();
@@ -225,8 +408,20 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       } else {
         optimizer->zero_grad();
       }
-      auto loss = torch::nn::functional::cross_entropy(forward(x), y);
-      (zero ? zero->scale_loss(loss) : optimizer->scale_loss(loss)).backward();
+      at::Tensor loss;
+      if (pipe) {
+        // Every stage gets the batch (stage 0 uses the inputs, the last stage the targets).
+        loss = pipe->train_step(x, y, pipe_loss);
+        if (!zero) average_gradients(trained, *dp_comm);  // ZeRO reduces in its hooks
+        if (step > 0) {
+          pipe_step_s += pipe->stats().step_seconds;
+          pipe_compute_s += pipe->stats().compute_seconds;
+        }
+        peak_live = std::max(peak_live, pipe->stats().peak_live_micro_batches);
+      } else {
+        loss = torch::nn::functional::cross_entropy(forward(x), y);
+        (zero ? zero->scale_loss(loss) : optimizer->scale_loss(loss)).backward();
+      }
       if (zero) {
         zero->step();
       } else {
@@ -239,33 +434,59 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       }
       local_losses.push_back(l);
       ++step;
-      samples += static_cast<int64_t>(idx.size()) * world;
+      samples += static_cast<int64_t>(idx.size()) * dp;
       step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
       progress.update(epoch + 1, cfg.epochs, step, l, samples, Clock::now() - t_start);
+      ++in_epoch;
+      if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0) save_checkpoint_now(epoch, in_epoch, step);
     }
   }
   rep.wall_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
   progress.finish();
   {
-    // Communication of the training loop alone (before the report's own collectives).
-    auto after = comm->stats();
-    std::map<std::string, OpStats> delta;
-    for (auto& [op, st] : after) {
-      OpStats d = st;
-      auto it = stats_before.find(op);
-      if (it != stats_before.end()) {
-        d.calls -= it->second.calls;
-        d.bytes -= it->second.bytes;
-        d.seconds -= it->second.seconds;
-      }
-      if (d.calls > 0) delta[op] = d;
-    }
+    // Communication of the training loop alone (before the report's own collectives), summed
+    // over the communicators, each with its own size in the ring model.
     const double steps_d = std::max<int64_t>(step, 1);
-    for (auto& [op, d] : delta) {
-      rep.comm_bytes_per_step[op] = d.bytes / steps_d;
-      rep.comm_engine_seconds += d.seconds;
+    for (size_t c = 0; c < comms.size(); ++c) {
+      auto after = comms[c]->stats();
+      std::map<std::string, OpStats> delta;
+      for (auto& [op, st] : after) {
+        OpStats d = st;
+        auto it = stats_before[c].find(op);
+        if (it != stats_before[c].end()) {
+          d.calls -= it->second.calls;
+          d.bytes -= it->second.bytes;
+          d.seconds -= it->second.seconds;
+        }
+        if (d.calls > 0) delta[op] = d;
+      }
+      for (auto& [op, d] : delta) {
+        rep.comm_bytes_per_step[op] += d.bytes / steps_d;
+        rep.comm_engine_seconds += d.seconds;
+      }
+      rep.wire_bytes_per_step += wire_bytes(delta, comms[c]->size()) / steps_d;
     }
-    rep.wire_bytes_per_step = wire_bytes(delta, world) / steps_d;
+  }
+  if (pipe) {
+    // Bubble: idle over compute time of each stage's train_step (after the first step, which
+    // also agrees shapes), gathered over the stages of each replica; rank 0's replica reports.
+    if (pipe_compute_s <= 0.0) {
+      pipe_step_s = pipe->stats().step_seconds;
+      pipe_compute_s = pipe->stats().compute_seconds;
+    }
+    const double ratio = pipe_compute_s > 0 ? std::max(0.0, pipe_step_s - pipe_compute_s) / pipe_compute_s : 0.0;
+    auto mine = small(torch::tensor({ratio, static_cast<double>(peak_live)}, torch::kDouble));
+    auto all = small(torch::empty({2 * cfg.pp}, torch::kDouble));
+    grid->pp()->allgather(all, mine);
+    auto host = all.cpu();
+    for (int s = 0; s < cfg.pp; ++s) {
+      rep.bubble_per_stage.push_back(host[2 * s].item<double>());
+      rep.peak_live_micro_batches.push_back(static_cast<int64_t>(host[2 * s + 1].item<double>()));
+    }
+    double sum = 0;
+    for (double b : rep.bubble_per_stage) sum += b;
+    rep.bubble_measured = sum / cfg.pp;
+    rep.bubble_theory = static_cast<double>(cfg.pp - 1) / static_cast<double>(cfg.micro_batches);
   }
   if (zero) {
     rep.loss_scale = zero->loss_scaler().scale();
@@ -294,19 +515,30 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     rep.final_loss = rep.losses.back();
   }
 
-  // Evaluation: each rank scores a disjoint slice of the test set (no padding), then sum.
+  // Evaluation: each replica scores a disjoint slice of the test set (no padding), then sum.
+  // All tp and pp ranks of a replica run the same forwards; one of them (tp rank 0 of the last
+  // stage) counts.
   if (cfg.evaluate && test_set.size() > 0) {
     model->eval();
     torch::NoGradGuard ng;
+    std::unique_ptr<Pipeline> eval_pipe;
+    if (pipe) {
+      PipelineOptions po = pipe->options();
+      po.micro_batches = 1;  // any batch size; no backward to overlap
+      po.partition = pipe->partition();
+      eval_pipe = std::make_unique<Pipeline>(model, grid->pp(), po);
+    }
+    const bool counts = !grid || (grid->tp_rank() == 0 && grid->pp_rank() == grid->pp_size() - 1);
     int64_t n = cfg.eval_limit >= 0 ? std::min(cfg.eval_limit, test_set.size()) : test_set.size();
     std::vector<int64_t> mine;
-    for (int64_t i = rank; i < n; i += world) mine.push_back(i);
+    for (int64_t i = dp_rank; i < n; i += dp) mine.push_back(i);
     int64_t correct = 0;
     for (auto& idx : data::batches(mine, 1000, false)) {
       auto [x, y] = data::gather_batch(test_set, idx);
-      correct += forward(x).argmax(1).eq(y).sum().item<int64_t>();
+      auto out = eval_pipe ? eval_pipe->forward(x) : forward(x);
+      if (counts) correct += out.argmax(1).eq(y).sum().item<int64_t>();
     }
-    auto t = small(torch::tensor({correct, static_cast<int64_t>(mine.size())}, torch::kLong));
+    auto t = small(torch::tensor({correct, counts ? static_cast<int64_t>(mine.size()) : int64_t{0}}, torch::kLong));
     comm->allreduce(t, ReduceOp::kSum);
     auto host = t.cpu();
     rep.test_samples = host[1].item<int64_t>();
@@ -330,7 +562,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     rep.optimizer_state_bytes = m.optimizer_state_bytes;
     rep.peak_gathered_bytes = m.peak_gathered_bytes;
   } else {
-    for (auto& p : model->parameters()) {
+    for (auto& p : trained) {
       rep.parameter_bytes += p.numel() * p.element_size();
       if (p.grad().defined()) rep.gradient_bytes += p.grad().numel() * p.grad().element_size();
     }
@@ -361,7 +593,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     std::ofstream f(cfg.metrics_path);
     if (!f) throw std::runtime_error("cannot write metrics to '" + cfg.metrics_path + "'; check the directory exists");
     for (size_t i = 0; i < rep.losses.size(); ++i) {
-      f << nlohmann::json{{"step", i + 1}, {"loss", rep.losses[i]}, {"step_ms", i < step_ms.size() ? step_ms[i] : 0.0}}.dump()
+      f << nlohmann::json{{"step", rep.first_step + static_cast<int64_t>(i) + 1}, {"loss", rep.losses[i]}, {"step_ms", i < step_ms.size() ? step_ms[i] : 0.0}}.dump()
         << '\n';
     }
     nlohmann::json r = {{"report", true},
@@ -392,7 +624,21 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
                         {"parameter_bytes", rep.parameter_bytes},
                         {"gradient_bytes", rep.gradient_bytes},
                         {"optimizer_state_bytes", rep.optimizer_state_bytes},
-                        {"speedup", rep.speedup}};
+                        {"speedup", rep.speedup},
+                        {"dp", rep.dp},
+                        {"tp", rep.tp},
+                        {"pp", rep.pp},
+                        {"layout", "dp " + std::to_string(rep.dp) + " x tp " + std::to_string(rep.tp) + " x pp " +
+                                       std::to_string(rep.pp)}};
+    if (rep.pp > 1) {
+      r["micro_batches"] = cfg.micro_batches;
+      r["pipeline_schedule"] = cfg.pipeline_schedule;
+      r["partition"] = rep.partition;
+      r["bubble_per_stage"] = rep.bubble_per_stage;
+      r["bubble_measured"] = rep.bubble_measured;
+      r["bubble_theory"] = rep.bubble_theory;
+      r["peak_live_micro_batches"] = rep.peak_live_micro_batches;
+    }
     f << r.dump() << '\n';
     if (!f) throw std::runtime_error("writing metrics to '" + cfg.metrics_path + "' failed (disk full?)");
   }
@@ -405,6 +651,18 @@ std::string format_report(const TrainConfig& cfg, const TrainReport& r) {
   os << "\n== tandem train report ==\n";
   os << "model            " << cfg.model << " (" << r.parameters << " parameters), strategy " << cfg.strategy << ", "
      << r.world_size << " worker(s), " << r.precision << "\n";
+  os << "layout           dp " << r.dp << " x tp " << r.tp << " x pp " << r.pp << " (data x tensor x pipeline parallel)\n";
+  if (r.pp > 1) {
+    os << "pipeline         " << r.pp << " stages, layers per stage";
+    for (size_t s = 0; s < r.partition.size(); ++s) os << (s ? "/" : " ") << r.partition[s];
+    os << ", " << cfg.micro_batches << " micro-batches, " << cfg.pipeline_schedule << "\n";
+    os << "bubble           " << std::setprecision(2) << r.bubble_measured
+       << " idle/compute measured (mean over stages:";
+    for (size_t s = 0; s < r.bubble_per_stage.size(); ++s) os << (s ? "," : "") << " " << r.bubble_per_stage[s];
+    os << "), theory (pp-1)/m = " << r.bubble_theory << "; most micro-batches alive per stage:";
+    for (size_t s = 0; s < r.peak_live_micro_batches.size(); ++s) os << (s ? "," : "") << " " << r.peak_live_micro_batches[s];
+    os << "\n";
+  }
   os << "steps            " << r.steps << " (global batch " << cfg.batch << ", " << r.samples << " samples)\n";
   os << "wall time        " << std::setprecision(1) << r.wall_seconds << " s (training loop)\n";
   os << "throughput       " << std::setprecision(0) << r.samples_per_second << " samples/s, median step "
@@ -443,7 +701,7 @@ std::string format_report(const TrainConfig& cfg, const TrainReport& r) {
     for (auto& [op, b] : r.comm_bytes_per_step) os << " " << op << " " << b / (1024.0 * 1024.0) << " MiB";
     os << "\n";
   }
-  if (r.world_size > 1 && cfg.strategy == "ddp") {
+  if (r.dp > 1 && r.pp == 1 && cfg.strategy == "ddp") {  // DDP's own counters (over the dp ranks)
     os << "communication    " << std::setprecision(2) << r.comm_seconds << " s all-reduce ("
        << std::setprecision(1) << r.comm_bytes / (1024.0 * 1024.0) << " MiB), " << std::setprecision(2)
        << r.exposed_comm_seconds << " s exposed, " << std::setprecision(0) << 100.0 * r.hidden_fraction

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 
@@ -24,6 +25,7 @@ int cmd_train(int argc, char** argv) {
   double timeout_s = 300;
   bool no_baseline = false, no_eval = false, no_progress = false, no_overlap = false;
   int64_t baseline_steps = 30;
+  int max_restarts = 0;
   app.add_option("--model", cfg.model, "mlp | cnn | cnn_bn")->capture_default_str();
   app.add_option("--data", cfg.data, "directory with the IDX files (Fashion-MNIST layout)")->capture_default_str();
   app.add_option("--strategy", cfg.strategy,
@@ -60,6 +62,22 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--log-every", cfg.log_every, "plain progress line every N steps")->capture_default_str();
   app.add_option("--device", device, "cpu | cuda | auto")->capture_default_str();
   app.add_option("--timeout", timeout_s, "seconds any communication may block before failing")->capture_default_str();
+  app.add_option("--tp", cfg.tp, "tensor-parallel ranks per replica (Megatron column/row-parallel Linear pairs)")
+      ->capture_default_str();
+  app.add_option("--pp", cfg.pp, "pipeline stages per replica (the model cut by parameter count)")->capture_default_str();
+  app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per step and replica (with --pp)")
+      ->capture_default_str();
+  app.add_option("--pipeline-schedule", cfg.pipeline_schedule, "gpipe | 1f1b (with --pp)")->capture_default_str();
+  app.add_option("--checkpoint-dir", cfg.checkpoint_dir, "directory of sharded checkpoints (step-N/ inside)");
+  app.add_option("--checkpoint-every", cfg.checkpoint_every, "save a checkpoint every N steps (0: never)")
+      ->capture_default_str();
+  app.add_option("--keep", cfg.checkpoint_keep, "keep the newest K checkpoints (0: all)")->capture_default_str();
+  app.add_option("--max-restarts", max_restarts,
+                 "after a failed run of the workers, relaunch up to K times from the newest checkpoint")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_flag("--resume", cfg.resume,
+               "continue from the newest checkpoint in --checkpoint-dir (any strategy / worker count)");
   app.add_option("--baseline-sps", cfg.baseline_samples_per_second, "(internal) one worker's samples/s")
       ->group("");
   try {
@@ -88,9 +106,19 @@ int cmd_train(int argc, char** argv) {
                 << " workers\n";
       return 2;
     }
-    if (cfg.batch % nprocs != 0) {
+    if (cfg.tp * cfg.pp == 1 && cfg.batch % nprocs != 0) {  // with --tp/--pp: over the replicas, below
       std::cerr << "tandem train: --batch " << cfg.batch << " (global) does not split evenly over " << nprocs
                 << " workers; use a multiple of " << nprocs << "\n";
+      return 2;
+    }
+    if (max_restarts > 0 && cfg.checkpoint_dir.empty()) {
+      std::cerr << "tandem train: --max-restarts needs --checkpoint-dir DIR (and --checkpoint-every N) to restart from\n";
+      return 2;
+    }
+    try {
+      validate_config(cfg, nprocs);  // the rest of the flags, before starting anything
+    } catch (const std::exception& e) {
+      std::cerr << "tandem train: " << e.what() << "\n";
       return 2;
     }
   }
@@ -105,7 +133,10 @@ int cmd_train(int argc, char** argv) {
       b.evaluate = false;
       b.progress = false;
       b.metrics_path.clear();
+      b.checkpoint_every = 0;  // the measurement neither saves nor resumes
+      b.resume = false;
       if (b.strategy != "single") b.strategy = "single";
+      b.tp = b.pp = 1;  // the whole model on one worker
       RuntimeOptions bro = ro;
       bro.threads = threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency() / nprocs);
       bro.backend = "self";
@@ -128,8 +159,20 @@ int cmd_train(int argc, char** argv) {
     lo.nprocs = nprocs;
     lo.prefix_output = false;
     if (isatty(1)) lo.env.push_back("TANDEM_PROGRESS_TTY=1");
-    std::cout << "launching " << nprocs << " workers (" << cfg.strategy << ")" << std::endl;
-    return launch(lo, args);
+    std::cout << "launching " << nprocs << " workers (" << cfg.strategy;
+    if (cfg.tp * cfg.pp > 1) {
+      std::cout << ", dp " << nprocs / (cfg.tp * cfg.pp) << " x tp " << cfg.tp << " x pp " << cfg.pp;
+    }
+    std::cout << ")" << std::endl;
+    int rc = launch(lo, args);
+    for (int attempt = 1; rc != 0 && attempt <= max_restarts; ++attempt) {
+      std::cerr << "tandem train: the workers failed (exit code " << rc << "); restart " << attempt << " of "
+                << max_restarts << " from the newest complete checkpoint in '" << cfg.checkpoint_dir << "'"
+                << std::endl;
+      if (std::find(args.begin(), args.end(), "--resume") == args.end()) args.push_back("--resume");
+      rc = launch(lo, args);
+    }
+    return rc;
   }
 
   std::unique_ptr<Runtime> rt;

@@ -676,6 +676,93 @@ int64_t ZeroDataParallel::padded_numel() const {
 
 torch::optim::Optimizer& ZeroDataParallel::optimizer() { return *impl_->optim; }
 
+ZeroShardState ZeroDataParallel::shard_state() const {
+  const auto& I = *impl_;
+  ZeroShardState st;
+  st.stage = I.opts.stage;
+  st.world_size = I.world;
+  st.rank = I.rank;
+  for (size_t i = 0; i < I.params.size(); ++i) {
+    ZeroShardState::Param p;
+    p.name = I.names[i];
+    p.shape = I.params[i].sizes().vec();
+    p.bucket = static_cast<int64_t>(I.bucket_of[i]);
+    p.offset = I.offset_of[i];
+    p.numel = I.params[i].numel();
+    st.params.push_back(std::move(p));
+  }
+  for (auto& bk : I.buckets) {
+    ZeroShardState::Bucket b;
+    b.numel = bk.numel;
+    b.padded = bk.padded;
+    b.chunk = bk.chunk;
+    b.slots["param"] = bk.master.detach().to(at::kCPU).clone();
+    auto os = get_param_state(*I.optim, bk.master);
+    for (auto& [k, v] : os.slots) b.slots[k] = v.detach().to(at::kCPU).clone();
+    st.optimizer_step = std::max(st.optimizer_step, os.step);
+    st.buckets.push_back(std::move(b));
+  }
+  return st;
+}
+
+void ZeroDataParallel::load_full_state(const std::map<std::string, at::Tensor>& params,
+                                       const std::map<std::string, ParamOptimizerState>& optim) {
+  auto& I = *impl_;
+  torch::NoGradGuard ng;
+  I.release_all();
+  for (auto& bk : I.buckets) {
+    const auto master_opts = bk.master.options();
+    // Full padded flat vectors of the bucket: the values, then each optimizer slot.
+    auto values = at::zeros({bk.padded}, master_opts);
+    std::map<std::string, at::Tensor> slots;
+    int64_t step = 0;
+    size_t with_state = 0;
+    for (size_t i : bk.params) {
+      auto it = params.find(I.names[i]);
+      if (it == params.end()) throw std::invalid_argument(I.where() + ": no value for parameter '" + I.names[i] + "'");
+      if (it->second.sizes() != I.params[i].sizes()) {
+        std::ostringstream os;
+        os << I.where() << ": parameter '" << I.names[i] << "' has shape " << it->second.sizes() << ", expected "
+           << I.params[i].sizes();
+        throw std::invalid_argument(os.str());
+      }
+      I.param_view(values, i).copy_(it->second);
+      auto o = optim.find(I.names[i]);
+      if (o == optim.end() || o->second.slots.empty()) continue;
+      ++with_state;
+      step = std::max(step, o->second.step);
+      for (auto& [k, v] : o->second.slots) {
+        auto& flat = slots[k];
+        if (!flat.defined()) flat = at::zeros({bk.padded}, master_opts);
+        if (v.numel() != I.params[i].numel()) {
+          throw std::invalid_argument(I.where() + ": optimizer state '" + k + "' of '" + I.names[i] + "' has " +
+                                      std::to_string(v.numel()) + " elements, expected " +
+                                      std::to_string(I.params[i].numel()));
+        }
+        I.param_view(flat, i).copy_(v.reshape(I.params[i].sizes()));
+      }
+    }
+    if (with_state != 0 && with_state != bk.params.size()) {
+      throw std::invalid_argument(I.where() + ": optimizer state is given for some parameters of a bucket only");
+    }
+    auto mine = values.narrow(0, I.rank * bk.chunk, bk.chunk);
+    if (I.opts.stage < 3) {
+      bk.full.copy_(values);  // the replica; in fp32 the master is a view of it
+    } else {
+      bk.shard.copy_(mine);
+    }
+    if (I.mixed) bk.master.copy_(mine);
+    ParamOptimizerState ps;
+    ps.step = step;
+    for (auto& [k, flat] : slots) ps.slots[k] = flat.narrow(0, I.rank * bk.chunk, bk.chunk);
+    set_param_state(*I.optim, bk.master, ps);
+  }
+}
+
+void ZeroDataParallel::restore_loss_scaler(double scale, int64_t overflow_free_steps, int64_t skipped_steps) {
+  impl_->scaler.restore(scale, overflow_free_steps, skipped_steps);
+}
+
 ZeroMemory ZeroDataParallel::memory() const {
   const auto& I = *impl_;
   ZeroMemory m;

@@ -1,0 +1,102 @@
+// Sharded checkpoints that reshard on load. A checkpoint is a directory `step-NNNNNNNN` under a
+// root: manifest.json (model, strategy, world size, progress, RNG, precision, loss scale,
+// optimizer, the layout of each rank's shard, and each shard file's size and checksum) and
+// one shard file per rank with what that rank owns (DDP: rank 0 holds everything). Saving is
+// atomic: files are written and fsync'ed in a temporary directory that is renamed into place
+// only when every rank succeeded, so a crash mid-save leaves the previous checkpoint intact.
+// Loading reads whatever shards it needs, checks sizes and checksums, assembles full
+// per-parameter values and optimizer state, and hands each strategy (any world size) its part;
+// every problem is a std::runtime_error naming the file, and nothing is written.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tandem/comm.h"
+#include "tandem/optim.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace tandem {
+
+class ZeroDataParallel;
+
+// What a checkpoint records besides tensors. save_checkpoint() fills world_size and optimizer
+// (and stores the layout, Adam's step count and the RNG state itself); the caller fills the rest.
+struct CheckpointMeta {
+  std::string model;              // model name; loading into another name fails
+  std::string model_description;  // free text (architecture, parameter count)
+  std::string strategy;           // ddp | single | zero1 | zero2 | zero3 | any label
+  std::string precision = "fp32";
+  std::string optimizer;          // sgd | adam | adamw: loading into another kind fails
+  int world_size = 1;             // set by save
+  int64_t step = 0;               // optimizer steps done (all epochs)
+  int64_t epoch = 0;              // epoch in progress at the save
+  int64_t step_in_epoch = 0;      // batches of that epoch already consumed
+  uint64_t seed = 0;
+  double loss_scale = 1.0;        // fp16 dynamic loss scaler
+  int64_t loss_scale_good_steps = 0;
+  int64_t skipped_steps = 0;
+  std::string extra_json = "{}";  // any JSON object the caller wants back (e.g. the config)
+};
+
+struct CheckpointSaveOptions {
+  int keep = 0;  // keep the newest K complete checkpoints under the root; 0: keep all
+  // Test hook, called on every rank after each stage of the save ("shard-written",
+  // "manifest-written", "renamed"); a hook that kills the process simulates a crash.
+  std::function<void(const std::string& stage)> on_stage;
+};
+
+struct CheckpointLoadOptions {
+  std::string expect_model;  // non-empty: the manifest's model must be this name
+  bool restore_rng = true;   // restore this rank's CPU generator state (rank 0's if the rank did not exist)
+};
+
+// Collective over `comm` (CPU tensors: pass Runtime::cpu_world()). From a module whose
+// parameters every rank holds in full (DDP, one worker): `opt` is the optimizer over the
+// module's parameters in order (or over fp32 masters of them, MixedPrecisionOptimizer).
+// Returns the checkpoint's directory. Throws std::runtime_error on every rank when any
+// rank's write failed (disk full, permissions); the previous checkpoints stay.
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, torch::nn::Module& model,
+                            torch::optim::Optimizer& opt, Communicator& comm, const CheckpointSaveOptions& o = {});
+// From ZeRO (any stage): each rank writes its chunks (fp32 masters and optimizer state).
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero,
+                            Communicator& comm, const CheckpointSaveOptions& o = {});
+
+// The newest complete checkpoint under root ("" when none; incomplete ones are ignored).
+std::string latest_checkpoint(const std::string& root);
+
+// Reads and validates the manifest (not the shards).
+CheckpointMeta read_checkpoint_meta(const std::string& dir);
+
+// A checkpoint assembled in full: every parameter (fp32 masters when mixed precision), buffer
+// and optimizer state by parameter name, on the CPU.
+struct FullCheckpoint {
+  CheckpointMeta meta;
+  std::vector<std::string> param_names;  // registration order
+  std::map<std::string, at::Tensor> params, buffers;
+  std::map<std::string, ParamOptimizerState> optim;
+  std::vector<at::Tensor> rng;  // per saved rank: the CPU generator state
+};
+// Reads every shard (checking sizes and checksums) and assembles the full state. Local.
+FullCheckpoint read_full_checkpoint(const std::string& dir);
+
+// Local (no collective): loads into a replicated module/optimizer (as for save) or into ZeRO
+// of any stage and world size; `rank` selects the RNG state to restore. Checks the model
+// name, parameter names and shapes, and optimizer kind before changing anything.
+CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt,
+                               int rank, const CheckpointLoadOptions& o = {});
+CheckpointMeta load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,
+                               const CheckpointLoadOptions& o = {});
+
+}  // namespace tandem

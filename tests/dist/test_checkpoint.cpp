@@ -1,0 +1,470 @@
+// Sharded checkpoints (tandem/checkpoint.h): bitwise resume in the same configuration,
+// resharding across world sizes and strategies (ZeRO-2 on N -> ZeRO-3 on 2 -> DDP on 1 ->
+// ZeRO-1 on N) against an uninterrupted single-process reference, and bad input: corrupted
+// and truncated shards, a damaged manifest, missing files, another model, and a save killed
+// midway (fork + SIGKILL), each leaving what existed untouched.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+#include <functional>
+#include <cstdlib>
+#include <fstream>
+
+#include "checkpoint/shard_io.h"
+#include "comm/backends.h"
+#include "tandem/checkpoint.h"
+#include "tandem/ddp.h"
+#include "tandem/optim.h"
+#include "tandem/zero.h"
+#include "tests/dist/dist_env.h"
+#include "tests/dist/train_test_util.h"
+
+namespace tandem::test {
+namespace {
+
+constexpr int64_t kBatch = 24;  // splits evenly over 1, 2, 3 and 4 ranks
+
+// float64 so that the resharded runs match the reference to ~1e-12 (only summation order differs).
+torch::nn::Sequential make_seq(uint64_t seed) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential s(torch::nn::Linear(13, 9), torch::nn::Tanh(), torch::nn::Linear(9, 5), torch::nn::Tanh(),
+                          torch::nn::Linear(5, 3));
+  s->to(torch::kDouble);
+  return s;
+}
+
+OptimizerOptions adamw() {
+  OptimizerOptions o;
+  o.kind = "adamw";
+  o.lr = 1e-2;
+  o.weight_decay = 0.01;
+  return o;
+}
+
+OptimizerOptions sgd_momentum() {
+  OptimizerOptions o;
+  o.kind = "sgd";
+  o.lr = 0.1;
+  o.momentum = 0.9;
+  return o;
+}
+
+std::pair<torch::Tensor, torch::Tensor> batch_of_step(int64_t step) {
+  auto [x, y] = test::global_batch(kBatch, 1000 + step, 3);
+  return {x.to(torch::kDouble), y};
+}
+
+// A directory every rank of `comm` agrees on (rank 0 creates it).
+std::string shared_dir(Communicator& comm, const std::string& tag) {
+  auto buf = torch::zeros({256}, torch::kUInt8);
+  if (comm.rank() == 0) {
+    std::string tmpl = "/tmp/tandem_ckpt_" + tag + "_XXXXXX";
+    std::vector<char> t(tmpl.begin(), tmpl.end());
+    t.push_back('\0');
+    if (!::mkdtemp(t.data())) throw std::runtime_error("mkdtemp failed");
+    std::memcpy(buf.data_ptr(), t.data(), t.size());
+  }
+  comm.broadcast(buf, 0);
+  return std::string(reinterpret_cast<const char*>(buf.data_ptr()));
+}
+
+// One training step on this rank's slice of the global batch; returns the global mean loss.
+template <typename StepFn>
+double step_on_slice(Communicator& comm, int64_t step, StepFn fn) {
+  auto [x, y] = batch_of_step(step);
+  auto xs = slice_for_rank(x, comm.rank(), comm.size()), ys = slice_for_rank(y, comm.rank(), comm.size());
+  const double local = fn(xs, ys);
+  at::Tensor l = torch::tensor({local}, torch::kDouble);
+  comm.allreduce(l, ReduceOp::kAvg);
+  return l.item<double>();
+}
+
+std::vector<double> train_zero(ZeroDataParallel& z, Communicator& comm, int64_t from, int64_t k) {
+  std::vector<double> out;
+  for (int64_t s = from; s < from + k; ++s) {
+    out.push_back(step_on_slice(comm, s, [&](const torch::Tensor& x, const torch::Tensor& y) {
+      z.prepare_forward();
+      z.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(z.forward(x), y);
+      loss.backward();
+      z.step();
+      return loss.item<double>();
+    }));
+  }
+  return out;
+}
+
+std::vector<double> train_ddp(torch::nn::Sequential m, DistributedDataParallel& ddp, torch::optim::Optimizer& opt,
+                              Communicator& comm, int64_t from, int64_t k) {
+  std::vector<double> out;
+  for (int64_t s = from; s < from + k; ++s) {
+    out.push_back(step_on_slice(comm, s, [&](const torch::Tensor& x, const torch::Tensor& y) {
+      ddp.prepare_forward();
+      ddp.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(m->forward(x), y);
+      loss.backward();
+      opt.step();
+      return loss.item<double>();
+    }));
+  }
+  return out;
+}
+
+// The uninterrupted run: one process, the whole batch, LibTorch's optimizer.
+std::vector<double> reference_losses(const OptimizerOptions& o, int64_t steps) {
+  auto m = make_seq(7);
+  auto opt = make_optimizer(m->parameters(), o);
+  std::vector<double> out;
+  for (int64_t s = 0; s < steps; ++s) {
+    auto [x, y] = batch_of_step(s);
+    opt->zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(m->forward(x), y);
+    loss.backward();
+    opt->step();
+    out.push_back(loss.item<double>());
+  }
+  return out;
+}
+
+CheckpointMeta meta_at(int64_t step, const std::string& strategy) {
+  CheckpointMeta m;
+  m.model = "seq13";
+  m.model_description = "13-9-5-3 tanh MLP, float64";
+  m.strategy = strategy;
+  m.step = step;
+  return m;
+}
+
+ZeroOptions zero_opts(int stage, const OptimizerOptions& o) {
+  ZeroOptions z;
+  z.stage = stage;
+  z.optimizer = o;
+  z.bucket_cap_bytes = 400;  // several buckets, each padded
+  return z;
+}
+
+bool same_state(const ZeroShardState& a, const ZeroShardState& b) {
+  if (a.buckets.size() != b.buckets.size() || a.optimizer_step != b.optimizer_step) return false;
+  for (size_t i = 0; i < a.buckets.size(); ++i) {
+    if (a.buckets[i].slots.size() != b.buckets[i].slots.size()) return false;
+    for (auto& [k, v] : a.buckets[i].slots) {
+      auto it = b.buckets[i].slots.find(k);
+      if (it == b.buckets[i].slots.end() || !torch::equal(v, it->second)) return false;
+    }
+  }
+  return true;
+}
+
+// ---- same configuration: bitwise
+
+class CheckpointResume : public ::testing::TestWithParam<int> {};
+
+TEST_P(CheckpointResume, ZeroContinuesBitwise) {
+  const int stage = GetParam();
+  auto comm = world();
+  const auto dir = shared_dir(*comm, "bitwise");
+  for (auto o : {adamw(), sgd_momentum()}) {
+    ZeroDataParallel a(make_seq(7).ptr(), comm, zero_opts(stage, o));
+    train_zero(a, *comm, 0, 3);
+    auto path = save_checkpoint(dir, meta_at(3, "zero" + std::to_string(stage)), a, *comm);
+    train_zero(a, *comm, 3, 3);
+
+    ZeroDataParallel b(make_seq(99).ptr(), comm, zero_opts(stage, o));  // other initial values
+    auto meta = load_checkpoint(path, b, comm->rank());
+    EXPECT_EQ(meta.step, 3);
+    EXPECT_EQ(meta.world_size, comm->size());
+    train_zero(b, *comm, 3, 3);
+    EXPECT_TRUE(same_state(a.shard_state(), b.shard_state())) << "stage " << stage << " " << o.kind;
+  }
+  comm->barrier();
+  if (comm->rank() == 0) ckpt::remove_tree(dir);
+}
+
+TEST_P(CheckpointResume, DdpContinuesBitwise) {
+  if (GetParam() != 1) GTEST_SKIP() << "once is enough";
+  auto comm = world();
+  const auto dir = shared_dir(*comm, "ddp");
+  auto ma = make_seq(7);
+  auto oa = make_optimizer(ma->parameters(), adamw());
+  DistributedDataParallel da(ma.ptr(), comm);
+  train_ddp(ma, da, *oa, *comm, 0, 3);
+  auto path = save_checkpoint(dir, meta_at(3, "ddp"), *ma, *oa, *comm);
+  train_ddp(ma, da, *oa, *comm, 3, 3);
+
+  auto mb = make_seq(99);
+  auto ob = make_optimizer(mb->parameters(), adamw());
+  DistributedDataParallel db(mb.ptr(), comm);
+  load_checkpoint(path, *mb, *ob, comm->rank(), {"seq13", true});
+  train_ddp(mb, db, *ob, *comm, 3, 3);
+  auto pa = ma->parameters(), pb = mb->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(torch::equal(pa[i], pb[i])) << i;
+    auto sa = get_param_state(*oa, pa[i]), sb = get_param_state(*ob, pb[i]);
+    EXPECT_EQ(sa.step, sb.step);
+    EXPECT_TRUE(torch::equal(sa.slots.at("exp_avg_sq"), sb.slots.at("exp_avg_sq")));
+  }
+  comm->barrier();
+  if (comm->rank() == 0) ckpt::remove_tree(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, CheckpointResume, ::testing::Values(1, 2, 3));
+
+// Mixed precision: the fp32 masters and (fp16) the loss scaler are saved and restored, so a
+// resumed bf16/fp16 ZeRO run continues bitwise too, also when resumed as another stage.
+TEST(CheckpointMixed, ZeroBf16AndFp16ContinueBitwise) {
+  auto comm = world();
+  const auto dir = shared_dir(*comm, "mixed");
+  for (auto prec : {Precision::kBF16, Precision::kFP16}) {
+    auto opts = [&](int stage) {
+      auto z = zero_opts(stage, adamw());
+      z.precision = prec;
+      z.loss_scaler.init_scale = 1024.0;
+      z.loss_scaler.growth_interval = 2;  // the scale changes within the run
+      return z;
+    };
+    auto fp32_seq = [](uint64_t seed) {
+      auto m = make_seq(seed);
+      m->to(torch::kFloat);
+      return m;
+    };
+    auto train = [&](ZeroDataParallel& z, int64_t from, int64_t k) {
+      for (int64_t s = from; s < from + k; ++s) {
+        step_on_slice(*comm, s, [&](const torch::Tensor& x, const torch::Tensor& y) {
+          z.prepare_forward();
+          z.zero_grad();
+          auto loss = torch::nn::functional::cross_entropy(z.forward(x.to(compute_dtype(prec))).to(torch::kFloat), y);
+          z.scale_loss(loss).backward();
+          z.step();
+          return loss.item<double>();
+        });
+      }
+    };
+    ZeroDataParallel a(fp32_seq(7).ptr(), comm, opts(2));
+    train(a, 0, 3);
+    auto meta = meta_at(3, "zero2");
+    meta.precision = precision_name(prec);
+    meta.loss_scale = a.loss_scaler().scale();
+    meta.loss_scale_good_steps = a.loss_scaler().overflow_free_steps();
+    auto path = save_checkpoint(dir, meta, a, *comm);
+    train(a, 3, 3);
+    for (int stage : {2, 3}) {
+      ZeroDataParallel b(fp32_seq(99).ptr(), comm, opts(stage));
+      load_checkpoint(path, b, comm->rank());
+      EXPECT_EQ(b.loss_scaler().scale(), meta.loss_scale);
+      train(b, 3, 3);
+      EXPECT_EQ(a.loss_scaler().scale(), b.loss_scaler().scale()) << precision_name(prec);
+      if (stage == 2) {
+        EXPECT_TRUE(same_state(a.shard_state(), b.shard_state())) << precision_name(prec);
+      } else {
+        // Another stage has other buckets: compare the assembled masters by name.
+        auto pa = read_full_checkpoint(save_checkpoint(dir + "/a", meta_at(6, "zero2"), a, *comm));
+        auto pb = read_full_checkpoint(save_checkpoint(dir + "/b", meta_at(6, "zero3"), b, *comm));
+        for (auto& [n, v] : pa.params) EXPECT_TRUE(torch::equal(v, pb.params.at(n))) << n << " " << precision_name(prec);
+        for (auto& [n, st] : pa.optim) EXPECT_TRUE(torch::equal(st.slots.at("exp_avg"), pb.optim.at(n).slots.at("exp_avg"))) << n;
+      }
+    }
+  }
+  comm->barrier();
+  if (comm->rank() == 0) ckpt::remove_tree(dir);
+}
+
+// ---- resharding: ZeRO-2 on N -> ZeRO-3 on 2 -> DDP on 1 -> ZeRO-1 on N, each K steps, against the
+// uninterrupted single-process run (float64: only the summation order differs)
+
+TEST(CheckpointReshard, AcrossWorldSizesAndStrategies) {
+  auto comm = world();
+  const int N = comm->size(), rank = comm->rank();
+  const int64_t K = 3;
+  const auto o = adamw();
+  const auto ref = reference_losses(o, 4 * K);
+  const auto dir = shared_dir(*comm, "reshard");
+  auto near = [&](const std::vector<double>& got, int64_t from, const char* phase) {
+    ASSERT_EQ(got.size(), static_cast<size_t>(K));
+    for (int64_t i = 0; i < K; ++i) EXPECT_NEAR(got[i], ref[from + i], 1e-9) << phase << " step " << from + i;
+  };
+
+  // A: ZeRO-2 on all N ranks, steps 0..K.
+  {
+    ZeroDataParallel z(make_seq(7).ptr(), comm, zero_opts(2, o));
+    near(train_zero(z, *comm, 0, K), 0, "zero2 on N");
+    save_checkpoint(dir + "/a", meta_at(K, "zero2"), z, *comm);
+  }
+  // B: ZeRO-3 on ranks 0 and 1, steps K..2K.
+  auto two = comm->split(rank < 2 ? 0 : -1, rank);
+  if (two) {
+    ZeroDataParallel z(make_seq(99).ptr(), two, zero_opts(3, o));
+    auto meta = load_checkpoint(latest_checkpoint(dir + "/a"), z, two->rank());
+    EXPECT_EQ(meta.world_size, N);
+    EXPECT_EQ(meta.step, K);
+    near(train_zero(z, *two, K, K), K, "zero3 on 2");
+    save_checkpoint(dir + "/b", meta_at(2 * K, "zero3"), z, *two);
+  }
+  comm->barrier();
+  // C: DDP on rank 0 alone, steps 2K..3K.
+  auto one = comm->split(rank == 0 ? 0 : -1, 0);
+  if (one) {
+    auto m = make_seq(99);
+    auto opt = make_optimizer(m->parameters(), o);
+    DistributedDataParallel ddp(m.ptr(), one);
+    load_checkpoint(latest_checkpoint(dir + "/b"), *m, *opt, 0);
+    near(train_ddp(m, ddp, *opt, *one, 2 * K, K), 2 * K, "ddp on 1");
+    save_checkpoint(dir + "/c", meta_at(3 * K, "ddp"), *m, *opt, *one);
+  }
+  comm->barrier();
+  // D: ZeRO-1 on all N ranks from the replicated checkpoint, steps 3K..4K.
+  {
+    ZeroDataParallel z(make_seq(99).ptr(), comm, zero_opts(1, o));
+    load_checkpoint(latest_checkpoint(dir + "/c"), z, rank);
+    near(train_zero(z, *comm, 3 * K, K), 3 * K, "zero1 on N");
+  }
+  comm->barrier();
+  if (rank == 0) ckpt::remove_tree(dir);
+}
+
+// ---- bad input (each rank on its own, in its own directory)
+
+class CheckpointErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    comm_ = tandem::detail::make_self_communicator(CommOptions{});
+    root_ = shared_dir(*comm_, "errors");
+    model_ = make_seq(7);
+    opt_ = make_optimizer(model_->parameters(), adamw());
+    DistributedDataParallel ddp(model_.ptr(), comm_);
+    train_ddp(model_, ddp, *opt_, *comm_, 0, 2);
+    path_ = save_checkpoint(root_, meta_at(2, "single"), *model_, *opt_, *comm_);
+    shard_ = path_ + "/shard-00000-of-00001.bin";
+  }
+  void TearDown() override { ckpt::remove_tree(root_); }
+
+  // Loading must fail with a message containing all of `parts`, and change nothing.
+  void expect_load_fails(const std::string& dir, std::vector<std::string> parts, torch::nn::Sequential target = nullptr) {
+    auto m = target ? target : make_seq(99);
+    auto opt = make_optimizer(m->parameters(), adamw());
+    std::vector<torch::Tensor> before;
+    for (auto& p : m->parameters()) before.push_back(p.detach().clone());
+    try {
+      load_checkpoint(dir, *m, *opt, 0, {"seq13", true});
+      ADD_FAILURE() << "loading " << dir << " did not fail";
+    } catch (const std::runtime_error& e) {
+      std::string msg = e.what();
+      for (auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    }
+    auto after = m->parameters();
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "parameter " << i << " changed";
+    EXPECT_TRUE(opt->state().empty()) << "optimizer state changed";
+  }
+  void rewrite(const std::string& path, const std::function<void(std::string&)>& f) {
+    auto s = ckpt::read_all(path);
+    f(s);
+    ckpt::write_synced(path, s);
+  }
+
+  CommPtr comm_;
+  std::string root_, path_, shard_;
+  torch::nn::Sequential model_{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> opt_;
+};
+
+TEST_F(CheckpointErrors, IntactLoads) {
+  auto m = make_seq(99);
+  auto opt = make_optimizer(m->parameters(), adamw());
+  load_checkpoint(path_, *m, *opt, 0, {"seq13", true});
+  auto a = model_->parameters(), b = m->parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i]));
+}
+
+TEST_F(CheckpointErrors, CorruptedShard) {
+  rewrite(shard_, [](std::string& s) { s[s.size() / 2] ^= 0x40; });
+  expect_load_fails(path_, {shard_, "corrupted", "checksum"});
+}
+
+TEST_F(CheckpointErrors, TruncatedShard) {
+  rewrite(shard_, [](std::string& s) { s.resize(s.size() - 100); });
+  expect_load_fails(path_, {shard_, "truncated"});
+}
+
+TEST_F(CheckpointErrors, DamagedManifest) {
+  rewrite(path_ + "/manifest.json", [](std::string& s) { s.resize(s.size() / 2); });
+  expect_load_fails(path_, {path_ + "/manifest.json", "not valid JSON"});
+}
+
+TEST_F(CheckpointErrors, ManifestFieldMissing) {
+  rewrite(path_ + "/manifest.json", [](std::string& s) {
+    auto p = s.find("\"world_size\"");
+    s.replace(p, 12, "\"wurld_size\"");
+  });
+  expect_load_fails(path_, {path_ + "/manifest.json", "world_size"});
+}
+
+TEST_F(CheckpointErrors, MissingShard) {
+  ASSERT_EQ(::unlink(shard_.c_str()), 0);
+  expect_load_fails(path_, {shard_, "cannot open"});
+}
+
+TEST_F(CheckpointErrors, MissingManifest) {
+  ASSERT_EQ(::unlink((path_ + "/manifest.json").c_str()), 0);
+  expect_load_fails(path_, {path_, "manifest.json", "missing"});
+  EXPECT_EQ(latest_checkpoint(root_), "");  // an incomplete checkpoint is never picked
+}
+
+TEST_F(CheckpointErrors, AnotherModel) {
+  torch::manual_seed(1);
+  torch::nn::Sequential other(torch::nn::Linear(13, 8), torch::nn::Tanh(), torch::nn::Linear(8, 5), torch::nn::Tanh(),
+                              torch::nn::Linear(5, 3));
+  other->to(torch::kDouble);
+  expect_load_fails(path_, {path_, "does not fit", "'0.weight'", "[8, 13]"}, other);
+  // The right shapes under another model name.
+  auto m = make_seq(99);
+  auto opt = make_optimizer(m->parameters(), adamw());
+  EXPECT_THROW(load_checkpoint(path_, *m, *opt, 0, {"cnn", true}), std::runtime_error);
+}
+
+TEST_F(CheckpointErrors, KeepsTheNewestK) {
+  CheckpointSaveOptions so;
+  so.keep = 2;
+  for (int64_t s : {3, 4, 5}) save_checkpoint(root_, meta_at(s, "single"), *model_, *opt_, *comm_, so);
+  int n = 0;
+  for (auto& e : ckpt::list_dir(root_)) n += e.rfind("step-", 0) == 0;
+  EXPECT_EQ(n, 2);
+  EXPECT_EQ(latest_checkpoint(root_), root_ + "/step-00000005");
+  EXPECT_FALSE(ckpt::exists(root_ + "/step-00000003"));
+}
+
+// A save killed (SIGKILL, in a forked child) after its shard or its manifest was written:
+// the previous checkpoint stays the latest and loads; the next save cleans up and succeeds.
+TEST_F(CheckpointErrors, KillDuringSaveKeepsThePrevious) {
+  for (std::string stage : {"shard-written", "manifest-written"}) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      CheckpointSaveOptions so;
+      so.on_stage = [stage](const std::string& s) {
+        if (s == stage) ::raise(SIGKILL);
+      };
+      try {
+        save_checkpoint(root_, meta_at(7, "single"), *model_, *opt_, *tandem::detail::make_self_communicator(CommOptions{}), so);
+      } catch (...) {
+      }
+      ::_exit(0);  // not reached when the hook killed it
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << stage;
+    EXPECT_TRUE(ckpt::exists(root_ + "/.tmp-step-00000007")) << "the killed save left no partial directory";
+    EXPECT_EQ(latest_checkpoint(root_), path_) << stage;
+    auto m = make_seq(99);
+    auto opt = make_optimizer(m->parameters(), adamw());
+    EXPECT_EQ(load_checkpoint(latest_checkpoint(root_), *m, *opt, 0).step, 2);
+  }
+  save_checkpoint(root_, meta_at(7, "single"), *model_, *opt_, *comm_);
+  EXPECT_EQ(latest_checkpoint(root_), root_ + "/step-00000007");
+  EXPECT_FALSE(ckpt::exists(root_ + "/.tmp-step-00000007"));
+}
+
+}  // namespace
+}  // namespace tandem::test

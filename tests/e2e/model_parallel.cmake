@@ -1,0 +1,5 @@
+# `tandem train --tp/--pp`: tensor and pipeline parallelism (with data parallelism over the other
+# ranks) against one worker, per-step losses; the layout and bubble in the report; bad input.
+add_test(NAME e2e_train_model_parallel
+         COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_model_parallel.sh $<TARGET_FILE:tandem_cli>)
+set_tests_properties(e2e_train_model_parallel PROPERTIES TIMEOUT 600 PROCESSORS 2)

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# `tandem train --tp T --pp P` (tensor and pipeline parallelism, the rest data parallel) against
+# one worker with --strategy single: the same seed, global batch, lr and constant schedule must
+# give the same per-step losses (within TOL relative; tp and pp only change the order of float32
+# sums) for tp 2 x dp 2, pp 2 (GPipe and 1F1B), tp 2 x pp 2, and pp 2 x dp 2 with ZeRO-1 over
+# dp. The report and the metrics name the layout and the pipeline's bubble next to (pp-1)/m. Bad
+# input fails at start, non-zero, with a message naming the problem.
+# usage: train_model_parallel.sh TANDEM
+set -uo pipefail
+tandem=$1
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+STEPS=12
+common=(--model mlp --batch 64 --lr 0.02 --schedule constant --seed 7 --max-steps $STEPS --no-eval --no-baseline
+        --no-progress --threads 1)
+fails=0
+
+run() {  # run NAME ARGS...: trains, keeps the log and the metrics
+  local name=$1; shift
+  local start=$SECONDS
+  if ! timeout 120 "$tandem" train "${common[@]}" "$@" --metrics "$out/$name.jsonl" >"$out/$name.log" 2>&1; then
+    echo "FAIL $name: tandem train $* exited non-zero; output:"; sed 's/^/    /' "$out/$name.log" | tail -30
+    fails=$((fails + 1))
+    return
+  fi
+  echo "ran  $name in $((SECONDS - start)) s: tandem train $*"
+}
+
+run single -n 1 --strategy single
+run tp2_dp2 -n 4 --tp 2
+run pp2_gpipe -n 2 --pp 2 --micro-batches 4 --pipeline-schedule gpipe
+run pp2_1f1b -n 2 --pp 2 --micro-batches 4 --pipeline-schedule 1f1b
+run tp2_pp2 -n 4 --tp 2 --pp 2 --micro-batches 4
+run pp2_dp2_zero1 -n 4 --pp 2 --micro-batches 4 --strategy zero1
+
+# The human report of a pipeline run: layout, partition and bubble against theory.
+for re in '^layout +dp 1 x tp 1 x pp 2' '^pipeline +2 stages, layers per stage [0-9]+/[0-9]+, 4 micro-batches, 1f1b' \
+          '^bubble +[0-9.]+ idle/compute measured .*theory \(pp-1\)/m = 0\.25'; do
+  grep -qE -- "$re" "$out/pp2_1f1b.log" || { echo "FAIL report: no line matches /$re/"; fails=$((fails + 1)); }
+done
+grep -qE -- '^layout +dp 2 x tp 2 x pp 1' "$out/tp2_dp2.log" || { echo "FAIL report: tp2_dp2 has no layout line"; fails=$((fails + 1)); }
+
+TOL=${TANDEM_MP_TOL:-1e-4} python3 - "$out" $STEPS <<'PY' || fails=$((fails + 1))
+import json, os, sys
+out, steps = sys.argv[1], int(sys.argv[2])
+tol = float(os.environ["TOL"])
+def load(name):
+    losses, rep = [], None
+    try:
+        for line in open(f"{out}/{name}.jsonl"):
+            d = json.loads(line)
+            if d.get("report"): rep = d
+            else: losses.append(d["loss"])
+    except FileNotFoundError:
+        return None, None
+    return losses, rep
+ref, _ = load("single")
+if ref is None or len(ref) != steps:
+    print("FAIL: the single-worker reference did not run"); sys.exit(1)
+layouts = {"tp2_dp2": (2, 2, 1), "pp2_gpipe": (1, 1, 2), "pp2_1f1b": (1, 1, 2), "tp2_pp2": (1, 2, 2),
+           "pp2_dp2_zero1": (2, 1, 2)}
+ok = True
+for name, (dp, tp, pp) in layouts.items():
+    l, r = load(name)
+    if l is None:
+        ok = False; continue  # already reported
+    if len(l) != steps:
+        print(f"FAIL {name}: {len(l)} steps, expected {steps}"); ok = False; continue
+    worst = max(abs(a - b) / abs(b) for a, b in zip(l, ref))
+    print(f"{name}: worst relative loss difference from one worker over {steps} steps: {worst:.2e} "
+          f"(first {l[0]:.6f} vs {ref[0]:.6f}, last {l[-1]:.6f} vs {ref[-1]:.6f})")
+    if worst > tol:
+        print(f"FAIL {name}: {worst:.2e} > {tol:g}"); ok = False
+    if (r["dp"], r["tp"], r["pp"]) != (dp, tp, pp) or r["layout"] != f"dp {dp} x tp {tp} x pp {pp}":
+        print(f"FAIL {name}: metrics give layout {r.get('layout')}, expected dp {dp} x tp {tp} x pp {pp}"); ok = False
+    if pp > 1:
+        theory = (pp - 1) / r["micro_batches"]
+        if abs(r["bubble_theory"] - theory) > 1e-12 or len(r["bubble_per_stage"]) != pp or r["bubble_measured"] < 0:
+            print(f"FAIL {name}: bubble fields wrong: {r.get('bubble_theory')} {r.get('bubble_per_stage')}"); ok = False
+        live = r["peak_live_micro_batches"]
+        # GPipe holds all m micro-batches on every stage; 1F1B at most pp - s on stage s.
+        want = [r["micro_batches"]] * pp if r["pipeline_schedule"] == "gpipe" else [pp - s for s in range(pp)]
+        if live != want:
+            print(f"FAIL {name}: micro-batches alive per stage {live}, expected {want}"); ok = False
+        print(f"{name}: bubble idle/compute {r['bubble_measured']:.2f} (stages {['%.2f' % b for b in r['bubble_per_stage']]})"
+              f" vs theory {theory:.2f}; partition {r['partition']}; alive {live}")
+sys.exit(0 if ok else 1)
+PY
+
+expect() {  # expect NAME PATTERN -- command...: non-zero exit, quickly, with a line matching PATTERN
+  local name=$1 pattern=$2; shift 3
+  local start=$SECONDS
+  timeout 60 "$@" >"$out/bad.out" 2>&1
+  local rc=$?
+  if [ $rc -eq 0 ] || [ $rc -eq 124 ] || ! grep -qE -- "$pattern" "$out/bad.out"; then
+    echo "FAIL $name (exit $rc, $((SECONDS - start)) s); output:"; sed 's/^/    /' "$out/bad.out" | tail -20
+    fails=$((fails + 1))
+  else
+    echo "ok   $name (exit $rc, $((SECONDS - start)) s): $(grep -m1 -E -- "$pattern" "$out/bad.out")"
+  fi
+}
+bad=(--model mlp --no-baseline --no-progress --max-steps 1 --no-eval --threads 1)
+expect grid-not-dividing "--tp 2 x --pp 2 = 4 ranks per replica does not divide the 6 workers" -- \
+  "$tandem" train -n 6 --tp 2 --pp 2 "${bad[@]}"
+expect tp-width-not-divisible "hidden width of a Linear pair \(1024\) is not divisible by the tensor-parallel size 3" -- \
+  "$tandem" train -n 3 --tp 3 --batch 63 "${bad[@]}"
+expect more-stages-than-layers "--pp 7: more pipeline stages than the 6 layers of --model mlp" -- \
+  "$tandem" train -n 7 --pp 7 "${bad[@]}"
+expect batch-not-micro-batched "not divisible into 4 micro-batches; use a --batch multiple of 8" -- \
+  "$tandem" train -n 4 --pp 2 --micro-batches 4 --batch 60 "${bad[@]}"
+expect batch-not-over-replicas "does not split evenly over 2 data-parallel replicas" -- \
+  "$tandem" train -n 4 --tp 2 --batch 63 "${bad[@]}"
+expect zero2-with-tp "composes with --strategy ddp or zero1 .* not zero2" -- \
+  "$tandem" train -n 2 --tp 2 --strategy zero2 "${bad[@]}"
+expect zero3-with-pp "composes with --strategy ddp or zero1 .* not zero3" -- \
+  "$tandem" train -n 2 --pp 2 --strategy zero3 "${bad[@]}"
+expect single-with-tp "strategy single runs one worker" -- "$tandem" train -n 2 --tp 2 --strategy single "${bad[@]}"
+expect bad-schedule "unknown pipeline schedule 'zigzag'; use gpipe or 1f1b" -- \
+  "$tandem" train -n 2 --pp 2 --pipeline-schedule zigzag "${bad[@]}"
+expect fp16-with-pp "trains in fp32 only" -- "$tandem" train -n 2 --pp 2 --precision fp16 "${bad[@]}"
+
+if [ $fails -ne 0 ]; then echo "model-parallel train: $fails failure(s)"; exit 1; fi
+echo "model-parallel train ok"
