@@ -2,7 +2,9 @@
 #pragma once
 
 namespace tandem::cli {
+int cmd_bench(int argc, char** argv);
 int cmd_launch(int argc, char** argv);
+int cmd_plan(int argc, char** argv);
 int cmd_selftest(int argc, char** argv);
 int cmd_train(int argc, char** argv);
 }  // namespace tandem::cli

@@ -14,6 +14,8 @@ const char* kUsage =
     "  train      train a model on N workers (default: the CNN on Fashion-MNIST, 2 workers, DDP)\n"
     "  launch     run a program on N workers: tandem launch -n N [--hostfile F] -- PROGRAM ARGS...\n"
     "  selftest   check every collective across the workers: tandem selftest [-n N]\n"
+    "  bench      speedup table and plot of a model over strategies and worker counts\n"
+    "  plan       predict memory and step time of parallel layouts on a cluster, ranked\n"
     "\n"
     "Run 'tandem COMMAND --help' for a command's options.\n";
 }
@@ -28,6 +30,8 @@ int main(int argc, char** argv) {
     if (cmd == "train") return tandem::cli::cmd_train(argc - 1, argv + 1);
     if (cmd == "launch") return tandem::cli::cmd_launch(argc - 1, argv + 1);
     if (cmd == "selftest") return tandem::cli::cmd_selftest(argc - 1, argv + 1);
+    if (cmd == "bench") return tandem::cli::cmd_bench(argc - 1, argv + 1);
+    if (cmd == "plan") return tandem::cli::cmd_plan(argc - 1, argv + 1);
     if (cmd == "-h" || cmd == "--help" || cmd == "help") {
       std::cout << kUsage;
       return 0;

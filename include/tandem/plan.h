@@ -1,0 +1,208 @@
+// The scaling model behind `tandem plan` and `tandem bench`: given a model and a cluster
+// description it predicts, for every data x tensor x pipeline layout and ZeRO stage, the memory
+// per device and the step time (compute from FLOPs and the device rate, collectives by the
+// alpha-beta model, bucketed overlap with backward, pipeline bubble), and ranks the feasible
+// layouts. Plain C++17 (no LibTorch) except the calibration functions at the end.
+// Every function is deterministic; bad descriptions throw std::invalid_argument naming the field.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace tandem {
+class Runtime;
+}
+
+namespace tandem::plan {
+
+// ---------------------------------------------------------------- model description
+struct ModelSpec {
+  std::string name = "custom";
+  std::string kind = "transformer";  // transformer | dense (mlp/cnn: no heads, no sequence)
+  double parameters = 0;             // Psi, scalar parameters
+  int64_t layers = 1;                // repeated blocks (pipeline stages cut between them)
+  int64_t hidden = 0;                // d_model (transformer), widest layer (dense)
+  int64_t heads = 0;                 // attention heads (transformer); 0 for dense
+  int64_t seq = 1;                   // tokens per sample (1 for images)
+  int64_t vocab = 0;
+  // Forward FLOPs per sample; 0: transformer estimate 2*Psi*seq + 4*layers*seq^2*hidden.
+  double forward_flops_per_sample = 0;
+  // Activation bytes kept for backward per sample (all layers, training precision);
+  // 0: transformer estimate per layer seq*hidden*(34 + 5*heads*seq/hidden) (16-bit, Korthikanti et al.).
+  double activation_bytes_per_sample = 0;
+};
+
+// Built-in descriptions: Tandem's reference models (mlp, cnn, cnn_bn, transformer_tiny), counted
+// analytically with the same shapes as models/, and published ones (resnet50, resnet101, gpt2,
+// gpt3-1.3b, zero-7.5b, llama-7b, llama-13b, llama-70b).
+ModelSpec builtin_model(const std::string& name);
+std::vector<std::string> builtin_model_names();
+// A transformer from its shape: parameters 12*L*h^2 + (vocab+seq)*h unless `parameters` > 0.
+ModelSpec transformer_model(int64_t layers, int64_t hidden, int64_t heads, int64_t seq, int64_t vocab,
+                            double parameters = 0);
+double forward_flops_per_sample(const ModelSpec& m);
+double activation_bytes_per_sample(const ModelSpec& m, int tp = 1);  // per sample, all layers
+void validate(const ModelSpec& m);  // throws std::invalid_argument
+
+// ---------------------------------------------------------------- cluster description
+struct DeviceSpec {
+  std::string name;
+  double memory_bytes = 0;      // memory per device
+  double flops = 0;             // dense peak FLOP/s in 16-bit (tensor cores)
+  double flops_fp32 = 0;        // dense peak FLOP/s in float32
+  double memory_bandwidth = 0;  // bytes/s (optimizer steps are bound by it)
+  double mfu = 0.4;             // achieved fraction of peak on training kernels (assumed; see docs)
+};
+
+struct LinkSpec {
+  std::string name;
+  double bandwidth = 0;  // bytes/s per device (intra-node) or per node (inter-node), one direction
+  double latency = 0;    // alpha, seconds per message step
+};
+
+// Nodes of one kind; a cluster of several groups is "mixed": synchronous training runs at the
+// pace of the slowest device and fits in the smallest memory.
+struct NodeGroup {
+  int nodes = 1;
+  int devices_per_node = 1;
+  DeviceSpec device;
+};
+
+struct ClusterSpec {
+  std::string name = "custom";
+  std::vector<NodeGroup> groups;
+  LinkSpec intra;  // within a node
+  LinkSpec inter;  // between nodes (bandwidth per node)
+  // Fraction of bucketed gradient communication that can run beside backward (1: GPUs with a
+  // communication stream; measured on shared CPU cores it is close to 0).
+  double overlap = 1.0;
+  // CPU clusters: workers may outnumber cores (time-shared); compute rates come from a Calibration.
+  bool cpu = false;
+  double framework_overhead_s = 0;  // fixed seconds per step (launch, data, bookkeeping)
+};
+
+int total_devices(const ClusterSpec& c);
+int devices_per_node(const ClusterSpec& c);  // smallest node
+DeviceSpec slowest_device(const ClusterSpec& c);  // min flops*mfu, min memory
+void validate(const ClusterSpec& c);  // throws std::invalid_argument
+
+DeviceSpec device_preset(const std::string& name);  // v100 p100 a100-40g a100-80g h100 h200 cpu
+LinkSpec link_preset(const std::string& name);      // nvlink3 nvlink4 pcie4 ib-hdr ib-ndr roce-25g eth-100g ...
+// Whole clusters: "h100x8", "a100-ib", "mixed-a100-h100", "horovod-p100", "goyal-p100", "local" ...
+ClusterSpec cluster_preset(const std::string& name);
+std::vector<std::string> device_preset_names();
+std::vector<std::string> link_preset_names();
+std::vector<std::string> cluster_preset_names();
+
+// ---------------------------------------------------------------- alpha-beta collectives
+// Ring over n ranks: all-reduce 2(n-1)a + 2(n-1)/n * S/B; reduce-scatter and all-gather
+// (n-1)a + (n-1)/n * S/B (S: the full buffer). Across nodes: hierarchical (reduce-scatter within
+// the node, all-reduce of each shard across nodes on the node's link, all-gather within the node).
+struct AlphaBeta {
+  double alpha = 0;      // s per step
+  double bandwidth = 0;  // bytes/s
+};
+double ring_allreduce_seconds(int n, double bytes, AlphaBeta ab);
+double ring_reduce_scatter_seconds(int n, double bytes, AlphaBeta ab);
+double ring_allgather_seconds(int n, double bytes, AlphaBeta ab);
+
+// Measured on this machine: compute rates of a model, optimizer cost, collectives per world size.
+struct ModelRates {
+  double flops_1t = 0;        // FLOP/s of forward+backward, one process, one thread
+  double flops_all = 0;       // one process, all cores
+  double flops_concurrent = 0;  // per process, one thread each, `cores` processes at once
+  // Per process with n processes at once (one thread each, a barrier after every forward+backward,
+  // as a training step synchronises): measured at each calibrated world size, including n > cores.
+  std::map<int, double> flops_synchronized;
+  double overhead_s = 0;      // fixed seconds per step (intercept of time against batch)
+  double sgd_s_per_param = 0;   // optimizer step seconds per parameter (one thread)
+  double adam_s_per_param = 0;
+};
+struct Calibration {
+  std::string date, host;
+  int cores = 1;
+  double gemm_flops_1t = 0;  // FLOP/s of a 512^3 float32 matmul, one thread
+  double memory_bandwidth = 0;  // bytes/s, memcpy read+write
+  std::map<std::string, ModelRates> models;  // by model name
+  // Per world size: fitted alpha and bandwidth of each collective, in the ring formulas' terms.
+  std::map<int, std::map<std::string, AlphaBeta>> collectives;  // n -> {"allreduce", ...}
+};
+
+// ---------------------------------------------------------------- configurations
+struct PlanOptions {
+  int64_t global_batch = 0;        // samples per step; 0: 1024 for transformers, 256 otherwise
+  std::string optimizer = "adam";  // adam | adamw | sgd (momentum) | sgd-plain
+  std::string precision = "mixed"; // mixed (16-bit params/grads, fp32 master) | fp32 | bf16 (pure)
+  std::vector<int> zero_stages = {0, 1, 2, 3};
+  std::vector<double> bucket_bytes = {25.0 * 1024 * 1024};
+  std::vector<int> dp_only_workers;  // non-empty: only dp layouts with these worker counts
+  int devices = 0;                 // 0: every device of the cluster
+  int max_tp = 8, max_pp = 64;
+  bool activation_checkpointing = false;
+  double memory_headroom = 0.9;    // use at most this fraction of device memory
+  const Calibration* calibration = nullptr;
+};
+
+struct Layout {
+  int dp = 1, tp = 1, pp = 1;
+  int zero = 0;                // 0: replicated (DDP); 1, 2, 3: ZeRO stages
+  int64_t micro_batch = 1;     // samples per micro-batch per dp replica
+  int64_t micro_batches = 1;   // per step (pipeline depth or gradient accumulation)
+  double bucket_bytes = 25.0 * 1024 * 1024;
+  std::string strategy_name() const;  // "single", "ddp", "zero1", ..., "dp2 tp2 pp2 zero1"
+};
+
+struct MemoryBreakdown {
+  double parameters = 0, gradients = 0, optimizer = 0, activations = 0;
+  double total() const { return parameters + gradients + optimizer + activations; }
+};
+
+// The ZeRO paper's model-state memory per device (Rajbhandari et al. 2020, sec. 5): with
+// bytes per parameter p (parameters), g (gradients) and K (optimizer state), for Nd devices:
+// stage 0 (p+g+K)Psi; 1: (p+g)Psi + K Psi/Nd; 2: p Psi + (g+K)Psi/Nd; 3: (p+g+K)Psi/Nd.
+struct StateBytes {
+  double param = 4, grad = 4, optimizer = 8;
+};
+StateBytes state_bytes(const std::string& precision, const std::string& optimizer);
+MemoryBreakdown zero_model_states(double parameters, int stage, int dp, StateBytes b);
+
+struct Estimate {
+  Layout layout;
+  bool feasible = true;
+  std::string why;             // when infeasible
+  MemoryBreakdown memory;      // per device
+  double compute_s = 0;        // forward+backward of this device's share
+  double optimizer_s = 0;
+  double comm_s = 0;           // all collectives of the step, if run alone
+  double exposed_comm_s = 0;   // what is not hidden behind backward
+  double bubble_s = 0;
+  double step_s = 0;
+  double samples_per_s = 0;
+  double efficiency = 0;       // useful compute time at the device rate / step time
+  std::map<std::string, double> comm_parts;  // seconds by collective
+};
+
+Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, const PlanOptions& o);
+// Every layout over the cluster's devices (or o.dp_only_workers), best micro-batch and bucket per
+// (dp, tp, pp, zero); feasible ones first, by step time; then infeasible ones with the reason.
+std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o);
+
+// The time a collective takes on the cluster for a group of n ranks (consecutive devices:
+// within a node while it fits), or from the calibration when it has this n.
+double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std::string& op, int n, double bytes,
+                          int stride = 1);
+
+// ---------------------------------------------------------------- calibration (needs LibTorch)
+// Compute rates of a built-in model (forward+backward at two batch sizes, one and all threads)
+// and optimizer step cost, GEMM rate and memcpy bandwidth, in this process.
+void calibrate_compute(Calibration& cal, const std::vector<std::string>& models, int64_t batch);
+// Per-rank concurrent compute rate (every rank at once, one thread each) and collective times
+// at several sizes on rt's world, fitted to alpha and bandwidth. Every rank must call it; the
+// result is complete on rank 0.
+void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std::string>& models, int64_t batch);
+std::string calibration_to_json(const Calibration& cal);
+Calibration calibration_from_json(const std::string& text);  // throws std::invalid_argument
+
+}  // namespace tandem::plan

@@ -1,0 +1,301 @@
+// `tandem plan --calibrate`: this machine's compute rates (a built-in model's forward+backward at
+// two batch sizes, one thread and all cores; optimizer step cost; a GEMM; memcpy) and Tandem's
+// collectives at several sizes, fitted to the alpha-beta formulas of tandem/plan.h.
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <stdexcept>
+#include <thread>
+
+#include "tandem/models.h"
+#include "tandem/plan.h"
+#include "tandem/runtime.h"
+
+namespace tandem::plan {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t m = v.size() / 2;
+  return v.empty() ? 0.0 : (v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]));
+}
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// A batch the model accepts, and its loss.
+std::pair<at::Tensor, at::Tensor> sample_batch(const std::string& name, int64_t b) {
+  if (name == "transformer_tiny") {
+    auto ids = torch::randint(0, 256, {b, 64}, torch::kLong);
+    return {ids, torch::randint(0, 256, {b, 64}, torch::kLong)};
+  }
+  return {torch::randn({b, 1, 28, 28}), torch::randint(0, 10, {b}, torch::kLong)};
+}
+
+at::Tensor loss_of(const at::Tensor& out, const at::Tensor& y) {
+  if (out.dim() == 3) return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(2)}), y.reshape({-1}));
+  return torch::nn::functional::cross_entropy(out, y);
+}
+
+// Median seconds of zero_grad + forward + loss + backward at batch b.
+double time_fwd_bwd(torch::nn::Sequential& model, const std::string& name, int64_t b, int warmup, int iters) {
+  auto [x, y] = sample_batch(name, b);
+  std::vector<double> t;
+  for (int i = 0; i < warmup + iters; ++i) {
+    auto t0 = Clock::now();
+    model->zero_grad(/*set_to_none=*/false);  // as tandem train does
+    auto loss = loss_of(model->forward(x), y);
+    loss.backward();
+    (void)loss.item<double>();
+    if (i >= warmup) t.push_back(seconds_since(t0));
+  }
+  return median(t);
+}
+
+// Fits time = overhead + flops(b) / rate from two batch sizes.
+void fit_rate(double flops_per_sample, int64_t b1, double t1, int64_t b2, double t2, double& rate, double& overhead) {
+  const double f1 = flops_per_sample * b1, f2 = flops_per_sample * b2;
+  rate = t2 > t1 ? (f2 - f1) / (t2 - t1) : f2 / t2;
+  overhead = t1 - f1 / rate;
+  if (overhead < 0 || !(rate > 0)) {
+    overhead = 0;
+    rate = f2 / t2;
+  }
+}
+
+double time_optimizer(torch::nn::Sequential& model, const std::string& which) {
+  for (auto& p : model->parameters()) p.mutable_grad() = torch::randn_like(p);
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (which == "adam") {
+    opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
+  } else {
+    opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  }
+  std::vector<double> t;
+  for (int i = 0; i < 13; ++i) {
+    auto t0 = Clock::now();
+    opt->step();
+    if (i >= 3) t.push_back(seconds_since(t0));
+  }
+  return median(t);
+}
+
+std::string now_utc() {
+  std::time_t t = std::time(nullptr);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M UTC", std::gmtime(&t));
+  return buf;
+}
+
+}  // namespace
+
+void calibrate_compute(Calibration& cal, const std::vector<std::string>& models, int64_t batch) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  cal.cores = cores;
+  cal.date = now_utc();
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  cal.host = host;
+  torch::manual_seed(0);
+
+  at::set_num_threads(1);
+  {
+    auto a = torch::randn({512, 512}), b = torch::randn({512, 512});
+    std::vector<double> t;
+    for (int i = 0; i < 13; ++i) {
+      auto t0 = Clock::now();
+      auto c = at::mm(a, b);
+      (void)c.data_ptr<float>()[0];
+      if (i >= 3) t.push_back(seconds_since(t0));
+    }
+    cal.gemm_flops_1t = 2.0 * 512 * 512 * 512 / median(t);
+  }
+  {
+    const size_t bytes = 64u << 20;
+    std::vector<char> a(bytes, 1), b(bytes, 2);
+    std::memcpy(b.data(), a.data(), bytes);
+    std::vector<double> t;
+    for (int i = 0; i < 10; ++i) {
+      a[i] = static_cast<char>(i);
+      auto t0 = Clock::now();
+      std::memcpy(b.data(), a.data(), bytes);
+      t.push_back(seconds_since(t0));
+      if (b[i] != static_cast<char>(i)) throw std::runtime_error("memcpy check failed");
+    }
+    cal.memory_bandwidth = 2.0 * bytes / median(t);
+  }
+
+  for (const auto& name : models) {
+    auto model = models::make_model(name);  // throws for unknown names
+    const ModelSpec spec = builtin_model(name);
+    const double f = 3.0 * forward_flops_per_sample(spec);
+    const int64_t b2 = std::max<int64_t>(2, batch), b1 = std::max<int64_t>(1, b2 / 4);
+    ModelRates mr;
+    double ovh_all = 0;
+    // Three interleaved rounds, median of each point: this guest runs at two speeds for minutes
+    // at a time, and a calibration taken in one of them alone misleads.
+    std::vector<double> a1, a2, c1, c2;
+    for (int round = 0; round < 3; ++round) {
+      at::set_num_threads(1);
+      a1.push_back(time_fwd_bwd(model, name, b1, 2, 7));
+      a2.push_back(time_fwd_bwd(model, name, b2, 2, 7));
+      at::set_num_threads(cores);
+      c1.push_back(time_fwd_bwd(model, name, b1, 2, 7));
+      c2.push_back(time_fwd_bwd(model, name, b2, 2, 7));
+    }
+    fit_rate(f, b1, median(a1), b2, median(a2), mr.flops_1t, mr.overhead_s);
+    fit_rate(f, b1, median(c1), b2, median(c2), mr.flops_all, ovh_all);
+    at::set_num_threads(1);
+    const double params = static_cast<double>(models::count_parameters(*model));
+    mr.sgd_s_per_param = time_optimizer(model, "sgd") / params;
+    mr.adam_s_per_param = time_optimizer(model, "adam") / params;
+    cal.models[name] = mr;
+  }
+}
+
+void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std::string>& models, int64_t batch) {
+  auto comm = rt.cpu_world();
+  const int n = comm->size();
+  auto slowest = [&](double t) {
+    auto v = torch::tensor({t}, torch::kDouble);
+    comm->allreduce(v, ReduceOp::kMax);
+    return v.item<double>();
+  };
+  // Every rank computing at once, one thread each: the rate of a worker among `cores` workers.
+  for (const auto& name : models) {
+    auto model = models::make_model(name);
+    const ModelSpec spec = builtin_model(name);
+    const int64_t b = std::max<int64_t>(1, batch / n);
+    comm->barrier();
+    double t = time_fwd_bwd(model, name, b, 2, 7);
+    auto v = torch::tensor({t}, torch::kDouble);
+    comm->allreduce(v, ReduceOp::kAvg);
+    t = v.item<double>();
+    auto it = cal.models.find(name);
+    double ovh = it != cal.models.end() ? it->second.overhead_s : 0.0;
+    const double f = 3.0 * forward_flops_per_sample(spec) * b;
+    if (t - ovh > 0) cal.models[name].flops_concurrent = f / (t - ovh);
+    // The same with a barrier after every forward+backward (a step's synchronisation), the
+    // slowest rank's median: on more ranks than cores this includes waiting for descheduled peers.
+    auto [x, y] = sample_batch(name, b);
+    std::vector<double> ts;
+    comm->barrier();
+    for (int i = 0; i < 9; ++i) {
+      auto t0 = Clock::now();
+      model->zero_grad(/*set_to_none=*/false);
+      auto loss = loss_of(model->forward(x), y);
+      loss.backward();
+      (void)loss.item<double>();
+      comm->barrier();
+      double dt = slowest(seconds_since(t0));
+      if (i >= 2) ts.push_back(dt);
+    }
+    const double ts_med = median(ts);
+    if (ts_med - ovh > 0) cal.models[name].flops_synchronized[n] = f / (ts_med - ovh);
+  }
+  // Collectives at 4 KiB (latency) and 256 KiB .. 16 MiB (bandwidth), float32, median of the
+  // slowest rank: alpha = t(4 KiB) / steps; bandwidth by least squares through the origin of
+  // t - steps*alpha against (steps/n) * S over the larger sizes.
+  const std::vector<int64_t> sizes = {4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20};
+  for (const std::string op : {"allreduce", "reduce_scatter", "allgather"}) {
+    std::vector<double> xs, ys;
+    for (int64_t bytes : sizes) {
+      const int64_t numel = std::max<int64_t>(n, (bytes / 4 / n) * n);
+      auto full = torch::ones({numel});
+      auto part = torch::ones({numel / n});
+      std::vector<double> t;
+      for (int i = 0; i < 13; ++i) {
+        comm->barrier();
+        auto t0 = Clock::now();
+        if (op == "allreduce") comm->allreduce(full, ReduceOp::kSum);
+        else if (op == "reduce_scatter") comm->reduce_scatter(part, full, ReduceOp::kSum);
+        else comm->allgather(full, part);
+        double dt = slowest(seconds_since(t0));
+        if (i >= 3) t.push_back(dt);
+      }
+      xs.push_back(static_cast<double>(numel) * 4);
+      ys.push_back(median(t));
+    }
+    const double steps = op == "allreduce" ? 2.0 * (n - 1) : (n - 1);
+    AlphaBeta ab;
+    ab.alpha = ys[0] / steps;
+    double sxy = 0, sxx = 0;
+    for (size_t i = 1; i < xs.size(); ++i) {
+      const double x = steps / n * xs[i], y = std::max(0.0, ys[i] - steps * ab.alpha);
+      sxy += x * y;
+      sxx += x * x;
+    }
+    ab.bandwidth = sxy > 0 ? sxx / sxy : steps / n * xs.back() / ys.back();
+    cal.collectives[n][op] = ab;
+  }
+}
+
+std::string calibration_to_json(const Calibration& cal) {
+  nlohmann::json j;
+  j["date"] = cal.date;
+  j["host"] = cal.host;
+  j["cores"] = cal.cores;
+  j["gemm_flops_1t"] = cal.gemm_flops_1t;
+  j["memory_bandwidth"] = cal.memory_bandwidth;
+  for (const auto& [name, m] : cal.models) {
+    j["models"][name] = {{"flops_1t", m.flops_1t},
+                         {"flops_all", m.flops_all},
+                         {"flops_concurrent", m.flops_concurrent},
+                         {"overhead_s", m.overhead_s},
+                         {"flops_synchronized", [&] {
+                            nlohmann::json o = nlohmann::json::object();
+                            for (const auto& [n, r] : m.flops_synchronized) o[std::to_string(n)] = r;
+                            return o;
+                          }()},
+                         {"sgd_s_per_param", m.sgd_s_per_param},
+                         {"adam_s_per_param", m.adam_s_per_param}};
+  }
+  for (const auto& [n, ops] : cal.collectives)
+    for (const auto& [op, ab] : ops) j["collectives"][std::to_string(n)][op] = {{"alpha", ab.alpha}, {"bandwidth", ab.bandwidth}};
+  return j.dump(2);
+}
+
+Calibration calibration_from_json(const std::string& text) {
+  Calibration cal;
+  try {
+    auto j = nlohmann::json::parse(text);
+    cal.date = j.value("date", "");
+    cal.host = j.value("host", "");
+    cal.cores = j.value("cores", 1);
+    cal.gemm_flops_1t = j.value("gemm_flops_1t", 0.0);
+    cal.memory_bandwidth = j.value("memory_bandwidth", 0.0);
+    if (j.contains("models")) {
+      for (auto& [name, m] : j["models"].items()) {
+        ModelRates r;
+        r.flops_1t = m.value("flops_1t", 0.0);
+        r.flops_all = m.value("flops_all", 0.0);
+        r.flops_concurrent = m.value("flops_concurrent", 0.0);
+        r.overhead_s = m.value("overhead_s", 0.0);
+        r.sgd_s_per_param = m.value("sgd_s_per_param", 0.0);
+        r.adam_s_per_param = m.value("adam_s_per_param", 0.0);
+        if (m.contains("flops_synchronized"))
+          for (auto& [n, v] : m["flops_synchronized"].items()) r.flops_synchronized[std::stoi(n)] = v.get<double>();
+        cal.models[name] = r;
+      }
+    }
+    if (j.contains("collectives")) {
+      for (auto& [n, ops] : j["collectives"].items())
+        for (auto& [op, ab] : ops.items())
+          cal.collectives[std::stoi(n)][op] = AlphaBeta{ab.at("alpha").get<double>(), ab.at("bandwidth").get<double>()};
+    }
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(std::string("calibration file is not valid: ") + e.what() +
+                                "; rerun tandem plan --calibrate");
+  }
+  if (cal.cores < 1) throw std::invalid_argument("calibration file: cores must be at least 1");
+  return cal;
+}
+
+}  // namespace tandem::plan

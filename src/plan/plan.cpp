@@ -1,0 +1,539 @@
+// The memory and time model behind `tandem plan`: ZeRO model-state memory, activation memory,
+// alpha-beta collectives, bucketed overlap with backward, pipeline bubble and tensor-parallel
+// all-reduces, and the search over layouts. Plain C++17; formulas in docs/drafts/plan.md.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <tuple>
+
+#include "tandem/plan.h"
+
+namespace tandem::plan {
+namespace {
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+std::string gb(double bytes) { return fmt("%.1f GB", bytes / 1e9); }
+
+bool is_16bit(const std::string& precision) { return precision == "mixed" || precision == "bf16"; }
+
+double device_rate(const DeviceSpec& d, const std::string& precision) {
+  return (is_16bit(precision) ? d.flops : d.flops_fp32) * d.mfu;
+}
+
+// activation_bytes_per_sample() gives float32 bytes for descriptions that carry their own
+// figure (the dense built-ins) and 16-bit bytes for the transformer formula; scale to the precision.
+double activation_scale(const ModelSpec& m, const std::string& precision) {
+  if (m.activation_bytes_per_sample > 0) return is_16bit(precision) ? 0.5 : 1.0;
+  return is_16bit(precision) ? 1.0 : 2.0;
+}
+
+struct Rates {
+  double flops = 0;       // FLOP/s of forward+backward per worker
+  double overhead = 0;    // s per step
+  double opt_per_param = 0;  // s per parameter updated (CPU calibration); 0: from bandwidth
+  double slice = 1;       // time-sharing factor (CPU workers beyond the cores)
+};
+
+Rates worker_rates(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o, int workers_on_node) {
+  Rates r;
+  DeviceSpec d = slowest_device(c);
+  r.flops = device_rate(d, o.precision);
+  r.overhead = c.framework_overhead_s;
+  if (!c.cpu || !o.calibration) return r;
+  const Calibration& cal = *o.calibration;
+  auto it = cal.models.find(m.name);
+  const int cores = std::max(1, cal.cores);
+  const int n = std::max(1, workers_on_node);
+  const int threads = std::max(1, cores / n);  // what tandem's Runtime picks
+  r.slice = std::max(1.0, static_cast<double>(n * threads) / cores);
+  if (it == cal.models.end()) {
+    if (cal.gemm_flops_1t > 0) r.flops = cal.gemm_flops_1t * threads / r.slice;
+    return r;
+  }
+  const ModelRates& mr = it->second;
+  const double one = mr.flops_1t > 0 ? mr.flops_1t : r.flops;
+  const double all = mr.flops_all > 0 ? mr.flops_all : one * cores;
+  const double conc = mr.flops_concurrent > 0 ? mr.flops_concurrent : one;
+  if (n == 1) {
+    r.flops = threads >= cores ? all : one * threads * all / (cores * one);
+  } else if (auto s = mr.flops_synchronized.find(n); s != mr.flops_synchronized.end() && s->second > 0) {
+    r.flops = s->second;  // measured at this world size, time-sharing and synchronisation included
+  } else {
+    // Several processes at once: the concurrent one-thread rate, times threads at the
+    // single-process thread efficiency, shared in time beyond the cores.
+    double thread_eff = all / (cores * one);
+    r.flops = (threads == 1 ? conc : conc * threads * thread_eff) / r.slice;
+  }
+  r.overhead = mr.overhead_s * r.slice;
+  r.opt_per_param = (o.optimizer == "adam" || o.optimizer == "adamw") ? mr.adam_s_per_param : mr.sgd_s_per_param;
+  r.opt_per_param *= r.slice;
+  return r;
+}
+
+// Gradients become ready evenly over `window` seconds of backward, in k buckets; each bucket's
+// collective starts when it is ready and the previous one is done. Returns the time communication
+// runs past the end of backward.
+double bucket_exposed(const std::vector<double>& bucket_seconds, double window) {
+  const size_t k = bucket_seconds.size();
+  if (k == 0) return 0.0;
+  double end = 0.0;
+  for (size_t i = 0; i < k; ++i) {
+    double ready = window * static_cast<double>(i + 1) / static_cast<double>(k);
+    end = std::max(end, ready) + bucket_seconds[i];
+  }
+  return std::max(0.0, end - window);
+}
+
+std::vector<double> split_buckets(double bytes, double cap) {
+  std::vector<double> b;
+  if (bytes <= 0) return b;
+  if (cap <= 0) cap = bytes;
+  double left = bytes;
+  while (left > 0) {
+    b.push_back(std::min(cap, left));
+    left -= cap;
+  }
+  return b;
+}
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> d;
+  for (int64_t i = 1; i <= n; ++i)
+    if (n % i == 0) d.push_back(i);
+  return d;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- model helpers
+
+double forward_flops_per_sample(const ModelSpec& m) {
+  if (m.forward_flops_per_sample > 0) return m.forward_flops_per_sample;
+  // 2 FLOPs per parameter per token, plus attention scores and values: 4 * seq^2 * hidden per layer.
+  const double s = static_cast<double>(m.seq);
+  return 2.0 * m.parameters * s + 4.0 * m.layers * s * s * m.hidden;
+}
+
+double activation_bytes_per_sample(const ModelSpec& m, int tp) {
+  if (m.activation_bytes_per_sample > 0) return m.activation_bytes_per_sample / std::max(1, tp);
+  // Korthikanti et al. 2022, eq. 1-2 (16-bit, no recomputation, no sequence parallelism), per
+  // layer and sample: s*h*(10 + 24/t + 5*a*s/(h*t)).
+  const double s = static_cast<double>(m.seq), h = static_cast<double>(m.hidden), a = static_cast<double>(m.heads);
+  const double t = std::max(1, tp);
+  return m.layers * s * h * (10.0 + 24.0 / t + 5.0 * a * s / (h * t));
+}
+
+void validate(const ModelSpec& m) {
+  auto bad = [&](const std::string& what) {
+    throw std::invalid_argument("model '" + m.name + "': " + what);
+  };
+  if (!(m.parameters > 0) || !std::isfinite(m.parameters)) bad("parameters must be a positive number, got " + fmt("%g", m.parameters));
+  if (m.layers < 1) bad("layers must be at least 1, got " + std::to_string(m.layers));
+  if (m.seq < 1) bad("sequence length must be at least 1, got " + std::to_string(m.seq));
+  if (m.kind == "transformer") {
+    if (m.hidden < 1) bad("hidden size must be at least 1, got " + std::to_string(m.hidden));
+    if (m.heads < 1) bad("attention heads must be at least 1, got " + std::to_string(m.heads));
+    if (m.hidden % m.heads != 0)
+      bad("hidden size " + std::to_string(m.hidden) + " is not divisible by " + std::to_string(m.heads) + " heads");
+    // The shape alone holds 12*L*h^2 weights in its blocks; far fewer parameters is impossible.
+    double implied = 12.0 * m.layers * static_cast<double>(m.hidden) * m.hidden;
+    if (m.parameters < 0.5 * implied)
+      bad("parameters " + fmt("%.4g", m.parameters) + " are far fewer than the " + fmt("%.4g", implied) +
+          " that " + std::to_string(m.layers) + " layers of hidden size " + std::to_string(m.hidden) +
+          " hold (12*layers*hidden^2); check --params, --layers and --hidden");
+  } else if (m.kind != "dense") {
+    bad("kind must be transformer or dense, got '" + m.kind + "'");
+  }
+  if (m.forward_flops_per_sample < 0 || m.activation_bytes_per_sample < 0) bad("FLOPs and activation bytes must be >= 0");
+}
+
+// ---------------------------------------------------------------- cluster helpers
+
+int total_devices(const ClusterSpec& c) {
+  int n = 0;
+  for (const auto& g : c.groups) n += g.nodes * g.devices_per_node;
+  return n;
+}
+
+int devices_per_node(const ClusterSpec& c) {
+  int d = std::numeric_limits<int>::max();
+  for (const auto& g : c.groups) d = std::min(d, g.devices_per_node);
+  return c.groups.empty() ? 1 : d;
+}
+
+DeviceSpec slowest_device(const ClusterSpec& c) {
+  if (c.groups.empty()) throw std::invalid_argument("cluster '" + c.name + "' has no nodes");
+  DeviceSpec d = c.groups[0].device;
+  for (const auto& g : c.groups) {
+    const DeviceSpec& x = g.device;
+    if (x.flops * x.mfu < d.flops * d.mfu) { d.flops = x.flops; d.mfu = x.mfu; d.name = x.name; }
+    if (x.flops_fp32 < d.flops_fp32) d.flops_fp32 = x.flops_fp32;
+    d.memory_bytes = std::min(d.memory_bytes, x.memory_bytes);
+    d.memory_bandwidth = std::min(d.memory_bandwidth, x.memory_bandwidth);
+  }
+  return d;
+}
+
+void validate(const ClusterSpec& c) {
+  auto bad = [&](const std::string& what) { throw std::invalid_argument("cluster '" + c.name + "': " + what); };
+  if (c.groups.empty()) bad("no nodes given");
+  int nodes = 0;
+  for (const auto& g : c.groups) {
+    const auto& d = g.device;
+    if (g.nodes < 1) bad("nodes must be at least 1, got " + std::to_string(g.nodes));
+    if (g.devices_per_node < 1) bad("devices per node must be at least 1, got " + std::to_string(g.devices_per_node));
+    if (!(d.memory_bytes > 0)) bad("device '" + d.name + "' memory must be positive, got " + fmt("%g", d.memory_bytes));
+    if (!(d.flops > 0) || !(d.flops_fp32 > 0)) bad("device '" + d.name + "' compute rate must be positive");
+    if (!(d.mfu > 0) || d.mfu > 1) bad("device '" + d.name + "' achieved fraction of peak (mfu) must be in (0, 1], got " + fmt("%g", d.mfu));
+    if (!(d.memory_bandwidth > 0)) bad("device '" + d.name + "' memory bandwidth must be positive");
+    nodes += g.nodes;
+  }
+  if (devices_per_node(c) > 1 || c.cpu) {
+    if (!(c.intra.bandwidth > 0)) bad("intra-node bandwidth must be positive, got " + fmt("%g", c.intra.bandwidth));
+    if (c.intra.latency < 0) bad("intra-node latency must be >= 0");
+  }
+  if (nodes > 1) {
+    if (!(c.inter.bandwidth > 0)) bad("inter-node bandwidth must be positive, got " + fmt("%g", c.inter.bandwidth));
+    if (c.inter.latency < 0) bad("inter-node latency must be >= 0");
+  }
+  if (c.overlap < 0 || c.overlap > 1) bad("overlap must be in [0, 1], got " + fmt("%g", c.overlap));
+  if (c.framework_overhead_s < 0) bad("framework overhead must be >= 0");
+}
+
+// ---------------------------------------------------------------- collectives
+
+double ring_allreduce_seconds(int n, double bytes, AlphaBeta ab) {
+  if (n <= 1 || bytes <= 0) return 0.0;
+  return 2.0 * (n - 1) * ab.alpha + 2.0 * (n - 1) / n * bytes / ab.bandwidth;
+}
+double ring_reduce_scatter_seconds(int n, double bytes, AlphaBeta ab) {
+  if (n <= 1 || bytes <= 0) return 0.0;
+  return (n - 1) * ab.alpha + static_cast<double>(n - 1) / n * bytes / ab.bandwidth;
+}
+double ring_allgather_seconds(int n, double bytes, AlphaBeta ab) { return ring_reduce_scatter_seconds(n, bytes, ab); }
+
+double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std::string& op, int n, double bytes,
+                          int stride) {
+  if (n <= 1 || bytes <= 0) return 0.0;
+  auto ring = [&](int k, double s, AlphaBeta ab) {
+    if (op == "allreduce") return ring_allreduce_seconds(k, s, ab);
+    if (op == "reduce_scatter") return ring_reduce_scatter_seconds(k, s, ab);
+    if (op == "allgather") return ring_allgather_seconds(k, s, ab);
+    throw std::invalid_argument("unknown collective '" + op + "'");
+  };
+  if (c.cpu && o.calibration && !o.calibration->collectives.empty()) {
+    // Measured at this world size (or the nearest one measured).
+    const auto& cols = o.calibration->collectives;
+    auto it = cols.lower_bound(n);
+    if (it == cols.end()) it = std::prev(cols.end());
+    auto op_it = it->second.find(op);
+    if (op_it != it->second.end() && op_it->second.bandwidth > 0) return ring(n, bytes, op_it->second);
+  }
+  const int dpn = devices_per_node(c);
+  const int span = n * std::max(1, stride);
+  const AlphaBeta intra{c.intra.latency, c.intra.bandwidth};
+  if (span <= dpn || c.cpu) return ring(n, bytes, intra);
+  // Hierarchical: d ranks of the group per node, m nodes; each of the d ranks runs the
+  // inter-node ring on its 1/d shard, sharing the node's link.
+  const int per_node = std::max(1, dpn / std::max(1, stride));
+  const int d = std::min(n, per_node);
+  const int m = (n + d - 1) / d;
+  const AlphaBeta inter{c.inter.latency, c.inter.bandwidth / d};
+  if (op == "allreduce") {
+    return ring_reduce_scatter_seconds(d, bytes, intra) + ring_allreduce_seconds(m, bytes / d, inter) +
+           ring_allgather_seconds(d, bytes, intra);
+  }
+  return ring(d, bytes, intra) + ring(m, bytes / d, inter);
+}
+
+// ---------------------------------------------------------------- memory
+
+StateBytes state_bytes(const std::string& precision, const std::string& optimizer) {
+  StateBytes b;
+  double moments;
+  if (optimizer == "adam" || optimizer == "adamw") moments = 2;
+  else if (optimizer == "sgd") moments = 1;  // momentum
+  else if (optimizer == "sgd-plain") moments = 0;
+  else throw std::invalid_argument("unknown optimizer '" + optimizer + "' (adam, adamw, sgd, sgd-plain)");
+  if (precision == "mixed") {
+    // 16-bit parameters and gradients; fp32 master parameters + fp32 moments (ZeRO paper: K = 12 for Adam).
+    b.param = 2; b.grad = 2; b.optimizer = 4 + 4 * moments;
+  } else if (precision == "fp32") {
+    b.param = 4; b.grad = 4; b.optimizer = 4 * moments;
+  } else if (precision == "bf16") {
+    b.param = 2; b.grad = 2; b.optimizer = 2 * moments;
+  } else {
+    throw std::invalid_argument("unknown precision '" + precision + "' (mixed, fp32, bf16)");
+  }
+  return b;
+}
+
+MemoryBreakdown zero_model_states(double psi, int stage, int dp, StateBytes b) {
+  if (stage < 0 || stage > 3) throw std::invalid_argument("ZeRO stage must be 0-3, got " + std::to_string(stage));
+  const double nd = std::max(1, dp);
+  MemoryBreakdown m;
+  m.parameters = b.param * psi / (stage >= 3 ? nd : 1.0);
+  m.gradients = b.grad * psi / (stage >= 2 ? nd : 1.0);
+  m.optimizer = b.optimizer * psi / (stage >= 1 ? nd : 1.0);
+  return m;
+}
+
+// ---------------------------------------------------------------- layouts
+
+std::string Layout::strategy_name() const {
+  if (tp == 1 && pp == 1) {
+    if (zero == 0) return dp == 1 ? "single" : "ddp";
+    return "zero" + std::to_string(zero);
+  }
+  std::string s = "dp" + std::to_string(dp) + " tp" + std::to_string(tp) + " pp" + std::to_string(pp);
+  if (zero > 0) s += " zero" + std::to_string(zero);
+  return s;
+}
+
+Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, const PlanOptions& o) {
+  Estimate e;
+  e.layout = l;
+  auto infeasible = [&](const std::string& why) {
+    e.feasible = false;
+    e.why = why;
+    return e;
+  };
+  const int dp = l.dp, tp = l.tp, pp = l.pp;
+  if (dp < 1 || tp < 1 || pp < 1) throw std::invalid_argument("dp, tp and pp must be at least 1");
+  const int used = dp * tp * pp;
+  const int dpn = devices_per_node(c);
+  const StateBytes sb = state_bytes(o.precision, o.optimizer);
+  const DeviceSpec dev = slowest_device(c);
+  const int64_t batch = o.global_batch > 0 ? o.global_batch : (m.kind == "transformer" ? 1024 : 256);
+
+  // Memory first: it is meaningful even for layouts that are infeasible for other reasons.
+  const double psi_dev = m.parameters / (static_cast<double>(tp) * pp);
+  e.memory = zero_model_states(psi_dev, l.zero, dp, sb);
+  const int64_t per_replica = batch / dp;
+  const int64_t mb = std::max<int64_t>(1, l.micro_batch);
+  const int64_t mcount = std::max<int64_t>(1, l.micro_batches);
+  const double act_scale = activation_scale(m, o.precision);
+  const double act_sample = activation_bytes_per_sample(m, tp) * act_scale;  // all layers
+  const double layers_here = std::ceil(static_cast<double>(m.layers) / pp);
+  const double act_layer = act_sample / m.layers;
+  const double in_flight = pp > 1 ? std::min<double>(pp, mcount) : 1.0;  // 1F1B: at most p on stage 1
+  if (o.activation_checkpointing) {
+    const double ckpt = 2.0 * m.seq * m.hidden * (is_16bit(o.precision) ? 1.0 : 2.0) / std::max(1, tp);
+    e.memory.activations = (ckpt * layers_here * in_flight + act_layer) * mb;
+  } else {
+    e.memory.activations = act_layer * layers_here * in_flight * mb;
+  }
+
+  if (used > total_devices(c) && !c.cpu)
+    return infeasible("needs " + std::to_string(used) + " devices, the cluster has " + std::to_string(total_devices(c)));
+  if (batch % dp != 0)
+    return infeasible("global batch " + std::to_string(batch) + " does not split over " + std::to_string(dp) + " data-parallel replicas");
+  if (per_replica % mb != 0 || per_replica / mb != mcount)
+    return infeasible("micro-batch " + std::to_string(mb) + " x " + std::to_string(mcount) + " does not make the " +
+                      std::to_string(per_replica) + " samples per replica");
+  if (pp > m.layers)
+    return infeasible("too few layers: " + std::to_string(m.layers) + " layers for " + std::to_string(pp) + " pipeline stages");
+  if (tp > 1) {
+    if (m.kind != "transformer" || m.heads < 1)
+      return infeasible("tensor parallelism needs attention heads to split (a transformer description)");
+    if (m.heads % tp != 0)
+      return infeasible("indivisible heads: " + std::to_string(m.heads) + " heads over tensor-parallel " + std::to_string(tp));
+    if (m.hidden % tp != 0)
+      return infeasible("hidden size " + std::to_string(m.hidden) + " does not split over tensor-parallel " + std::to_string(tp));
+    if (tp > dpn)
+      return infeasible("tensor-parallel group of " + std::to_string(tp) + " spans nodes (" + std::to_string(dpn) +
+                        " devices per node): its per-layer all-reduces need the intra-node link");
+  }
+  if (pp > 1 && l.zero >= 2)
+    return infeasible("ZeRO-" + std::to_string(l.zero) + " with pipeline parallelism: gradients of every micro-batch would be re-partitioned");
+  const double limit = o.memory_headroom * dev.memory_bytes;
+  if (e.memory.total() > limit) {
+    return infeasible("out of memory: " + gb(e.memory.total()) + " per device (parameters " + gb(e.memory.parameters) +
+                      ", gradients " + gb(e.memory.gradients) + ", optimizer " + gb(e.memory.optimizer) +
+                      ", activations " + gb(e.memory.activations) + ") > " + gb(limit) + " usable of " +
+                      gb(dev.memory_bytes));
+  }
+
+  // Compute.
+  const int workers_on_node = c.cpu ? used : std::min(used, dpn);
+  const Rates r = worker_rates(m, c, o, workers_on_node);
+  const double train_factor = o.activation_checkpointing ? 4.0 : 3.0;  // forward + 2x backward (+ recompute)
+  const double flops_mb = train_factor * forward_flops_per_sample(m) * mb / (static_cast<double>(tp) * pp);
+  const double t_mb = flops_mb / r.flops;
+  const double act_elem = is_16bit(o.precision) ? 2.0 : 4.0;
+  // Tensor parallel: 2 all-reduces of [mb, seq, hidden] in forward and 2 in backward per layer (Megatron).
+  double tp_mb = 0.0;
+  if (tp > 1) {
+    const double bytes = static_cast<double>(mb) * m.seq * m.hidden * act_elem;
+    tp_mb = 4.0 * layers_here * collective_seconds(c, o, "allreduce", tp, bytes, 1);
+    e.comm_parts["tp allreduce"] = tp_mb * mcount;
+  }
+  // Pipeline: one activation forward and one gradient backward per micro-batch and stage boundary.
+  double p2p_mb = 0.0;
+  if (pp > 1) {
+    const double bytes = static_cast<double>(mb) * m.seq * m.hidden * act_elem / tp;
+    const LinkSpec& link = tp * pp <= dpn ? c.intra : c.inter;
+    p2p_mb = 2.0 * (link.latency + bytes / link.bandwidth);
+    e.comm_parts["pp send/recv"] = p2p_mb * (mcount + pp - 1);
+  }
+  const double slot = t_mb + tp_mb + p2p_mb;
+  e.compute_s = t_mb * mcount;
+  e.bubble_s = (pp - 1) * slot;
+  const double pipeline_s = (mcount + pp - 1) * slot;
+
+  // Data-parallel gradient and parameter collectives, overlapped with the last backward.
+  double exposed = 0.0;
+  if (dp > 1) {
+    const int stride = tp * pp;
+    const double grad_bytes = psi_dev * (is_16bit(o.precision) ? 2.0 : 4.0);
+    const double param_bytes = psi_dev * sb.param;
+    const double window = slot * 2.0 / 3.0;  // backward of the last micro-batch
+    auto per_bucket = [&](const std::string& op, double bytes) {
+      std::vector<double> t;
+      for (double b : split_buckets(bytes, l.bucket_bytes)) t.push_back(collective_seconds(c, o, op, dp, b, stride));
+      return t;
+    };
+    auto sum = [](const std::vector<double>& v) {
+      double s = 0;
+      for (double x : v) s += x;
+      return s;
+    };
+    const double ov = c.overlap;
+    auto overlapped = [&](const std::vector<double>& t, double w) {
+      return ov * bucket_exposed(t, w) + (1.0 - ov) * sum(t);
+    };
+    std::vector<double> grads = per_bucket(l.zero >= 2 ? "reduce_scatter" : "allreduce", grad_bytes);
+    e.comm_parts[l.zero >= 2 ? "dp reduce_scatter" : "dp allreduce"] = sum(grads);
+    exposed += overlapped(grads, window);
+    if (l.zero == 1 || l.zero == 2) {
+      // After the step every rank gathers the updated parameters (not overlapped).
+      std::vector<double> ag = per_bucket("allgather", param_bytes);
+      e.comm_parts["dp allgather"] = sum(ag);
+      exposed += sum(ag);
+    } else if (l.zero == 3) {
+      // Parameters gathered just in time in forward and again in backward, prefetched beside compute.
+      std::vector<double> ag = per_bucket("allgather", param_bytes);
+      const double fwd = slot / 3.0;
+      e.comm_parts["dp allgather (fwd+bwd)"] = 2.0 * sum(ag) * mcount;
+      exposed += mcount * (overlapped(ag, fwd) + overlapped(ag, window));
+    }
+  }
+  for (const auto& [k, v] : e.comm_parts) e.comm_s += v;
+  e.exposed_comm_s = exposed;
+
+  // Optimizer step on what this device owns.
+  const double params_updated = l.zero >= 1 ? psi_dev / dp : psi_dev;
+  if (r.opt_per_param > 0) {
+    e.optimizer_s = params_updated * r.opt_per_param;
+  } else {
+    const double bytes_per_param = sb.param + sb.grad + 2.0 * sb.optimizer;  // read/write state, read grad, write param
+    e.optimizer_s = params_updated * bytes_per_param / dev.memory_bandwidth;
+  }
+  e.step_s = pipeline_s + exposed + e.optimizer_s + r.overhead;
+  e.samples_per_s = batch / e.step_s;
+
+  // Efficiency: one device running the whole batch with no communication (memory permitting
+  // or not), divided by (devices x this step).
+  const Rates r1 = worker_rates(m, c, o, 1);
+  double t1 = train_factor * forward_flops_per_sample(m) * batch / r1.flops + r1.overhead;
+  t1 += r1.opt_per_param > 0 ? m.parameters * r1.opt_per_param
+                             : m.parameters * (sb.param + sb.grad + 2.0 * sb.optimizer) / dev.memory_bandwidth;
+  e.efficiency = t1 / (used * e.step_s);
+  return e;
+}
+
+std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o) {
+  validate(m);
+  validate(c);
+  const int64_t batch = o.global_batch > 0 ? o.global_batch : (m.kind == "transformer" ? 1024 : 256);
+  if (batch < 1) throw std::invalid_argument("global batch must be at least 1");
+  for (int z : o.zero_stages)
+    if (z < 0 || z > 3) throw std::invalid_argument("ZeRO stages must be 0-3, got " + std::to_string(z));
+  for (double b : o.bucket_bytes)
+    if (!(b > 0)) throw std::invalid_argument("bucket sizes must be positive");
+  const int n_total = o.devices > 0 ? o.devices : total_devices(c);
+  if (o.devices > total_devices(c) && !c.cpu)
+    throw std::invalid_argument("--devices " + std::to_string(o.devices) + " is more than the cluster's " +
+                                std::to_string(total_devices(c)));
+
+  std::vector<std::tuple<int, int, int>> shapes;  // dp, tp, pp
+  if (!o.dp_only_workers.empty()) {
+    for (int n : o.dp_only_workers) {
+      if (n < 1) throw std::invalid_argument("worker counts must be at least 1, got " + std::to_string(n));
+      shapes.emplace_back(n, 1, 1);
+    }
+  } else {
+    for (int64_t tp : divisors(n_total)) {
+      if (tp > o.max_tp) continue;
+      for (int64_t pp : divisors(n_total / tp)) {
+        if (pp > o.max_pp) continue;
+        shapes.emplace_back(static_cast<int>(n_total / tp / pp), static_cast<int>(tp), static_cast<int>(pp));
+      }
+    }
+  }
+
+  std::vector<Estimate> best_feasible, best_infeasible;
+  for (auto [dp, tp, pp] : shapes) {
+    for (int z : o.zero_stages) {
+      if (z > 0 && dp == 1) continue;  // nothing to shard
+      Estimate best;
+      bool have = false, have_feasible = false;
+      const int64_t per_replica = batch / dp;
+      std::vector<int64_t> mbs;
+      if (batch % dp != 0 || per_replica < 1) {
+        mbs.push_back(1);
+      } else if (pp == 1 && !o.dp_only_workers.empty()) {
+        mbs.push_back(per_replica);
+      } else {
+        for (int64_t d : divisors(per_replica))
+          if ((d & (d - 1)) == 0 || d == per_replica) mbs.push_back(d);
+        std::reverse(mbs.begin(), mbs.end());  // largest first: it wins ties
+      }
+      for (int64_t mb : mbs) {
+        for (double bucket : o.bucket_bytes) {
+          Layout l;
+          l.dp = dp; l.tp = tp; l.pp = pp; l.zero = z;
+          l.micro_batch = mb;
+          l.micro_batches = std::max<int64_t>(1, per_replica / mb);
+          l.bucket_bytes = bucket;
+          Estimate e = estimate(m, c, l, o);
+          if (e.feasible) {
+            // Fastest; on a tie (within 0.1 %) the larger micro-batch.
+            if (!have_feasible || e.step_s < best.step_s * 0.999) {
+              best = e;
+              have_feasible = have = true;
+            }
+          } else if (!have_feasible) {
+            // Keep the reason of the smallest memory need (the most informative "why").
+            if (!have || e.memory.total() < best.memory.total()) best = e;
+            have = true;
+          }
+        }
+      }
+      if (!have) continue;
+      (best.feasible ? best_feasible : best_infeasible).push_back(best);
+    }
+  }
+  std::stable_sort(best_feasible.begin(), best_feasible.end(),
+                   [](const Estimate& a, const Estimate& b) { return a.step_s < b.step_s; });
+  std::stable_sort(best_infeasible.begin(), best_infeasible.end(), [](const Estimate& a, const Estimate& b) {
+    return a.memory.total() < b.memory.total();
+  });
+  if (!o.dp_only_workers.empty()) {
+    // Keep the requested order of worker counts for tables.
+    std::stable_sort(best_feasible.begin(), best_feasible.end(), [](const Estimate& a, const Estimate& b) {
+      return std::make_pair(a.layout.dp, a.layout.zero) < std::make_pair(b.layout.dp, b.layout.zero);
+    });
+  }
+  best_feasible.insert(best_feasible.end(), best_infeasible.begin(), best_infeasible.end());
+  return best_feasible;
+}
+
+}  // namespace tandem::plan

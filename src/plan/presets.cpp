@@ -1,0 +1,236 @@
+// Built-in descriptions for `tandem plan`: Tandem's reference models counted analytically, published
+// models, devices, links and whole clusters. Figures and their sources: docs/drafts/plan.md.
+#include <unistd.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <thread>
+
+#include "tandem/plan.h"
+
+namespace tandem::plan {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double kMiB = 1024.0 * 1024.0;
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+// A dense (non-transformer) model: parameters, forward FLOPs and stored activations per sample.
+ModelSpec dense(const std::string& name, double params, double fwd_flops, double act_bytes, int64_t layers,
+                int64_t widest) {
+  ModelSpec m;
+  m.name = name;
+  m.kind = "dense";
+  m.parameters = params;
+  m.forward_flops_per_sample = fwd_flops;
+  m.activation_bytes_per_sample = act_bytes;
+  m.layers = layers;
+  m.hidden = widest;
+  m.heads = 0;
+  m.seq = 1;
+  return m;
+}
+
+}  // namespace
+
+ModelSpec transformer_model(int64_t layers, int64_t hidden, int64_t heads, int64_t seq, int64_t vocab,
+                            double parameters) {
+  ModelSpec m;
+  m.name = "transformer";
+  m.kind = "transformer";
+  m.layers = layers;
+  m.hidden = hidden;
+  m.heads = heads;
+  m.seq = seq;
+  m.vocab = vocab;
+  const double h = static_cast<double>(hidden);
+  m.parameters = parameters > 0 ? parameters : 12.0 * layers * h * h + static_cast<double>(vocab + seq) * h;
+  return m;
+}
+
+std::vector<std::string> builtin_model_names() {
+  return {"mlp",       "cnn",      "cnn_bn",    "transformer_tiny", "resnet50", "resnet101", "vgg16",
+          "gpt2",      "gpt3-1.3b", "zero-7.5b", "llama-7b",        "llama-13b", "llama-70b"};
+}
+
+ModelSpec builtin_model(const std::string& name) {
+  // Tandem's reference models (models/*.cpp), counted layer by layer.
+  if (name == "mlp") {
+    // Flatten, 784-1024 ReLU, 1024-1024 ReLU, 1024-10.
+    const double w[] = {784, 1024, 1024, 10};
+    double params = 0, flops = 0;
+    for (int i = 0; i < 3; ++i) {
+      params += w[i] * w[i + 1] + w[i + 1];
+      flops += 2 * w[i] * w[i + 1];
+    }
+    // Kept for backward (float32): the input, each linear output and each ReLU output, logits.
+    double act = (784 + 2 * 1024 + 2 * 1024 + 10) * 4.0;
+    return dense("mlp", params, flops, act, 3, 1024);
+  }
+  if (name == "cnn" || name == "cnn_bn") {
+    const bool bn = name == "cnn_bn";
+    double params = (1 * 32 * 9 + 32) + (32 * 64 * 9 + 64) + (3136 * 128 + 128) + (128 * 10 + 10);
+    if (bn) params += 2 * 32 + 2 * 64;
+    double flops = 2.0 * 28 * 28 * 32 * 9 * 1 + 2.0 * 14 * 14 * 64 * 9 * 32 + 2.0 * 3136 * 128 + 2.0 * 128 * 10;
+    // input, conv1 out, relu1, pool1 (+indices), conv2 out, relu2, pool2 (+indices), fc1, relu, logits
+    double act = 784 + 2 * 25088.0 + 2 * 6272 + 2 * 12544.0 + 2 * 3136 + 2 * 128 + 10;
+    if (bn) act += 25088 + 12544;
+    return dense(name, params, flops, act * 4.0, 4, 3136);
+  }
+  if (name == "transformer_tiny") {
+    // vocab 256, d_model 64, 4 heads, 2 layers, seq 64, MLP 4x, LM head (models/transformer.cpp).
+    const double v = 256, d = 64, L = 2, T = 64;
+    double block = 2 * (2 * d) + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d);
+    double params = v * d + T * d + L * block + 2 * d + (d * v + v);
+    ModelSpec m = transformer_model(2, 64, 4, 64, 256, params);
+    m.name = "transformer_tiny";
+    // 2 FLOPs per weight per token (plus the LM head) and causal attention 4*T^2*d per layer.
+    m.forward_flops_per_sample = 2.0 * (L * (12 * d * d) + d * v) * T + 4.0 * L * T * T * d;
+    // float32 training: twice the 16-bit figure of the Korthikanti et al. formula.
+    m.activation_bytes_per_sample = 2.0 * L * T * d * (34 + 5.0 * 4 * T / d);
+    return m;
+  }
+  // Published models. ResNets and VGG: He et al. 2016 table 1 (multiply-adds: x2 for FLOPs);
+  // activation bytes per image (float32) estimated from the feature-map sizes.
+  if (name == "resnet50") return dense("resnet50", 25.6e6, 2 * 3.8e9, 100e6, 16, 2048);
+  if (name == "resnet101") return dense("resnet101", 44.5e6, 2 * 7.6e9, 150e6, 33, 2048);
+  if (name == "vgg16") return dense("vgg16", 138.4e6, 2 * 15.5e9, 60e6, 16, 4096);
+  // Transformers: shapes from the GPT-2, GPT-3 (XL), ZeRO (7.5B example) and LLaMA papers.
+  ModelSpec m;
+  if (name == "gpt2") {
+    m = transformer_model(12, 768, 12, 1024, 50257, 124e6);
+  } else if (name == "gpt3-1.3b") {
+    m = transformer_model(24, 2048, 16, 2048, 50257, 1.3e9);
+  } else if (name == "zero-7.5b") {
+    m = transformer_model(36, 4096, 32, 1024, 50257, 7.5e9);
+  } else if (name == "llama-7b") {
+    m = transformer_model(32, 4096, 32, 4096, 32000, 6.74e9);
+  } else if (name == "llama-13b") {
+    m = transformer_model(40, 5120, 40, 4096, 32000, 13.0e9);
+  } else if (name == "llama-70b") {
+    m = transformer_model(80, 8192, 64, 4096, 32000, 69.0e9);
+  } else {
+    throw std::invalid_argument("unknown model '" + name + "'; built-in models: " + join(builtin_model_names()) +
+                                " (or describe one with --params/--layers/--hidden/--heads/--seq)");
+  }
+  m.name = name;
+  return m;
+}
+
+std::vector<std::string> device_preset_names() {
+  return {"p100", "p100-sxm2", "v100", "a100-40g", "a100", "a100-80g", "h100", "h200", "cpu"};
+}
+
+DeviceSpec device_preset(const std::string& name) {
+  // Vendor datasheets: memory, dense peak FLOP/s (16-bit tensor cores; FP32 for Pascal), HBM bandwidth.
+  DeviceSpec d;
+  d.name = name;
+  if (name == "p100") {  // Tesla P100 PCIe 16 GB: 9.3 TFLOP/s fp32, 18.7 fp16, 732 GB/s
+    d.memory_bytes = 16 * kGiB; d.flops_fp32 = 9.3e12; d.flops = 18.7e12; d.memory_bandwidth = 732e9;
+    d.mfu = 0.5;
+  } else if (name == "p100-sxm2") {  // Tesla P100 SXM2: 10.6 fp32, 21.2 fp16, 732 GB/s
+    d.memory_bytes = 16 * kGiB; d.flops_fp32 = 10.6e12; d.flops = 21.2e12; d.memory_bandwidth = 732e9;
+    d.mfu = 0.5;
+  } else if (name == "v100") {  // V100 SXM2 32 GB: 15.7 fp32, 125 tensor, 900 GB/s
+    d.memory_bytes = 32 * kGiB; d.flops_fp32 = 15.7e12; d.flops = 125e12; d.memory_bandwidth = 900e9;
+  } else if (name == "a100-40g") {  // A100 SXM4: 19.5 fp32, 312 bf16 dense
+    d.memory_bytes = 40 * kGiB; d.flops_fp32 = 19.5e12; d.flops = 312e12; d.memory_bandwidth = 1555e9;
+  } else if (name == "a100" || name == "a100-80g") {
+    d.name = "a100-80g";
+    d.memory_bytes = 80 * kGiB; d.flops_fp32 = 19.5e12; d.flops = 312e12; d.memory_bandwidth = 2039e9;
+  } else if (name == "h100") {  // H100 SXM5 80 GB: 67 fp32, 989 bf16 dense, 3.35 TB/s
+    d.memory_bytes = 80 * kGiB; d.flops_fp32 = 67e12; d.flops = 989e12; d.memory_bandwidth = 3.35e12;
+  } else if (name == "h200") {  // H200 SXM 141 GB (143771 MiB): same compute as H100, 4.8 TB/s
+    d.memory_bytes = 143771 * kMiB; d.flops_fp32 = 67e12; d.flops = 989e12; d.memory_bandwidth = 4.8e12;
+  } else if (name == "cpu") {  // one core of this machine; `--calibrate` replaces the rates
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    d.memory_bytes = pages > 0 && page > 0 ? static_cast<double>(pages) * page / cores : 4 * kGiB;
+    d.flops_fp32 = 50e9; d.flops = 50e9; d.memory_bandwidth = 10e9; d.mfu = 1.0;
+  } else {
+    throw std::invalid_argument("unknown device '" + name + "'; presets: " + join(device_preset_names()));
+  }
+  return d;
+}
+
+std::vector<std::string> link_preset_names() {
+  return {"nvlink1", "nvlink3", "nvlink4", "pcie3", "pcie4", "pcie5", "shm", "eth-10g", "roce-25g", "eth-50g",
+          "eth-100g", "ib-hdr", "ib-ndr", "ib-hdr-8x", "ib-ndr-8x"};
+}
+
+LinkSpec link_preset(const std::string& name) {
+  // Bandwidth one direction: per device for intra-node links, per node for network links.
+  LinkSpec l;
+  l.name = name;
+  if (name == "nvlink1") { l.bandwidth = 80e9; l.latency = 5e-6; }          // P100: 4 links x 20 GB/s
+  else if (name == "nvlink3") { l.bandwidth = 300e9; l.latency = 5e-6; }    // A100: 12 links x 25 GB/s
+  else if (name == "nvlink4") { l.bandwidth = 450e9; l.latency = 5e-6; }    // H100/H200: 18 x 25 GB/s
+  else if (name == "pcie3") { l.bandwidth = 12e9; l.latency = 10e-6; }      // x16, ~12 GB/s achieved
+  else if (name == "pcie4") { l.bandwidth = 24e9; l.latency = 10e-6; }
+  else if (name == "pcie5") { l.bandwidth = 48e9; l.latency = 10e-6; }
+  else if (name == "shm") { l.bandwidth = 3e9; l.latency = 20e-6; }         // MPI over shared memory (CPU)
+  else if (name == "eth-10g") { l.bandwidth = 1.25e9; l.latency = 50e-6; }
+  else if (name == "roce-25g") { l.bandwidth = 3.125e9; l.latency = 10e-6; }
+  else if (name == "eth-50g") { l.bandwidth = 6.25e9; l.latency = 30e-6; }
+  else if (name == "eth-100g") { l.bandwidth = 12.5e9; l.latency = 30e-6; }
+  else if (name == "ib-hdr") { l.bandwidth = 25e9; l.latency = 5e-6; }      // one 200 Gb/s port
+  else if (name == "ib-ndr") { l.bandwidth = 50e9; l.latency = 5e-6; }      // one 400 Gb/s port
+  else if (name == "ib-hdr-8x") { l.bandwidth = 200e9; l.latency = 5e-6; }  // DGX A100: 8 ports
+  else if (name == "ib-ndr-8x") { l.bandwidth = 400e9; l.latency = 5e-6; }  // DGX H100: 8 ports
+  else {
+    throw std::invalid_argument("unknown link '" + name + "'; presets: " + join(link_preset_names()));
+  }
+  return l;
+}
+
+std::vector<std::string> cluster_preset_names() {
+  return {"local",   "h200x1",  "h200x8", "h200-ib", "h100x8",          "h100-ib",      "a100x8",
+          "a100-ib", "a100-eth", "v100x8", "mixed-a100-h100", "horovod-p100", "goyal-p100"};
+}
+
+ClusterSpec cluster_preset(const std::string& name) {
+  auto make = [&](int nodes, int per_node, const std::string& dev, const std::string& intra,
+                  const std::string& inter) {
+    ClusterSpec c;
+    c.name = name;
+    c.groups.push_back({nodes, per_node, device_preset(dev)});
+    c.intra = link_preset(intra);
+    c.inter = link_preset(inter);
+    return c;
+  };
+  if (name == "local") {
+    unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    ClusterSpec c = make(1, static_cast<int>(cores), "cpu", "shm", "eth-10g");
+    c.cpu = true;
+    c.overlap = 0.0;  // measured: DDP hides 6-11 % of its all-reduce on these shared cores
+    return c;
+  }
+  if (name == "h200x1") return make(1, 1, "h200", "nvlink4", "ib-ndr-8x");
+  if (name == "h200x8") return make(1, 8, "h200", "nvlink4", "ib-ndr-8x");
+  if (name == "h200-ib") return make(4, 8, "h200", "nvlink4", "ib-ndr-8x");
+  if (name == "h100x8") return make(1, 8, "h100", "nvlink4", "ib-ndr-8x");
+  if (name == "h100-ib") return make(4, 8, "h100", "nvlink4", "ib-ndr-8x");
+  if (name == "a100x8") return make(1, 8, "a100-80g", "nvlink3", "ib-hdr-8x");
+  if (name == "a100-ib") return make(4, 8, "a100-80g", "nvlink3", "ib-hdr-8x");
+  if (name == "a100-eth") return make(4, 8, "a100-80g", "nvlink3", "eth-100g");
+  if (name == "v100x8") return make(1, 8, "v100", "nvlink1", "eth-100g");
+  if (name == "mixed-a100-h100") {
+    ClusterSpec c = make(2, 8, "h100", "nvlink3", "ib-hdr-8x");
+    c.groups.push_back({2, 8, device_preset("a100-80g")});
+    return c;
+  }
+  // Horovod (Sergeev & Del Balso 2018; horovod docs/benchmarks): 128 servers x 4 Pascal GPUs,
+  // RoCE-capable 25 Gbit/s network; GPUs on PCIe.
+  if (name == "horovod-p100") return make(128, 4, "p100", "pcie3", "roce-25g");
+  // Goyal et al. 2017 sec. 5: Big Basin servers, 8 P100 (SXM2) on NVLink, 50 Gbit Ethernet; up to 32 servers.
+  if (name == "goyal-p100") return make(32, 8, "p100-sxm2", "nvlink1", "eth-50g");
+  throw std::invalid_argument("unknown cluster '" + name + "'; presets: " + join(cluster_preset_names()) +
+                              " (or describe one with --device/--nodes/--devices-per-node/--intra/--inter)");
+}
+
+}  // namespace tandem::plan

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# `tandem plan` output: a ranked table and JSON whose numbers obey the model's own rules.
+# usage: plan_output.sh TANDEM
+set -euo pipefail
+tandem=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cd "$tmp"
+"$tandem" plan --model gpt2 --cluster h100-ib --top 3 | tee out.txt
+grep -qE '^1 +' out.txt
+"$tandem" plan --model llama-13b --cluster a100-ib --checkpointing --json plan.json >/dev/null
+python3 - plan.json <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+lay = j["layouts"]
+feas = [l for l in lay if l["feasible"]]
+bad = [l for l in lay if not l["feasible"]]
+assert feas, "no feasible layout"
+steps = [l["step_seconds"] for l in feas]
+assert steps == sorted(steps), "feasible layouts not ranked by step time"
+for l in feas:
+    assert l["dp"] * l["tp"] * l["pp"] == j["cluster"]["devices"], l
+    assert l["memory_bytes"]["total"] <= 0.9 * 80 * 2**30 + 1, l
+    assert 0 < l["efficiency"] <= 1.0 + 1e-9, l
+assert all(l.get("why") for l in bad), "an infeasible layout without a reason"
+# ZeRO memory ordering for the same dp/tp/pp: stage 3 <= 2 <= 1 <= 0 model states.
+by = {}
+for l in lay:
+    m = l["memory_bytes"]
+    by.setdefault((l["dp"], l["tp"], l["pp"]), {})[l["zero"]] = m["parameters"] + m["gradients"] + m["optimizer"]
+for k, z in by.items():
+    stages = sorted(z)
+    vals = [z[s] for s in stages]
+    assert vals == sorted(vals, reverse=True), (k, z)
+print("plan JSON ok:", len(feas), "feasible,", len(bad), "infeasible")
+PY

@@ -1,0 +1,259 @@
+// The scaling model of `tandem plan` against published figures (the ZeRO paper's memory example,
+// Horovod's and Goyal et al.'s scaling efficiencies), against Tandem's own models (parameter counts
+// from LibTorch), and against its own formulas computed another way.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "tandem/models.h"
+#include "tandem/plan.h"
+
+namespace tp = tandem::plan;
+
+namespace {
+
+tp::Estimate data_parallel(const tp::ModelSpec& m, const tp::ClusterSpec& c, int dp, int64_t per_device_batch,
+                           const tp::PlanOptions& base, double bucket_bytes) {
+  tp::PlanOptions o = base;
+  o.global_batch = per_device_batch * dp;
+  tp::Layout l;
+  l.dp = dp;
+  l.micro_batch = per_device_batch;
+  l.micro_batches = 1;
+  l.bucket_bytes = bucket_bytes;
+  auto e = tp::estimate(m, c, l, o);
+  EXPECT_TRUE(e.feasible) << e.why;
+  return e;
+}
+
+}  // namespace
+
+// ZeRO paper (Rajbhandari et al. 2020), fig. 1: Psi = 7.5B, Nd = 64, K = 12 (Adam, mixed precision):
+// 120 GB, 31.4 GB, 16.6 GB, 1.9 GB for no sharding and stages 1, 2, 3.
+TEST(Plan, ZeroPaperMemoryExample) {
+  const auto b = tp::state_bytes("mixed", "adam");
+  EXPECT_EQ(b.param, 2);
+  EXPECT_EQ(b.grad, 2);
+  EXPECT_EQ(b.optimizer, 12);
+  const double published[] = {120.0, 31.4, 16.6, 1.9};
+  for (int stage = 0; stage <= 3; ++stage) {
+    const auto m = tp::zero_model_states(7.5e9, stage, 64, b);
+    EXPECT_NEAR(m.total() / 1e9, published[stage], 0.05) << "stage " << stage;
+  }
+  // The same through estimate(): the zero-7.5b description on 64 devices, activations aside.
+  tp::ClusterSpec c = tp::cluster_preset("a100-ib");
+  c.groups[0].nodes = 8;
+  tp::PlanOptions o;
+  o.global_batch = 64;
+  for (int stage = 0; stage <= 3; ++stage) {
+    tp::Layout l;
+    l.dp = 64;
+    l.zero = stage;
+    l.micro_batch = 1;
+    auto e = tp::estimate(tp::builtin_model("zero-7.5b"), c, l, o);
+    double states = e.memory.parameters + e.memory.gradients + e.memory.optimizer;
+    EXPECT_NEAR(states / 1e9, published[stage], 0.05) << "stage " << stage;
+  }
+  // Stage 0 does not fit in 80 GB, stage 3 does: the reason names the memory.
+  tp::Layout l0;
+  l0.dp = 64;
+  l0.micro_batch = 1;
+  auto e0 = tp::estimate(tp::builtin_model("zero-7.5b"), c, l0, o);
+  EXPECT_FALSE(e0.feasible);
+  EXPECT_NE(e0.why.find("out of memory"), std::string::npos) << e0.why;
+}
+
+// Horovod (Sergeev & Del Balso 2018, docs/benchmarks): ResNet-101, batch 64 per GPU, 128 servers x
+// 4 Pascal GPUs, RoCE 25 Gbit/s: 90 % scaling efficiency at 512 GPUs. Within 10 points.
+TEST(Plan, HorovodResNet101On512Gpus) {
+  const auto c = tp::cluster_preset("horovod-p100");
+  ASSERT_EQ(tp::total_devices(c), 512);
+  tp::PlanOptions o;
+  o.precision = "fp32";
+  o.optimizer = "sgd";
+  const auto m = tp::builtin_model("resnet101");
+  auto e = data_parallel(m, c, 512, 64, o, 64.0 * 1024 * 1024);  // Horovod's 64 MB fusion buffer
+  EXPECT_NEAR(e.efficiency, 0.90, 0.10) << "predicted " << e.efficiency;
+  // Sanity of the compute side: one P100 at the preset rate does ResNet-101 near the published
+  // ~103 images/s per GPU (1656.82 images/s on 16 GPUs).
+  auto one = data_parallel(m, c, 1, 64, o, 64.0 * 1024 * 1024);
+  EXPECT_NEAR(one.samples_per_s, 103.6, 25.0);
+  // On 1 Gbit/s instead the same job stops scaling: the model must see the network.
+  auto slow = c;
+  slow.inter.bandwidth = 0.125e9;
+  auto es = data_parallel(m, slow, 512, 64, o, 64.0 * 1024 * 1024);
+  EXPECT_LT(es.efficiency, 0.5);
+}
+
+// Goyal et al. 2017: ResNet-50, 32 images per GPU, Big Basin servers (8 P100 on NVLink, 50 Gbit
+// Ethernet): ~90 % scaling efficiency from 8 to 256 GPUs. Within 10 points.
+TEST(Plan, GoyalResNet50From8To256Gpus) {
+  const auto c = tp::cluster_preset("goyal-p100");
+  tp::PlanOptions o;
+  o.precision = "fp32";
+  o.optimizer = "sgd";
+  const auto m = tp::builtin_model("resnet50");
+  auto e8 = data_parallel(m, c, 8, 32, o, 25.0 * 1024 * 1024);
+  auto e256 = data_parallel(m, c, 256, 32, o, 25.0 * 1024 * 1024);
+  const double eff = (e256.samples_per_s / e8.samples_per_s) / 32.0;
+  EXPECT_NEAR(eff, 0.90, 0.10) << "predicted " << eff;
+  EXPECT_LT(eff, 1.0);
+}
+
+// The ring formulas, computed by hand for one case, and their relations.
+TEST(Plan, AlphaBetaCollectives) {
+  tp::AlphaBeta ab{10e-6, 10e9};
+  const double s = 100e6;
+  EXPECT_NEAR(tp::ring_allreduce_seconds(8, s, ab), 14 * 10e-6 + 2.0 * 7 / 8 * s / 10e9, 1e-12);
+  EXPECT_NEAR(tp::ring_reduce_scatter_seconds(8, s, ab) + tp::ring_allgather_seconds(8, s, ab),
+              tp::ring_allreduce_seconds(8, s, ab), 1e-12);
+  EXPECT_EQ(tp::ring_allreduce_seconds(1, s, ab), 0.0);
+  // Across nodes the slow link dominates: 2 nodes of 8 on 12.5 GB/s take longer than one node on NVLink.
+  auto c = tp::cluster_preset("a100-eth");
+  tp::PlanOptions o;
+  double intra = tp::collective_seconds(c, o, "allreduce", 8, s);
+  double inter = tp::collective_seconds(c, o, "allreduce", 16, s);
+  EXPECT_GT(inter, 5 * intra);
+  // Hierarchical bandwidth term: 2(m-1)/m * S / B_node across m = 2 nodes.
+  EXPECT_GT(inter, 2.0 * 1 / 2 * s / c.inter.bandwidth);
+}
+
+// Tandem's built-in descriptions count the same parameters as the LibTorch models.
+TEST(Plan, BuiltinModelsMatchLibTorch) {
+  for (const std::string name : {"mlp", "cnn", "cnn_bn", "transformer_tiny"}) {
+    auto module = tandem::models::make_model(name);
+    EXPECT_EQ(static_cast<int64_t>(tp::builtin_model(name).parameters), tandem::models::count_parameters(*module))
+        << name;
+  }
+}
+
+// Pipeline bubble (p-1)/m, tensor-parallel communication, and the reasons layouts do not fit.
+TEST(Plan, PipelineTensorParallelAndInfeasibility) {
+  auto c = tp::cluster_preset("h100x8");
+  auto m = tp::builtin_model("gpt3-1.3b");
+  tp::PlanOptions o;
+  o.global_batch = 64;
+  tp::Layout l;
+  l.dp = 1; l.pp = 4; l.tp = 2; l.micro_batch = 4; l.micro_batches = 16;
+  auto e = tp::estimate(m, c, l, o);
+  ASSERT_TRUE(e.feasible) << e.why;
+  // (m + p - 1) slots, of which p - 1 are the bubble: bubble / busy time = (p-1)/m.
+  const double slot = e.bubble_s / 3.0;
+  EXPECT_NEAR(e.step_s, (16 + 3) * slot + e.exposed_comm_s + e.optimizer_s, 1e-9 * e.step_s);
+  EXPECT_GE(slot * 16, e.compute_s);
+  EXPECT_GT(e.comm_parts["tp allreduce"], 0.0);
+  // More micro-batches, smaller bubble share.
+  tp::Layout l2 = l;
+  l2.micro_batch = 1; l2.micro_batches = 64;
+  auto e2 = tp::estimate(m, c, l2, o);
+  EXPECT_LT(e2.bubble_s / e2.step_s, e.bubble_s / e.step_s);
+  // 1F1B: at most p micro-batches of activations in flight (not m).
+  tp::Layout l3 = l;
+  l3.micro_batches = 2; l3.micro_batch = 32;
+  auto e3 = tp::estimate(m, c, l3, o);
+  EXPECT_NEAR(e3.memory.activations / e.memory.activations, (2.0 * 32) / (4.0 * 4), 1e-9);
+
+  tp::Layout bad_heads = l;
+  bad_heads.tp = 8; bad_heads.pp = 1; bad_heads.micro_batch = 64; bad_heads.micro_batches = 1;
+  auto m12 = tp::builtin_model("gpt2");  // 12 heads
+  auto eb = tp::estimate(m12, c, bad_heads, o);
+  EXPECT_FALSE(eb.feasible);
+  EXPECT_NE(eb.why.find("indivisible heads"), std::string::npos) << eb.why;
+  tp::Layout deep = l;
+  deep.tp = 1; deep.pp = 8;
+  auto tiny = tp::builtin_model("transformer_tiny");
+  auto ed = tp::estimate(tiny, c, deep, o);
+  EXPECT_FALSE(ed.feasible);
+  EXPECT_NE(ed.why.find("too few layers"), std::string::npos) << ed.why;
+}
+
+// The search ranks feasible layouts by step time and puts a 70B model's DDP out of memory.
+TEST(Plan, SearchRanksAndExplains) {
+  auto c = tp::cluster_preset("h100-ib");
+  tp::PlanOptions o;
+  o.global_batch = 256;
+  o.activation_checkpointing = true;  // without it, 4096-token activations fill any layout here
+  auto res = tp::plan(tp::builtin_model("llama-70b"), c, o);
+  ASSERT_FALSE(res.empty());
+  ASSERT_TRUE(res.front().feasible);
+  for (size_t i = 1; i < res.size() && res[i].feasible; ++i) EXPECT_LE(res[i - 1].step_s, res[i].step_s);
+  bool ddp_oom = false;
+  for (const auto& e : res)
+    if (!e.feasible && e.layout.tp == 1 && e.layout.pp == 1 && e.layout.zero == 0)
+      ddp_oom = e.why.find("out of memory") != std::string::npos;
+  EXPECT_TRUE(ddp_oom);
+  for (const auto& e : res)
+    if (e.feasible) EXPECT_LE(e.memory.total(), o.memory_headroom * 80 * 1024.0 * 1024 * 1024);
+}
+
+TEST(Plan, BadDescriptionsAreRejected) {
+  auto m = tp::transformer_model(24, 1000, 16, 1024, 50000);
+  EXPECT_THROW(tp::validate(m), std::invalid_argument);  // 1000 not divisible by 16 heads
+  auto small = tp::transformer_model(96, 12288, 96, 2048, 50000, 1e6);
+  try {
+    tp::validate(small);
+    FAIL() << "1e6 parameters for 96 layers of 12288 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("far fewer"), std::string::npos);
+  }
+  auto c = tp::cluster_preset("h100x8");
+  c.groups[0].device.memory_bytes = 0;
+  EXPECT_THROW(tp::validate(c), std::invalid_argument);
+  auto c2 = tp::cluster_preset("a100-ib");
+  c2.inter.bandwidth = -1;
+  EXPECT_THROW(tp::validate(c2), std::invalid_argument);
+  EXPECT_THROW(tp::cluster_preset("tpu-pod"), std::invalid_argument);
+  EXPECT_THROW(tp::builtin_model("resnet9000"), std::invalid_argument);
+}
+
+// Mixed nodes: paced by the slowest device, bounded by the smallest memory.
+TEST(Plan, MixedNodesRunAtTheSlowestDevice) {
+  auto mixed = tp::cluster_preset("mixed-a100-h100");
+  auto h100 = tp::cluster_preset("h100-ib");
+  h100.groups[0].nodes = 4;
+  tp::PlanOptions o;
+  o.global_batch = 256;
+  tp::Layout l;
+  l.dp = 32; l.zero = 1; l.micro_batch = 8;
+  auto m = tp::builtin_model("gpt2");
+  auto em = tp::estimate(m, mixed, l, o);
+  auto eh = tp::estimate(m, h100, l, o);
+  ASSERT_TRUE(em.feasible && eh.feasible);
+  EXPECT_GT(em.compute_s, 2.5 * eh.compute_s);  // A100 312 vs H100 989 TFLOP/s
+}
+
+// The local CPU model with a calibration: time-sharing beyond the cores, optimizer on the shard.
+TEST(Plan, LocalCalibratedModel) {
+  tp::Calibration cal;
+  cal.cores = 2;
+  tp::ModelRates r;
+  r.flops_1t = 40e9; r.flops_all = 70e9; r.flops_concurrent = 35e9; r.overhead_s = 1e-3; r.sgd_s_per_param = 2e-9;
+  cal.models["cnn"] = r;
+  for (int n : {2, 3, 4}) {
+    cal.collectives[n]["allreduce"] = {20e-6, 2e9};
+    cal.collectives[n]["reduce_scatter"] = {20e-6, 1e9};
+    cal.collectives[n]["allgather"] = {20e-6, 2e9};
+  }
+  auto c = tp::cluster_preset("local");
+  c.groups[0].devices_per_node = 2;
+  tp::PlanOptions o;
+  o.precision = "fp32"; o.optimizer = "sgd"; o.global_batch = 192; o.calibration = &cal;
+  auto m = tp::builtin_model("cnn");
+  auto step = [&](int n, int zero) {
+    tp::Layout l;
+    l.dp = n; l.zero = zero; l.micro_batch = 192 / n;
+    auto e = tp::estimate(m, c, l, o);
+    EXPECT_TRUE(e.feasible) << e.why;
+    return e;
+  };
+  auto e1 = step(1, 0), e2 = step(2, 0), e4 = step(4, 0), z2 = step(2, 2);
+  const double f = 3 * tp::forward_flops_per_sample(m);
+  EXPECT_NEAR(e1.step_s, 1e-3 + f * 192 / 70e9 + 421642 * 2e-9, 1e-9);
+  const double comm2 = tp::ring_allreduce_seconds(2, 421642 * 4.0, {20e-6, 2e9});
+  EXPECT_NEAR(e2.step_s, 1e-3 + f * 96 / 35e9 + 421642 * 2e-9 + comm2, 1e-9);  // no overlap on CPU
+  // 4 workers on 2 cores: compute per worker at half the concurrent rate.
+  EXPECT_NEAR(e4.compute_s, f * 48 / (35e9 / 2), 1e-9);
+  // ZeRO-2: optimizer on half the parameters; reduce-scatter + all-gather instead of all-reduce.
+  EXPECT_NEAR(z2.optimizer_s, 421642 / 2.0 * 2e-9, 1e-12);
+  EXPECT_GT(z2.comm_parts.at("dp allgather"), 0.0);
+}

@@ -1,0 +1,342 @@
+// `tandem bench`: runs `tandem train` for a model under a list of strategies and worker counts,
+// a bounded number of steps each (median over repetitions, interleaved), and prints samples/s,
+// time per epoch, speedup over one worker, efficiency, communication share, peak memory and
+// optionally accuracy; with a calibration from `tandem plan --calibrate`, also the predicted
+// step time. Writes CSV and a plot of speedup against workers (gnuplot) next to the ideal line.
+#include <CLI/CLI.hpp>
+#include <fcntl.h>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+#include "commands.h"
+#include "tandem/launcher.h"
+#include "tandem/plan.h"
+
+namespace tandem::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string fixed(double v, int digits) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(digits) << v;
+  return os.str();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+// Runs argv with stdout and stderr to `log`; returns the exit status (128+signal when killed).
+int run_logged(const std::vector<std::string>& argv, const std::string& log) {
+  pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) throw std::runtime_error("waitpid failed");
+  }
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + WTERMSIG(status);
+}
+
+std::string tail_of(const std::string& path, size_t lines) {
+  std::ifstream f(path);
+  std::vector<std::string> all;
+  for (std::string l; std::getline(f, l);) all.push_back(l);
+  std::string s;
+  for (size_t i = all.size() > lines ? all.size() - lines : 0; i < all.size(); ++i) s += "    " + all[i] + "\n";
+  return s;
+}
+
+struct Row {
+  int workers = 1;
+  std::string strategy;
+  std::vector<double> step_ms, exposed_share, peak_mib, accuracy;
+  double predicted_ms = 0;
+};
+
+int64_t lcm(int64_t a, int64_t b) {
+  int64_t x = a, y = b;
+  while (y) {
+    int64_t t = x % y;
+    x = y;
+    y = t;
+  }
+  return a / x * b;
+}
+
+bool have_program(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::stringstream ss(path ? path : "/usr/bin:/bin");
+  for (std::string dir; std::getline(ss, dir, ':');) {
+    if (!dir.empty() && access((dir + "/" + name).c_str(), X_OK) == 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+int cmd_bench(int argc, char** argv) {
+  CLI::App app{"Speedup table of a model over strategies and worker counts (runs tandem train for each), "
+               "with CSV and a plot.",
+               "tandem bench"};
+  std::string model = "cnn", data = "/usr/share/datasets/fashion-mnist", csv = "bench.csv", plot = "bench.png";
+  std::vector<std::string> strategies = {"ddp", "zero1", "zero2"};
+  std::vector<int> workers = {1, 2, 4};
+  int64_t batch = 0, steps = 30, eval_limit = 2000, epoch_samples = 60000;
+  int reps = 1, threads = 0;
+  bool accuracy = false, no_plot = false;
+  std::string calibration = "tandem-calibration.json";
+  double timeout_s = 600;
+  app.add_option("--model", model, "built-in model: mlp | cnn | cnn_bn")->capture_default_str();
+  app.add_option("--strategies", strategies, "strategies for more than one worker (ddp, zero1, zero2, ...)")
+      ->delimiter(',')->capture_default_str();
+  app.add_option("-n,--workers", workers, "worker counts (1 runs --strategy single: the speedup reference)")
+      ->delimiter(',')->capture_default_str();
+  app.add_option("--batch", batch, "global batch (0: the multiple of every worker count nearest 128)")->capture_default_str();
+  app.add_option("--steps", steps, "training steps per run (the median step time is reported)")->capture_default_str();
+  app.add_option("--reps", reps, "repetitions of every run, interleaved (median)")->capture_default_str();
+  app.add_flag("--accuracy", accuracy, "evaluate test accuracy after the step budget");
+  app.add_option("--eval-limit", eval_limit, "test samples for --accuracy")->capture_default_str();
+  app.add_option("--epoch-samples", epoch_samples, "samples per epoch for the time-per-epoch column")->capture_default_str();
+  app.add_option("--data", data, "dataset directory (IDX files)")->capture_default_str();
+  app.add_option("--threads", threads, "compute threads per worker (0: cores / workers, as tandem train)")->capture_default_str();
+  app.add_option("--csv", csv, "CSV output")->capture_default_str();
+  app.add_option("--plot", plot, "plot output (PNG; needs gnuplot)")->capture_default_str();
+  app.add_flag("--no-plot", no_plot, "no plot");
+  app.add_option("--calibration", calibration, "calibration from tandem plan --calibrate: adds predicted step times")
+      ->capture_default_str();
+  app.add_option("--timeout", timeout_s, "seconds a single run may take")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  std::sort(workers.begin(), workers.end());
+  workers.erase(std::unique(workers.begin(), workers.end()), workers.end());
+  if (workers.empty() || workers.front() < 1) throw std::invalid_argument("--workers must be positive counts");
+  if (steps < 2) throw std::invalid_argument("--steps must be at least 2 (the first step is not timed)");
+  if (reps < 1) throw std::invalid_argument("--reps must be at least 1");
+  if (!fs::is_directory(data))
+    throw std::invalid_argument("dataset directory '" + data + "' not found; install dataset-fashion-mnist or pass --data DIR");
+  int64_t step_multiple = 1;
+  for (int n : workers) step_multiple = lcm(step_multiple, n);
+  if (batch == 0) batch = std::max<int64_t>(1, (128 + step_multiple / 2) / step_multiple) * step_multiple;
+  if (batch % step_multiple != 0)
+    throw std::invalid_argument("--batch " + std::to_string(batch) + " does not split evenly over every worker count; use a multiple of " +
+                                std::to_string(step_multiple));
+
+  // The runs: one worker with `single` (always: the reference), then every strategy for n > 1.
+  std::vector<Row> rows;
+  rows.push_back({1, "single"});
+  for (int n : workers) {
+    if (n == 1) continue;
+    for (const auto& s : strategies) {
+      if (s == "single") continue;
+      Row r;
+      r.workers = n;
+      r.strategy = s;
+      rows.push_back(r);
+    }
+  }
+
+  // Predictions from a calibration, when there is one.
+  plan::Calibration cal;
+  bool have_cal = false;
+  if (std::ifstream f(calibration); f) {
+    std::stringstream ss;
+    ss << f.rdbuf();
+    cal = plan::calibration_from_json(ss.str());
+    have_cal = true;
+    plan::ModelSpec m = plan::builtin_model(model);
+    plan::ClusterSpec c = plan::cluster_preset("local");
+    if (cal.memory_bandwidth > 0) c.groups[0].device.memory_bandwidth = cal.memory_bandwidth;
+    plan::PlanOptions o;
+    o.optimizer = "sgd";
+    o.precision = "fp32";
+    o.global_batch = batch;
+    o.calibration = &cal;
+    for (auto& r : rows) {
+      plan::Layout l;
+      l.dp = r.workers;
+      l.zero = r.strategy.rfind("zero", 0) == 0 ? std::atoi(r.strategy.c_str() + 4) : 0;
+      l.micro_batch = batch / r.workers;
+      l.micro_batches = 1;
+      plan::Estimate e = plan::estimate(m, c, l, o);
+      if (e.feasible) r.predicted_ms = e.step_s * 1e3;
+    }
+  }
+
+  const std::string self = self_executable();
+  // A private scratch directory (POSIX calls: std::filesystem::remove_all resolves to a copy
+  // inside libtorch.so that crashes here).
+  std::string tmpl = "/tmp/tandem-bench-XXXXXX";
+  if (!mkdtemp(tmpl.data())) throw std::runtime_error("cannot create a directory under /tmp");
+  const fs::path tmp = tmpl;
+  auto cleanup = [&] {
+    ::unlink((tmp / "metrics.jsonl").c_str());
+    ::unlink((tmp / "log.txt").c_str());
+    ::rmdir(tmp.c_str());
+  };
+  std::cout << "tandem bench: " << model << ", global batch " << batch << ", " << steps << " steps per run, " << reps
+            << " repetition(s), " << rows.size() << " configurations" << std::endl;
+  for (int rep = 0; rep < reps; ++rep) {
+    for (auto& r : rows) {
+      const std::string metrics = (tmp / "metrics.jsonl").string(), log = (tmp / "log.txt").string();
+      std::vector<std::string> args = {self, "train", "--model", model, "--strategy", r.strategy, "-n",
+                                       std::to_string(r.workers), "--batch", std::to_string(batch), "--max-steps",
+                                       std::to_string(steps), "--no-baseline", "--no-progress", "--metrics", metrics,
+                                       "--data", data, "--timeout", fixed(timeout_s, 0), "--schedule", "constant"};
+      if (threads > 0) args.insert(args.end(), {"--threads", std::to_string(threads)});
+      if (accuracy) {
+        args.insert(args.end(), {"--eval-limit", std::to_string(eval_limit)});
+      } else {
+        args.push_back("--no-eval");
+      }
+      std::cout << "  [" << rep + 1 << "/" << reps << "] " << r.workers << " worker(s), " << r.strategy << "... "
+                << std::flush;
+      ::unlink(metrics.c_str());
+      int rc = run_logged(args, log);
+      if (rc != 0) {
+        std::cout << "failed\n";
+        std::cerr << "tandem bench: `tandem train` with " << r.workers << " worker(s), strategy " << r.strategy
+                  << " exited with " << rc << "; its last lines:\n"
+                  << tail_of(log, 15);
+        cleanup();
+        return 1;
+      }
+      nlohmann::json rep_json;
+      std::ifstream mf(metrics);
+      for (std::string line; std::getline(mf, line);) {
+        auto j = nlohmann::json::parse(line, nullptr, false);
+        if (!j.is_discarded() && j.value("report", false)) rep_json = j;
+      }
+      if (rep_json.is_null()) {
+        std::cerr << "tandem bench: no report in " << metrics << "\n";
+        cleanup();
+        return 1;
+      }
+      const double ms = rep_json.value("step_ms_median", 0.0);
+      r.step_ms.push_back(ms);
+      const double wall = rep_json.value("wall_seconds", 0.0);
+      const double exposed = rep_json.value("exposed_comm_seconds", 0.0);
+      const bool has_comm = rep_json.value("comm_bytes", int64_t{0}) > 0;
+      r.exposed_share.push_back(has_comm && wall > 0 ? exposed / wall : -1.0);
+      double peak = 0;
+      for (auto& b : rep_json["peak_rss_bytes"]) peak = std::max(peak, b.get<double>());
+      r.peak_mib.push_back(peak / 1048576.0);
+      if (accuracy) r.accuracy.push_back(rep_json.value("test_accuracy", -1.0));
+      std::cout << fixed(ms, 1) << " ms/step" << std::endl;
+    }
+  }
+  cleanup();
+
+  // The table.
+  const double base_ms = median(rows.front().step_ms);
+  std::ofstream out(csv);
+  if (!out) throw std::runtime_error("cannot write '" + csv + "'");
+  out << "model,workers,strategy,global_batch,steps,reps,step_ms,samples_per_s,epoch_s,speedup,efficiency,"
+         "comm_share,peak_mib,accuracy,predicted_ms,prediction_error\n";
+  std::cout << "\n" << std::right << std::setw(7) << "workers" << std::setw(10) << "strategy" << std::setw(10)
+            << "samples/s" << std::setw(9) << "step ms" << std::setw(9) << "epoch s" << std::setw(9) << "speedup"
+            << std::setw(7) << "eff." << std::setw(7) << "comm" << std::setw(10) << "peak MiB";
+  if (accuracy) std::cout << std::setw(9) << "accuracy";
+  if (have_cal) std::cout << std::setw(11) << "predicted" << std::setw(7) << "error";
+  std::cout << "\n";
+  for (const auto& r : rows) {
+    const double ms = median(r.step_ms);
+    const double sps = batch * 1000.0 / ms;
+    const double speedup = base_ms / ms;
+    const double eff = speedup / r.workers;
+    const double share = median(r.exposed_share);
+    const double peak = median(r.peak_mib);
+    const double acc = accuracy ? median(r.accuracy) : -1;
+    const double err = r.predicted_ms > 0 ? (r.predicted_ms - ms) / ms : 0.0;
+    std::cout << std::setw(7) << r.workers << std::setw(10) << r.strategy << std::setw(10) << fixed(sps, 0)
+              << std::setw(9) << fixed(ms, 1) << std::setw(9) << fixed(epoch_samples / sps, 1) << std::setw(8)
+              << fixed(speedup, 2) << "x" << std::setw(6) << fixed(eff * 100, 0) << "%" << std::setw(7)
+              << (share >= 0 ? fixed(share * 100, 0) + "%" : std::string("-")) << std::setw(10) << fixed(peak, 0);
+    if (accuracy) std::cout << std::setw(8) << (acc >= 0 ? fixed(acc * 100, 2) : std::string("-")) << "%";
+    if (have_cal) {
+      std::cout << std::setw(11) << (r.predicted_ms > 0 ? fixed(r.predicted_ms, 1) : std::string("-")) << std::setw(6)
+                << (r.predicted_ms > 0 ? fixed(err * 100, 0) + "%" : std::string("-"));
+    }
+    std::cout << "\n";
+    out << model << "," << r.workers << "," << r.strategy << "," << batch << "," << steps << "," << reps << ","
+        << fixed(ms, 3) << "," << fixed(sps, 2) << "," << fixed(epoch_samples / sps, 3) << "," << fixed(speedup, 4)
+        << "," << fixed(eff, 4) << "," << (share >= 0 ? fixed(share, 4) : "") << "," << fixed(peak, 1) << ","
+        << (acc >= 0 ? fixed(acc, 4) : "") << "," << (r.predicted_ms > 0 ? fixed(r.predicted_ms, 3) : "") << ","
+        << (r.predicted_ms > 0 ? fixed(err, 4) : "") << "\n";
+  }
+  out.close();
+  std::cout << "(speedup and efficiency against 1 worker, median step times; comm: exposed communication share of "
+               "the loop, DDP only)\nCSV written to "
+            << csv << "\n";
+
+  // The plot: speedup against workers, one line per strategy, and the ideal line.
+  if (no_plot) return 0;
+  if (!have_program("gnuplot")) {
+    std::cout << "no plot: gnuplot is not installed (apt-get install gnuplot-nox; scripts/setup.sh installs it); "
+                 "the CSV has the data\n";
+    return 0;
+  }
+  const std::string script = plot + ".gp", dat = plot + ".dat";
+  {
+    // One data block per strategy (workers, speedup), starting at the 1-worker reference.
+    std::ofstream d(dat);
+    std::ofstream g(script);
+    int maxw = workers.back();
+    g << "set terminal pngcairo size 800,560\nset output '" << plot << "'\n"
+      << "set title '" << model << ": speedup over 1 worker (global batch " << batch << ")'\n"
+      << "set xlabel 'workers'\nset ylabel 'speedup'\nset key left top\nset grid\n"
+      << "set xrange [1:" << maxw << "]\nset yrange [0:" << maxw << "]\nset xtics 1\n";
+    g << "plot x title 'ideal' with lines dashtype 2 lc rgb '#888888'";
+    int block = 0;
+    for (const auto& s : strategies) {
+      if (s == "single") continue;
+      d << "# " << s << "\n1 1\n";
+      for (const auto& r : rows)
+        if (r.strategy == s) d << r.workers << " " << base_ms / median(r.step_ms) << "\n";
+      d << "\n\n";
+      g << ", '" << dat << "' index " << block++ << " using 1:2 title '" << s << "' with linespoints pt 7";
+    }
+    g << "\n";
+  }
+  int rc = run_logged({"/bin/sh", "-c", "gnuplot '" + script + "'"}, plot + ".log");
+  if (rc != 0) {
+    std::cout << "no plot: gnuplot failed (exit " << rc << "):\n" << tail_of(plot + ".log", 5);
+    return 0;
+  }
+  ::unlink((plot + ".log").c_str());
+  std::cout << "plot written to " << plot << " (gnuplot script " << script << ")\n";
+  return 0;
+}
+
+}  // namespace tandem::cli
