@@ -7,7 +7,8 @@
 
 namespace tandem::models {
 
-TokenEmbeddingImpl::TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t seq_) : seq(seq_) {
+TokenEmbeddingImpl::TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t seq_, int64_t pad_id_)
+    : seq(seq_), pad_id(pad_id_) {
   tok = register_module("tok", torch::nn::Embedding(vocab, d_model));
   pos = register_module("pos", torch::nn::Embedding(seq_, d_model));
   torch::NoGradGuard g;
@@ -22,10 +23,13 @@ torch::Tensor TokenEmbeddingImpl::forward(const torch::Tensor& ids) {
   TORCH_CHECK(t <= seq, "tandem::models::TokenEmbedding: sequence of ", t,
               " tokens is longer than the model's maximum ", seq, "; truncate it or raise config.seq");
   auto positions = torch::arange(t, torch::TensorOptions().dtype(torch::kLong).device(ids.device()));
-  return tok->forward(ids) + pos->forward(positions).unsqueeze(0);
+  auto x = tok->forward(ids) + pos->forward(positions).unsqueeze(0);
+  if (pad_id < 0) return x;
+  return torch::cat({x, ids.ne(pad_id).unsqueeze(-1).to(x.dtype())}, -1);
 }
 
-TransformerBlockImpl::TransformerBlockImpl(int64_t d_model, int64_t heads_, int64_t mlp_ratio) : heads(heads_) {
+TransformerBlockImpl::TransformerBlockImpl(int64_t d_model, int64_t heads_, int64_t mlp_ratio, bool padded_)
+    : heads(heads_), padded(padded_) {
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
   qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
   proj = register_module("proj", torch::nn::Linear(d_model, d_model));
@@ -36,6 +40,22 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t d_model, int64_t heads_, int6
 
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 3, "tandem::models::TransformerBlock: expected [B, T, D], got ", x.sizes());
+  if (padded) {
+    const int64_t b = x.size(0), t = x.size(1), d = x.size(2) - 1, hd = d / heads;
+    auto h0 = x.narrow(2, 0, d);
+    auto m = x.narrow(2, d, 1);  // [B, T, 1]: 1 real, 0 padding
+    auto opts = torch::TensorOptions().dtype(torch::kBool).device(x.device());
+    auto causal = torch::ones({t, t}, opts).tril();
+    auto self = torch::eye(t, opts);
+    // [B, 1, T(query), T(key)]: causal, and the key is real or the query itself.
+    auto mask = causal.unsqueeze(0) & (m.squeeze(2).gt(0.5).unsqueeze(1) | self.unsqueeze(0));
+    auto q_k_v = qkv->forward(ln1->forward(h0)).view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4});
+    auto att = at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], mask.unsqueeze(1),
+                                                /*dropout_p=*/0.0, /*is_causal=*/false);
+    auto h = h0 + proj->forward(att.transpose(1, 2).reshape({b, t, d}));
+    h = h + fc2->forward(torch::gelu(fc1->forward(ln2->forward(h))));
+    return torch::cat({h, m}, 2);
+  }
   const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads;
   // [B, T, 3D] -> 3 x [B, H, T, hd]
   auto q_k_v = qkv->forward(ln1->forward(x)).view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4});
@@ -48,6 +68,15 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
 torch::Tensor LastTokenImpl::forward(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 3, "tandem::models::LastToken: expected [B, T, D], got ", x.sizes());
   return x.select(1, x.size(1) - 1);
+}
+
+torch::Tensor UnpadImpl::forward(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3 && x.size(2) >= 2, "tandem::models::Unpad: expected [B, T, D + 1], got ", x.sizes());
+  const int64_t d = x.size(2) - 1;
+  auto h = x.narrow(2, 0, d);
+  if (!pool) return h;
+  auto m = x.narrow(2, d, 1);
+  return (h * m).sum(1) / m.sum(1).clamp_min(1.0);
 }
 
 torch::nn::Sequential transformer(const TransformerConfig& c) {
@@ -71,7 +100,21 @@ torch::nn::Sequential transformer(const TransformerConfig& c) {
     throw std::invalid_argument("tandem::models::transformer: d_model " + std::to_string(c.d_model) +
                                 " is not divisible by heads " + std::to_string(c.heads));
   }
+  if (c.pad_id >= c.vocab) {
+    throw std::invalid_argument("tandem::models::transformer: config.pad_id " + std::to_string(c.pad_id) +
+                                " is not a token id below vocab " + std::to_string(c.vocab));
+  }
   torch::nn::Sequential net;
+  if (c.pad_id >= 0) {  // padded: the attention mask travels as the last channel
+    net->push_back(TokenEmbedding(c.vocab, c.d_model, c.seq, c.pad_id));
+    for (int64_t i = 0; i < c.layers; ++i) {
+      net->push_back(TransformerBlock(c.d_model, c.heads, c.mlp_ratio, /*padded=*/true));
+    }
+    net->push_back(Unpad(/*pool=*/c.num_classes > 0));
+    net->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+    net->push_back(torch::nn::Linear(c.d_model, c.num_classes > 0 ? c.num_classes : c.vocab));
+    return net;
+  }
   net->push_back(TokenEmbedding(c.vocab, c.d_model, c.seq));
   for (int64_t i = 0; i < c.layers; ++i) net->push_back(TransformerBlock(c.d_model, c.heads, c.mlp_ratio));
   net->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));

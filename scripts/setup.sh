@@ -15,7 +15,8 @@ t0=$(date +%s)
 # ---- Debian packages
 pkgs=(build-essential cmake ninja-build ccache python3 python3-venv python3-pip
       openmpi-bin libopenmpi-dev libgtest-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
-      dataset-fashion-mnist gnuplot-nox)
+      dataset-fashion-mnist gnuplot-nox libsentencepiece-dev sentencepiece
+      fortunes fortunes-min fortunes-de fortunes-es fortunes-it fortunes-pl fortunes-ru fortunes-cs)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

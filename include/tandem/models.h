@@ -38,27 +38,35 @@ struct TransformerConfig {
   int64_t seq = 64;         // maximum sequence length (learned positions)
   int64_t mlp_ratio = 4;    // hidden width of the block MLP = mlp_ratio * d_model
   int64_t num_classes = 0;  // 0: language model, output [B, T, vocab]; else [B, num_classes]
+  // >= 0: token id `pad_id` is padding (a padded model, see transformer() below); -1: none.
+  int64_t pad_id = -1;
 };
 
 // Token + learned position embedding: int64 ids [B, T] (T <= seq) -> float [B, T, d_model].
+// With pad_id >= 0 the output is [B, T, d_model + 1]: the last channel is the attention mask
+// (1 for a real token, 0 for padding), carried through the padded blocks (see transformer()).
 class TokenEmbeddingImpl : public torch::nn::Module {
  public:
-  TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t seq);
+  TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t seq, int64_t pad_id = -1);
   torch::Tensor forward(const torch::Tensor& ids);
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
   int64_t seq;
+  int64_t pad_id = -1;
 };
 TORCH_MODULE(TokenEmbedding);
 
 // Pre-LN causal block: x + attn(ln1(x)), then + mlp(ln2(x)). Attention uses one fused qkv
 // linear and at::scaled_dot_product_attention(is_causal); the MLP uses GELU. [B,T,D] -> [B,T,D].
+// padded = true: input and output [B, T, D + 1], the last channel the mask of TokenEmbedding;
+// attention is causal and skips padded keys (a position always sees itself).
 class TransformerBlockImpl : public torch::nn::Module {
  public:
-  TransformerBlockImpl(int64_t d_model, int64_t heads, int64_t mlp_ratio);
+  TransformerBlockImpl(int64_t d_model, int64_t heads, int64_t mlp_ratio, bool padded = false);
   torch::Tensor forward(const torch::Tensor& x);
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
   int64_t heads;
+  bool padded = false;
 };
 TORCH_MODULE(TransformerBlock);
 
@@ -69,9 +77,24 @@ class LastTokenImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LastToken);
 
+// Ends the padded part of a padded transformer: [B, T, D + 1] (mask in the last channel) ->
+// [B, T, D] (pool = false: the mask dropped) or [B, D] (pool = true: the mean over the real
+// tokens, padding excluded).
+class UnpadImpl : public torch::nn::Module {
+ public:
+  explicit UnpadImpl(bool pool) : pool(pool) {}
+  torch::Tensor forward(const torch::Tensor& x);
+  bool pool;
+};
+TORCH_MODULE(Unpad);
+
 // TokenEmbedding, `layers` TransformerBlocks, final LayerNorm, then Linear(d_model, vocab)
 // (LM head) or LastToken + Linear(d_model, num_classes). Throws std::invalid_argument for
 // a non-positive size or d_model not divisible by heads.
+// With config.pad_id >= 0 (padded, for right-padded text): TokenEmbedding(pad_id), `layers`
+// padded TransformerBlocks, Unpad, final LayerNorm, then Linear(d_model, vocab) (Unpad drops
+// the mask) or Linear(d_model, num_classes) (Unpad mean-pools the real tokens). The LM and the
+// classifier share every parameter name but the head's, so one initialises the other.
 torch::nn::Sequential transformer(const TransformerConfig& config);
 
 // The configuration behind make_model("transformer_tiny"): vocab 256, d_model 64, 4 heads,

@@ -3,8 +3,10 @@
 
 namespace tandem::cli {
 int cmd_bench(int argc, char** argv);
+int cmd_finetune(int argc, char** argv);
 int cmd_launch(int argc, char** argv);
 int cmd_plan(int argc, char** argv);
+int cmd_pretrain(int argc, char** argv);
 int cmd_selftest(int argc, char** argv);
 int cmd_train(int argc, char** argv);
 }  // namespace tandem::cli

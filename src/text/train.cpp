@@ -1,0 +1,608 @@
+// The loops behind `tandem pretrain` (causal LM) and `tandem finetune` (classification), the
+// checkpoint directory they share, and their report.
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <random>
+#include <sstream>
+
+#include "tandem/ddp.h"
+#include "tandem/models.h"
+#include "tandem/optim.h"
+#include "tandem/text.h"
+#include "tandem/zero.h"
+#include "trainer/progress.h"
+
+namespace tandem::text {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// ---- manifest
+
+void write_manifest(const std::string& dir, const Manifest& m) {
+  nlohmann::json j;
+  j["format"] = "tandem-text-checkpoint-1";
+  j["kind"] = m.kind;
+  j["model"] = {{"vocab", m.shape.vocab},     {"d_model", m.shape.d_model}, {"heads", m.shape.heads},
+                {"layers", m.shape.layers},   {"seq", m.shape.seq},         {"mlp_ratio", m.shape.mlp_ratio}};
+  j["task"] = m.task;
+  j["labels"] = m.labels;
+  j["tokenizer"] = {{"file", m.tokenizer_file}, {"fingerprint", m.tokenizer_fingerprint}, {"vocab", m.tokenizer_vocab}};
+  j["steps"] = m.steps;
+  j["weights"] = "model.pt";
+  std::ofstream f(fs::path(dir) / "manifest.json");
+  f << j.dump(2) << '\n';
+  if (!f) throw std::runtime_error("writing '" + (fs::path(dir) / "manifest.json").string() + "' failed");
+}
+
+Manifest read_manifest(const std::string& dir) {
+  const auto path = (fs::path(dir) / "manifest.json").string();
+  std::ifstream f(path);
+  if (!f) {
+    throw std::runtime_error("checkpoint '" + dir + "' has no manifest.json; make one with tandem pretrain --out " + dir);
+  }
+  try {
+    auto j = nlohmann::json::parse(f);
+    if (j.value("format", "") != "tandem-text-checkpoint-1") throw std::runtime_error("unknown format");
+    Manifest m;
+    m.kind = j.at("kind").get<std::string>();
+    const auto& mo = j.at("model");
+    m.shape.vocab = mo.at("vocab");
+    m.shape.d_model = mo.at("d_model");
+    m.shape.heads = mo.at("heads");
+    m.shape.layers = mo.at("layers");
+    m.shape.seq = mo.at("seq");
+    m.shape.mlp_ratio = mo.at("mlp_ratio");
+    m.task = j.at("task").get<std::string>();
+    m.labels = j.at("labels").get<std::vector<std::string>>();
+    m.tokenizer_file = j.at("tokenizer").at("file").get<std::string>();
+    m.tokenizer_fingerprint = j.at("tokenizer").at("fingerprint").get<std::string>();
+    m.tokenizer_vocab = j.at("tokenizer").at("vocab");
+    m.steps = j.value("steps", int64_t{0});
+    return m;
+  } catch (const std::exception& e) {
+    throw std::runtime_error("'" + path + "' is not a tandem text checkpoint manifest (" + e.what() + ")");
+  }
+}
+
+namespace {
+
+int64_t peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+models::TransformerConfig model_config(const ModelShape& s, int64_t num_classes) {
+  models::TransformerConfig c;
+  c.vocab = s.vocab;
+  c.d_model = s.d_model;
+  c.heads = s.heads;
+  c.layers = s.layers;
+  c.seq = s.seq;
+  c.mlp_ratio = s.mlp_ratio;
+  c.num_classes = num_classes;
+  c.pad_id = 0;
+  return c;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ",") + x;
+  return s;
+}
+
+// One model under one strategy: the forward, a step's bracket and the learning rate.
+struct Engine {
+  torch::nn::Sequential net;
+  std::unique_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<ZeroDataParallel> zero;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  CommPtr comm;
+
+  Engine(torch::nn::Sequential n, Runtime& rt, const TextTrainConfig& cfg) : net(std::move(n)), comm(rt.world()) {
+    net->to(rt.device());
+    OptimizerOptions oo;
+    oo.kind = "adamw";
+    oo.lr = cfg.lr;
+    oo.weight_decay = cfg.weight_decay;
+    if (cfg.strategy == "single" || cfg.strategy == "ddp") {
+      if (cfg.strategy == "ddp") ddp = std::make_unique<DistributedDataParallel>(net.ptr(), rt.world());
+      opt = make_optimizer(net->parameters(), oo);
+    } else {
+      ZeroOptions zo;
+      zo.stage = cfg.strategy.back() - '0';
+      zo.optimizer = oo;
+      zero = std::make_unique<ZeroDataParallel>(net.ptr(), rt.world(), zo);
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return zero ? zero->forward(x) : net->forward(x); }
+  void begin_step() {
+    if (ddp) {
+      ddp->prepare_forward();
+      ddp->zero_grad();
+    } else if (zero) {
+      zero->prepare_forward();
+      zero->zero_grad();
+    } else {
+      opt->zero_grad();
+    }
+  }
+  void end_step() {
+    if (zero) {
+      zero->step();
+    } else {
+      opt->step();
+    }
+  }
+  void set_lr(double lr) {
+    if (zero) {
+      zero->set_lr(lr);
+      return;
+    }
+    for (auto& g : opt->param_groups()) g.options().set_lr(lr);
+  }
+  // Full parameter values by name (collective under ZeRO: stage 3 gathers the shards).
+  std::map<std::string, torch::Tensor> full_parameters() {
+    std::map<std::string, torch::Tensor> out;
+    if (!zero || zero->stage() < 3) {
+      for (auto& p : net->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU).clone();
+      return out;
+    }
+    auto st = zero->shard_state();
+    std::vector<torch::Tensor> full(st.buckets.size());
+    for (size_t b = 0; b < st.buckets.size(); ++b) {
+      auto chunk = st.buckets[b].slots.at("param").to(torch::kFloat).contiguous();
+      auto whole = torch::empty({st.buckets[b].chunk * st.world_size}, chunk.options());
+      comm->allgather(whole, chunk);
+      full[b] = whole;
+    }
+    for (const auto& p : st.params) {
+      out[p.name] = full[p.bucket].narrow(0, p.offset, p.numel).view(p.shape).clone();
+    }
+    return out;
+  }
+};
+
+double lr_at(const TextTrainConfig& cfg, int64_t step) {
+  if (step < cfg.warmup_steps) return cfg.lr * static_cast<double>(step + 1) / static_cast<double>(cfg.warmup_steps);
+  const double span = std::max<int64_t>(1, cfg.steps - cfg.warmup_steps);
+  const double p = std::min(1.0, static_cast<double>(step - cfg.warmup_steps) / span);
+  return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * p)));
+}
+
+std::vector<std::string> texts_of(const std::vector<Document>& docs) {
+  std::vector<std::string> v;
+  v.reserve(docs.size());
+  for (const auto& d : docs) v.push_back(d.text);
+  return v;
+}
+
+// The global batches: a seeded permutation per epoch, the same on every rank.
+class Batches {
+ public:
+  Batches(int64_t n, uint64_t seed) : n_(n), rng_(seed) { reshuffle(); }
+  std::vector<int64_t> next(int64_t b) {
+    std::vector<int64_t> out;
+    while (static_cast<int64_t>(out.size()) < b) {
+      if (pos_ >= n_) reshuffle();
+      out.push_back(perm_[pos_++]);
+    }
+    return out;
+  }
+
+ private:
+  void reshuffle() {
+    perm_.resize(n_);
+    for (int64_t i = 0; i < n_; ++i) perm_[i] = i;
+    std::shuffle(perm_.begin(), perm_.end(), rng_);
+    pos_ = 0;
+  }
+  int64_t n_, pos_ = 0;
+  std::mt19937_64 rng_;
+  std::vector<int64_t> perm_;
+};
+
+torch::Tensor rows(const torch::Tensor& t, const std::vector<int64_t>& idx, int64_t from, int64_t to) {
+  std::vector<int64_t> sub(idx.begin() + from, idx.begin() + to);
+  return t.index_select(0, torch::tensor(sub, torch::kLong));
+}
+
+void gather_memory(Runtime& rt, TextReport& rep) {
+  auto mine = torch::tensor({peak_rss_bytes()}, torch::kLong).to(rt.device());
+  auto all = torch::empty({rt.world_size()}, mine.options());
+  rt.world()->allgather(all, mine);
+  auto host = all.cpu();
+  rep.peak_rss_bytes.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + rt.world_size());
+}
+
+// The common loop: `loss_of(engine, global_indices, rank_from, rank_to)` returns this rank's
+// mean loss for its slice of the global batch.
+template <typename LossFn>
+void train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n, LossFn loss_of, TextReport& rep) {
+  const int rank = rt.rank(), world = rt.world_size();
+  const int64_t per = cfg.batch / world;
+  Batches batches(n, cfg.seed + 1);
+  Progress progress(rank == 0 && cfg.progress, cfg.steps, cfg.log_every);
+  std::vector<double> step_ms;
+  auto t_start = Clock::now();
+  double last = 0.0;
+  for (int64_t step = 0; step < cfg.steps; ++step) {
+    auto t0 = Clock::now();
+    auto idx = batches.next(cfg.batch);
+    eng.set_lr(lr_at(cfg, step));
+    eng.begin_step();
+    torch::Tensor loss = loss_of(eng, idx, rank * per, (rank + 1) * per);
+    loss.backward();
+    eng.end_step();
+    torch::Tensor l = loss.detach().reshape({1}).to(torch::kFloat).clone();
+    if (world > 1) eng.comm->allreduce(l, ReduceOp::kAvg);
+    last = l.item<double>();
+    if (!std::isfinite(last)) {
+      throw std::runtime_error("loss is " + std::to_string(last) + " at step " + std::to_string(step) +
+                               "; lower --lr");
+    }
+    step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    progress.update(1, 1, step + 1, last, (step + 1) * cfg.batch, Clock::now() - t_start);
+  }
+  progress.finish();
+  rep.wall_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
+  rep.steps = cfg.steps;
+  rep.samples = cfg.steps * cfg.batch;
+  rep.samples_per_second = rep.wall_seconds > 0 ? rep.samples / rep.wall_seconds : 0.0;
+  rep.final_loss = last;
+  if (step_ms.size() > 1) {
+    std::vector<double> s(step_ms.begin() + 1, step_ms.end());
+    std::nth_element(s.begin(), s.begin() + s.size() / 2, s.end());
+    rep.step_ms_median = s[s.size() / 2];
+  } else if (!step_ms.empty()) {
+    rep.step_ms_median = step_ms[0];
+  }
+  if (cfg.baseline_samples_per_second > 0 && rep.step_ms_median > 0) {
+    rep.speedup = (cfg.batch * 1000.0 / rep.step_ms_median) / cfg.baseline_samples_per_second;
+  }
+}
+
+// Every rank runs the same number of forwards (ZeRO-3 gathers inside them); rank r scores
+// rows r*e.., (N+r)*e.., ... Returns what `score(out, from, to)` accumulates.
+template <typename ScoreFn>
+void evaluate_rounds(Runtime& rt, Engine& eng, const torch::Tensor& ids, int64_t n, ScoreFn score) {
+  const int rank = rt.rank(), world = rt.world_size();
+  const int64_t e = 256;
+  const int64_t rounds = (n + e * world - 1) / (e * world);
+  eng.net->eval();
+  torch::NoGradGuard ng;
+  for (int64_t k = 0; k < rounds; ++k) {
+    const int64_t from = std::min(n, (k * world + rank) * e), to = std::min(n, from + e);
+    if (eng.zero) eng.zero->prepare_forward();
+    if (from < to) {
+      score(eng.forward(ids.narrow(0, from, to - from).to(rt.device())), from, to);
+    } else {
+      eng.forward(ids.narrow(0, 0, 1).to(rt.device()));  // keeps ZeRO-3's gathers in step
+    }
+  }
+  eng.net->train();
+}
+
+Tokenizer load_checked_tokenizer(const TextTrainConfig& cfg, const Manifest* m, const std::string& path) {
+  auto tok = Tokenizer::load(path);
+  if (m) {
+    if (tok.fingerprint() != m->tokenizer_fingerprint || tok.vocab_size() != m->tokenizer_vocab) {
+      throw std::runtime_error("tokenizer '" + path + "' (vocabulary " + std::to_string(tok.vocab_size()) +
+                               ", fingerprint " + tok.fingerprint() + ") does not match checkpoint '" +
+                               cfg.checkpoint + "' (vocabulary " + std::to_string(m->tokenizer_vocab) +
+                               ", fingerprint " + m->tokenizer_fingerprint +
+                               "); use the tokenizer saved with the checkpoint, or --from-scratch");
+    }
+  }
+  return tok;
+}
+
+void fill_corpus_counts(const Corpus& c, TextReport& rep) {
+  rep.train_documents = static_cast<int64_t>(c.train.size());
+  rep.valid_documents = static_cast<int64_t>(c.valid.size());
+  rep.test_documents = static_cast<int64_t>(c.test.size());
+}
+
+}  // namespace
+
+void validate(const TextTrainConfig& cfg, int world) {
+  static const std::vector<std::string> strategies = {"single", "ddp", "zero1", "zero2", "zero3"};
+  if (std::find(strategies.begin(), strategies.end(), cfg.strategy) == strategies.end()) {
+    throw std::invalid_argument("unknown strategy '" + cfg.strategy + "'; use single, ddp, zero1, zero2 or zero3");
+  }
+  if (cfg.strategy == "single" && world != 1) {
+    throw std::invalid_argument("--strategy single runs one worker; use -n 1, or --strategy ddp for " +
+                                std::to_string(world) + " workers");
+  }
+  if (cfg.batch < 1 || cfg.batch % world != 0) {
+    throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " (global) does not split evenly over " +
+                                std::to_string(world) + " workers; use a multiple of " + std::to_string(world));
+  }
+  if (cfg.steps < 1) throw std::invalid_argument("--steps must be >= 1");
+  if (cfg.lr <= 0) throw std::invalid_argument("--lr must be > 0");
+  if (cfg.warmup_steps < 0) throw std::invalid_argument("--warmup-steps must be >= 0");
+  const auto& s = cfg.shape;
+  if (s.d_model < 1 || s.heads < 1 || s.layers < 1 || s.seq < 2 || s.d_model % s.heads != 0) {
+    throw std::invalid_argument("model shape: --d-model must be a positive multiple of --heads, --layers >= 1, --seq >= 2");
+  }
+  if (cfg.tokenizer.vocab_size < 8) throw std::invalid_argument("--vocab must be >= 8");
+}
+
+TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
+  validate(cfg, rt.world_size());
+  if (cfg.checkpoint.empty()) throw std::invalid_argument("pretrain needs an output directory (--out DIR)");
+  const int rank = rt.rank();
+  torch::manual_seed(cfg.seed);
+  auto corpus = read_corpus(cfg.corpus);
+  const fs::path dir(cfg.checkpoint);
+  const auto tok_path = (dir / "tokenizer.model").string();
+  // Rank 0 trains the tokenizer on the training split; the others wait and load it.
+  std::string error;
+  if (rank == 0) {
+    try {
+      fs::create_directories(dir);
+      auto tok = Tokenizer::train(texts_of(corpus.train), cfg.tokenizer);
+      tok.save(tok_path);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  auto ok = torch::tensor({error.empty() ? 1.0f : 0.0f}).to(rt.device());
+  rt.world()->allreduce(ok, ReduceOp::kSum);
+  if (ok.item<float>() < rt.world_size()) {
+    throw std::runtime_error(error.empty() ? "rank 0 could not make the tokenizer (see its message)" : error);
+  }
+  auto tok = Tokenizer::load(tok_path);
+  ModelShape shape = cfg.shape;
+  shape.vocab = tok.vocab_size();
+
+  auto train = tok.encode_batch(texts_of(corpus.train), shape.seq);
+  auto valid = tok.encode_batch(texts_of(corpus.valid.empty() ? corpus.test : corpus.valid), shape.seq);
+  auto net = models::transformer(model_config(shape, 0));
+  TextReport rep;
+  rep.kind = "pretrain";
+  rep.shape = shape;
+  rep.world_size = rt.world_size();
+  rep.parameters = models::count_parameters(*net);
+  rep.labels = corpus.labels;
+  fill_corpus_counts(corpus, rep);
+  Engine eng(net, rt, cfg);
+  const auto device = rt.device();
+  auto lm_loss = [&](const torch::Tensor& logits, const torch::Tensor& ids) {
+    const int64_t v = logits.size(2);
+    auto pred = logits.narrow(1, 0, ids.size(1) - 1).reshape({-1, v}).to(torch::kFloat);
+    auto target = ids.narrow(1, 1, ids.size(1) - 1).reshape({-1});
+    return torch::nn::functional::cross_entropy(
+        pred, target, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(tok.pad_id()));
+  };
+  train_loop(rt, cfg, eng, train.ids.size(0),
+             [&](Engine& e, const std::vector<int64_t>& idx, int64_t from, int64_t to) {
+               auto ids = rows(train.ids, idx, from, to).to(device);
+               return lm_loss(e.forward(ids), ids);
+             },
+             rep);
+  if (cfg.evaluate) {
+    // Validation loss per predicted token, summed over ranks.
+    const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, valid.ids.size(0)) : valid.ids.size(0);
+    double sum = 0.0;
+    int64_t tokens = 0;
+    evaluate_rounds(rt, eng, valid.ids, n, [&](const torch::Tensor& logits, int64_t from, int64_t to) {
+      auto ids = valid.ids.narrow(0, from, to - from).to(device);
+      const int64_t v = logits.size(2);
+      auto pred = logits.narrow(1, 0, ids.size(1) - 1).reshape({-1, v}).to(torch::kFloat);
+      auto target = ids.narrow(1, 1, ids.size(1) - 1).reshape({-1});
+      sum += torch::nn::functional::cross_entropy(pred, target,
+                                                  torch::nn::functional::CrossEntropyFuncOptions()
+                                                      .ignore_index(tok.pad_id())
+                                                      .reduction(torch::kSum))
+                 .item<double>();
+      tokens += target.ne(tok.pad_id()).sum().item<int64_t>();
+    });
+    auto t = torch::tensor({sum, static_cast<double>(tokens)}, torch::kDouble).to(device);
+    rt.world()->allreduce(t, ReduceOp::kSum);
+    auto h = t.cpu();
+    rep.eval_loss = h[1].item<double>() > 0 ? h[0].item<double>() / h[1].item<double>() : -1.0;
+  }
+  auto params = eng.full_parameters();
+  gather_memory(rt, rep);
+  if (rank == 0) {
+    torch::serialize::OutputArchive ar;
+    for (auto& [name, t] : params) ar.write(name, t);
+    ar.save_to((dir / "model.pt").string());
+    Manifest m;
+    m.kind = "pretrain";
+    m.shape = shape;
+    m.task = cfg.corpus.task;
+    m.labels = corpus.labels;
+    m.tokenizer_fingerprint = tok.fingerprint();
+    m.tokenizer_vocab = tok.vocab_size();
+    m.steps = cfg.steps;
+    write_manifest(dir.string(), m);
+  }
+  return rep;
+}
+
+TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
+  validate(cfg, rt.world_size());
+  const int rank = rt.rank();
+  torch::manual_seed(cfg.seed);
+  std::unique_ptr<Manifest> manifest;
+  if (!cfg.checkpoint.empty()) manifest = std::make_unique<Manifest>(read_manifest(cfg.checkpoint));
+  if (!manifest && !cfg.from_scratch) {
+    throw std::invalid_argument("finetune needs --checkpoint DIR (from tandem pretrain), or --from-scratch with --tokenizer FILE");
+  }
+  std::string tok_path = cfg.tokenizer_path;
+  if (tok_path.empty()) {
+    if (!manifest) throw std::invalid_argument("--from-scratch without --checkpoint needs --tokenizer FILE");
+    tok_path = (fs::path(cfg.checkpoint) / manifest->tokenizer_file).string();
+  }
+  auto tok = load_checked_tokenizer(cfg, manifest.get(), tok_path);
+  auto corpus = read_corpus(cfg.corpus);
+  if (manifest && manifest->task == cfg.corpus.task && manifest->labels != corpus.labels) {
+    throw std::runtime_error("the labels of '" + cfg.corpus.root + "' {" + join(corpus.labels) +
+                             "} differ from those of checkpoint '" + cfg.checkpoint + "' {" + join(manifest->labels) +
+                             "}; fine-tune on data with the checkpoint's labels, or pre-train on this data");
+  }
+  ModelShape shape = manifest ? manifest->shape : cfg.shape;
+  shape.vocab = tok.vocab_size();
+  const int64_t k = static_cast<int64_t>(corpus.labels.size());
+  if (k < 2) throw std::runtime_error("'" + cfg.corpus.root + "' has one label only (" + corpus.labels[0] + "); classification needs two or more");
+
+  auto encode = [&](const std::vector<Document>& docs) {
+    auto e = tok.encode_batch(texts_of(docs), shape.seq);
+    std::vector<int64_t> y;
+    y.reserve(docs.size());
+    for (const auto& d : docs) y.push_back(corpus.label_index(d.label));
+    return std::make_pair(e.ids, torch::tensor(y, torch::kLong));
+  };
+  auto [train_x, train_y] = encode(corpus.train);
+  auto [test_x, test_y] = encode(corpus.test);
+
+  auto net = models::transformer(model_config(shape, k));
+  TextReport rep;
+  rep.kind = "finetune";
+  rep.shape = shape;
+  rep.world_size = rt.world_size();
+  rep.parameters = models::count_parameters(*net);
+  rep.labels = corpus.labels;
+  fill_corpus_counts(corpus, rep);
+  if (manifest && !cfg.from_scratch) {
+    // Every parameter but the classifier head (the last child) from the checkpoint.
+    const auto weights = (fs::path(cfg.checkpoint) / "model.pt").string();
+    torch::serialize::InputArchive ar;
+    try {
+      ar.load_from(weights);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("cannot read the weights '" + weights + "': " + std::string(e.what()).substr(0, 200));
+    }
+    const std::string head = std::to_string(net->size() - 1) + ".";
+    torch::NoGradGuard ng;
+    for (auto& p : net->named_parameters()) {
+      if (p.key().rfind(head, 0) == 0 && manifest->kind == "pretrain") continue;
+      torch::Tensor t;
+      if (!ar.try_read(p.key(), t)) {
+        throw std::runtime_error("checkpoint '" + cfg.checkpoint + "' has no parameter '" + p.key() + "'");
+      }
+      if (t.sizes() != p.value().sizes()) {
+        std::ostringstream os;
+        os << "checkpoint parameter '" << p.key() << "' has shape " << t.sizes() << ", the model needs "
+           << p.value().sizes();
+        throw std::runtime_error(os.str());
+      }
+      p.value().copy_(t);
+    }
+    rep.initialised_from_checkpoint = true;
+  }
+  Engine eng(net, rt, cfg);
+  const auto device = rt.device();
+  train_loop(rt, cfg, eng, train_x.size(0),
+             [&](Engine& e, const std::vector<int64_t>& idx, int64_t from, int64_t to) {
+               auto x = rows(train_x, idx, from, to).to(device);
+               auto y = rows(train_y, idx, from, to).to(device);
+               return torch::nn::functional::cross_entropy(e.forward(x).to(torch::kFloat), y);
+             },
+             rep);
+  if (cfg.evaluate) {
+    const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, test_x.size(0)) : test_x.size(0);
+    auto conf = torch::zeros({k, k}, torch::kLong);
+    evaluate_rounds(rt, eng, test_x, n, [&](const torch::Tensor& out, int64_t from, int64_t to) {
+      auto pred = out.argmax(1).cpu();
+      auto y = test_y.narrow(0, from, to - from);
+      conf.view({-1}).index_add_(0, y * k + pred, torch::ones_like(y));
+    });
+    auto c = conf.to(device);
+    rt.world()->allreduce(c, ReduceOp::kSum);
+    conf = c.cpu();
+    rep.confusion.assign(k, std::vector<int64_t>(k, 0));
+    int64_t correct = 0, total = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      for (int64_t j = 0; j < k; ++j) {
+        rep.confusion[i][j] = conf[i][j].item<int64_t>();
+        total += rep.confusion[i][j];
+        if (i == j) correct += rep.confusion[i][j];
+      }
+    }
+    rep.test_samples = total;
+    rep.test_accuracy = total > 0 ? static_cast<double>(correct) / total : 0.0;
+  }
+  auto params = cfg.output.empty() ? std::map<std::string, torch::Tensor>{} : eng.full_parameters();
+  gather_memory(rt, rep);
+  if (rank == 0 && !cfg.output.empty()) {
+    fs::create_directories(cfg.output);
+    torch::serialize::OutputArchive ar;
+    for (auto& [name, t] : params) ar.write(name, t);
+    ar.save_to((fs::path(cfg.output) / "model.pt").string());
+    tok.save((fs::path(cfg.output) / "tokenizer.model").string());
+    Manifest m;
+    m.kind = "finetune";
+    m.shape = shape;
+    m.task = cfg.corpus.task;
+    m.labels = corpus.labels;
+    m.tokenizer_fingerprint = tok.fingerprint();
+    m.tokenizer_vocab = tok.vocab_size();
+    m.steps = cfg.steps;
+    write_manifest(cfg.output, m);
+  }
+  return rep;
+}
+
+std::string format_report(const TextTrainConfig& cfg, const TextReport& r) {
+  std::ostringstream os;
+  os << std::fixed;
+  os << "\n== tandem " << r.kind << " report ==\n";
+  os << "model            transformer d_model " << r.shape.d_model << ", " << r.shape.layers << " layers, seq "
+     << r.shape.seq << ", vocabulary " << r.shape.vocab << " (" << r.parameters << " parameters), strategy " << cfg.strategy << ", " << r.world_size
+     << " worker(s)\n";
+  os << "data             " << r.train_documents << " train / " << r.valid_documents << " validation / "
+     << r.test_documents << " test documents, " << r.labels.size() << " labels\n";
+  if (r.kind == "finetune") {
+    os << "initialised      " << (r.initialised_from_checkpoint ? "from checkpoint " + cfg.checkpoint : "at random (from scratch)")
+       << "\n";
+  }
+  os << "steps            " << r.steps << " (global batch " << cfg.batch << ", " << r.samples << " samples)\n";
+  os << "wall time        " << std::setprecision(1) << r.wall_seconds << " s (training loop)\n";
+  os << "throughput       " << std::setprecision(0) << r.samples_per_second << " samples/s, median step "
+     << std::setprecision(1) << r.step_ms_median << " ms\n";
+  if (r.speedup > 0) {
+    os << "speedup          " << std::setprecision(2) << r.speedup << "x against one worker (" << std::setprecision(0)
+       << cfg.baseline_samples_per_second << " samples/s), efficiency " << 100.0 * r.speedup / r.world_size << "%\n";
+  }
+  os << "final loss       " << std::setprecision(4) << r.final_loss << "\n";
+  if (r.eval_loss >= 0) {
+    os << "validation loss  " << std::setprecision(4) << r.eval_loss << " per token (perplexity "
+       << std::setprecision(1) << std::exp(r.eval_loss) << ")\n";
+  }
+  if (r.test_accuracy >= 0) {
+    os << "test accuracy    " << std::setprecision(2) << 100.0 * r.test_accuracy << "% (" << r.test_samples
+       << " documents)\n";
+    os << "confusion        rows: true label, columns: predicted\n";
+    os << "        ";
+    for (const auto& l : r.labels) os << std::setw(7) << l.substr(0, 6);
+    os << "\n";
+    for (size_t i = 0; i < r.confusion.size(); ++i) {
+      os << "  " << std::setw(6) << std::left << r.labels[i].substr(0, 6) << std::right;
+      for (auto v : r.confusion[i]) os << std::setw(7) << v;
+      os << "\n";
+    }
+  }
+  os << "peak memory      ";
+  for (size_t i = 0; i < r.peak_rss_bytes.size(); ++i) {
+    os << (i ? ", " : "") << "rank " << i << " " << std::setprecision(0) << r.peak_rss_bytes[i] / (1024.0 * 1024.0)
+       << " MiB";
+  }
+  os << "\n";
+  return os.str();
+}
+
+}  // namespace tandem::text

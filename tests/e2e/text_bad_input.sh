@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Bad input to `tandem pretrain` / `tandem finetune`: each case must exit non-zero, quickly, with
+# a message naming the problem: an empty corpus, a binary file, non-UTF-8 text, a tokenizer that
+# does not match the checkpoint, a label set that differs from the checkpoint's.
+# usage: text_bad_input.sh TANDEM
+set -uo pipefail
+tandem=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fails=0
+expect() {  # expect NAME PATTERN -- command...
+  local name=$1 pattern=$2; shift 3
+  local start=$SECONDS
+  timeout 120 "$@" >"$tmp/out" 2>&1
+  local rc=$?
+  if [ $rc -eq 0 ] || [ $rc -eq 124 ] || ! grep -qE -- "$pattern" "$tmp/out"; then
+    echo "FAIL $name (exit $rc, $((SECONDS - start)) s); output:"; sed 's/^/    /' "$tmp/out" | tail -20
+    fails=$((fails + 1))
+  else
+    echo "ok   $name (exit $rc, $((SECONDS - start)) s): $(grep -m1 -E -- "$pattern" "$tmp/out")"
+  fi
+}
+# A small synthetic corpus of three "languages", valid UTF-8.
+python3 - "$tmp/good" <<'PY'
+import os, random, sys
+root = sys.argv[1]
+random.seed(1)
+alphabets = {"": "abcdefghijklmnopqrstuvwxyz", "de": "abcdefghijklmnopqrstuvwxyzäöüß", "ru": "абвгдежзийклмнопрстуфхцчшщыэюя"}
+for label, letters in alphabets.items():
+    d = os.path.join(root, label)
+    os.makedirs(d, exist_ok=True)
+    docs = [" ".join("".join(random.choice(letters) for _ in range(random.randint(2, 7)))
+                     for _ in range(random.randint(4, 12))) for _ in range(300)]
+    open(os.path.join(d, "cookies"), "w", encoding="utf-8").write("\n%\n".join(docs) + "\n%\n")
+PY
+small=(--d-model 16 --heads 2 --layers 1 --seq 16 --batch 8 --steps 3 --no-progress)
+if ! timeout 120 "$tandem" pretrain -n 1 --strategy single --data "$tmp/good" --out "$tmp/ckpt" "${small[@]}" --vocab 120 >"$tmp/pre.log" 2>&1; then
+  echo "FAIL could not pre-train the reference checkpoint:"; tail -20 "$tmp/pre.log"; exit 1
+fi
+timeout 120 "$tandem" pretrain -n 1 --strategy single --data "$tmp/good" --out "$tmp/ckpt_other" "${small[@]}" --vocab 100 >"$tmp/pre2.log" 2>&1 ||
+  { echo "FAIL could not pre-train the second checkpoint:"; tail -20 "$tmp/pre2.log"; exit 1; }
+
+mkdir -p "$tmp/empty" "$tmp/blank"
+: >"$tmp/blank/cookies"; printf '%%\n  \n%%\n' >"$tmp/blank/seps"
+expect empty-dir "no documents in" -- "$tandem" pretrain -n 1 --strategy single --data "$tmp/empty" --out "$tmp/x" "${small[@]}"
+expect only-separators "no documents in" -- "$tandem" finetune -n 1 --strategy single --data "$tmp/blank" --checkpoint "$tmp/ckpt" "${small[@]}"
+expect missing-dir "text directory '/nonexistent' not found.*apt-get install fortunes" -- \
+  "$tandem" pretrain -n 1 --strategy single --data /nonexistent --out "$tmp/x" "${small[@]}"
+cp -r "$tmp/good" "$tmp/binary"; head -c 3000 /bin/sh >"$tmp/binary/de/blob"
+expect binary "blob' is binary" -- "$tandem" finetune -n 2 --strategy ddp --data "$tmp/binary" --checkpoint "$tmp/ckpt" "${small[@]}"
+cp -r "$tmp/good" "$tmp/latin1"; printf 'Gr\xfc\xdf Gott\n%%\n' >"$tmp/latin1/de/latin1"
+expect non-utf8 "latin1' is not UTF-8 \(invalid byte 0xfc at offset 2\)" -- \
+  "$tandem" pretrain -n 1 --strategy single --data "$tmp/latin1" --out "$tmp/x" "${small[@]}"
+expect wrong-tokenizer "does not match checkpoint" -- "$tandem" finetune -n 1 --strategy single --data "$tmp/good" \
+  --checkpoint "$tmp/ckpt" --tokenizer "$tmp/ckpt_other/tokenizer.model" "${small[@]}"
+cp -r "$tmp/ckpt" "$tmp/ckpt_swapped"; cp "$tmp/ckpt_other/tokenizer.model" "$tmp/ckpt_swapped/tokenizer.model"
+expect swapped-tokenizer "does not match checkpoint" -- "$tandem" finetune -n 2 --strategy zero2 --data "$tmp/good" \
+  --checkpoint "$tmp/ckpt_swapped" "${small[@]}"
+echo "not a model" >"$tmp/junk.model"
+expect junk-tokenizer "not a SentencePiece model" -- "$tandem" finetune -n 1 --strategy single --data "$tmp/good" \
+  --checkpoint "$tmp/ckpt" --tokenizer "$tmp/junk.model" "${small[@]}"
+mkdir -p "$tmp/fewer"; cp -r "$tmp/good/de" "$tmp/good/ru" "$tmp/fewer/"
+expect label-set "labels of .*\{de,ru\}.* differ from those of checkpoint .*\{de,en,ru\}" -- \
+  "$tandem" finetune -n 1 --strategy single --data "$tmp/fewer" --checkpoint "$tmp/ckpt" "${small[@]}"
+expect no-checkpoint "has no manifest.json" -- "$tandem" finetune -n 1 --strategy single --data "$tmp/good" --checkpoint "$tmp/empty" "${small[@]}"
+expect single-with-many "strategy single runs one worker" -- "$tandem" finetune -n 2 --strategy single --data "$tmp/good" --checkpoint "$tmp/ckpt"
+[ $fails -eq 0 ] && echo "all bad-input cases rejected" || echo "$fails case(s) not rejected as expected"
+exit $((fails > 0))
