@@ -124,8 +124,11 @@ struct ZeroDataParallel::Impl {
                            : grad_shard.narrow(0, bk.shard_offset, bk.chunk);
   }
 
+  // Uninitialised but for the padding: take_gradient() writes every parameter's slice (its
+  // gradient, or zeros), which saves a memset of the bucket every step.
   at::Tensor new_scratch(const Bucket& bk) {
-    auto t = at::zeros({bk.padded}, bk.shard.options());
+    auto t = at::empty({bk.padded}, bk.shard.options());
+    t.narrow(0, bk.numel, bk.padded - bk.numel).zero_();
     scratch_live += nbytes(t);
     scratch_peak = std::max(scratch_peak, scratch_live);
     return t;
@@ -377,7 +380,11 @@ struct ZeroDataParallel::Impl {
     } else {
       auto& bk = buckets[bucket_of[i]];
       if (!bk.scratch.defined()) bk.scratch = new_scratch(bk);
-      if (g.defined()) param_view(bk.scratch, i).copy_(g);
+      if (g.defined()) {
+        param_view(bk.scratch, i).copy_(g);
+      } else {
+        param_view(bk.scratch, i).zero_();  // no gradient this step (unused parameter): zero
+      }
       g = at::Tensor();  // stages 2, 3 keep no full-size gradient
     }
   }
@@ -415,7 +422,7 @@ struct ZeroDataParallel::Impl {
       return;
     }
     while (static_cast<int>(inflight.size()) >= std::max(1, opts.max_inflight_buckets)) wait_oldest();
-    if (!bk.scratch.defined()) bk.scratch = new_scratch(bk);
+    if (!bk.scratch.defined()) bk.scratch = new_scratch(bk).zero_();
     // After the first backward since zero_grad() the reduced chunk is added, not written.
     at::Tensor out = grad_shard.narrow(0, bk.shard_offset, bk.chunk);
     if (!grads_fresh) out = bk.accum = at::empty({bk.chunk}, grad_shard.options());
