@@ -136,7 +136,8 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
     LaunchOptions lo;
     lo.nprocs = nprocs;
     lo.prefix_output = false;
-    if (isatty(1)) lo.env.push_back("TANDEM_PROGRESS_TTY=1");
+    // Explicit either way: mpirun gives the workers a pty, so their own isatty() says yes.
+    lo.env.push_back(std::string("TANDEM_PROGRESS_TTY=") + (isatty(1) ? "1" : "0"));
     std::cout << "launching " << nprocs << " workers (" << cfg.strategy << ")" << std::endl;
     return launch(lo, args);
   }

@@ -158,7 +158,8 @@ int cmd_train(int argc, char** argv) {
     LaunchOptions lo;
     lo.nprocs = nprocs;
     lo.prefix_output = false;
-    if (isatty(1)) lo.env.push_back("TANDEM_PROGRESS_TTY=1");
+    // Explicit either way: mpirun gives the workers a pty, so their own isatty() says yes.
+    lo.env.push_back(std::string("TANDEM_PROGRESS_TTY=") + (isatty(1) ? "1" : "0"));
     std::cout << "launching " << nprocs << " workers (" << cfg.strategy;
     if (cfg.tp * cfg.pp > 1) {
       std::cout << ", dp " << nprocs / (cfg.tp * cfg.pp) << " x tp " << cfg.tp << " x pp " << cfg.pp;
