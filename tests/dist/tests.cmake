@@ -32,3 +32,5 @@ tandem_add_dist_test(dist_comm_nonblocking_np3 3
   "*/Collectives.*:NonContiguous.*:EdgeCases.*:CommErrors.*:CommTimeouts.*:Async.*:Split.*:Stats.*" TIMEOUT 150)
 set_tests_properties(dist_comm_nonblocking_np3 PROPERTIES
                      ENVIRONMENT "TANDEM_SOURCE_DIR=${CMAKE_SOURCE_DIR};TANDEM_MPI_COLLECTIVES=nonblocking")
+# The collective-mismatch guard (TANDEM_CHECK_COLLECTIVES=1).
+tandem_add_dist_test(dist_comm_check_np3 3 "CollectiveCheck.*" TIMEOUT 120)

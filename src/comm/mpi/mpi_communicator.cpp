@@ -175,6 +175,9 @@ class MpiCommunicator : public Communicator {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     if (const char* p = std::getenv("TANDEM_MPI_POLL_US")) poll_us_ = std::atoi(p);
     if (const char* m = std::getenv("TANDEM_MPI_COLLECTIVES")) blocking_collectives_ = std::string(m) != "nonblocking";
+    if (const char* c = std::getenv("TANDEM_CHECK_COLLECTIVES"); c && std::string(c) == "1") {
+      MPI_Comm_dup(comm_, &check_comm_);  // collective: every rank constructs it together
+    }
     thread_ = std::thread([this] { loop(); });
   }
 
@@ -191,11 +194,12 @@ class MpiCommunicator : public Communicator {
     } else {
       thread_.join();
     }
+    int finalized = 0;
+    MPI_Finalized(&finalized);
     if (comm_ != MPI_COMM_WORLD && comm_ != MPI_COMM_NULL && !stuck_.load()) {
-      int finalized = 0;
-      MPI_Finalized(&finalized);
       if (!finalized) MPI_Comm_free(&comm_);
     }
+    if (check_comm_ != MPI_COMM_NULL && !finalized && !stuck_.load()) MPI_Comm_free(&check_comm_);
   }
 
   int rank() const override { return rank_; }
@@ -205,6 +209,7 @@ class MpiCommunicator : public Communicator {
   WorkPtr allreduce_async(at::Tensor t, ReduceOp op) override {
     auto what = describe(rank_, std::string("allreduce(") + to_string(op) + ")", t);
     check_cpu(t, what);
+    verify(kOpAllreduce, static_cast<int64_t>(op), &t, what);
     auto type = mpi_type(t.scalar_type(), what);
     auto mop = mpi_op(op, t.scalar_type(), what);
     int count = checked_count(t.numel(), what);
@@ -225,6 +230,7 @@ class MpiCommunicator : public Communicator {
   WorkPtr reduce_scatter_async(at::Tensor out, at::Tensor in, ReduceOp op) override {
     auto what = describe(rank_, std::string("reduce_scatter(") + to_string(op) + ")", in);
     check_cpu(in, what);
+    verify(kOpReduceScatter, static_cast<int64_t>(op), &in, what);
     check_pair(out, in, what);
     if (in.numel() != out.numel() * size_) {
       throw CommError(what + ": input has " + std::to_string(in.numel()) + " elements, expected world size " +
@@ -270,6 +276,7 @@ class MpiCommunicator : public Communicator {
   WorkPtr allgather_async(at::Tensor out, at::Tensor in) override {
     auto what = describe(rank_, "allgather", in);
     check_cpu(in, what);
+    verify(kOpAllgather, 0, &in, what);
     check_pair(out, in, what);
     if (out.numel() != in.numel() * size_) {
       throw CommError(what + ": output has " + std::to_string(out.numel()) + " elements, expected world size " +
@@ -305,6 +312,7 @@ class MpiCommunicator : public Communicator {
     auto what = describe(rank_, "broadcast(root " + std::to_string(root) + ")", t);
     check_cpu(t, what);
     check_peer(root, what);
+    verify(kOpBroadcast, root, &t, what);
     auto type = mpi_type(t.scalar_type(), what);
     int count = checked_count(t.numel(), what);
     at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
@@ -353,6 +361,7 @@ class MpiCommunicator : public Communicator {
 
   WorkPtr barrier_async() override {
     auto what = "rank " + std::to_string(rank_) + ": barrier";
+    verify(kOpBarrier, 0, nullptr, what);
     return enqueue("barrier", what, 0,
                    [=](std::vector<MPI_Request>& r) {
                      r.resize(1);
@@ -365,6 +374,7 @@ class MpiCommunicator : public Communicator {
     // MPI_Comm_split is blocking; run it on the progress thread so that it is ordered with the
     // operations already queued here.
     auto what = "rank " + std::to_string(rank_) + ": split(color " + std::to_string(color) + ")";
+    verify(kOpSplit, 0, nullptr, what);
     auto newcomm = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
     auto w = enqueue("split", what, 0,
                      [=](std::vector<MPI_Request>& r) {
@@ -378,6 +388,50 @@ class MpiCommunicator : public Communicator {
   }
 
  private:
+  // ---- collective-mismatch guard (TANDEM_CHECK_COLLECTIVES=1, a debug option)
+  // Before each collective, the ranks all-gather a fingerprint (sequence number, operation,
+  // dtype, element count, shape, reduce op or root) on a duplicate of the communicator and
+  // compare: a program whose ranks disagree gets a CommError naming the ranks and their
+  // operations instead of a hang or a wrong result. Costs one small all-gather per collective.
+  enum : int64_t { kOpAllreduce = 1, kOpReduceScatter, kOpAllgather, kOpBroadcast, kOpBarrier, kOpSplit };
+  static std::string describe_fingerprint(const int64_t* f) {
+    static const char* names[] = {"?", "allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "split"};
+    std::string s = names[(f[1] >= 1 && f[1] <= 6) ? f[1] : 0];
+    if (f[1] == kOpAllreduce || f[1] == kOpReduceScatter) s += std::string("(") + to_string(static_cast<ReduceOp>(f[5])) + ")";
+    if (f[1] == kOpBroadcast) s += "(root " + std::to_string(f[5]) + ")";
+    if (f[2] >= 0) s += std::string(" of ") + c10::toString(static_cast<at::ScalarType>(f[2])) + " x " + std::to_string(f[3]);
+    return s + " (collective #" + std::to_string(f[0]) + ")";
+  }
+  void verify(int64_t op, int64_t extra, const at::Tensor* t, const std::string& what) {
+    if (check_comm_ == MPI_COMM_NULL) return;
+    int64_t shape = 1469598103934665603LL;
+    if (t) for (auto d : t->sizes()) shape = (shape ^ d) * 1099511628211LL;
+    int64_t fp[6] = {check_seq_++, op, t ? static_cast<int64_t>(t->scalar_type()) : -1, t ? t->numel() : 0,
+                     t ? shape : 0, extra};
+    std::vector<int64_t> all(6 * static_cast<size_t>(size_));
+    MPI_Request req;
+    check(MPI_Iallgather(fp, 6, MPI_INT64_T, all.data(), 6, MPI_INT64_T, check_comm_, &req), what);
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    for (int done = 0;;) {
+      check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), what);
+      if (done) break;
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw CommTimeout(what + ": collective check: not every rank reached a collective within " +
+                          std::to_string(timeout().count()) + " ms (a rank is stuck or no longer issues collectives)");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    std::string diff;
+    for (int r = 0; r < size_; ++r) {
+      if (std::equal(fp, fp + 6, all.data() + 6 * r)) continue;
+      diff += "; rank " + std::to_string(r) + " calls " + describe_fingerprint(all.data() + 6 * r);
+    }
+    if (!diff.empty()) {
+      throw CommError(what + ": collective mismatch: rank " + std::to_string(rank_) + " calls " + describe_fingerprint(fp) +
+                      diff + ". Every rank must issue the same collectives, with the same shapes, in the same order.");
+    }
+  }
+
   static void check(int rc, const std::string& what) {
     if (rc != MPI_SUCCESS) throw CommError(what + " failed in MPI: " + mpi_error_string(rc));
   }
@@ -509,6 +563,8 @@ class MpiCommunicator : public Communicator {
   }
 
   MPI_Comm comm_;
+  MPI_Comm check_comm_ = MPI_COMM_NULL;  // TANDEM_CHECK_COLLECTIVES=1: fingerprints go here
+  int64_t check_seq_ = 0;
   int rank_ = 0, size_ = 1;
   int poll_us_ = 0;
   // Collectives as blocking MPI calls on the progress thread (OpenMPI's tuned algorithms)
