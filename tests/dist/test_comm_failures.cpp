@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <thread>
 
@@ -28,26 +29,14 @@ namespace {
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-TEST(Stall, DISABLED_SilentRankMakesTheOthersTimeOut) {
-  auto w = world();
-  const int me = w->rank(), stalled = 1;
-  const auto timeout = milliseconds(2000);
-  auto live = w->split(me == stalled ? -1 : 0, me);  // collective: before the stall
-  w->barrier();
-  if (me == stalled) {
-    std::cout << "rank " << me << ": stalling (no further collectives)" << std::endl;
-    std::this_thread::sleep_for(seconds(120));  // longer than the ctest timeout
-    std::cout << "STALL TEST FAILED: rank " << me << " was not stopped within 120 s" << std::endl;
-    runtime().abort(4);
-  }
-  w->set_timeout(timeout);
-  auto x = at::ones({1000}, at::kFloat);
-  const std::string expect_op = "rank " + std::to_string(me) + ": allreduce(sum) of Float[1000]";
+// Runs `call`, which must end with CommTimeout after the 2 s timeout, naming `expect_op`.
+// Prints this rank's verdict and returns it.
+bool times_out_naming(int me, const std::string& expect_op, const std::function<void()>& call) {
   std::string msg = "(no exception)";
   bool timed_out = false;
   auto t0 = std::chrono::steady_clock::now();
   try {
-    w->allreduce(x, ReduceOp::kSum);
+    call();
   } catch (const CommTimeout& e) {
     timed_out = true;
     msg = e.what();
@@ -59,19 +48,44 @@ TEST(Stall, DISABLED_SilentRankMakesTheOthersTimeOut) {
                   msg.find("timed out after 2 s") != std::string::npos && waited >= 1.9 && waited < 7.0;
   std::cout << "rank " << me << ": " << (ok ? "as expected" : "NOT as expected") << ", waited " << waited
             << " s: " << msg << std::endl;
-  // The live ranks agree on the verdict over their own communicator.
+  return ok;
+}
+
+// The ranks of `verdict` agree on their verdicts; rank 0 prints STALL TEST PASSED/FAILED with
+// `what` and aborts the job (the clean way out while a peer is still stuck).
+[[noreturn]] void vote_and_abort(int me, bool ok, const CommPtr& verdict, const std::string& what) {
   auto votes = at::full({1}, ok ? 1 : 0, at::kLong);
-  live->set_timeout(seconds(20));
-  live->allreduce(votes, ReduceOp::kSum);
+  verdict->set_timeout(seconds(20));
+  verdict->allreduce(votes, ReduceOp::kSum);
   if (me == 0) {
-    const bool all_ok = votes.item<int64_t>() == live->size();
+    const bool all_ok = votes.item<int64_t>() == verdict->size();
     std::cout << (all_ok ? "STALL TEST PASSED" : "STALL TEST FAILED") << ": " << votes.item<int64_t>() << " of "
-              << live->size() << " live ranks got CommTimeout naming their rank and the allreduce within "
-              << "2 s + 5 s while rank " << stalled << " was silent" << std::endl;
+              << verdict->size() << " " << what << std::endl;
     std::this_thread::sleep_for(milliseconds(300));  // let mpirun forward the output
     runtime().abort(all_ok ? 3 : 4);
   }
   std::this_thread::sleep_for(seconds(120));  // rank 0's abort ends us
+  std::_Exit(4);
+}
+
+TEST(Stall, DISABLED_SilentRankMakesTheOthersTimeOut) {
+  auto w = world();
+  const int me = w->rank(), stalled = 1;
+  auto live = w->split(me == stalled ? -1 : 0, me);  // collective: before the stall
+  w->barrier();
+  if (me == stalled) {
+    std::cout << "rank " << me << ": stalling (no further collectives)" << std::endl;
+    std::this_thread::sleep_for(seconds(120));  // longer than the ctest timeout
+    std::cout << "STALL TEST FAILED: rank " << me << " was not stopped within 120 s" << std::endl;
+    runtime().abort(4);
+  }
+  w->set_timeout(milliseconds(2000));
+  auto x = at::ones({1000}, at::kFloat);
+  const bool ok = times_out_naming(me, "rank " + std::to_string(me) + ": allreduce(sum) of Float[1000]",
+                                   [&] { w->allreduce(x, ReduceOp::kSum); });
+  vote_and_abort(me, ok, live,
+                 "live ranks got CommTimeout naming their rank and the allreduce within 2 s + 5 s while rank " +
+                     std::to_string(stalled) + " was silent");
 }
 
 // Rank 1 skips the allreduce and goes on to a barrier: the collectives no longer match. Every
@@ -84,39 +98,11 @@ TEST(Stall, DISABLED_RankInAnotherCollectiveMakesAllTimeOut) {
   w->barrier();
   w->set_timeout(milliseconds(2000));
   auto x = at::ones({1000}, at::kFloat);
-  const std::string expect_op = "rank " + std::to_string(me) + (me == skipper ? ": barrier" : ": allreduce(sum)");
-  std::string msg = "(no exception)";
-  bool timed_out = false;
-  auto t0 = std::chrono::steady_clock::now();
-  try {
-    if (me == skipper) {
-      w->barrier();
-    } else {
-      w->allreduce(x, ReduceOp::kSum);
-    }
-  } catch (const CommTimeout& e) {
-    timed_out = true;
-    msg = e.what();
-  } catch (const std::exception& e) {
-    msg = std::string("unexpected exception: ") + e.what();
-  }
-  const double waited = seconds_since(t0);
-  const bool ok = timed_out && msg.find(expect_op) != std::string::npos &&
-                  msg.find("timed out after 2 s") != std::string::npos && waited >= 1.9 && waited < 7.0;
-  std::cout << "rank " << me << ": " << (ok ? "as expected" : "NOT as expected") << ", waited " << waited
-            << " s: " << msg << std::endl;
-  auto votes = at::full({1}, ok ? 1 : 0, at::kLong);
-  verdict->set_timeout(seconds(20));
-  verdict->allreduce(votes, ReduceOp::kSum);
-  if (me == 0) {
-    const bool all_ok = votes.item<int64_t>() == verdict->size();
-    std::cout << (all_ok ? "STALL TEST PASSED" : "STALL TEST FAILED") << ": " << votes.item<int64_t>() << " of "
-              << verdict->size() << " ranks got CommTimeout naming their rank and operation within 2 s + 5 s "
-              << "while rank " << skipper << " waited in a barrier instead of the allreduce" << std::endl;
-    std::this_thread::sleep_for(milliseconds(300));
-    runtime().abort(all_ok ? 3 : 4);
-  }
-  std::this_thread::sleep_for(seconds(120));
+  const bool ok = times_out_naming(me, "rank " + std::to_string(me) + (me == skipper ? ": barrier" : ": allreduce(sum)"),
+                                   [&] { me == skipper ? w->barrier() : w->allreduce(x, ReduceOp::kSum); });
+  vote_and_abort(me, ok, verdict,
+                 "ranks got CommTimeout naming their rank and operation within 2 s + 5 s while rank " +
+                     std::to_string(skipper) + " waited in a barrier instead of the allreduce");
 }
 
 void leave_midway(bool kill_self) {
