@@ -6,13 +6,10 @@ usage: .venv/bin/python bench/precision_cpu.py
 import torch, time
 torch.set_num_threads(1)
 import torch.nn as nn
-def cnn():
-    return nn.Sequential(nn.Conv2d(1,32,3,padding=1),nn.ReLU(),nn.MaxPool2d(2),nn.Conv2d(32,64,3,padding=1),nn.ReLU(),nn.MaxPool2d(2),nn.Flatten(),nn.Linear(3136,128),nn.ReLU(),nn.Linear(128,10))
-def mlp():
-    return nn.Sequential(nn.Flatten(),nn.Linear(784,1024),nn.ReLU(),nn.Linear(1024,1024),nn.ReLU(),nn.Linear(1024,10))
-for name,f in [("cnn",cnn),("mlp",mlp)]:
+from torch_ddp_cpu import make_model  # the same models as tandem::models
+for name in ("cnn", "mlp"):
   for dt in [torch.float32, torch.bfloat16, torch.float16]:
-    m=f().to(dt); x=torch.randn(64,1,28,28,dtype=dt); y=torch.randint(0,10,(64,))
+    m=make_model(name).to(dt); x=torch.randn(64,1,28,28,dtype=dt); y=torch.randint(0,10,(64,))
     for i in range(3):
         m(x).float().sum().backward()
     t=time.time()

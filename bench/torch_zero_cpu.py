@@ -30,15 +30,7 @@ import torch.nn.functional as F
 MODES = ["ddp", "zero1", "fsdp_grad_op", "fsdp_full", "ds_zero1", "ds_zero2", "ds_zero3"]
 
 
-def make_model(name):
-    if name == "mlp":  # tandem::models::mlp(): 784-1024-1024-10
-        return nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                             nn.Linear(1024, 10))
-    if name == "cnn":  # tandem::models::cnn()
-        return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                             nn.Linear(64 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10))
-    raise SystemExit(f"unknown model {name}")
+from torch_ddp_cpu import make_model  # the same models as tandem::models (bench/ is on sys.path)
 
 
 class CommCounter:
