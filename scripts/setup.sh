@@ -13,10 +13,11 @@ log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 t0=$(date +%s)
 
 # ---- Debian packages
-pkgs=(build-essential cmake ninja-build ccache python3 python3-venv python3-pip
+pkgs=(build-essential cmake ninja-build ccache python3 python3-venv python3-pip python3-jsonschema python3-yaml
       openmpi-bin libopenmpi-dev libgtest-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
-      dataset-fashion-mnist gnuplot-nox libsentencepiece-dev sentencepiece
-      fortunes fortunes-min fortunes-de fortunes-es fortunes-it fortunes-pl fortunes-ru fortunes-cs)
+      dataset-fashion-mnist gnuplot-nox libsentencepiece-dev sentencepiece clang libclang-rt-14-dev
+      fortunes fortunes-min fortunes-de fortunes-es fortunes-it fortunes-pl fortunes-ru fortunes-cs
+      iproute2 util-linux)  # ip, unshare: the network-namespace hosts of tests/netns
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -11,6 +11,13 @@ namespace tandem {
 struct LaunchOptions {
   int nprocs = 1;
   std::string hostfile;              // empty: this machine only
+  // Network interfaces or subnets for MPI's traffic between hosts ("eth1", "10.1.0.0/16",
+  // comma-separated; OpenMPI's btl_tcp_if_include and oob_tcp_if_include). Empty: the
+  // TANDEM_NET_IF environment variable, else OpenMPI's own choice (every interface but loopback).
+  std::string net_if;
+  // After mpirun reports a failed worker, how long it may take to stop the others before it is
+  // terminated (it can wait forever for a daemon on a host that became unreachable).
+  double stop_grace_s = 10;
   std::vector<std::string> mpi_args;  // extra mpirun arguments, passed as given
   std::vector<std::string> env;       // NAME=VALUE exported to every worker
   bool prefix_output = true;          // "[rank R] " before each line

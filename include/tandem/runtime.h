@@ -5,8 +5,10 @@
 
 #include <c10/core/Device.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tandem/comm.h"
 
@@ -22,6 +24,14 @@ struct ProcessInfo {
 
 // Reads the environment only; never initializes anything.
 ProcessInfo detect_process_info();
+
+// One host of the job: its name, the addresses its ranks advertise and its ranks (ascending).
+// Hosts are numbered by their lowest rank: the node rank of a process is its host's index.
+struct HostInfo {
+  std::string name;
+  std::vector<std::string> addresses;  // IPv4 (TANDEM_NET_IF / btl_tcp_if_include selects)
+  std::vector<int> ranks;
+};
 
 struct RuntimeOptions {
   // Compute threads per rank; 0 = cores on this host / local ranks (at least 1).
@@ -48,6 +58,17 @@ class Runtime {
   int threads() const { return threads_; }
   c10::Device device() const { return device_; }
 
+  // The hosts of the job, found by all-gathering every rank's host name at start-up.
+  const std::vector<HostInfo>& hosts() const { return hosts_; }
+  int node_rank() const { return host_of_[info_.rank]; }
+  int host_of(int rank) const { return host_of_.at(rank); }
+  // "2 hosts: h0 (10.0.0.1) ranks 0-1, h1 (10.0.0.2) ranks 2-3".
+  std::string layout() const;
+  // After a communication failure: which peers do not answer a TCP connection to their
+  // reachability port within `wait`, one line each naming the rank, its host and why ("" when
+  // every peer answers). Reaches no further than the network; MPI is not used.
+  std::string unreachable_peers(std::chrono::milliseconds wait = std::chrono::milliseconds(2000)) const;
+
   // Communicator for tensors on device(): NCCL on CUDA, MPI (or self) on CPU.
   CommPtr world() const { return world_; }
   // Communicator for CPU tensors (MPI or self); used for metadata and host-side checks.
@@ -64,6 +85,11 @@ class Runtime {
   CommPtr cpu_world_;
   CommPtr world_;
   bool mpi_initialized_here_ = false;
+  std::vector<HostInfo> hosts_;
+  std::vector<int> host_of_;          // rank -> index in hosts_
+  std::vector<int> probe_port_;       // rank -> its reachability port (0: none)
+  std::shared_ptr<void> listener_;    // detail::ProbeListener
+  void exchange_hosts();
 };
 
 }  // namespace tandem

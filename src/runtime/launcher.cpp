@@ -9,7 +9,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -31,6 +33,20 @@ std::string find_mpirun() {
   if (const char* p = std::getenv("TANDEM_MPIRUN")) return p;
   if (*TANDEM_MPIEXEC && access(TANDEM_MPIEXEC, X_OK) == 0) return TANDEM_MPIEXEC;
   return "mpirun";
+}
+
+// --net-if, else TANDEM_NET_IF; checked so that it cannot smuggle other mpirun arguments.
+std::string network_selection(const LaunchOptions& opts) {
+  std::string sel = opts.net_if;
+  if (sel.empty() && std::getenv("TANDEM_NET_IF")) sel = std::getenv("TANDEM_NET_IF");
+  for (char c : sel) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && !std::strchr("./,:_-", c)) {
+      throw std::invalid_argument("network selection '" + sel +
+                                  "' is not a comma-separated list of interface names or subnets (e.g. eth1 or "
+                                  "10.1.0.0/16); set --net-if or TANDEM_NET_IF accordingly");
+    }
+  }
+  return sel;
 }
 
 // Splits a byte stream into lines and hands each to `on_line`.
@@ -77,6 +93,15 @@ std::vector<std::string> mpirun_command(const LaunchOptions& opts, const std::ve
     for (const char* a : {"--hostfile"}) cmd.push_back(a);
     cmd.push_back(opts.hostfile);
     for (const char* a : {"--mca", "btl", "self,vader,tcp"}) cmd.push_back(a);
+  }
+  if (std::string sel = network_selection(opts); !sel.empty()) {
+    for (const char* p : {"btl_tcp_if_include", "oob_tcp_if_include"}) {
+      cmd.push_back("--mca");
+      cmd.push_back(p);
+      cmd.push_back(sel);
+    }
+    cmd.push_back("-x");
+    cmd.push_back("TANDEM_NET_IF=" + sel);  // the workers advertise these addresses for reachability checks
   }
   if (opts.prefix_output) cmd.push_back("--tag-output");
   for (const auto& e : opts.env) {
@@ -133,6 +158,7 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
 
   std::vector<std::string> mpirun_lines;  // mpirun's own messages
   int failed_rank = -1, failed_code = 0, failed_signal = 0;
+  bool aborted = false;  // MPI_Abort: the rank ended the job after an error of its own or a peer's
   std::string signal_name;
   bool in_box = false;
   auto handle = [&](const std::string& line, bool is_err) {
@@ -159,7 +185,10 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
       }
       is_mpirun_report = true;
     } else if (std::regex_search(line, m, abort_rank)) {
-      if (failed_rank < 0) failed_rank = std::stoi(m[1]);
+      if (failed_rank < 0) {
+        failed_rank = std::stoi(m[1]);
+        aborted = true;
+      }
       is_mpirun_report = true;
     } else if (std::regex_search(line, m, abort_code)) {
       if (failed_code == 0) failed_code = std::stoi(m[1]);
@@ -170,7 +199,8 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
     bool rule = line.rfind("-----", 0) == 0;
     if (rule) in_box = !in_box;
     if (opts.prefix_output || is_mpirun_report || rule || in_box || std::regex_search(line, orte_note) ||
-        line.find("mpirun") != std::string::npos || line.find("Primary job") != std::string::npos) {
+        line.find("mpirun") != std::string::npos || line.find("mpiexec") != std::string::npos ||
+        line.find("Primary job") != std::string::npos) {
       mpirun_lines.push_back(line);
       return;
     }
@@ -182,8 +212,36 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
   struct pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
   int open_fds = 2;
   char buf[65536];
+  // mpirun normally stops the other workers at once after a failure; when a host became
+  // unreachable it can wait forever for that host's daemon, so it gets stop_grace_s, then
+  // SIGTERM, then (5 s later) SIGKILL. Once mpirun has exited, orphans on other hosts may still
+  // hold the output pipes: they get 3 s.
+  using Clock = std::chrono::steady_clock;
+  const auto grace = std::chrono::duration<double>(opts.stop_grace_s);
+  Clock::time_point failed_at, killed_at, reaped_at;
+  int status = 0, kill_stage = 0;
+  bool failure_seen = false, reaped = false;
   while (open_fds > 0) {
-    int rc = poll(fds, 2, -1);
+    const auto now = Clock::now();
+    if (!failure_seen && failed_rank >= 0) {
+      failure_seen = true;
+      failed_at = now;
+    }
+    if (!reaped && waitpid(pid, &status, WNOHANG) == pid) {
+      reaped = true;
+      reaped_at = now;
+    }
+    if (reaped) {
+      if (now - reaped_at > std::chrono::seconds(3)) break;
+    } else if (failure_seen && kill_stage == 0 && now - failed_at > grace) {
+      kill(pid, SIGTERM);
+      kill_stage = 1;
+      killed_at = now;
+    } else if (kill_stage == 1 && now - killed_at > std::chrono::seconds(5)) {
+      kill(pid, SIGKILL);
+      kill_stage = 2;
+    }
+    int rc = poll(fds, 2, 250);
     if (rc < 0) {
       if (errno == EINTR) continue;
       break;
@@ -216,8 +274,10 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
   out_buf.flush([&](const std::string& l) { handle(l, false); });
   err_buf.flush([&](const std::string& l) { handle(l, true); });
 
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  for (int i = 0; i < 2; ++i) {
+    if (fds[i].fd >= 0) close(fds[i].fd);
+  }
+  while (!reaped && waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
   g_child = -1;
   int rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
@@ -230,10 +290,15 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
       reason += " was killed by signal " + std::to_string(failed_signal) + signal_name;
       rc = 128 + failed_signal;
     } else {
-      reason += " exited with code " + std::to_string(failed_code);
+      reason += (aborted ? " aborted the job with code " : " exited with code ") + std::to_string(failed_code);
       if (failed_code > 0 && failed_code < 256) rc = failed_code;
     }
-    reason += "; the other ranks were stopped";
+    if (kill_stage > 0) {
+      reason += "; mpirun had not stopped the other ranks " + std::to_string(static_cast<int>(opts.stop_grace_s)) +
+                " s later (a host may be unreachable) and was terminated: processes on unreachable hosts may still run";
+    } else {
+      reason += "; the other ranks were stopped";
+    }
   } else {
     for (const auto& l : mpirun_lines) std::cerr << l << '\n';
     reason = "mpirun exited with code " + std::to_string(rc);

@@ -5,10 +5,13 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include "comm/backends.h"
+#include "runtime/peer_probe.h"
 
 namespace tandem {
 namespace {
@@ -24,6 +27,26 @@ bool env_int(const char* name, int* out) {
   }
   *out = static_cast<int>(x);
   return true;
+}
+
+// "0-3,6,8-9"
+std::string rank_ranges(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!out.empty()) out += ",";
+    out += std::to_string(ranks[i]);
+    if (j > i) out += "-" + std::to_string(ranks[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : ",") + s;
+  return out;
 }
 
 }  // namespace
@@ -142,6 +165,102 @@ Runtime::Runtime(const RuntimeOptions& opts) : info_(detect_process_info()) {
     throw std::runtime_error("world size " + std::to_string(info_.world_size) +
                              " needs a communication backend, and this build has neither MPI nor NCCL");
   }
+  exchange_hosts();
+}
+
+// Every rank contributes "hostname\naddress,address\nport" in a fixed-size record.
+void Runtime::exchange_hosts() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  std::string selection;
+  for (const char* v : {"TANDEM_NET_IF", "OMPI_MCA_btl_tcp_if_include"}) {
+    if (const char* e = std::getenv(v); e && *e && selection.empty()) selection = e;
+  }
+  int port = 0;
+  if (info_.world_size > 1) {
+    try {
+      auto l = std::make_shared<detail::ProbeListener>();
+      port = l->port();
+      listener_ = l;
+    } catch (const std::exception& e) {
+      std::cerr << "tandem: rank " << info_.rank << ": " << e.what() << " (unreachable peers will not be named)\n";
+    }
+  }
+  constexpr int64_t kRecord = 1024;
+  std::string mine = std::string(name) + "\n" + joined(detail::local_addresses(selection)) + "\n" + std::to_string(port);
+  mine.resize(kRecord - 1);  // zero-padded (or cut: a host with dozens of addresses)
+  mine.push_back('\0');
+  const int n = info_.world_size;
+  std::vector<std::string> records(n, "(unknown)\n\n0");  // without a CPU communicator over all ranks
+  if (n > 1 && cpu_world_ && cpu_world_->size() == n) {
+    auto in = at::empty({kRecord}, at::kByte);
+    std::memcpy(in.data_ptr(), mine.data(), kRecord);
+    auto out = at::empty({n * kRecord}, at::kByte);
+    cpu_world_->allgather(out, in);
+    cpu_world_->reset_stats();  // the user's communication figures start at zero
+    const char* all = static_cast<const char*>(out.data_ptr());
+    for (int r = 0; r < n; ++r) records[r] = std::string(all + r * kRecord, strnlen(all + r * kRecord, kRecord));
+  }
+  records[info_.rank] = mine.c_str();
+  host_of_.assign(n, 0);
+  probe_port_.assign(n, 0);
+  for (int r = 0; r < n; ++r) {
+    std::istringstream is(records[r]);
+    std::string host, addrs, p;
+    std::getline(is, host);
+    std::getline(is, addrs);
+    std::getline(is, p);
+    probe_port_[r] = std::atoi(p.c_str());
+    size_t h = 0;
+    while (h < hosts_.size() && hosts_[h].name != host) ++h;
+    if (h == hosts_.size()) {
+      HostInfo info;
+      info.name = host;
+      std::istringstream as(addrs);
+      for (std::string a; std::getline(as, a, ',');) info.addresses.push_back(a);
+      hosts_.push_back(info);
+    }
+    hosts_[h].ranks.push_back(r);
+    host_of_[r] = static_cast<int>(h);
+  }
+}
+
+std::string Runtime::layout() const {
+  std::string out = std::to_string(hosts_.size()) + (hosts_.size() == 1 ? " host: " : " hosts: ");
+  for (size_t h = 0; h < hosts_.size(); ++h) {
+    if (h) out += ", ";
+    out += hosts_[h].name;
+    if (!hosts_[h].addresses.empty()) out += " (" + joined(hosts_[h].addresses) + ")";
+    out += hosts_[h].ranks.size() == 1 ? " rank " : " ranks ";
+    out += rank_ranges(hosts_[h].ranks);
+  }
+  return out;
+}
+
+std::string Runtime::unreachable_peers(std::chrono::milliseconds wait) const {
+  std::vector<detail::PeerAddress> peers;
+  std::vector<int> who;
+  for (int r = 0; r < info_.world_size; ++r) {
+    if (r == info_.rank || probe_port_[r] <= 0 || hosts_[host_of_[r]].addresses.empty()) continue;
+    peers.push_back({hosts_[host_of_[r]].addresses, probe_port_[r]});
+    who.push_back(r);
+  }
+  if (peers.empty()) return "";
+  auto state = detail::probe_peers(peers, wait);
+  const auto& me = hosts_[host_of_[info_.rank]];
+  std::ostringstream os;
+  for (size_t i = 0; i < who.size(); ++i) {
+    if (state[i] == detail::PeerState::kAnswers) continue;
+    const auto& h = hosts_[host_of_[who[i]]];
+    os << "rank " << who[i] << " on host " << h.name << " (" << joined(h.addresses) << ") ";
+    if (state[i] == detail::PeerState::kUnreachable) {
+      os << "is unreachable from rank " << info_.rank << " on host " << me.name << ": no answer within "
+         << std::chrono::duration<double>(wait).count() << " s (link or host down, or a firewall)\n";
+    } else {
+      os << "has no process any more: its host answers but refuses the connection\n";
+    }
+  }
+  return os.str();
 }
 
 Runtime::~Runtime() {

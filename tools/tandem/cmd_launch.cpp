@@ -3,9 +3,18 @@
 #include <iostream>
 
 #include "commands.h"
+#include "host_options.h"
 #include "tandem/launcher.h"
 
 namespace tandem::cli {
+
+void add_host_options(CLI::App& app, LaunchOptions& lo) {
+  app.add_option("--hostfile", lo.hostfile, "mpirun hostfile, one host a line: 'NAME slots=K' (several machines)");
+  app.add_option("--net-if", lo.net_if,
+                 "interfaces or subnets for traffic between hosts, e.g. eth1 or 10.1.0.0/16 (default: "
+                 "TANDEM_NET_IF, else every interface but loopback)");
+  app.add_option("--mpi-arg", lo.mpi_args, "extra argument passed to mpirun (repeatable; --mpi-arg=--mca ...)");
+}
 
 int cmd_launch(int argc, char** argv) {
   // Everything after "--" is the program and its arguments.
@@ -20,9 +29,8 @@ int cmd_launch(int argc, char** argv) {
   LaunchOptions opts;
   // No CLI11 range check: launch() rejects -n < 1 with a clearer message than CLI11's.
   app.add_option("-n,--nprocs", opts.nprocs, "number of workers");
-  app.add_option("--hostfile", opts.hostfile, "mpirun hostfile (several machines)")->check(CLI::ExistingFile);
+  add_host_options(app, opts);
   app.add_option("-x,--env", opts.env, "NAME=VALUE for every worker (repeatable)");
-  app.add_option("--mpi-arg", opts.mpi_args, "extra argument passed to mpirun (repeatable)");
   bool no_prefix = false;
   app.add_flag("--no-prefix", no_prefix, "do not prefix output lines with the rank");
   app.footer("example: tandem launch -n 2 -- ./build/tandem selftest");

@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "commands.h"
+#include "host_options.h"
 #include "tandem/launcher.h"
 #include "tandem/runtime.h"
 #include "tandem/text.h"
@@ -33,6 +34,8 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   double timeout_s = 300;
   bool no_eval = false, no_progress = false;
   std::string out;
+  LaunchOptions lo;  // several machines: the hosts and their network
+  add_host_options(app, lo);
   app.add_option("--data", cfg.corpus.root,
                  "directory of '%'-separated text files; files in it are labelled --root-label, each "
                  "subdirectory is a label")
@@ -133,7 +136,6 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   if (!is_worker && nprocs > 1) {
     std::vector<std::string> args = {self_executable(), name};
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-    LaunchOptions lo;
     lo.nprocs = nprocs;
     lo.prefix_output = false;
     // Explicit either way: mpirun gives the workers a pty, so their own isatty() says yes.
@@ -156,6 +158,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       if (pretraining) std::cout << "checkpoint       " << cfg.checkpoint << "\n";
       if (!cfg.output.empty()) std::cout << "saved            " << cfg.output << "\n";
       std::cout << std::flush;
+  if (rt->rank() == 0 && rt->hosts().size() > 1) std::cout << "hosts            " << rt->layout() << std::endl;
     }
   } catch (const std::exception& e) {
     auto* ce = dynamic_cast<const c10::Error*>(&e);
@@ -168,6 +171,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
 }
 
 }  // namespace
+    if (rt->world_size() > 1) std::cerr << rt->unreachable_peers() << std::flush;  // names a lost host
 
 int cmd_pretrain(int argc, char** argv) { return run_text("pretrain", true, argc, argv); }
 int cmd_finetune(int argc, char** argv) { return run_text("finetune", false, argc, argv); }

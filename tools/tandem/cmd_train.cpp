@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include "commands.h"
+#include "host_options.h"
 #include "tandem/launcher.h"
 #include "tandem/runtime.h"
 #include "tandem/trainer.h"
@@ -78,6 +79,18 @@ int cmd_train(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--resume", cfg.resume,
                "continue from the newest checkpoint in --checkpoint-dir (any strategy / worker count)");
+  LaunchOptions lo;  // several machines: the hosts and their network
+  add_host_options(app, lo);
+  // Heterogeneous clusters (tandem/shares.h).
+  app.add_option("--batch-shares", cfg.batch_shares,
+                 "each worker's share of the global batch: W0,W1,... (weights, e.g. 3,1), counts:N0,N1,... (samples "
+                 "per step, summing to --batch), or auto (calibrated from measured throughput); default: equal");
+  app.add_option("--calibration-steps", cfg.calibration_steps,
+                 "with --batch-shares auto: equal-share steps timed before the shares are set (the first is a warm-up)")
+      ->capture_default_str();
+  app.add_option("--slow-rank", cfg.slow_rank,
+                 "R:MS: rank R sleeps MS milliseconds per sample of its share each step (models a slower device; "
+                 "for tests and demos)");
   app.add_option("--baseline-sps", cfg.baseline_samples_per_second, "(internal) one worker's samples/s")
       ->group("");
   try {
@@ -155,7 +168,6 @@ int cmd_train(int argc, char** argv) {
         return 1;
       }
     }
-    LaunchOptions lo;
     lo.nprocs = nprocs;
     lo.prefix_output = false;
     // Explicit either way: mpirun gives the workers a pty, so their own isatty() says yes.
@@ -186,6 +198,7 @@ int cmd_train(int argc, char** argv) {
   try {
     auto report = train(*rt, cfg);
     if (rt->rank() == 0) std::cout << format_report(cfg, report) << std::flush;
+  if (rt->rank() == 0 && rt->hosts().size() > 1) std::cout << "hosts            " << rt->layout() << std::endl;
   } catch (const std::exception& e) {
     auto* ce = dynamic_cast<const c10::Error*>(&e);
     std::cerr << "tandem train: rank " << rt->rank() << ": " << (ce ? ce->what_without_backtrace() : e.what())
@@ -193,6 +206,7 @@ int cmd_train(int argc, char** argv) {
     if (rt->world_size() > 1) rt->abort(1);  // stop the peers at once instead of letting them time out
     return 1;
   }
+    if (rt->world_size() > 1) std::cerr << rt->unreachable_peers() << std::flush;  // names a lost host
   return 0;
 }
 
