@@ -18,13 +18,7 @@ void add_host_options(CLI::App& app, LaunchOptions& lo) {
 
 int cmd_launch(int argc, char** argv) {
   // Everything after "--" is the program and its arguments.
-  int split = argc;
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--") {
-      split = i;
-      break;
-    }
-  }
+  const int split = dashdash_index(argc, argv);
   CLI::App app{"Run PROGRAM on N workers through mpirun; stop all of them if one fails.", "tandem launch"};
   LaunchOptions opts;
   // No CLI11 range check: launch() rejects -n < 1 with a clearer message than CLI11's.

@@ -2,8 +2,17 @@
 #pragma once
 
 namespace tandem::cli {
+// Index of the first "--" in argv (argc when there is none): what follows it is another program's
+// arguments (tandem launch, tandem k8s).
+inline int dashdash_index(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] == '-' && argv[i][1] == '-' && argv[i][2] == '\0') return i;
+  }
+  return argc;
+}
 int cmd_bench(int argc, char** argv);
 int cmd_finetune(int argc, char** argv);
+int cmd_k8s(int argc, char** argv);
 int cmd_launch(int argc, char** argv);
 int cmd_plan(int argc, char** argv);
 int cmd_pretrain(int argc, char** argv);

@@ -16,6 +16,7 @@ const char* kUsage =
     "  selftest   check every collective across the workers: tandem selftest [-n N]\n"
     "  bench      speedup table and plot of a model over strategies and worker counts\n"
     "  plan       predict memory and step time of parallel layouts on a cluster, ranked\n"
+    "  k8s        write Kubernetes manifests (MPIJob, checkpoint claim) that run tandem train on a cluster\n"
     "  pretrain   pre-train a transformer language model on text (fortune cookies), with its tokenizer\n"
     "  finetune   fine-tune it to classify text by language, under any strategy and worker count\n"
     "\n"
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
     if (cmd == "selftest") return tandem::cli::cmd_selftest(argc - 1, argv + 1);
     if (cmd == "bench") return tandem::cli::cmd_bench(argc - 1, argv + 1);
     if (cmd == "plan") return tandem::cli::cmd_plan(argc - 1, argv + 1);
+    if (cmd == "k8s") return tandem::cli::cmd_k8s(argc - 1, argv + 1);
     if (cmd == "pretrain") return tandem::cli::cmd_pretrain(argc - 1, argv + 1);
     if (cmd == "finetune") return tandem::cli::cmd_finetune(argc - 1, argv + 1);
     if (cmd == "-h" || cmd == "--help" || cmd == "help") {
