@@ -1,7 +1,8 @@
 // Sharded checkpoints that reshard on load. A checkpoint is a directory `step-NNNNNNNN` under a
 // root: manifest.json (model, strategy, world size, progress, RNG, precision, loss scale,
 // optimizer, the layout of each rank's shard, and each shard file's size and checksum) and
-// one shard file per rank with what that rank owns (DDP: rank 0 holds everything). Saving is
+// one shard file per rank with what that rank owns (DDP: rank 0 holds everything; pipeline:
+// one rank per stage holds that stage). Saving is
 // atomic: files are written and fsync'ed in a temporary directory that is renamed into place
 // only when every rank succeeded, so a crash mid-save leaves the previous checkpoint intact.
 // Loading reads whatever shards it needs, checks sizes and checksums, assembles full
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/checkpoint_meta.h"  // CheckpointMeta
 #include "tandem/comm.h"
 #include "tandem/optim.h"
 
@@ -29,26 +31,8 @@ class Optimizer;
 
 namespace tandem {
 
+class Pipeline;
 class ZeroDataParallel;
-
-// What a checkpoint records besides tensors. save_checkpoint() fills world_size and optimizer
-// (and stores the layout, Adam's step count and the RNG state itself); the caller fills the rest.
-struct CheckpointMeta {
-  std::string model;              // model name; loading into another name fails
-  std::string model_description;  // free text (architecture, parameter count)
-  std::string strategy;           // ddp | single | zero1 | zero2 | zero3 | any label
-  std::string precision = "fp32";
-  std::string optimizer;          // sgd | adam | adamw: loading into another kind fails
-  int world_size = 1;             // set by save
-  int64_t step = 0;               // optimizer steps done (all epochs)
-  int64_t epoch = 0;              // epoch in progress at the save
-  int64_t step_in_epoch = 0;      // batches of that epoch already consumed
-  uint64_t seed = 0;
-  double loss_scale = 1.0;        // fp16 dynamic loss scaler
-  int64_t loss_scale_good_steps = 0;
-  int64_t skipped_steps = 0;
-  std::string extra_json = "{}";  // any JSON object the caller wants back (e.g. the config)
-};
 
 struct CheckpointSaveOptions {
   int keep = 0;  // keep the newest K complete checkpoints under the root; 0: keep all
@@ -69,6 +53,15 @@ struct CheckpointLoadOptions {
 // rank's write failed (disk full, permissions); the previous checkpoints stay.
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, torch::nn::Module& model,
                             torch::optim::Optimizer& opt, Communicator& comm, const CheckpointSaveOptions& o = {});
+// From a pipeline stage (tandem/pipeline.h; data-parallel replicas of a stage hold the same
+// values): `opt` is the optimizer over pipe.parameters() (or their masters). The ranks with
+// `writer` set, exactly one per stage (e.g. those of replica 0), write their stage's parameters,
+// buffers and optimizer state; the manifest records where each is and pipe.partition().
+// Loading reassembles the whole model, so it resumes under any strategy and world size.
+// Throws std::invalid_argument on every rank when a stage has no writer or two.
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
+                            torch::optim::Optimizer& opt, bool writer, Communicator& comm,
+                            const CheckpointSaveOptions& o = {});
 // From ZeRO (any stage): each rank writes its chunks (fp32 masters and optimizer state).
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero,
                             Communicator& comm, const CheckpointSaveOptions& o = {});
@@ -96,6 +89,10 @@ FullCheckpoint read_full_checkpoint(const std::string& dir);
 // name, parameter names and shapes, and optimizer kind before changing anything.
 CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt,
                                int rank, const CheckpointLoadOptions& o = {});
+// Into a pipeline stage: its parameters (by their names in the whole model), buffers and
+// optimizer state, from a checkpoint of any layout; the checkpoint may hold more (other stages).
+CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, torch::optim::Optimizer& opt, int rank,
+                               const CheckpointLoadOptions& o = {});
 CheckpointMeta load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,
                                const CheckpointLoadOptions& o = {});
 

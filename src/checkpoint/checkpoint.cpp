@@ -8,10 +8,12 @@
 // when step-N/manifest.json exists, so a crash at any point leaves the previous one loadable.
 //
 // Load (local, no collective, so a bad checkpoint fails every rank the same way without a
-// hang): read the manifest, read every shard (size and FNV-1a hash checked first), assemble
-// the full fp32 value and optimizer slots of every parameter from the layout (replicated:
-// rank 0's file has them whole; ZeRO: a bucket is the concatenation of the ranks' chunks),
-// validate against the target model, then copy in (ZeRO takes its chunks).
+// hang): parse and validate the manifest (checkpoint/manifest.cpp), read every shard (size
+// and FNV-1a hash checked first), assemble the full fp32 value and optimizer slots of every
+// parameter from the layout (replicated: rank 0's file has them whole; stages: each stage's
+// writer has its parameters whole; ZeRO: a bucket is the concatenation of the ranks' chunks),
+// validate against the target model, then copy in (ZeRO takes its chunks, a pipeline stage
+// its parameters).
 #include "tandem/checkpoint.h"
 
 #include <ATen/ATen.h>
@@ -28,6 +30,7 @@
 #include <stdexcept>
 
 #include "checkpoint/shard_io.h"
+#include "tandem/pipeline.h"
 #include "tandem/zero.h"
 
 namespace tandem {
@@ -133,6 +136,7 @@ std::string save_impl(const std::string& root, SavePlan plan, Communicator& comm
   std::string err;
   try {
     extra = json::parse(meta.extra_json.empty() ? "{}" : meta.extra_json);
+    if (!extra.is_object()) err = "checkpoint extra_json must be a JSON object, not " + extra.dump();
   } catch (const std::exception& e) {
     err = std::string("checkpoint extra_json is not valid JSON: ") + e.what();
   }
@@ -209,86 +213,83 @@ std::string save_impl(const std::string& root, SavePlan plan, Communicator& comm
   return final_dir;
 }
 
-// ---- reading
-
-struct Manifest {
-  std::string dir;
-  json j;
-  CheckpointMeta meta;
-  std::vector<std::string> files;
-  std::vector<ckpt::Digest> digests;
-};
-
-[[noreturn]] void bad_manifest(const std::string& path, const std::string& why) {
-  throw std::runtime_error("checkpoint manifest '" + path + "' " + why);
+std::vector<std::pair<std::string, at::Tensor>> named_buffers(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& kv : m.named_buffers(true)) out.emplace_back(kv.key(), kv.value());
+  return out;
 }
 
+// Parameters (from the optimizer's tensors: fp32 masters when mixed precision), optimizer
+// slots and buffers of `model`, each whole, as entries of this rank's shard when `write`; the
+// descriptions and the RNG entry in any case.
+SavePlan whole_tensors_plan(const CheckpointMeta& meta, torch::nn::Module& model, torch::optim::Optimizer& opt,
+                            bool write) {
+  SavePlan plan;
+  plan.meta = meta;
+  plan.meta.optimizer = optimizer_kind(opt);
+  auto named = model.named_parameters(true);
+  auto ops = optimizer_params(opt);
+  if (ops.size() != named.size()) {
+    throw std::invalid_argument("save_checkpoint: the optimizer has " + std::to_string(ops.size()) +
+                                " parameters, the module " + std::to_string(named.size()) +
+                                "; pass the optimizer over the module's parameters (or their masters)");
+  }
+  std::set<std::string> slots;
+  size_t i = 0;
+  for (auto& kv : named) {
+    const auto& src = ops[i++];
+    plan.params.push_back(tensor_desc(kv.key(), src));
+    auto st = get_param_state(opt, src);
+    plan.optimizer_step = std::max(plan.optimizer_step, st.step);
+    for (auto& [k, v] : st.slots) {
+      slots.insert(k);
+      if (write) plan.entries.emplace_back(k + "/" + kv.key(), v);
+    }
+    if (write) plan.entries.emplace_back("param/" + kv.key(), src);
+  }
+  plan.slots.assign(slots.begin(), slots.end());
+  for (auto& [n, b] : named_buffers(model)) {
+    plan.buffers.push_back(tensor_desc(n, b));
+    if (write) plan.entries.emplace_back("buffer/" + n, b);
+  }
+  plan.entries.emplace_back("rng/cpu", cpu_rng_state());
+  return plan;
+}
+
+// Collective: every rank's string, on every rank.
+std::vector<std::string> allgather_strings(Communicator& comm, const std::string& mine) {
+  const int world = comm.size();
+  auto len = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong);
+  auto lens = at::empty({world}, at::kLong);
+  comm.allgather(lens, len);
+  const int64_t longest = std::max<int64_t>(1, lens.max().item<int64_t>());
+  auto buf = at::zeros({longest}, at::kByte);
+  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  auto all = at::empty({world * longest}, at::kByte);
+  comm.allgather(all, buf);
+  std::vector<std::string> out;
+  for (int r = 0; r < world; ++r) {
+    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest, lens[r].item<int64_t>());
+  }
+  return out;
+}
+
+// ---- reading
+
+struct Manifest : ckpt::Manifest {
+  std::string dir;
+};
+
 Manifest read_manifest(const std::string& dir) {
-  Manifest M;
-  M.dir = dir;
   const std::string path = dir + "/" + kManifest;
   if (!ckpt::is_dir(dir)) throw std::runtime_error("checkpoint directory '" + dir + "' does not exist");
   if (!ckpt::exists(path)) {
     throw std::runtime_error("checkpoint '" + dir + "' has no " + kManifest +
                              " (missing file: an incomplete or damaged checkpoint)");
   }
-  const std::string text = ckpt::read_all(path);
-  try {
-    M.j = json::parse(text);
-  } catch (const std::exception& e) {
-    bad_manifest(path, std::string("is not valid JSON (truncated or corrupted?): ") + e.what());
-  }
-  try {
-    auto& j = M.j;
-    if (!j.is_object() || j.value("format", "") != kFormat) bad_manifest(path, "is not a Tandem checkpoint manifest");
-    if (j.at("version").get<int>() != kVersion) {
-      bad_manifest(path, "has format version " + j.at("version").dump() + "; this build reads version " +
-                             std::to_string(kVersion));
-    }
-    auto& meta = M.meta;
-    meta.model = j.at("model").at("name").get<std::string>();
-    meta.model_description = j.at("model").at("description").get<std::string>();
-    meta.strategy = j.at("strategy").get<std::string>();
-    meta.world_size = j.at("world_size").get<int>();
-    meta.precision = j.at("precision").get<std::string>();
-    meta.optimizer = j.at("optimizer").at("kind").get<std::string>();
-    meta.step = j.at("progress").at("step").get<int64_t>();
-    meta.epoch = j.at("progress").at("epoch").get<int64_t>();
-    meta.step_in_epoch = j.at("progress").at("step_in_epoch").get<int64_t>();
-    meta.seed = j.at("seed").get<uint64_t>();
-    meta.loss_scale = j.at("loss_scaler").at("scale").get<double>();
-    meta.loss_scale_good_steps = j.at("loss_scaler").at("overflow_free_steps").get<int64_t>();
-    meta.skipped_steps = j.at("loss_scaler").at("skipped_steps").get<int64_t>();
-    meta.extra_json = j.at("extra").dump();
-    if (meta.world_size < 1) bad_manifest(path, "has world_size " + std::to_string(meta.world_size));
-    if (meta.step < 0 || meta.epoch < 0 || meta.step_in_epoch < 0) bad_manifest(path, "has a negative progress");
-    auto& shards = j.at("shards");
-    if (!shards.is_array() || static_cast<int>(shards.size()) != meta.world_size) {
-      bad_manifest(path, "lists " + std::to_string(shards.size()) + " shards for world size " +
-                             std::to_string(meta.world_size));
-    }
-    for (int r = 0; r < meta.world_size; ++r) {
-      auto& s = shards[r];
-      if (s.at("rank").get<int>() != r) bad_manifest(path, "lists the shards out of rank order");
-      auto file = s.at("file").get<std::string>();
-      if (file.empty() || file.find('/') != std::string::npos || file[0] == '.') {
-        bad_manifest(path, "names an invalid shard file '" + file + "'");
-      }
-      ckpt::Digest d;
-      d.bytes = s.at("bytes").get<int64_t>();
-      d.fnv1a64 = std::stoull(s.at("fnv1a64").get<std::string>(), nullptr, 16);
-      M.files.push_back(file);
-      M.digests.push_back(d);
-    }
-    auto kind = j.at("layout").at("kind").get<std::string>();
-    if (kind != "replicated" && kind != "zero") bad_manifest(path, "has an unknown layout '" + kind + "'");
-  } catch (const nlohmann::json::exception& e) {
-    bad_manifest(path, std::string("is missing a field or has one of the wrong type: ") + e.what());
-  } catch (const std::invalid_argument& e) {
-    bad_manifest(path, std::string("has an invalid value: ") + e.what());
-  } catch (const std::out_of_range& e) {
-    bad_manifest(path, std::string("has a value out of range: ") + e.what());
-  }
+  Manifest M;
+  static_cast<ckpt::Manifest&>(M) = ckpt::parse_manifest(ckpt::read_all(path), path);
+  M.dir = dir;
   return M;
 }
 
@@ -301,16 +302,14 @@ at::Tensor take(std::map<std::string, at::Tensor>& shard, const std::string& ent
   return it->second;
 }
 
-at::Tensor shaped(const at::Tensor& t, const json& desc, const std::string& where) {
-  auto shape = desc.at("shape").get<std::vector<int64_t>>();
-  int64_t n = 1;
-  for (auto s : shape) n *= s;
-  if (t.numel() != n) {
-    throw std::runtime_error(where + ": '" + desc.at("name").get<std::string>() + "' has " +
-                             std::to_string(t.numel()) + " elements, the manifest's shape " + shape_str(shape) +
-                             " needs " + std::to_string(n));
+// The manifest has validated the shapes; the shard's entry must have as many elements.
+at::Tensor shaped(const at::Tensor& t, const ckpt::TensorDesc& desc, const std::string& where) {
+  if (t.numel() != desc.numel) {
+    throw std::runtime_error(where + ": '" + desc.name + "' has " + std::to_string(t.numel()) +
+                             " elements, the manifest's shape " + shape_str(desc.shape) + " needs " +
+                             std::to_string(desc.numel));
   }
-  return t.reshape(shape);
+  return t.reshape(desc.shape);
 }
 
 FullCheckpoint assemble(const Manifest& M) {
@@ -324,79 +323,62 @@ FullCheckpoint assemble(const Manifest& M) {
     shards[r] = ckpt::read_shard(paths[r], M.digests[r]);
   }
   const std::string mpath = M.dir + "/" + kManifest;
-  try {
-    const auto& j = M.j;
-    auto slots = j.at("optimizer").at("slots").get<std::vector<std::string>>();
-    const int64_t opt_step = j.at("optimizer").at("step").get<int64_t>();
-    const auto& layout = j.at("layout");
-    for (auto& p : j.at("model").at("parameters")) fc.param_names.push_back(p.at("name").get<std::string>());
-    if (layout.at("kind") == "replicated") {
-      for (auto& p : j.at("model").at("parameters")) {
-        const auto n = p.at("name").get<std::string>();
-        fc.params[n] = shaped(take(shards[0], "param/" + n, paths[0]), p, paths[0]);
-        ParamOptimizerState s;
-        s.step = opt_step;
-        for (auto& sl : slots) s.slots[sl] = shaped(take(shards[0], sl + "/" + n, paths[0]), p, paths[0]);
-        fc.optim[n] = std::move(s);
-      }
-    } else {
-      const auto& buckets = layout.at("buckets");
-      std::vector<std::map<std::string, at::Tensor>> full(buckets.size());
-      std::vector<std::string> all_slots = slots;
-      all_slots.insert(all_slots.begin(), "param");
-      for (size_t b = 0; b < buckets.size(); ++b) {
-        const int64_t padded = buckets[b].at("padded").get<int64_t>();
-        const int64_t chunk = buckets[b].at("chunk").get<int64_t>();
-        if (chunk * N != padded || padded < 0) bad_manifest(mpath, "has bucket " + std::to_string(b) + " with chunk " + std::to_string(chunk) + " x " + std::to_string(N) + " ranks != padded " + std::to_string(padded));
-        for (auto& sl : all_slots) {
-          std::vector<at::Tensor> parts;
-          for (int r = 0; r < N; ++r) {
-            auto t = take(shards[r], "bucket" + std::to_string(b) + "/" + sl, paths[r]);
-            if (t.numel() != chunk) {
-              throw std::runtime_error("checkpoint shard '" + paths[r] + "': bucket " + std::to_string(b) + " '" + sl +
-                                       "' has " + std::to_string(t.numel()) + " elements, the manifest says " +
-                                       std::to_string(chunk));
-            }
-            parts.push_back(t.reshape({-1}));
+  for (auto& p : M.params) fc.param_names.push_back(p.name);
+  if (M.layout != ckpt::LayoutKind::kZero) {
+    // Each parameter whole in its owner's shard (replicated: one owner; stages: its stage's writer).
+    for (size_t i = 0; i < M.params.size(); ++i) {
+      const auto& p = M.params[i];
+      const int r = M.param_owner[i];
+      fc.params[p.name] = shaped(take(shards[r], "param/" + p.name, paths[r]), p, paths[r]);
+      ParamOptimizerState s;
+      s.step = M.optimizer_step;
+      for (auto& sl : M.slots) s.slots[sl] = shaped(take(shards[r], sl + "/" + p.name, paths[r]), p, paths[r]);
+      fc.optim[p.name] = std::move(s);
+    }
+  } else {
+    std::vector<std::map<std::string, at::Tensor>> full(M.buckets.size());
+    std::vector<std::string> all_slots = M.slots;
+    all_slots.insert(all_slots.begin(), "param");
+    for (size_t b = 0; b < M.buckets.size(); ++b) {
+      const int64_t chunk = M.buckets[b].chunk;
+      for (auto& sl : all_slots) {
+        std::vector<at::Tensor> parts;
+        for (int r = 0; r < N; ++r) {
+          auto t = take(shards[r], "bucket" + std::to_string(b) + "/" + sl, paths[r]);
+          if (t.numel() != chunk) {
+            throw std::runtime_error("checkpoint shard '" + paths[r] + "': bucket " + std::to_string(b) + " '" + sl +
+                                     "' has " + std::to_string(t.numel()) + " elements, the manifest says " +
+                                     std::to_string(chunk));
           }
-          full[b][sl] = at::cat(parts);
+          parts.push_back(t.reshape({-1}));
         }
+        full[b][sl] = at::cat(parts);
       }
-      for (auto& p : layout.at("params")) {
-        const auto n = p.at("name").get<std::string>();
-        const auto b = p.at("bucket").get<size_t>();
-        const auto off = p.at("offset").get<int64_t>(), numel = p.at("numel").get<int64_t>();
-        if (b >= full.size() || off < 0 || numel < 0 || off + numel > full[b]["param"].numel()) {
-          bad_manifest(mpath, "places parameter '" + n + "' outside its bucket");
-        }
-        json desc;
-        for (auto& d : j.at("model").at("parameters"))
-          if (d.at("name") == n) desc = d;
-        if (desc.is_null()) bad_manifest(mpath, "lays out parameter '" + n + "' that the model does not list");
-        fc.params[n] = shaped(full[b]["param"].narrow(0, off, numel).clone(), desc, mpath);
-        ParamOptimizerState s;
-        s.step = opt_step;
-        for (auto& sl : slots) s.slots[sl] = shaped(full[b][sl].narrow(0, off, numel).clone(), desc, mpath);
-        fc.optim[n] = std::move(s);
-      }
-      for (auto& n : fc.param_names)
-        if (!fc.params.count(n)) bad_manifest(mpath, "lists parameter '" + n + "' but lays out no place for it");
     }
-    for (auto& b : j.at("model").at("buffers")) {
-      const auto n = b.at("name").get<std::string>();
-      fc.buffers[n] = shaped(take(shards[0], "buffer/" + n, paths[0]), b, paths[0]);
+    for (size_t i = 0; i < M.params.size(); ++i) {
+      const auto& p = M.params[i];
+      auto& bucket = full[M.param_bucket[i]];
+      const int64_t off = M.param_offset[i];
+      fc.params[p.name] = shaped(bucket["param"].narrow(0, off, p.numel).clone(), p, mpath);
+      ParamOptimizerState s;
+      s.step = M.optimizer_step;
+      for (auto& sl : M.slots) s.slots[sl] = shaped(bucket[sl].narrow(0, off, p.numel).clone(), p, mpath);
+      fc.optim[p.name] = std::move(s);
     }
-    for (int r = 0; r < N; ++r) fc.rng.push_back(take(shards[r], "rng/cpu", paths[r]));
-  } catch (const nlohmann::json::exception& e) {
-    bad_manifest(mpath, std::string("is missing a field or has one of the wrong type: ") + e.what());
   }
+  for (size_t i = 0; i < M.buffers.size(); ++i) {
+    const int r = M.buffer_owner[i];
+    fc.buffers[M.buffers[i].name] = shaped(take(shards[r], "buffer/" + M.buffers[i].name, paths[r]), M.buffers[i], paths[r]);
+  }
+  for (int r = 0; r < N; ++r) fc.rng.push_back(take(shards[r], "rng/cpu", paths[r]));
   return fc;
 }
 
 // Checks that the checkpoint fits the target before anything is changed.
 void check_fits(const FullCheckpoint& fc, const std::string& dir, const CheckpointLoadOptions& o,
                 const std::vector<std::pair<std::string, at::Tensor>>& params,
-                const std::vector<std::pair<std::string, at::Tensor>>& buffers, const std::string& opt_kind) {
+                const std::vector<std::pair<std::string, at::Tensor>>& buffers, const std::string& opt_kind,
+                bool whole_model = true) {
   const std::string where = "checkpoint '" + dir + "'";
   if (!o.expect_model.empty() && fc.meta.model != o.expect_model) {
     throw std::runtime_error(where + " is of model '" + fc.meta.model + "', not '" + o.expect_model +
@@ -415,7 +397,7 @@ void check_fits(const FullCheckpoint& fc, const std::string& dir, const Checkpoi
                                shape_str(it->second.sizes()) + " there, " + shape_str(p.sizes()) + " here");
     }
   }
-  if (fc.params.size() != params.size()) {
+  if (whole_model && fc.params.size() != params.size()) {
     throw std::runtime_error(where + " does not fit this model: it has " + std::to_string(fc.params.size()) +
                              " parameters, the model " + std::to_string(params.size()));
   }
@@ -436,46 +418,93 @@ void finish_load(const FullCheckpoint& fc, const std::vector<std::pair<std::stri
   }
 }
 
-std::vector<std::pair<std::string, at::Tensor>> named_buffers(torch::nn::Module& m) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (auto& kv : m.named_buffers(true)) out.emplace_back(kv.key(), kv.value());
-  return out;
+// Loads whole parameters, optimizer state and buffers into `model` (the whole model, or with
+// !whole_model a part of it such as a pipeline stage, whose names are the whole model's).
+CheckpointMeta load_whole_tensors(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt,
+                                  int rank, const CheckpointLoadOptions& o, bool whole_model) {
+  auto fc = read_full_checkpoint(dir);
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (auto& kv : model.named_parameters(true)) params.emplace_back(kv.key(), kv.value());
+  auto ops = optimizer_params(opt);
+  if (ops.size() != params.size()) {
+    throw std::invalid_argument("load_checkpoint: the optimizer has " + std::to_string(ops.size()) +
+                                " parameters, the module " + std::to_string(params.size()));
+  }
+  auto buffers = named_buffers(model);
+  check_fits(fc, dir, o, params, buffers, optimizer_kind(opt), whole_model);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& v = fc.params.at(params[i].first);
+      ops[i].copy_(v);
+      if (!ops[i].is_same(params[i].second)) params[i].second.copy_(v);
+      set_param_state(opt, ops[i], fc.optim.at(params[i].first));
+    }
+  }
+  finish_load(fc, buffers, rank, o);
+  return fc.meta;
 }
 
 }  // namespace
 
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, torch::nn::Module& model,
                             torch::optim::Optimizer& opt, Communicator& comm, const CheckpointSaveOptions& o) {
-  SavePlan plan;
-  meta.optimizer = optimizer_kind(opt);
-  plan.meta = meta;
-  auto named = model.named_parameters(true);
-  auto ops = optimizer_params(opt);
-  if (ops.size() != named.size()) {
-    throw std::invalid_argument("save_checkpoint: the optimizer has " + std::to_string(ops.size()) +
-                                " parameters, the module " + std::to_string(named.size()) +
-                                "; pass the optimizer over the module's parameters (or their masters)");
+  SavePlan plan = whole_tensors_plan(meta, model, opt, comm.rank() == 0);
+  plan.layout = {{"kind", "replicated"}, {"owner", 0}};
+  return save_impl(root, std::move(plan), comm, o);
+}
+
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
+                            torch::optim::Optimizer& opt, bool writer, Communicator& comm,
+                            const CheckpointSaveOptions& o) {
+  auto stage = pipe.stage_module();
+  SavePlan mine = whole_tensors_plan(meta, *stage, opt, writer);
+  // Every rank learns what each writer holds (one string per rank: "" from the others).
+  json what;
+  if (writer) {
+    what = {{"stage", pipe.stage()}, {"params", mine.params}, {"buffers", mine.buffers},
+            {"slots", mine.slots}, {"step", mine.optimizer_step}};
   }
-  std::set<std::string> slots;
-  size_t i = 0;
-  for (auto& kv : named) {
-    const auto& src = ops[i++];
-    plan.params.push_back(tensor_desc(kv.key(), src));
-    auto st = get_param_state(opt, src);
-    plan.optimizer_step = std::max(plan.optimizer_step, st.step);
-    for (auto& [k, v] : st.slots) {
-      slots.insert(k);
-      if (comm.rank() == 0) plan.entries.emplace_back(k + "/" + kv.key(), v);
+  auto all = allgather_strings(comm, writer ? what.dump() : std::string());
+  std::vector<int> writer_of(pipe.stages(), -1);
+  std::string err;
+  std::vector<json> got(all.size());
+  for (size_t r = 0; r < all.size() && err.empty(); ++r) {
+    if (all[r].empty()) continue;
+    got[r] = json::parse(all[r]);
+    const int s = got[r].at("stage").get<int>();
+    if (s < 0 || s >= pipe.stages() || writer_of[s] >= 0) {
+      err = "pipeline checkpoint: ranks " + std::to_string(s >= 0 && s < pipe.stages() ? writer_of[s] : -1) + " and " +
+            std::to_string(r) + " both write stage " + std::to_string(s) + "; pass writer=true on one rank per stage";
+    } else {
+      writer_of[s] = static_cast<int>(r);
     }
-    if (comm.rank() == 0) plan.entries.emplace_back("param/" + kv.key(), src);
+  }
+  for (int s = 0; s < pipe.stages() && err.empty(); ++s) {
+    if (writer_of[s] < 0) err = "pipeline checkpoint: no rank writes stage " + std::to_string(s) + "; pass writer=true on one rank per stage";
+  }
+  if (!err.empty()) throw std::invalid_argument(err);  // every rank saw the same strings
+  SavePlan plan;
+  plan.meta = mine.meta;
+  plan.entries = std::move(mine.entries);
+  json owned_params = json::array(), owned_buffers = json::array();
+  std::set<std::string> slots;
+  for (int s = 0; s < pipe.stages(); ++s) {
+    const int r = writer_of[s];
+    const auto& g = got[r];
+    for (auto& p : g.at("params")) {
+      plan.params.push_back(p);
+      owned_params.push_back({{"name", p.at("name")}, {"rank", r}});
+    }
+    for (auto& b : g.at("buffers")) {
+      plan.buffers.push_back(b);
+      owned_buffers.push_back({{"name", b.at("name")}, {"rank", r}});
+    }
+    for (auto& sl : g.at("slots")) slots.insert(sl.get<std::string>());
+    plan.optimizer_step = std::max(plan.optimizer_step, g.at("step").get<int64_t>());
   }
   plan.slots.assign(slots.begin(), slots.end());
-  for (auto& [n, b] : named_buffers(model)) {
-    plan.buffers.push_back(tensor_desc(n, b));
-    if (comm.rank() == 0) plan.entries.emplace_back("buffer/" + n, b);
-  }
-  plan.entries.emplace_back("rng/cpu", cpu_rng_state());
-  plan.layout = {{"kind", "replicated"}, {"owner", 0}};
+  plan.layout = {{"kind", "stages"}, {"partition", pipe.partition()}, {"params", owned_params}, {"buffers", owned_buffers}};
   return save_impl(root, std::move(plan), comm, o);
 }
 
@@ -530,27 +559,13 @@ FullCheckpoint read_full_checkpoint(const std::string& dir) { return assemble(re
 
 CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, int rank,
                                const CheckpointLoadOptions& o) {
-  auto fc = read_full_checkpoint(dir);
-  std::vector<std::pair<std::string, at::Tensor>> params;
-  for (auto& kv : model.named_parameters(true)) params.emplace_back(kv.key(), kv.value());
-  auto ops = optimizer_params(opt);
-  if (ops.size() != params.size()) {
-    throw std::invalid_argument("load_checkpoint: the optimizer has " + std::to_string(ops.size()) +
-                                " parameters, the module " + std::to_string(params.size()));
-  }
-  auto buffers = named_buffers(model);
-  check_fits(fc, dir, o, params, buffers, optimizer_kind(opt));
-  {
-    torch::NoGradGuard ng;
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto& v = fc.params.at(params[i].first);
-      ops[i].copy_(v);
-      if (!ops[i].is_same(params[i].second)) params[i].second.copy_(v);
-      set_param_state(opt, ops[i], fc.optim.at(params[i].first));
-    }
-  }
-  finish_load(fc, buffers, rank, o);
-  return fc.meta;
+  return load_whole_tensors(dir, model, opt, rank, o, /*whole_model=*/true);
+}
+
+CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, torch::optim::Optimizer& opt, int rank,
+                               const CheckpointLoadOptions& o) {
+  auto stage = pipe.stage_module();
+  return load_whole_tensors(dir, *stage, opt, rank, o, /*whole_model=*/false);
 }
 
 CheckpointMeta load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,

@@ -16,12 +16,9 @@
 #include <utility>
 #include <vector>
 
-namespace tandem::ckpt {
+#include "checkpoint/manifest.h"  // Digest
 
-struct Digest {
-  int64_t bytes = 0;
-  uint64_t fnv1a64 = 0;
-};
+namespace tandem::ckpt {
 
 uint64_t fnv1a64(const void* data, size_t n, uint64_t h = 14695981039346656037ull);
 std::string hex64(uint64_t v);

@@ -179,8 +179,12 @@ void validate_checkpointing(const TrainConfig& cfg) {
     throw std::invalid_argument(std::string(cfg.resume ? "--resume" : "--checkpoint-every") +
                                 " needs --checkpoint-dir DIR");
   }
-  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.tp * cfg.pp > 1) {
-    throw std::invalid_argument("checkpoints of tensor- or pipeline-parallel runs (--tp/--pp) are not supported yet");
+  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.tp > 1) {
+    throw std::invalid_argument("checkpoints of tensor-parallel runs (--tp) are not supported yet; use --pp or data parallelism");
+  }
+  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.pp > 1 && cfg.strategy.rfind("zero", 0) == 0) {
+    throw std::invalid_argument("checkpoints of pipeline runs (--pp) support --strategy ddp over the replicas, not " +
+                                cfg.strategy);
   }
 }
 
@@ -322,7 +326,9 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       }
       CheckpointLoadOptions lo;
       lo.expect_model = cfg.model;
-      auto meta = zero ? load_checkpoint(dir, *zero, rank, lo) : load_checkpoint(dir, *model, optimizer->optimizer(), rank, lo);
+      auto meta = zero   ? load_checkpoint(dir, *zero, rank, lo)
+                  : pipe ? load_checkpoint(dir, *pipe, optimizer->optimizer(), rank, lo)
+                         : load_checkpoint(dir, *model, optimizer->optimizer(), rank, lo);
       if (optimizer) optimizer->restore_loss_scaler(meta.loss_scale, meta.loss_scale_good_steps, meta.skipped_steps);
       start_step = meta.step;
       start_epoch = meta.epoch;
@@ -338,7 +344,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     CheckpointMeta m;
     m.model = cfg.model;
     m.model_description = cfg.model + " (" + std::to_string(rep.parameters) + " parameters)";
-    m.strategy = cfg.strategy;
+    m.strategy = cfg.pp > 1 ? cfg.strategy + " x pp" + std::to_string(cfg.pp) : cfg.strategy;
     m.precision = rep.precision;
     m.step = done;
     m.epoch = epoch;
@@ -359,6 +365,8 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     }
   };
 
+    } else if (pipe) {  // one writer per stage: the first replica's
+      save_checkpoint(cfg.checkpoint_dir, m, *pipe, optimizer->optimizer(), grid->dp_rank() == 0, *cpu, so);
   Progress progress(rank == 0 && cfg.progress, total_steps, cfg.log_every);
   std::vector<double> local_losses;
   std::vector<double> step_ms;

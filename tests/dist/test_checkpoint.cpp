@@ -2,7 +2,8 @@
 // resharding across world sizes and strategies (ZeRO-2 on N -> ZeRO-3 on 2 -> DDP on 1 ->
 // ZeRO-1 on N) against an uninterrupted single-process reference, and bad input: corrupted
 // and truncated shards, a damaged manifest, missing files, another model, and a save killed
-// midway (fork + SIGKILL), each leaving what existed untouched.
+// midway (fork + SIGKILL), each leaving what existed untouched. Pipeline stages (one stage per
+// rank, each writing its own) resume bitwise as stages and continue in one process.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
@@ -19,6 +20,7 @@
 #include "tandem/checkpoint.h"
 #include "tandem/ddp.h"
 #include "tandem/optim.h"
+#include "tandem/pipeline.h"
 #include "tandem/zero.h"
 #include "tests/dist/dist_env.h"
 #include "tests/dist/train_test_util.h"
@@ -323,6 +325,65 @@ TEST(CheckpointReshard, AcrossWorldSizesAndStrategies) {
   }
   comm->barrier();
   if (rank == 0) ckpt::remove_tree(dir);
+}
+
+// One pipeline stage per rank (each rank writes its stage), K steps; the stages reload their
+// own parameters bit for bit, one process continues from the checkpoint as the reference does,
+// and a save with a stage nobody writes is refused on every rank.
+TEST(CheckpointReshard, PipelineStagesToOneProcess) {
+  auto comm = world();
+  const int rank = comm->rank();
+  const int64_t K = 3;
+  const auto o = adamw();
+  const auto ref = reference_losses(o, 2 * K);
+  const auto dir = shared_dir(*comm, "pipeline");
+  PipelineOptions po;
+  po.micro_batches = 2;
+  auto loss_fn = [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); };
+  std::vector<torch::Tensor> trained;
+  {
+    Pipeline pipe(make_seq(7), comm, po);
+    auto opt = make_optimizer(pipe.parameters(), o);
+    for (int64_t s = 0; s < K; ++s) {
+      auto [x, y] = batch_of_step(s);
+      opt->zero_grad();
+      const double l = pipe.train_step(x, y, loss_fn).item<double>();
+      opt->step();
+      EXPECT_NEAR(l, ref[s], 1e-9) << "pipeline step " << s;
+    }
+    save_checkpoint(dir, meta_at(K, "pp"), pipe, *opt, /*writer=*/true, *comm);
+    for (auto& p : pipe.parameters()) trained.push_back(p.detach().clone());
+    if (comm->size() > 1) {
+      EXPECT_THROW(save_checkpoint(dir, meta_at(K + 1, "pp"), pipe, *opt, rank == 0, *comm), std::invalid_argument);
+    }
+  }
+  const auto path = latest_checkpoint(dir);
+  EXPECT_EQ(path, dir + "/step-00000003");
+  {
+    Pipeline pipe(make_seq(99), comm, po);
+    auto opt = make_optimizer(pipe.parameters(), o);
+    load_checkpoint(path, pipe, *opt, rank);
+    auto got = pipe.parameters();
+    ASSERT_EQ(got.size(), trained.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], trained[i])) << "stage parameter " << i;
+  }
+  comm->barrier();
+  if (rank == 0) {
+    auto m = make_seq(99);
+    auto opt = make_optimizer(m->parameters(), o);
+    auto meta = load_checkpoint(path, *m, *opt, 0);
+    EXPECT_EQ(meta.world_size, comm->size());
+    for (int64_t s = K; s < 2 * K; ++s) {
+      auto [x, y] = batch_of_step(s);
+      opt->zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(m->forward(x), y);
+      loss.backward();
+      opt->step();
+      EXPECT_NEAR(loss.item<double>(), ref[s], 1e-9) << "one process after the pipeline, step " << s;
+    }
+    ckpt::remove_tree(dir);
+  }
+  comm->barrier();
 }
 
 // ---- bad input (each rank on its own, in its own directory)

@@ -4,7 +4,8 @@
 #            checkpoint): the launcher must exit non-zero within 30 s naming rank 1.
 #   restart  the same with --max-restarts 1: the job relaunches from the newest checkpoint and
 #            finishes all its steps (exit 0).
-# usage: train_faults.sh TANDEM kill|restart
+#   restart1 as restart, with one worker (-n 1 --strategy single), which is then killed.
+# usage: train_faults.sh TANDEM kill|restart|restart1
 set -euo pipefail
 tandem=$1
 mode=$2
@@ -15,7 +16,13 @@ cleanup() {
   rm -rf "$out"
 }
 trap cleanup EXIT
-common=(-n 2 --strategy ddp --model mlp --optimizer adamw --lr 0.001 --batch 64 --seed 5 --no-eval --no-baseline
+victim_rank=1
+workers=(-n 2 --strategy ddp)
+if [[ "$mode" == restart1 ]]; then
+  victim_rank=0
+  workers=(-n 1 --strategy single)
+fi
+common=("${workers[@]}" --model mlp --optimizer adamw --lr 0.001 --batch 64 --seed 5 --no-eval --no-baseline
         --no-progress --threads 1 --checkpoint-dir "$out/ck" --checkpoint-every 20 --timeout 20)
 if [[ "$mode" == kill ]]; then
   "$tandem" train "${common[@]}" --epochs 50 >"$out/stdout" 2>"$out/stderr" &
@@ -41,10 +48,10 @@ for _ in $(seq 1 600); do
   sleep 0.1
 done
 [[ -f "$out/ck/step-00000020/manifest.json" ]] || { echo "FAIL: no checkpoint after 60 s"; exit 1; }
-victim=$(rank_pid 1) || { echo "FAIL: rank 1 not found"; exit 1; }
+victim=$(rank_pid "$victim_rank") || { echo "FAIL: rank $victim_rank not found"; exit 1; }
 t0=$(date +%s.%N)
 kill -KILL "$victim"
-echo "killed rank 1 (pid $victim) after $(ls "$out/ck" | grep -c '^step-') checkpoint(s)"
+echo "killed rank $victim_rank (pid $victim) after $(ls "$out/ck" | grep -c '^step-') checkpoint(s)"
 set +e
 wait "$launcher"
 rc=$?

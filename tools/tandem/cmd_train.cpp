@@ -135,10 +135,11 @@ int cmd_train(int argc, char** argv) {
       return 2;
     }
   }
-  if (!is_worker && nprocs > 1) {
+  // One worker is launched as a child too when --max-restarts may have to relaunch it.
+  if (!is_worker && (nprocs > 1 || max_restarts > 0)) {
     std::vector<std::string> args = {self_executable(), "train"};
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-    if (!no_baseline && cfg.baseline_samples_per_second <= 0) {
+    if (nprocs > 1 && !no_baseline && cfg.baseline_samples_per_second <= 0) {
       // One worker, the same per-worker threads and global batch, a few steps: the reference
       // for the speedup figure.
       TrainConfig b = cfg;
