@@ -74,6 +74,22 @@ class DistributedSampler {
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
 
+  // Unequal per-rank batches (heterogeneous clusters): this rank's batches for the current
+  // epoch when rank q takes shares[q] samples per step, the shares summing to the global batch
+  // B. Step k's global batch is positions [k*B, (k+1)*B) of the same padded (or truncated)
+  // order that indices() strides over, cut into consecutive slices in rank order: rank r takes
+  // [k*B + o_r, k*B + o_r + shares[r]) with o_r = shares[0] + ... + shares[r-1]. indices()
+  // with batches of B / W gives rank r positions r, r + W, ... of that same window, so for
+  // every step the SET of samples in the global batch is the same whatever the shares (only
+  // which rank holds which differs): loss trajectories match the equal-share run. The last,
+  // partial window of m = total_size() - k*B samples is apportioned by the shares (each
+  // rank at least one); when m < W it is dropped (it can only happen when W does not divide
+  // B). Throws std::invalid_argument unless shares has world_size() entries, all >= 1.
+  std::vector<std::vector<int64_t>> share_batches(const std::vector<int64_t>& shares) const;
+  // Global samples of step `step` (0-based, in the epoch) under share_batches(): B, or what the
+  // last partial window holds; 0 past the end.
+  int64_t share_step_samples(int64_t global_batch, int64_t step) const;
+
  private:
   int64_t dataset_size_;
   int rank_;
@@ -88,6 +104,14 @@ class DistributedSampler {
 // A permutation of [0, n) from a 64-bit Mersenne Twister seeded with `seed` and an unbiased
 // Fisher-Yates shuffle (no std::*_distribution, whose output differs between libraries).
 std::vector<int64_t> permutation(int64_t n, uint64_t seed);
+
+// Splits `total` into integers proportional to `weights` (all > 0 and finite) that sum to
+// exactly `total`: the largest-remainder (Hamilton) method, remainders tied in favour of the
+// lower index. Then every entry below `min_each` is raised to it, one at a time, by taking
+// one from the largest entry (the lower index on ties). Deterministic: the same inputs give
+// the same result on every rank. Throws std::invalid_argument for an empty or bad weight,
+// total < 0, or total < min_each * weights.size().
+std::vector<int64_t> apportion(const std::vector<double>& weights, int64_t total, int64_t min_each = 0);
 
 // Consecutive chunks of `batch` indices; the last one is shorter unless drop_last drops it.
 // Throws std::invalid_argument when batch < 1.

@@ -4,6 +4,10 @@
 // produces them and each full bucket's all-reduce starts at once, overlapping the rest of
 // backward (PyTorch DDP's design: reverse registration order, small first bucket, buckets
 // rebuilt after the first iteration from the order gradients actually arrived).
+// The average is unweighted: when ranks take unequal numbers of samples (heterogeneous
+// clusters), multiply each rank's mean loss by share_loss_weight(n_r, N, world) from
+// tandem/shares.h (world * n_r / N) before backward; the averaged gradient is then the
+// gradient of the mean loss over all N samples (the same holds for ZeroDataParallel).
 #pragma once
 
 #include <torch/nn/module.h>

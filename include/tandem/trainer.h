@@ -55,6 +55,13 @@ struct TrainConfig {
   int64_t checkpoint_every = 0;
   int checkpoint_keep = 0;
   bool resume = false;
+  // Heterogeneous clusters (tandem/shares.h): each data-parallel rank's share of the global
+  // batch: "" equal, "auto" (calibrated over the first calibration_steps steps), "3,1"
+  // (weights) or "counts:96,32" (samples per step); slow_rank "R:MS" sleeps MS ms per sample
+  // on rank R (to test and demonstrate it).
+  std::string batch_shares;
+  int64_t calibration_steps = 8;
+  std::string slow_rank;
 };
 
 struct TrainReport {
@@ -102,6 +109,14 @@ struct TrainReport {
   double bubble_measured = 0.0;    // mean of bubble_per_stage
   double bubble_theory = 0.0;      // (pp - 1) / micro_batches
   std::vector<int64_t> peak_live_micro_batches;
+  // Batch shares (dp > 1 without --tp/--pp): mode (equal, weights, counts, auto), each rank's
+  // samples per step at the end, the forward samples/s the calibration measured (auto), and
+  // per rank its samples over the loop's wall time and over its own forward seconds.
+  std::string batch_shares_mode;
+  std::vector<int64_t> batch_shares;
+  std::vector<double> calibrated_samples_per_second;
+  std::vector<double> rank_samples_per_second;
+  std::vector<double> rank_forward_samples_per_second;
 };
 
 // Checks a configuration for `world` ranks without running anything (the launcher calls it

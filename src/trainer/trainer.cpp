@@ -21,6 +21,7 @@
 #include "tandem/optim.h"
 #include "tandem/pipeline.h"
 #include "tandem/precision.h"
+#include "tandem/shares.h"
 #include "tandem/tensor_parallel.h"
 #include "tandem/zero.h"
 #include "trainer/progress.h"
@@ -135,7 +136,7 @@ void validate(const TrainConfig& cfg, int world) {
   }
   if (cfg.epochs < 1) throw std::invalid_argument("--epochs must be at least 1");
   if (cfg.batch < 1) throw std::invalid_argument("--batch must be at least 1");
-  if (dp == world && cfg.batch % world != 0) {
+  if (dp == world && cfg.batch % world != 0 && cfg.batch_shares.empty()) {
     throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " (global) does not split evenly over " +
                                 std::to_string(world) + " workers; use a multiple of " + std::to_string(world));
   }
@@ -166,6 +167,7 @@ void validate(const TrainConfig& cfg, int world) {
                                   std::to_string(layers) + " or fewer");
     }
   }
+  validate_batch_shares(cfg, world);
 }
 
 }  // namespace
@@ -304,8 +306,11 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   const int64_t local_batch = cfg.batch / dp;
   // A pipeline cuts every batch into micro-batches: a short last batch that does not divide is dropped.
   const bool drop_last = pipe && (sampler.num_samples() % local_batch) % cfg.micro_batches != 0;
-  const int64_t steps_per_epoch =
+  int64_t steps_per_epoch =
       drop_last ? sampler.num_samples() / local_batch : (sampler.num_samples() + local_batch - 1) / local_batch;
+  // Batch shares (tandem/shares.h): which samples this rank takes per step, the loss weight.
+  BatchSharePlan shares(cfg, rank, world, dp);
+  if (shares.active()) steps_per_epoch = static_cast<int64_t>(shares.epoch_batches(sampler, local_batch, false).size());
   int64_t total_steps = steps_per_epoch * cfg.epochs;
   if (cfg.max_steps >= 0) total_steps = std::min(total_steps, cfg.max_steps);
 
@@ -360,15 +365,16 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     auto cpu = rt.cpu_world();
     if (zero) {
       save_checkpoint(cfg.checkpoint_dir, m, *zero, *cpu, so);
+    } else if (pipe) {  // one writer per stage: the first replica's
+      save_checkpoint(cfg.checkpoint_dir, m, *pipe, optimizer->optimizer(), grid->dp_rank() == 0, *cpu, so);
     } else {
       save_checkpoint(cfg.checkpoint_dir, m, *model, optimizer->optimizer(), *cpu, so);
     }
   };
 
-    } else if (pipe) {  // one writer per stage: the first replica's
-      save_checkpoint(cfg.checkpoint_dir, m, *pipe, optimizer->optimizer(), grid->dp_rank() == 0, *cpu, so);
   Progress progress(rank == 0 && cfg.progress, total_steps, cfg.log_every);
   std::vector<double> local_losses;
+  std::vector<double> local_loss_shares;  // this rank's samples over the step's global samples
   std::vector<double> step_ms;
   int64_t step = start_step, samples = 0;
   double pipe_step_s = 0.0, pipe_compute_s = 0.0;  // pipeline steps after the first
@@ -385,13 +391,13 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   auto t_start = Clock::now();
   for (int epoch = static_cast<int>(start_epoch); epoch < cfg.epochs && step < total_steps; ++epoch) {
     sampler.set_epoch(epoch);
-    auto chunks = data::batches(sampler.indices(), local_batch, drop_last);
+    auto chunks = shares.epoch_batches(sampler, local_batch, drop_last);
     int64_t in_epoch = 0;  // batches of this epoch consumed (a resumed epoch skips those done before)
     if (epoch == start_epoch && skip_in_epoch > 0) {
       in_epoch = std::min<int64_t>(skip_in_epoch, static_cast<int64_t>(chunks.size()));
-      chunks.erase(chunks.begin(), chunks.begin() + in_epoch);
     }
-    for (auto& idx : chunks) {
+    while (in_epoch < static_cast<int64_t>(chunks.size())) {
+      const std::vector<int64_t> idx = chunks[in_epoch];
       if (step >= total_steps) break;
       auto t0 = Clock::now();
       double lr = target_lr;
@@ -406,7 +412,12 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       } else {
         optimizer->set_lr(lr);
       }
+      // Forward window (data, --slow-rank, forward, loss): what the batch-share calibration times.
+      auto tf = Clock::now();
       auto [x, y] = data::gather_batch(train_set, idx);
+      shares.slow_down(static_cast<int64_t>(idx.size()), BatchSharePlan::kForwardFraction);
+      double forward_s = std::chrono::duration<double>(Clock::now() - tf).count();
+      const int64_t step_global = shares.step_samples(sampler, static_cast<int64_t>(idx.size()), in_epoch);
       if (ddp) ddp->prepare_forward();
       if (zero) zero->prepare_forward();
       if (ddp) {
@@ -427,9 +438,15 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
         }
         peak_live = std::max(peak_live, pipe->stats().peak_live_micro_batches);
       } else {
+        tf = Clock::now();
         loss = torch::nn::functional::cross_entropy(forward(x), y);
-        (zero ? zero->scale_loss(loss) : optimizer->scale_loss(loss)).backward();
+        forward_s += std::chrono::duration<double>(Clock::now() - tf).count();
+        // Unequal shares: weight W * n_r / N, so the averaged gradient is the global-batch one.
+        const at::Tensor weighted =
+            shares.active() ? loss * shares.loss_weight(static_cast<int64_t>(idx.size()), step_global) : loss;
+        (zero ? zero->scale_loss(weighted) : optimizer->scale_loss(weighted)).backward();
       }
+      shares.slow_down(static_cast<int64_t>(idx.size()), BatchSharePlan::kBackwardFraction);
       if (zero) {
         zero->step();
       } else {
@@ -441,12 +458,16 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
                                  std::to_string(step) + "; lower --lr (now " + std::to_string(lr) + ")");
       }
       local_losses.push_back(l);
+      local_loss_shares.push_back(static_cast<double>(idx.size()) / static_cast<double>(step_global));
+      shares.record(static_cast<int64_t>(idx.size()), forward_s);
       ++step;
-      samples += static_cast<int64_t>(idx.size()) * dp;
+      samples += step_global;
       step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
       progress.update(epoch + 1, cfg.epochs, step, l, samples, Clock::now() - t_start);
       ++in_epoch;
       if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0) save_checkpoint_now(epoch, in_epoch, step);
+      // --batch-shares auto: after the calibration steps, re-plan the rest of the epoch.
+      if (shares.calibrate_if_due(step - start_step, *dp_comm, dev)) chunks = shares.epoch_batches(sampler, local_batch, drop_last);
     }
   }
   rep.wall_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
@@ -517,11 +538,18 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   // Global per-step losses: one all-reduce of every step's local loss.
   if (!local_losses.empty()) {
     auto lt = small(torch::tensor(local_losses, torch::kDouble));
-    comm->allreduce(lt, ReduceOp::kAvg);
+    if (shares.active()) {  // the sample-weighted mean: sum over ranks of n_r / N * loss_r
+      lt = lt * small(torch::tensor(local_loss_shares, torch::kDouble));
+      comm->allreduce(lt, ReduceOp::kSum);
+    } else {
+      comm->allreduce(lt, ReduceOp::kAvg);
+    }
     auto host = lt.cpu();
     rep.losses.assign(host.data_ptr<double>(), host.data_ptr<double>() + host.numel());
     rep.final_loss = rep.losses.back();
   }
+
+  if (dp == world && world > 1) shares.report(*comm, dev, rep.wall_seconds, rep);
 
   // Evaluation: each replica scores a disjoint slice of the test set (no padding), then sum.
   // All tp and pp ranks of a replica run the same forwards; one of them (tp rank 0 of the last
@@ -638,6 +666,13 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
                         {"pp", rep.pp},
                         {"layout", "dp " + std::to_string(rep.dp) + " x tp " + std::to_string(rep.tp) + " x pp " +
                                        std::to_string(rep.pp)}};
+    if (!rep.batch_shares.empty()) {
+      r["batch_shares_mode"] = rep.batch_shares_mode;
+      r["batch_shares"] = rep.batch_shares;
+      r["calibrated_samples_per_second"] = rep.calibrated_samples_per_second;
+      r["rank_samples_per_second"] = rep.rank_samples_per_second;
+      r["rank_forward_samples_per_second"] = rep.rank_forward_samples_per_second;
+    }
     if (rep.pp > 1) {
       r["micro_batches"] = cfg.micro_batches;
       r["pipeline_schedule"] = cfg.pipeline_schedule;
@@ -675,6 +710,7 @@ std::string format_report(const TrainConfig& cfg, const TrainReport& r) {
   os << "wall time        " << std::setprecision(1) << r.wall_seconds << " s (training loop)\n";
   os << "throughput       " << std::setprecision(0) << r.samples_per_second << " samples/s, median step "
      << std::setprecision(1) << r.step_ms_median << " ms\n";
+  os << format_batch_shares(r);
   if (r.speedup > 0) {
     os << "speedup          " << std::setprecision(2) << r.speedup << "x against one worker ("
        << std::setprecision(0) << cfg.baseline_samples_per_second << " samples/s), efficiency "

@@ -119,7 +119,7 @@ int cmd_train(int argc, char** argv) {
                 << " workers\n";
       return 2;
     }
-    if (cfg.tp * cfg.pp == 1 && cfg.batch % nprocs != 0) {  // with --tp/--pp: over the replicas, below
+    if (cfg.tp * cfg.pp == 1 && cfg.batch % nprocs != 0 && cfg.batch_shares.empty()) {  // with --tp/--pp: over the replicas, below
       std::cerr << "tandem train: --batch " << cfg.batch << " (global) does not split evenly over " << nprocs
                 << " workers; use a multiple of " << nprocs << "\n";
       return 2;
@@ -151,6 +151,8 @@ int cmd_train(int argc, char** argv) {
       b.resume = false;
       if (b.strategy != "single") b.strategy = "single";
       b.tp = b.pp = 1;  // the whole model on one worker
+      b.batch_shares.clear();  // one worker takes the whole batch, at full speed
+      b.slow_rank.clear();
       RuntimeOptions bro = ro;
       bro.threads = threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency() / nprocs);
       bro.backend = "self";
@@ -196,18 +198,18 @@ int cmd_train(int argc, char** argv) {
     std::cerr << "tandem train: " << e.what() << "\n";
     return 1;
   }
+  if (rt->rank() == 0 && rt->hosts().size() > 1) std::cout << "hosts            " << rt->layout() << std::endl;
   try {
     auto report = train(*rt, cfg);
     if (rt->rank() == 0) std::cout << format_report(cfg, report) << std::flush;
-  if (rt->rank() == 0 && rt->hosts().size() > 1) std::cout << "hosts            " << rt->layout() << std::endl;
   } catch (const std::exception& e) {
     auto* ce = dynamic_cast<const c10::Error*>(&e);
     std::cerr << "tandem train: rank " << rt->rank() << ": " << (ce ? ce->what_without_backtrace() : e.what())
               << std::endl;
+    if (rt->world_size() > 1) std::cerr << rt->unreachable_peers() << std::flush;  // names a lost host
     if (rt->world_size() > 1) rt->abort(1);  // stop the peers at once instead of letting them time out
     return 1;
   }
-    if (rt->world_size() > 1) std::cerr << rt->unreachable_peers() << std::flush;  // names a lost host
   return 0;
 }
 
