@@ -19,6 +19,14 @@ WorkPtr completed_work(std::exception_ptr error = nullptr);
 // or when a single process runs without a launcher.
 CommPtr make_self_communicator(const CommOptions& opts);
 
+// Memory for a 1-D tensor that every rank of `comm` allocates at the same point of the program
+// with the same size (a collective call, like the communicator's operations). On the MPI backend,
+// when all ranks share a node, it lives in an MPI-3 shared-memory window and an all-reduce (sum or
+// average) of a contiguous range of it reads and writes the peers' memory directly instead of
+// copying through MPI's fifos (DDP's gradient buckets use it). Otherwise plain memory.
+// TANDEM_MPI_SHM=0 turns the shared-memory path off.
+at::Tensor symmetric_empty(Communicator& comm, int64_t numel, const at::TensorOptions& opts);
+
 // ---- MPI (built when TANDEM_WITH_MPI) ----
 // Initializes MPI with MPI_THREAD_MULTIPLE unless already initialized; returns true if this
 // call initialized it (the caller then finalizes).
@@ -26,6 +34,8 @@ bool mpi_init_if_needed();
 void mpi_finalize();
 [[noreturn]] void mpi_abort(int code);
 CommPtr make_mpi_world(const CommOptions& opts);
+// symmetric_empty on an MPI communicator; undefined when the shared-memory path does not apply.
+at::Tensor mpi_symmetric_empty(Communicator& comm, int64_t numel, const at::TensorOptions& opts);
 
 // ---- NCCL (built when TANDEM_WITH_NCCL) ----
 // How ranks exchange the NCCL unique id: over an existing CPU communicator (MPI) or through

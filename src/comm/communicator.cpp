@@ -49,6 +49,13 @@ bool has_nccl_backend() { return false; }
 
 namespace detail {
 
+at::Tensor symmetric_empty(Communicator& comm, int64_t numel, const at::TensorOptions& opts) {
+#ifdef TANDEM_WITH_MPI
+  if (auto t = mpi_symmetric_empty(comm, numel, opts); t.defined()) return t;
+#endif
+  return at::empty({numel}, opts);
+}
+
 std::string describe(int rank, const std::string& op, const at::Tensor& t) {
   std::ostringstream os;
   os << "rank " << rank << ": " << op;

@@ -34,3 +34,8 @@ set_tests_properties(dist_comm_nonblocking_np3 PROPERTIES
                      ENVIRONMENT "TANDEM_SOURCE_DIR=${CMAKE_SOURCE_DIR};TANDEM_MPI_COLLECTIVES=nonblocking")
 # The collective-mismatch guard (TANDEM_CHECK_COLLECTIVES=1).
 tandem_add_dist_test(dist_comm_check_np3 3 "CollectiveCheck.*" TIMEOUT 120)
+
+# The shared-memory all-reduce of symmetric tensors (DDP's buckets) against the MPI path.
+foreach(np 2 3 4)
+  tandem_add_dist_test(dist_comm_shm_np${np} ${np} "SharedMemoryAllreduce.*" TIMEOUT 120)
+endforeach()

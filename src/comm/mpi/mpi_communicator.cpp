@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <deque>
 #include <functional>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -167,6 +168,40 @@ struct PendingOp {
   Clock::time_point started;
 };
 
+// The reduction of one rank's segment of a shared-memory all-reduce: sums the segment
+// [lo, hi) of every rank's buffer (in rank order, so every rank of the job would get the same
+// bits) and writes the result into every rank's buffer. Blocks of 4096 elements stay in L1.
+template <typename T>
+void shm_reduce_segment(const std::vector<char*>& peers, size_t off, int64_t lo, int64_t hi, bool avg) {
+  constexpr int64_t kBlock = 4096;
+  const int n = static_cast<int>(peers.size());
+  alignas(64) T acc[kBlock];
+  for (int64_t s = lo; s < hi; s += kBlock) {
+    const int64_t m = std::min(kBlock, hi - s);
+    std::memcpy(acc, reinterpret_cast<const T*>(peers[0] + off) + s, static_cast<size_t>(m) * sizeof(T));
+    for (int q = 1; q < n; ++q) {
+      const T* __restrict src = reinterpret_cast<const T*>(peers[q] + off) + s;
+      for (int64_t i = 0; i < m; ++i) acc[i] += src[i];
+    }
+    if (avg) {
+      const T div = static_cast<T>(n);
+      for (int64_t i = 0; i < m; ++i) acc[i] /= div;
+    }
+    for (int q = 0; q < n; ++q) {
+      std::memcpy(reinterpret_cast<T*>(peers[q] + off) + s, acc, static_cast<size_t>(m) * sizeof(T));
+    }
+  }
+}
+
+// An MPI-3 shared-memory window that backs one symmetric tensor (see symmetric_empty).
+struct ShmWindow {
+  MPI_Win win = MPI_WIN_NULL;
+  char* base = nullptr;
+  int64_t bytes = 0;
+  std::vector<char*> peers;  // every rank's segment, mapped into this process
+  std::atomic<bool> in_use{true};
+};
+
 class MpiCommunicator : public Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, const CommOptions& opts) : Communicator(opts), comm_(comm) {
@@ -175,6 +210,7 @@ class MpiCommunicator : public Communicator {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     if (const char* p = std::getenv("TANDEM_MPI_POLL_US")) poll_us_ = std::atoi(p);
     if (const char* m = std::getenv("TANDEM_MPI_COLLECTIVES")) blocking_collectives_ = std::string(m) != "nonblocking";
+    if (const char* m = std::getenv("TANDEM_MPI_SHM"); m && std::string(m) == "0") shm_state_ = -1;
     if (const char* c = std::getenv("TANDEM_CHECK_COLLECTIVES"); c && std::string(c) == "1") {
       MPI_Comm_dup(comm_, &check_comm_);  // collective: every rank constructs it together
     }
@@ -215,6 +251,18 @@ class MpiCommunicator : public Communicator {
     int count = checked_count(t.numel(), what);
     at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
     int n = size_;
+    if (auto shm = find_window(buf, op)) {
+      const size_t off = static_cast<size_t>(static_cast<char*>(buf.data_ptr()) - shm->base);
+      const auto st = buf.scalar_type();
+      const int64_t numel = buf.numel();
+      auto run = [=] { shm_allreduce(*shm, off, numel, st, op == ReduceOp::kAvg, what); };
+      return enqueue("allreduce", what, t.numel() * t.element_size(),
+                     [=](std::vector<MPI_Request>& r) {
+                       r.clear();
+                       run();
+                     },
+                     [] {}, run);
+    }
     return enqueue("allreduce", what, t.numel() * t.element_size(),
                    [=](std::vector<MPI_Request>& r) {
                      r.resize(1);
@@ -387,6 +435,28 @@ class MpiCommunicator : public Communicator {
     return std::make_shared<MpiCommunicator>(*newcomm, CommOptions{timeout()});
   }
 
+  // See detail::symmetric_empty. An undefined tensor when the fast path does not apply.
+  at::Tensor symmetric_empty(int64_t numel, const at::TensorOptions& o) {
+    const auto st = o.dtype().toScalarType();
+    if (numel <= 0 || !o.device().is_cpu() || (st != at::kFloat && st != at::kDouble) || size_ < 2 ||
+        shm_state_.load() < 0) {
+      return {};
+    }
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(st));
+    auto what = "rank " + std::to_string(rank_) + ": shared-memory allocation of " + std::to_string(bytes) + " bytes";
+    auto got = std::make_shared<std::shared_ptr<ShmWindow>>();
+    auto w = enqueue("shm_alloc", what, 0,
+                     [=](std::vector<MPI_Request>& r) {
+                       r.clear();
+                       *got = shm_alloc(bytes, what);
+                     },
+                     [] {});
+    w->wait();
+    std::shared_ptr<ShmWindow> win = *got;
+    if (!win) return {};
+    return at::from_blob(win->base, {numel}, [win](void*) { win->in_use.store(false); }, o);
+  }
+
  private:
   // ---- collective-mismatch guard (TANDEM_CHECK_COLLECTIVES=1, a debug option)
   // Before each collective, the ranks all-gather a fingerprint (sequence number, operation,
@@ -470,7 +540,8 @@ class MpiCommunicator : public Communicator {
   WorkPtr enqueue(const char* name, const std::string& what, int64_t bytes,
                   std::function<void(std::vector<MPI_Request>&)> start, std::function<void()> finish,
                   std::function<void()> blocking = nullptr) {
-    record(name, bytes);
+    const bool internal = std::strncmp(name, "shm_", 4) == 0;  // bookkeeping, not traffic
+    if (!internal) record(name, bytes);
     auto op = std::make_shared<PendingOp>();
     op->name = name;
     op->work = std::make_shared<MpiWork>(what, timeout());
@@ -497,7 +568,7 @@ class MpiCommunicator : public Communicator {
       err = std::current_exception();
     }
     double secs = std::chrono::duration<double>(Clock::now() - op.started).count();
-    record_seconds(op.name, secs);
+    if (op.name.compare(0, 4, "shm_") != 0) record_seconds(op.name, secs);
     op.work->finish(secs, err);
   }
 
@@ -562,6 +633,104 @@ class MpiCommunicator : public Communicator {
     }
   }
 
+  // ---- shared-memory all-reduce (all ranks on one node; TANDEM_MPI_SHM=0 turns it off)
+  // Tensors from symmetric_empty live in MPI-3 shared-memory windows that every rank maps. An
+  // all-reduce of such a tensor is: barrier (every rank's data is in place), each rank sums its
+  // 1/n of the elements straight from the n buffers and writes the result into all n, barrier.
+  // Each byte is read and written about twice instead of being copied in and out of MPI's
+  // shared-memory fifos at every step of the algorithm (no CMA single-copy in containers).
+  std::shared_ptr<ShmWindow> shm_alloc(int64_t bytes, const std::string& what) {
+    if (shm_state_.load() == 0) {
+      MPI_Comm node = MPI_COMM_NULL;
+      check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node), what);
+      int node_size = 0;
+      MPI_Comm_size(node, &node_size);
+      MPI_Comm_free(&node);
+      shm_state_.store(node_size == size_ ? 1 : -1);  // the same answer on every rank
+    }
+    if (shm_state_.load() < 0) return nullptr;
+    // A released window of the job's choosing, if every rank picks the same one.
+    int64_t cand = -1;
+    {
+      std::lock_guard<std::mutex> lk(shm_mu_);
+      for (size_t i = 0; i < windows_.size(); ++i) {
+        const auto& w = windows_[i];
+        if (!w->in_use.load() && w->bytes >= bytes && (cand < 0 || w->bytes < windows_[cand]->bytes)) {
+          cand = static_cast<int64_t>(i);
+        }
+      }
+    }
+    int64_t mine[4] = {bytes, -bytes, cand, -cand}, all[4];
+    check(MPI_Allreduce(mine, all, 4, MPI_INT64_T, MPI_MAX, comm_), what);
+    if (all[0] != -all[1]) {
+      throw CommError(what + ": the ranks asked for different sizes (" + std::to_string(-all[1]) + " to " +
+                      std::to_string(all[0]) + " bytes); symmetric allocations must be made by every rank in the "
+                      "same order with the same size");
+    }
+    if (cand >= 0 && all[2] == -all[3]) {
+      std::lock_guard<std::mutex> lk(shm_mu_);
+      windows_[cand]->in_use.store(true);
+      return windows_[cand];
+    }
+    auto w = std::make_shared<ShmWindow>();
+    MPI_Info info;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shared_noncontig", "true");
+    void* base = nullptr;
+    const int64_t padded = (bytes + 63) / 64 * 64;
+    int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(padded), 1, info, comm_, &base, &w->win);
+    MPI_Info_free(&info);
+    check(rc, what);
+    check(MPI_Win_lock_all(MPI_MODE_NOCHECK, w->win), what);
+    w->base = static_cast<char*>(base);
+    w->bytes = bytes;
+    w->peers.resize(static_cast<size_t>(size_));
+    for (int q = 0; q < size_; ++q) {
+      MPI_Aint size = 0;
+      int disp = 0;
+      void* p = nullptr;
+      check(MPI_Win_shared_query(w->win, q, &size, &disp, &p), what);
+      w->peers[static_cast<size_t>(q)] = static_cast<char*>(p);
+    }
+    std::lock_guard<std::mutex> lk(shm_mu_);
+    windows_.push_back(w);
+    return w;
+  }
+
+  // The window holding all of `t` when the shared-memory all-reduce applies to it.
+  std::shared_ptr<ShmWindow> find_window(const at::Tensor& t, ReduceOp op) {
+    if (shm_state_.load() <= 0 || op == ReduceOp::kMax || !t.is_contiguous() ||
+        (t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble) || t.numel() == 0) {
+      return nullptr;
+    }
+    const char* p = static_cast<const char*>(t.data_ptr());
+    const int64_t n = t.numel() * t.element_size();
+    std::lock_guard<std::mutex> lk(shm_mu_);
+    for (auto& w : windows_) {
+      if (w->in_use.load() && p >= w->base && p + n <= w->base + w->bytes) return w;
+    }
+    return nullptr;
+  }
+
+  void shm_allreduce(const ShmWindow& w, size_t off, int64_t numel, at::ScalarType st, bool avg,
+                     const std::string& what) {
+    check(MPI_Win_sync(w.win), what);
+    check(MPI_Barrier(comm_), what);  // every rank's contribution is in its window
+    const int64_t per = (numel + size_ - 1) / size_;
+    const int64_t lo = std::min<int64_t>(numel, per * rank_), hi = std::min<int64_t>(numel, lo + per);
+    if (st == at::kFloat) {
+      shm_reduce_segment<float>(w.peers, off, lo, hi, avg);
+    } else {
+      shm_reduce_segment<double>(w.peers, off, lo, hi, avg);
+    }
+    check(MPI_Win_sync(w.win), what);
+    check(MPI_Barrier(comm_), what);  // every segment is written everywhere
+  }
+
+  std::atomic<int> shm_state_{0};  // 0: not yet known, 1: all ranks on one node, -1: off
+  std::mutex shm_mu_;
+  std::vector<std::shared_ptr<ShmWindow>> windows_;  // never freed: MPI_Win_free is collective
+
   MPI_Comm comm_;
   MPI_Comm check_comm_ = MPI_COMM_NULL;  // TANDEM_CHECK_COLLECTIVES=1: fingerprints go here
   int64_t check_seq_ = 0;
@@ -608,6 +777,11 @@ void mpi_abort(int code) {
   MPI_Finalized(&finalized);
   if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);
+}
+
+at::Tensor mpi_symmetric_empty(Communicator& comm, int64_t numel, const at::TensorOptions& opts) {
+  auto* mpi = dynamic_cast<MpiCommunicator*>(&comm);
+  return mpi ? mpi->symmetric_empty(numel, opts) : at::Tensor();
 }
 
 CommPtr make_mpi_world(const CommOptions& opts) {

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <sstream>
 
+#include "comm/backends.h"
 #include "strategy/autograd_hooks.h"
 #include "strategy/model_sync.h"
 
@@ -116,7 +117,9 @@ struct DistributedDataParallel::Impl {
         where[bk.params[s]] = {b, s};
       }
       const auto& p0 = params[bk.params[0]];
-      bk.flat = at::zeros({total}, p0.options().requires_grad(false));
+      // Symmetric memory: on one node, the MPI backend all-reduces it in place through shared memory.
+      bk.flat = detail::symmetric_empty(*comm, total, p0.options().requires_grad(false));
+      bk.flat.zero_();
       bk.pending = bk.params.size();
     }
     // Parameters whose gradient lived in an old bucket now point at the new one.
