@@ -28,6 +28,18 @@ torch::Tensor TokenEmbeddingImpl::forward(const torch::Tensor& ids) {
   return torch::cat({x, ids.ne(pad_id).unsqueeze(-1).to(x.dtype())}, -1);
 }
 
+torch::Tensor padded_attention_mask(const torch::Tensor& mask_channel) {
+  TORCH_CHECK(mask_channel.dim() == 3 && mask_channel.size(2) == 1,
+              "tandem::models::padded_attention_mask: expected the mask channel [B, T, 1], got ", mask_channel.sizes());
+  const int64_t t = mask_channel.size(1);
+  auto opts = torch::TensorOptions().dtype(torch::kBool).device(mask_channel.device());
+  auto causal = torch::ones({t, t}, opts).tril();
+  auto self = torch::eye(t, opts);
+  // [B, 1, T(query), T(key)]: causal, and the key is real or the query itself.
+  auto mask = causal.unsqueeze(0) & (mask_channel.squeeze(2).gt(0.5).unsqueeze(1) | self.unsqueeze(0));
+  return mask.unsqueeze(1);
+}
+
 TransformerBlockImpl::TransformerBlockImpl(int64_t d_model, int64_t heads_, int64_t mlp_ratio, bool padded_)
     : heads(heads_), padded(padded_) {
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
@@ -44,13 +56,8 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
     const int64_t b = x.size(0), t = x.size(1), d = x.size(2) - 1, hd = d / heads;
     auto h0 = x.narrow(2, 0, d);
     auto m = x.narrow(2, d, 1);  // [B, T, 1]: 1 real, 0 padding
-    auto opts = torch::TensorOptions().dtype(torch::kBool).device(x.device());
-    auto causal = torch::ones({t, t}, opts).tril();
-    auto self = torch::eye(t, opts);
-    // [B, 1, T(query), T(key)]: causal, and the key is real or the query itself.
-    auto mask = causal.unsqueeze(0) & (m.squeeze(2).gt(0.5).unsqueeze(1) | self.unsqueeze(0));
     auto q_k_v = qkv->forward(ln1->forward(h0)).view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4});
-    auto att = at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], mask.unsqueeze(1),
+    auto att = at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], padded_attention_mask(m),
                                                 /*dropout_p=*/0.0, /*is_causal=*/false);
     auto h = h0 + proj->forward(att.transpose(1, 2).reshape({b, t, d}));
     h = h + fc2->forward(torch::gelu(fc1->forward(ln2->forward(h))));

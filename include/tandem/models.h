@@ -70,6 +70,11 @@ class TransformerBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TransformerBlock);
 
+// The attention mask of a padded block from the mask channel [B, T, 1] (1 real token, 0
+// padding): bool [B, 1, T(query), T(key)], causal, and the key is real or the query itself (so
+// a padded query still attends to something). For at::scaled_dot_product_attention.
+torch::Tensor padded_attention_mask(const torch::Tensor& mask_channel);
+
 // [B, T, D] -> [B, D]: the last position, the only one that sees the whole causal sequence.
 class LastTokenImpl : public torch::nn::Module {
  public:

@@ -79,7 +79,8 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
-// models::TokenEmbedding with a vocabulary-parallel token table (positions replicated).
+// models::TokenEmbedding with a vocabulary-parallel token table (positions replicated); with
+// pad_id >= 0 the mask channel is appended as in the dense one.
 class ParallelTokenEmbeddingImpl : public torch::nn::Module {
  public:
   ParallelTokenEmbeddingImpl(const models::TokenEmbeddingImpl& dense, CommPtr tp);
@@ -87,6 +88,7 @@ class ParallelTokenEmbeddingImpl : public torch::nn::Module {
   VocabParallelEmbedding tok{nullptr};
   torch::nn::Embedding pos{nullptr};
   int64_t seq;
+  int64_t pad_id = -1;
 };
 TORCH_MODULE(ParallelTokenEmbedding);
 
@@ -106,7 +108,8 @@ TORCH_MODULE(ParallelMLP);
 class ParallelSelfAttentionImpl : public torch::nn::Module {
  public:
   ParallelSelfAttentionImpl(const torch::nn::Linear& qkv, const torch::nn::Linear& proj, int64_t heads, CommPtr tp);
-  torch::Tensor forward(const torch::Tensor& x);  // [B, T, D] -> [B, T, D]
+  // [B, T, D] -> [B, T, D]; causal, or with attn_mask (bool, e.g. models::padded_attention_mask) instead.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& attn_mask = {});
   ColumnParallelLinear qkv{nullptr};
   RowParallelLinear proj{nullptr};
   int64_t heads, local_heads;
@@ -114,7 +117,8 @@ class ParallelSelfAttentionImpl : public torch::nn::Module {
 TORCH_MODULE(ParallelSelfAttention);
 
 // models::TransformerBlock, tensor-parallel: x + attn(ln1(x)), then + mlp(ln2(x)); layer norms
-// replicated. Two all-reduces forward, two backward.
+// replicated. Two all-reduces forward, two backward. A padded block ([B, T, D + 1], the mask in
+// the last channel) stays padded.
 class ParallelTransformerBlockImpl : public torch::nn::Module {
  public:
   ParallelTransformerBlockImpl(const models::TransformerBlockImpl& dense, CommPtr tp);
@@ -122,6 +126,7 @@ class ParallelTransformerBlockImpl : public torch::nn::Module {
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   ParallelSelfAttention attn{nullptr};
   ParallelMLP mlp{nullptr};
+  bool padded = false;
 };
 TORCH_MODULE(ParallelTransformerBlock);
 
@@ -136,11 +141,21 @@ struct TensorParallelOptions {
 
 // Converts a model of models.h into its tensor-parallel form over `tp` (collective): for the
 // transformer, TokenEmbedding -> ParallelTokenEmbedding, TransformerBlock -> ParallelTransformerBlock,
-// the LM head Linear -> ColumnParallelLinear (a classification head stays replicated); for an MLP,
+// the LM head Linear -> ColumnParallelLinear (a classification head, after LastToken or a pooling
+// Unpad, stays replicated); for an MLP,
 // Linear layers pair up as column-parallel then row-parallel (an odd last one stays replicated).
 // Other children (LayerNorm, activations, Flatten, LastToken) are shared as they are. The result
 // is still a flat Sequential with the same children, so a Pipeline can cut it. Throws
 // std::invalid_argument for heads, vocabulary or widths not divisible by the tp size.
 torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, TensorParallelOptions opts = {});
+
+// The inverse, for saving: writes the full values of the tensor-parallel transformer `parallel`
+// (made by tensor_parallel(dense, tp), then trained) into the parameters of `dense` (that model
+// or another of the same shape), gathering the sharded ones over `tp` (collective; every tp rank
+// ends with the full values); replicated children are copied. Children in
+// [first, end) only (e.g. a pipeline stage's); end < 0: all. Throws std::invalid_argument when
+// the two models do not correspond.
+void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense, const CommPtr& tp, int64_t first = 0,
+                     int64_t end = -1);
 
 }  // namespace tandem::tp

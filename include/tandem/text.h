@@ -2,8 +2,9 @@
 // cookies: documents separated by lines holding only '%', one folder per language), a
 // deterministic train/validation/test split by a hash of each document's text, a SentencePiece
 // tokenizer trained on the training split, and the loops behind `tandem pretrain` (causal LM)
-// and `tandem finetune` (classification) under single, ddp and zero1-3. Every error names the
-// file or setting at fault and what to do.
+// and `tandem finetune` (classification) under single, ddp and zero1-3, in fp32, bf16 or fp16,
+// with tensor (--tp) and pipeline (--pp) parallelism over ddp/zero1 replicas. Every error names
+// the file or setting at fault and what to do.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -161,6 +162,9 @@ struct TextTrainConfig {
   std::string tokenizer_path;       // finetune: a tokenizer other than the checkpoint's (checked)
   bool from_scratch = false;        // finetune: random initialisation (needs a tokenizer)
   std::string strategy = "single";  // single | ddp | zero1 | zero2 | zero3
+  std::string precision = "fp32";   // fp32 | bf16 | fp16 (compute; fp32 masters, loss scaling for fp16)
+  int tp = 1, pp = 1;               // tensor / pipeline parallel ranks per replica (ddp or zero1 over the replicas)
+  int64_t micro_batches = 1;        // pipeline micro-batches per replica batch (pp > 1)
   int64_t batch = 32;               // global batch, split evenly over the ranks
   int64_t steps = 200;
   double lr = 1e-3;                 // AdamW, linear warmup then cosine decay to 10%
@@ -178,6 +182,8 @@ struct TextReport {
   std::string kind;  // "pretrain" | "finetune"
   ModelShape shape;  // as trained (vocab: the tokenizer's)
   int world_size = 1;
+  std::string precision = "fp32";
+  int dp = 1, tp = 1, pp = 1;  // the layout: data x tensor x pipeline parallel
   int64_t parameters = 0;
   int64_t steps = 0, samples = 0;
   double wall_seconds = 0.0, samples_per_second = 0.0, step_ms_median = 0.0;
@@ -193,7 +199,8 @@ struct TextReport {
   bool initialised_from_checkpoint = false;
 };
 
-// Checks the configuration without reading anything; throws std::invalid_argument.
+// Checks the configuration without reading anything (strategy, precision, the tp x pp layout
+// against the world size, batch and micro-batches); throws std::invalid_argument.
 void validate(const TextTrainConfig& cfg, int world);
 
 // Causal LM pre-training. Rank 0 reads the corpus, trains the tokenizer on the training split

@@ -13,8 +13,12 @@
 #include <sstream>
 
 #include "tandem/ddp.h"
+#include "tandem/grid.h"
 #include "tandem/models.h"
 #include "tandem/optim.h"
+#include "tandem/pipeline.h"
+#include "tandem/precision.h"
+#include "tandem/tensor_parallel.h"
 #include "tandem/text.h"
 #include "tandem/zero.h"
 #include "trainer/progress.h"
@@ -102,41 +106,80 @@ std::string join(const std::vector<std::string>& v) {
   return s;
 }
 
-// One model under one strategy: the forward, a step's bracket and the learning rate.
+// One model under one strategy and layout: the dp x tp x pp grid (when the model is split), the
+// tensor-parallel form, the pipeline stage, DDP / ZeRO over the data-parallel ranks, mixed
+// precision, a step's bracket and the learning rate.
 struct Engine {
-  torch::nn::Sequential net;
+  torch::nn::Sequential dense;  // the model as built (the checkpoint's layout)
+  torch::nn::Sequential net;    // what runs: `dense`, or its tensor-parallel form (sharing the replicated children)
+  std::unique_ptr<ProcessGrid> grid;
+  std::unique_ptr<Pipeline> pipe;
   std::unique_ptr<DistributedDataParallel> ddp;
   std::unique_ptr<ZeroDataParallel> zero;
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  CommPtr comm;
+  std::unique_ptr<MixedPrecisionOptimizer> opt;
+  std::vector<at::Tensor> trained;  // this rank's parameters (its stage's, its shards)
+  CommPtr comm, dp_comm;
+  Precision precision;
+  int dp = 1, dp_rank = 0;
 
-  Engine(torch::nn::Sequential n, Runtime& rt, const TextTrainConfig& cfg) : net(std::move(n)), comm(rt.world()) {
-    net->to(rt.device());
+  Engine(torch::nn::Sequential n, Runtime& rt, const TextTrainConfig& cfg)
+      : dense(std::move(n)), comm(rt.world()), precision(parse_precision(cfg.precision)) {
+    dense->to(rt.device());
+    if (cfg.tp * cfg.pp > 1) grid = std::make_unique<ProcessGrid>(comm, cfg.tp, cfg.pp);
+    dp_comm = grid ? grid->dp() : comm;
+    dp = dp_comm->size();
+    dp_rank = dp_comm->rank();
+    net = cfg.tp > 1 ? tp::tensor_parallel(dense, grid->tp()) : dense;
+    if (cfg.pp > 1) {
+      PipelineOptions po;
+      po.micro_batches = cfg.micro_batches;
+      po.device = rt.device();
+      pipe = std::make_unique<Pipeline>(net, grid->pp(), po);
+    }
+    trained = pipe ? pipe->parameters() : net->parameters();
     OptimizerOptions oo;
     oo.kind = "adamw";
     oo.lr = cfg.lr;
     oo.weight_decay = cfg.weight_decay;
-    if (cfg.strategy == "single" || cfg.strategy == "ddp") {
-      if (cfg.strategy == "ddp") ddp = std::make_unique<DistributedDataParallel>(net.ptr(), rt.world());
-      opt = make_optimizer(net->parameters(), oo);
-    } else {
+    if (cfg.strategy.rfind("zero", 0) == 0) {
       ZeroOptions zo;
       zo.stage = cfg.strategy.back() - '0';
       zo.optimizer = oo;
-      zero = std::make_unique<ZeroDataParallel>(net.ptr(), rt.world(), zo);
+      zo.precision = precision;
+      zero = std::make_unique<ZeroDataParallel>(pipe ? pipe->stage_module().ptr() : net.ptr(), dp_comm, zo);
+      return;
+    }
+    // The fp32 masters are taken before the model is converted to the compute dtype.
+    opt = std::make_unique<MixedPrecisionOptimizer>(trained, precision, oo, LossScalerOptions{}, dp > 1 ? dp_comm : nullptr);
+    if (precision != Precision::kFP32) net->to(compute_dtype(precision));
+    // DDP over the replicas; a pipeline stage's gradients are averaged after its whole step instead.
+    if (cfg.strategy == "ddp" && !pipe && (!grid || dp > 1)) {
+      ddp = std::make_unique<DistributedDataParallel>(net.ptr(), dp_comm);
     }
   }
   torch::Tensor forward(const torch::Tensor& x) { return zero ? zero->forward(x) : net->forward(x); }
   void begin_step() {
-    if (ddp) {
-      ddp->prepare_forward();
-      ddp->zero_grad();
-    } else if (zero) {
+    if (ddp) ddp->prepare_forward();
+    if (zero) {
       zero->prepare_forward();
       zero->zero_grad();
+    } else if (ddp) {
+      ddp->zero_grad();
     } else {
       opt->zero_grad();
     }
+  }
+  // The step's loss: forward and backward on this rank's slice (through the pipeline when there is one).
+  template <typename LossFn>
+  torch::Tensor forward_backward(const torch::Tensor& x, const torch::Tensor& y, const LossFn& loss_fn) {
+    if (pipe) {
+      auto loss = pipe->train_step(x, y, loss_fn);
+      if (!zero && dp > 1) average_gradients(trained, *dp_comm);  // ZeRO reduces in its hooks
+      return loss;
+    }
+    auto loss = loss_fn(forward(x), y);
+    (zero ? zero->scale_loss(loss) : opt->scale_loss(loss)).backward();
+    return loss;
   }
   void end_step() {
     if (zero) {
@@ -148,29 +191,66 @@ struct Engine {
   void set_lr(double lr) {
     if (zero) {
       zero->set_lr(lr);
-      return;
+    } else {
+      opt->set_lr(lr);
     }
-    for (auto& g : opt->param_groups()) g.options().set_lr(lr);
   }
-  // Full parameter values by name (collective under ZeRO: stage 3 gathers the shards).
+  // Whether this rank's outputs are counted in an evaluation (one rank per replica: tp rank 0 of
+  // the last stage).
+  bool counts() const { return !grid || (grid->tp_rank() == 0 && grid->pp_rank() == grid->pp_size() - 1); }
+  // Full fp32 parameter values by the dense model's names (collective: ZeRO-3 and mixed-precision
+  // ZeRO gather the shards' masters, tensor and pipeline parallelism gather shards and stages).
   std::map<std::string, torch::Tensor> full_parameters() {
     std::map<std::string, torch::Tensor> out;
-    if (!zero || zero->stage() < 3) {
-      for (auto& p : net->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU).clone();
+    if (zero && (zero->stage() == 3 || precision != Precision::kFP32)) {
+      auto st = zero->shard_state();
+      std::vector<torch::Tensor> full(st.buckets.size());
+      for (size_t b = 0; b < st.buckets.size(); ++b) {
+        auto chunk = st.buckets[b].slots.at("param").to(torch::kFloat).contiguous();
+        auto whole = torch::empty({st.buckets[b].chunk * st.world_size}, chunk.options());
+        dp_comm->allgather(whole, chunk);
+        full[b] = whole;
+      }
+      for (const auto& p : st.params) {
+        out[p.name] = full[p.bucket].narrow(0, p.offset, p.numel).view(p.shape).clone();
+      }
       return out;
     }
-    auto st = zero->shard_state();
-    std::vector<torch::Tensor> full(st.buckets.size());
-    for (size_t b = 0; b < st.buckets.size(); ++b) {
-      auto chunk = st.buckets[b].slots.at("param").to(torch::kFloat).contiguous();
-      auto whole = torch::empty({st.buckets[b].chunk * st.world_size}, chunk.options());
-      comm->allgather(whole, chunk);
-      full[b] = whole;
+    if (opt && precision != Precision::kFP32) {  // one replica's masters, in the order of the parameters
+      const auto& masters = opt->optimizer().param_groups().at(0).params();
+      auto named = net->named_parameters();
+      for (size_t i = 0; i < named.size(); ++i) out[named[i].key()] = masters.at(i).detach().to(torch::kCPU).clone();
+      return out;
     }
-    for (const auto& p : st.params) {
-      out[p.name] = full[p.bucket].narrow(0, p.offset, p.numel).view(p.shape).clone();
-    }
+    if (grid) gather_dense();
+    for (auto& p : dense->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU).clone();
     return out;
+  }
+
+ private:
+  // Makes `dense` hold the trained values on every rank: each stage gathers its tensor-parallel
+  // shards, then each layer is broadcast from the stage that owns it.
+  void gather_dense() {
+    const int64_t n = static_cast<int64_t>(dense->size());
+    std::vector<int64_t> owner(n, 0);
+    if (pipe) {
+      int64_t i = 0;
+      for (size_t s = 0; s < pipe->partition().size(); ++s) {
+        for (int64_t k = 0; k < pipe->partition()[s]; ++k) owner[i++] = static_cast<int64_t>(s);
+      }
+    }
+    if (grid->tp_size() > 1) {
+      tp::gather_to_dense(net, dense, grid->tp(), pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : n);
+    }
+    if (!pipe) return;
+    torch::NoGradGuard ng;
+    for (int64_t i = 0; i < n; ++i) {
+      for (auto& p : dense->ptr(i)->parameters()) {
+        auto buf = p.detach().contiguous();
+        grid->pp()->broadcast(buf, static_cast<int>(owner[i]));
+        if (!buf.is_same(p)) p.detach().copy_(buf);
+      }
+    }
   }
 };
 
@@ -226,12 +306,13 @@ void gather_memory(Runtime& rt, TextReport& rep) {
   rep.peak_rss_bytes.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + rt.world_size());
 }
 
-// The common loop: `loss_of(engine, global_indices, rank_from, rank_to)` returns this rank's
-// mean loss for its slice of the global batch.
-template <typename LossFn>
-void train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n, LossFn loss_of, TextReport& rep) {
+// The common loop: `batch_of(global_indices, from, to)` gives the inputs and targets of this
+// replica's slice [from, to) of the global batch; `loss_fn(outputs, targets)` their mean loss.
+template <typename BatchFn, typename LossFn>
+void train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of, LossFn loss_fn,
+                TextReport& rep) {
   const int rank = rt.rank(), world = rt.world_size();
-  const int64_t per = cfg.batch / world;
+  const int64_t per = cfg.batch / eng.dp;
   Batches batches(n, cfg.seed + 1);
   Progress progress(rank == 0 && cfg.progress, cfg.steps, cfg.log_every);
   std::vector<double> step_ms;
@@ -242,8 +323,8 @@ void train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n,
     auto idx = batches.next(cfg.batch);
     eng.set_lr(lr_at(cfg, step));
     eng.begin_step();
-    torch::Tensor loss = loss_of(eng, idx, rank * per, (rank + 1) * per);
-    loss.backward();
+    auto [x, y] = batch_of(idx, eng.dp_rank * per, (eng.dp_rank + 1) * per);
+    torch::Tensor loss = eng.forward_backward(x, y, loss_fn);
     eng.end_step();
     torch::Tensor l = loss.detach().reshape({1}).to(torch::kFloat).clone();
     if (world > 1) eng.comm->allreduce(l, ReduceOp::kAvg);
@@ -273,23 +354,29 @@ void train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n,
   }
 }
 
-// Every rank runs the same number of forwards (ZeRO-3 gathers inside them); rank r scores
-// rows r*e.., (N+r)*e.., ... Returns what `score(out, from, to)` accumulates.
+// Every rank runs the same number of forwards (ZeRO-3 gathers inside them, tensor and pipeline
+// parallel ranks of a replica compute together); replica r scores rows r*e.., (R+r)*e.., ...
+// and one rank of each (Engine::counts) calls `score(out, from, to)`.
 template <typename ScoreFn>
 void evaluate_rounds(Runtime& rt, Engine& eng, const torch::Tensor& ids, int64_t n, ScoreFn score) {
-  const int rank = rt.rank(), world = rt.world_size();
   const int64_t e = 256;
-  const int64_t rounds = (n + e * world - 1) / (e * world);
+  const int64_t rounds = (n + e * eng.dp - 1) / (e * eng.dp);
+  std::unique_ptr<Pipeline> pipe;
+  if (eng.pipe) {  // forward only: one micro-batch of any size
+    PipelineOptions po = eng.pipe->options();
+    po.micro_batches = 1;
+    po.partition = eng.pipe->partition();
+    pipe = std::make_unique<Pipeline>(eng.net, eng.grid->pp(), po);
+  }
   eng.net->eval();
   torch::NoGradGuard ng;
   for (int64_t k = 0; k < rounds; ++k) {
-    const int64_t from = std::min(n, (k * world + rank) * e), to = std::min(n, from + e);
+    const int64_t from = std::min(n, (k * eng.dp + eng.dp_rank) * e), to = std::min(n, from + e);
     if (eng.zero) eng.zero->prepare_forward();
-    if (from < to) {
-      score(eng.forward(ids.narrow(0, from, to - from).to(rt.device())), from, to);
-    } else {
-      eng.forward(ids.narrow(0, 0, 1).to(rt.device()));  // keeps ZeRO-3's gathers in step
-    }
+    // An empty slice still runs one row, which keeps ZeRO-3's gathers in step.
+    auto x = (from < to ? ids.narrow(0, from, to - from) : ids.narrow(0, 0, 1)).to(rt.device());
+    auto out = pipe ? pipe->forward(x) : eng.forward(x);
+    if (from < to && eng.counts()) score(out, from, to);
   }
   eng.net->train();
 }
@@ -308,6 +395,13 @@ Tokenizer load_checked_tokenizer(const TextTrainConfig& cfg, const Manifest* m, 
   return tok;
 }
 
+void describe_layout(const Engine& eng, const TextTrainConfig& cfg, TextReport& rep) {
+  rep.precision = precision_name(eng.precision);
+  rep.dp = eng.dp;
+  rep.tp = cfg.tp;
+  rep.pp = cfg.pp;
+}
+
 void fill_corpus_counts(const Corpus& c, TextReport& rep) {
   rep.train_documents = static_cast<int64_t>(c.train.size());
   rep.valid_documents = static_cast<int64_t>(c.valid.size());
@@ -321,13 +415,41 @@ void validate(const TextTrainConfig& cfg, int world) {
   if (std::find(strategies.begin(), strategies.end(), cfg.strategy) == strategies.end()) {
     throw std::invalid_argument("unknown strategy '" + cfg.strategy + "'; use single, ddp, zero1, zero2 or zero3");
   }
-  if (cfg.strategy == "single" && world != 1) {
+  const auto precision = parse_precision(cfg.precision);  // names the choices
+  if (cfg.tp < 1 || cfg.pp < 1) {
+    throw std::invalid_argument("--tp and --pp must be at least 1, got --tp " + std::to_string(cfg.tp) + " --pp " +
+                                std::to_string(cfg.pp));
+  }
+  if (cfg.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
+  const int split = cfg.tp * cfg.pp;
+  const std::string layout = "--tp " + std::to_string(cfg.tp) + " x --pp " + std::to_string(cfg.pp);
+  if (split > 1) {
+    if (world % split != 0) {
+      throw std::invalid_argument(layout + " = " + std::to_string(split) + " ranks per replica does not divide the " +
+                                  std::to_string(world) + " workers; use -n a multiple of " + std::to_string(split));
+    }
+    if (cfg.strategy != "ddp" && cfg.strategy != "zero1") {
+      throw std::invalid_argument(layout + " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
+                                  cfg.strategy);
+    }
+    if (precision != Precision::kFP32) {
+      throw std::invalid_argument(layout + " trains in fp32 only for now (as tandem train); drop --precision " +
+                                  cfg.precision);
+    }
+  } else if (cfg.strategy == "single" && world != 1) {
     throw std::invalid_argument("--strategy single runs one worker; use -n 1, or --strategy ddp for " +
                                 std::to_string(world) + " workers");
   }
-  if (cfg.batch < 1 || cfg.batch % world != 0) {
+  const int dp = world / split;
+  if (cfg.batch < 1 || cfg.batch % dp != 0) {
     throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " (global) does not split evenly over " +
-                                std::to_string(world) + " workers; use a multiple of " + std::to_string(world));
+                                std::to_string(dp) + " data-parallel replicas; use a multiple of " + std::to_string(dp));
+  }
+  if (cfg.pp > 1 && (cfg.batch / dp) % cfg.micro_batches != 0) {
+    throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " gives each data-parallel replica " +
+                                std::to_string(cfg.batch / dp) + " samples, not divisible into " +
+                                std::to_string(cfg.micro_batches) + " micro-batches; use a --batch multiple of " +
+                                std::to_string(dp * cfg.micro_batches));
   }
   if (cfg.steps < 1) throw std::invalid_argument("--steps must be >= 1");
   if (cfg.lr <= 0) throw std::invalid_argument("--lr must be > 0");
@@ -342,6 +464,11 @@ void validate(const TextTrainConfig& cfg, int world) {
 TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   validate(cfg, rt.world_size());
   if (cfg.checkpoint.empty()) throw std::invalid_argument("pretrain needs an output directory (--out DIR)");
+  if (cfg.tp > 1 && (cfg.shape.heads % cfg.tp != 0 || cfg.tokenizer.vocab_size % cfg.tp != 0)) {
+    // (the rest is checked when the model is split; these before the tokenizer is trained)
+    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " must divide --heads (" + std::to_string(cfg.shape.heads) +
+                                ") and --vocab (" + std::to_string(cfg.tokenizer.vocab_size) + ")");
+  }
   const int rank = rt.rank();
   torch::manual_seed(cfg.seed);
   auto corpus = read_corpus(cfg.corpus);
@@ -378,20 +505,25 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   rep.labels = corpus.labels;
   fill_corpus_counts(corpus, rep);
   Engine eng(net, rt, cfg);
+  describe_layout(eng, cfg, rep);
   const auto device = rt.device();
-  auto lm_loss = [&](const torch::Tensor& logits, const torch::Tensor& ids) {
+  // Next-token cross-entropy over the real tokens (mean, or the sum for the validation loss).
+  auto lm_loss_sum = [&](const torch::Tensor& logits, const torch::Tensor& ids, bool sum) {
     const int64_t v = logits.size(2);
     auto pred = logits.narrow(1, 0, ids.size(1) - 1).reshape({-1, v}).to(torch::kFloat);
     auto target = ids.narrow(1, 1, ids.size(1) - 1).reshape({-1});
-    return torch::nn::functional::cross_entropy(
-        pred, target, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(tok.pad_id()));
+    auto o = torch::nn::functional::CrossEntropyFuncOptions().ignore_index(tok.pad_id());
+    if (sum) o.reduction(torch::kSum);
+    return torch::nn::functional::cross_entropy(pred, target, o);
   };
-  train_loop(rt, cfg, eng, train.ids.size(0),
-             [&](Engine& e, const std::vector<int64_t>& idx, int64_t from, int64_t to) {
-               auto ids = rows(train.ids, idx, from, to).to(device);
-               return lm_loss(e.forward(ids), ids);
-             },
-             rep);
+  auto lm_loss = [&](const torch::Tensor& logits, const torch::Tensor& ids) { return lm_loss_sum(logits, ids, false); };
+  train_loop(
+      rt, cfg, eng, train.ids.size(0),
+      [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
+        auto ids = rows(train.ids, idx, from, to).to(device);
+        return std::make_pair(ids, ids);  // the targets: the inputs, shifted by lm_loss
+      },
+      lm_loss, rep);
   if (cfg.evaluate) {
     // Validation loss per predicted token, summed over ranks.
     const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, valid.ids.size(0)) : valid.ids.size(0);
@@ -399,15 +531,8 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
     int64_t tokens = 0;
     evaluate_rounds(rt, eng, valid.ids, n, [&](const torch::Tensor& logits, int64_t from, int64_t to) {
       auto ids = valid.ids.narrow(0, from, to - from).to(device);
-      const int64_t v = logits.size(2);
-      auto pred = logits.narrow(1, 0, ids.size(1) - 1).reshape({-1, v}).to(torch::kFloat);
-      auto target = ids.narrow(1, 1, ids.size(1) - 1).reshape({-1});
-      sum += torch::nn::functional::cross_entropy(pred, target,
-                                                  torch::nn::functional::CrossEntropyFuncOptions()
-                                                      .ignore_index(tok.pad_id())
-                                                      .reduction(torch::kSum))
-                 .item<double>();
-      tokens += target.ne(tok.pad_id()).sum().item<int64_t>();
+      sum += lm_loss_sum(logits, ids, true).item<double>();
+      tokens += ids.narrow(1, 1, ids.size(1) - 1).ne(tok.pad_id()).sum().item<int64_t>();
     });
     auto t = torch::tensor({sum, static_cast<double>(tokens)}, torch::kDouble).to(device);
     rt.world()->allreduce(t, ReduceOp::kSum);
@@ -505,14 +630,17 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
     rep.initialised_from_checkpoint = true;
   }
   Engine eng(net, rt, cfg);
+  describe_layout(eng, cfg, rep);
   const auto device = rt.device();
-  train_loop(rt, cfg, eng, train_x.size(0),
-             [&](Engine& e, const std::vector<int64_t>& idx, int64_t from, int64_t to) {
-               auto x = rows(train_x, idx, from, to).to(device);
-               auto y = rows(train_y, idx, from, to).to(device);
-               return torch::nn::functional::cross_entropy(e.forward(x).to(torch::kFloat), y);
-             },
-             rep);
+  train_loop(
+      rt, cfg, eng, train_x.size(0),
+      [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
+        return std::make_pair(rows(train_x, idx, from, to).to(device), rows(train_y, idx, from, to).to(device));
+      },
+      [](const torch::Tensor& out, const torch::Tensor& y) {
+        return torch::nn::functional::cross_entropy(out.to(torch::kFloat), y);
+      },
+      rep);
   if (cfg.evaluate) {
     const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, test_x.size(0)) : test_x.size(0);
     auto conf = torch::zeros({k, k}, torch::kLong);
@@ -562,8 +690,11 @@ std::string format_report(const TextTrainConfig& cfg, const TextReport& r) {
   os << std::fixed;
   os << "\n== tandem " << r.kind << " report ==\n";
   os << "model            transformer d_model " << r.shape.d_model << ", " << r.shape.layers << " layers, seq "
-     << r.shape.seq << ", vocabulary " << r.shape.vocab << " (" << r.parameters << " parameters), strategy " << cfg.strategy << ", " << r.world_size
-     << " worker(s)\n";
+     << r.shape.seq << ", vocabulary " << r.shape.vocab << " (" << r.parameters << " parameters), strategy "
+     << cfg.strategy << ", " << r.world_size << " worker(s), " << r.precision << "\n";
+  os << "layout           dp " << r.dp << " x tp " << r.tp << " x pp " << r.pp << " (data x tensor x pipeline parallel)";
+  if (r.pp > 1) os << ", " << cfg.micro_batches << " micro-batches";
+  os << "\n";
   os << "data             " << r.train_documents << " train / " << r.valid_documents << " validation / "
      << r.test_documents << " test documents, " << r.labels.size() << " labels\n";
   if (r.kind == "finetune") {

@@ -153,15 +153,18 @@ at::Tensor ce(const at::Tensor& out, const at::Tensor& y) {
   return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
 }
 
+// models::transformer(c) in float64, initialised from `seed`.
+torch::nn::Sequential double_transformer(const models::TransformerConfig& c, uint64_t seed) {
+  torch::manual_seed(seed);
+  auto m = models::transformer(c);
+  m->to(torch::kDouble);
+  return m;
+}
+
 TEST(TensorParallel, ConvertedTransformerMatchesDense) {
   auto tp = world();
   const auto c = small_lm();
-  auto make = [&](uint64_t seed) {
-    torch::manual_seed(seed);
-    auto m = models::transformer(c);
-    m->to(torch::kDouble);
-    return m;
-  };
+  auto make = [&](uint64_t seed) { return double_transformer(c, seed); };
   auto g = at::detail::createCPUGenerator(12);
   auto ids = torch::randint(0, c.vocab, {3, 6}, g);
   auto tgt = torch::randint(0, c.vocab, {3, 6}, g);
@@ -201,6 +204,33 @@ TEST(TensorParallel, ConvertedTransformerMatchesDense) {
     auto t = at::tensor({sq - rep}, at::kDouble);
     tp->allreduce(t);
     EXPECT_LE(std::abs(t.item<double>() + rep - dense_sq), 1e-9 * dense_sq) << "sum of squared gradients";
+  }
+}
+
+// The padded transformer of `tandem pretrain/finetune` (mask channel, pooled classifier head):
+// the converted model computes the dense one's outputs, keeps a classification head replicated,
+// and gather_to_dense() writes the dense weights back (for saving a checkpoint).
+TEST(TensorParallel, PaddedTransformerMatchesDenseAndGathersBack) {
+  auto tp = world();
+  for (int64_t classes : {0, 3}) {
+    SCOPED_TRACE(classes ? "classifier" : "language model");
+    auto c = small_lm();
+    c.pad_id = 0;
+    c.num_classes = classes;
+    auto make = [&](uint64_t seed) { return double_transformer(c, seed); };
+    auto g = at::detail::createCPUGenerator(21);
+    auto ids = torch::randint(1, c.vocab, {3, 6}, g);
+    ids.narrow(1, 4, 2).narrow(0, 0, 2).fill_(0);  // right padding in two rows
+    auto dense = make(5);
+    auto want = dense->forward(ids);
+    auto par = tp::tensor_parallel(make(tp->rank() == 0 ? 5 : 100 + tp->rank()), tp);
+    auto head = par->ptr(par->size() - 1);
+    EXPECT_EQ(head->as<torch::nn::LinearImpl>() != nullptr, classes > 0) << "a classification head stays replicated";
+    EXPECT_LE(rel_err(par->forward(ids), want), kTol);
+    auto back = make(200 + tp->rank());
+    tp::gather_to_dense(par, back, tp);
+    auto bn = back->named_parameters();
+    for (auto& p : dense->named_parameters()) EXPECT_TRUE(torch::equal(bn[p.key()], p.value())) << p.key();
   }
 }
 

@@ -1,7 +1,12 @@
 # `tandem pretrain` / `tandem finetune` on real text (Debian's fortune cookies) as a user runs
-# them: accuracy parity of ddp and zero2 with single (pre-trained vs from scratch printed), and
-# bad input rejected with a clear message. Skipped (exit 77) without the corpus.
+# them: accuracy parity of ddp and zero2 with single, pre-trained beating from scratch, bf16 /
+# --tp 2 / --pp 2 against fp32 and the category task, and bad input rejected with a clear
+# message. Skipped (exit 77) without the corpus.
 add_test(NAME e2e_text_finetune COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/text_finetune.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_text_finetune PROPERTIES TIMEOUT 600 PROCESSORS 2 SKIP_RETURN_CODE 77)
 add_test(NAME e2e_text_bad_input COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/text_bad_input.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_text_bad_input PROPERTIES TIMEOUT 300 PROCESSORS 2)
+add_test(NAME e2e_text_pretrained_beats_scratch COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/text_pretrain_gap.sh $<TARGET_FILE:tandem_cli>)
+set_tests_properties(e2e_text_pretrained_beats_scratch PROPERTIES TIMEOUT 300 PROCESSORS 2 SKIP_RETURN_CODE 77)
+add_test(NAME e2e_text_parallel COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/text_parallel.sh $<TARGET_FILE:tandem_cli>)
+set_tests_properties(e2e_text_parallel PROPERTIES TIMEOUT 400 PROCESSORS 2 SKIP_RETURN_CODE 77)

@@ -7,29 +7,10 @@
 set -uo pipefail
 tandem=$1
 data=${2:-/usr/share/games/fortunes}
-if [ ! -d "$data/de" ]; then
-  echo "SKIP: no fortune corpus at $data (apt-get install fortunes fortunes-de fortunes-es fortunes-it fortunes-pl fortunes-ru fortunes-cs)"
-  exit 77
-fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+. "$(dirname "$0")/text_lib.sh"  # skips without the corpus; $tmp, fails=0, run/field/check
 # Small and bounded: d_model 64, 2 layers, seq 64, vocabulary 2000, 1200 documents per language.
 common=(--data "$data" --max-per-label 1200 --batch 32 --no-progress --log-every 100)
 shape=(--vocab 2000 --d-model 64 --heads 4 --layers 2 --seq 64)
-fails=0
-run() {  # run NAME command... : keeps the output in $tmp/NAME.log, fails the test on non-zero exit
-  local name=$1; shift
-  local start=$SECONDS
-  if ! timeout 240 "$@" >"$tmp/$name.log" 2>&1; then
-    echo "FAIL $name (exit non-zero after $((SECONDS - start)) s):"; tail -30 "$tmp/$name.log" | sed 's/^/    /'
-    fails=$((fails + 1))
-    return 1
-  fi
-  echo "ok   $name ($((SECONDS - start)) s)"
-}
-field() {  # field NAME 'wall time|test accuracy|...' -> the first number after the label
-  grep -m1 -E "^$2 " "$tmp/$1.log" | sed -E "s/^$2 +([0-9.]+).*/\1/"
-}
 
 run pretrain_1 "$tandem" pretrain -n 1 --strategy single --steps 100 --lr 2e-3 --out "$tmp/ckpt" "${common[@]}" "${shape[@]}"
 run pretrain_2 "$tandem" pretrain -n 2 --strategy ddp --steps 100 --lr 2e-3 --out "$tmp/ckpt2" "${common[@]}" "${shape[@]}"
@@ -52,20 +33,13 @@ printf "zero2, 2 workers  %8s            %8s s          %s %%\n" "-" "$(field ze
 printf "from scratch      %8s            %8s s          %s %%\n" "-" "$(field scratch "wall time")" "$acc_scratch"
 echo "(wall time: training loop only)"
 
-check() {  # check DESCRIPTION python-expression
-  if python3 -c "import sys; sys.exit(0 if ($2) else 1)" 2>/dev/null; then
-    echo "ok   $1"
-  else
-    echo "FAIL $1"; fails=$((fails + 1))
-  fi
-}
-num() { [ -n "$1" ] && echo "$1" || echo "nan"; }
 a1=$(num "$acc_single"); a2=$(num "$acc_ddp"); a3=$(num "$acc_zero2"); a4=$(num "$acc_scratch")
 check "single reaches 80% ($a1)" "float('$a1') >= 80"
 check "ddp within 1 point of single ($a2 vs $a1)" "abs(float('$a2') - float('$a1')) <= 1.0"
 check "zero2 within 1 point of single ($a3 vs $a1)" "abs(float('$a3') - float('$a1')) <= 1.0"
-# Not asserted: with this test's budget (100 pre-training steps on 2 cores) pre-training has not
-# been measured to beat training from scratch (docs/drafts/text.md); printed for the record.
+# Not asserted here: after 100 pre-training steps and 80 fine-tuning steps both starts reach about
+# the same accuracy; e2e_text_pretrained_beats_scratch (text_pretrain_gap.sh) asserts the gap
+# where pre-training matters (few fine-tuning steps). Printed for the record.
 echo "info pre-trained $a1 % vs from scratch $a4 % after the same fine-tuning steps"
 check "report has a confusion table" "$(grep -c '^confusion' "$tmp/single.log") == 1"
 [ $fails -eq 0 ] && echo "all text fine-tuning checks passed" || echo "$fails check(s) failed"

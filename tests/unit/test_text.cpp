@@ -1,7 +1,7 @@
 // The text pipeline's pieces: UTF-8 checks, document splitting, the corpus reader (labels,
 // deduplication, a hash split that is deterministic and never leaks a duplicate), the
 // SentencePiece wrapper (padding, masks, save/load, fingerprints) and the padded transformer
-// (padding never changes what the real tokens compute).
+// (padding never changes what the real tokens compute), and the checks of precision and layout.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -237,4 +237,42 @@ TEST(TextModel, PaddingDoesNotChangeRealTokens) {
   EXPECT_FALSE(torch::allclose(clf->forward(filled), a, 1e-4, 1e-5));
   c.pad_id = 50;
   EXPECT_THROW(models::transformer(c), std::invalid_argument);
+}
+
+// The precision and the tp x pp layout of `tandem pretrain/finetune` are checked before anything
+// is read, each error naming the flag at fault.
+TEST(TextConfig, PrecisionAndLayoutAreChecked) {
+  auto fails_with = [](const text::TextTrainConfig& c, int world, const std::string& want) {
+    try {
+      text::validate(c, world);
+      ADD_FAILURE() << "accepted; expected an error with '" << want << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  text::TextTrainConfig c;
+  c.strategy = "ddp";
+  c.precision = "bf16";
+  EXPECT_NO_THROW(text::validate(c, 2));
+  c.precision = "fp8";
+  fails_with(c, 2, "fp8");
+  c.precision = "fp32";
+  c.tp = 2;
+  EXPECT_NO_THROW(text::validate(c, 2));
+  EXPECT_NO_THROW(text::validate(c, 4));  // dp 2 x tp 2
+  fails_with(c, 3, "does not divide the 3 workers");
+  c.strategy = "zero2";
+  fails_with(c, 2, "ddp or zero1");
+  c.strategy = "ddp";
+  c.precision = "bf16";
+  fails_with(c, 2, "fp32 only");
+  c.precision = "fp32";
+  c.tp = 1;
+  c.pp = 2;
+  c.micro_batches = 3;
+  fails_with(c, 2, "micro-batches");
+  c.micro_batches = 2;
+  EXPECT_NO_THROW(text::validate(c, 2));
+  c.batch = 30;
+  fails_with(c, 4, "not divisible into 2 micro-batches");  // dp 2 x pp 2: 15 samples per replica
 }

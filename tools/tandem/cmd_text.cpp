@@ -47,6 +47,13 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       ->capture_default_str();
   app.add_option("-n,--nprocs", nprocs, "workers to launch")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--strategy", cfg.strategy, "single | ddp | zero1 | zero2 | zero3")->capture_default_str();
+  app.add_option("--precision", cfg.precision, "fp32 | bf16 | fp16 (mixed precision: fp32 master weights)")
+      ->capture_default_str();
+  app.add_option("--tp", cfg.tp, "tensor-parallel ranks per replica (Megatron blocks; with ddp or zero1)")
+      ->capture_default_str();
+  app.add_option("--pp", cfg.pp, "pipeline stages per replica (with ddp or zero1)")->capture_default_str();
+  app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per replica batch (--pp > 1)")
+      ->capture_default_str();
   app.add_option("--batch", cfg.batch, "global batch size (split across workers)")->capture_default_str();
   app.add_option("--steps", cfg.steps, "optimizer steps")->capture_default_str();
   app.add_option("--lr", cfg.lr, "peak learning rate (AdamW, linear warmup, cosine to 10%)")->capture_default_str();
@@ -151,6 +158,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
     std::cerr << cmd << ": " << e.what() << "\n";
     return 1;
   }
+  if (rt->rank() == 0 && rt->hosts().size() > 1) std::cout << "hosts            " << rt->layout() << std::endl;
   try {
     auto report = pretraining ? text::pretrain(*rt, cfg) : text::finetune(*rt, cfg);
     if (rt->rank() == 0) {
@@ -158,12 +166,12 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       if (pretraining) std::cout << "checkpoint       " << cfg.checkpoint << "\n";
       if (!cfg.output.empty()) std::cout << "saved            " << cfg.output << "\n";
       std::cout << std::flush;
-  if (rt->rank() == 0 && rt->hosts().size() > 1) std::cout << "hosts            " << rt->layout() << std::endl;
     }
   } catch (const std::exception& e) {
     auto* ce = dynamic_cast<const c10::Error*>(&e);
     std::cerr << cmd << ": rank " << rt->rank() << ": " << (ce ? ce->what_without_backtrace() : e.what())
               << std::endl;
+    if (rt->world_size() > 1) std::cerr << rt->unreachable_peers() << std::flush;  // names a lost host
     if (rt->world_size() > 1) rt->abort(1);
     return 1;
   }
@@ -171,7 +179,6 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
 }
 
 }  // namespace
-    if (rt->world_size() > 1) std::cerr << rt->unreachable_peers() << std::flush;  // names a lost host
 
 int cmd_pretrain(int argc, char** argv) { return run_text("pretrain", true, argc, argv); }
 int cmd_finetune(int argc, char** argv) { return run_text("finetune", false, argc, argv); }

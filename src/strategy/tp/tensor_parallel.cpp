@@ -190,7 +190,7 @@ torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
 }
 
 ParallelTokenEmbeddingImpl::ParallelTokenEmbeddingImpl(const models::TokenEmbeddingImpl& dense, CommPtr tp)
-    : seq(dense.seq) {
+    : seq(dense.seq), pad_id(dense.pad_id) {
   this->tok = register_module("tok", VocabParallelEmbedding(dense.tok, tp));
   pos = register_module("pos", dense.pos);
 }
@@ -200,7 +200,9 @@ torch::Tensor ParallelTokenEmbeddingImpl::forward(const torch::Tensor& ids) {
   const int64_t t = ids.size(1);
   TORCH_CHECK(t <= seq, "tandem::tp::ParallelTokenEmbedding: sequence of ", t, " tokens is longer than the maximum ", seq);
   auto positions = torch::arange(t, torch::TensorOptions().dtype(torch::kLong).device(ids.device()));
-  return tok->forward(ids) + pos->forward(positions).unsqueeze(0);
+  auto x = tok->forward(ids) + pos->forward(positions).unsqueeze(0);
+  if (pad_id < 0) return x;
+  return torch::cat({x, ids.ne(pad_id).unsqueeze(-1).to(x.dtype())}, -1);
 }
 
 ParallelMLPImpl::ParallelMLPImpl(const torch::nn::Linear& d1, const torch::nn::Linear& d2, CommPtr tp) {
@@ -227,16 +229,20 @@ ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(const torch::nn::Linear& dq
   proj = register_module("proj", RowParallelLinear(dproj, tp, true));
 }
 
-torch::Tensor ParallelSelfAttentionImpl::forward(const torch::Tensor& x) {
+torch::Tensor ParallelSelfAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& attn_mask) {
   TORCH_CHECK(x.dim() == 3, "tandem::tp::ParallelSelfAttention: expected [B, T, D], got ", x.sizes());
   const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads;
   auto q_k_v = qkv->forward(x).view({b, t, 3, local_heads, hd}).permute({2, 0, 3, 1, 4});
-  auto att = at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], /*attn_mask=*/{},
-                                              /*dropout_p=*/0.0, /*is_causal=*/true);
+  auto att = attn_mask.defined()
+                 ? at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], attn_mask, /*dropout_p=*/0.0,
+                                                    /*is_causal=*/false)
+                 : at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                                    /*is_causal=*/true);
   return proj->forward(att.transpose(1, 2).reshape({b, t, local_heads * hd}));
 }
 
-ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(const models::TransformerBlockImpl& dense, CommPtr tp) {
+ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(const models::TransformerBlockImpl& dense, CommPtr tp)
+    : padded(dense.padded) {
   ln1 = register_module("ln1", dense.ln1);
   attn = register_module("attn", ParallelSelfAttention(dense.qkv, dense.proj, dense.heads, tp));
   ln2 = register_module("ln2", dense.ln2);
@@ -244,6 +250,14 @@ ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(const models::Transfo
 }
 
 torch::Tensor ParallelTransformerBlockImpl::forward(const torch::Tensor& x) {
+  if (padded) {
+    const int64_t d = x.size(2) - 1;
+    auto h0 = x.narrow(2, 0, d);
+    auto m = x.narrow(2, d, 1);
+    auto h = h0 + attn->forward(ln1->forward(h0), models::padded_attention_mask(m));
+    h = h + mlp->forward(ln2->forward(h));
+    return torch::cat({h, m}, 2);
+  }
   auto h = x + attn->forward(ln1->forward(x));
   return h + mlp->forward(ln2->forward(h));
 }
@@ -282,8 +296,14 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, T
     }
   }
   if (is_transformer) {
-    // The LM head: a final Linear not preceded by LastToken (a classification head stays replicated).
-    if (n >= 2 && kids[n - 1]->as<torch::nn::LinearImpl>() && !kids[n - 2]->as<models::LastTokenImpl>()) {
+    // The LM head: a final Linear after no LastToken or pooling Unpad (a classification head
+    // stays replicated).
+    bool classifier = false;
+    for (auto& k : kids) {
+      auto* u = k->as<models::UnpadImpl>();
+      classifier = classifier || k->as<models::LastTokenImpl>() != nullptr || (u && u->pool);
+    }
+    if (n >= 2 && kids[n - 1]->as<torch::nn::LinearImpl>() && !classifier) {
       shard_size(kids[n - 1]->as<torch::nn::LinearImpl>()->options.out_features(), T, "the vocabulary of the LM head");
       plan[n - 1] = opts.vocab_parallel_output ? Action::kColumn : Action::kColumnGather;
     }
@@ -328,6 +348,90 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, T
     }
   }
   return out;
+}
+
+// ---------------------------------------------------------------- back to dense
+
+namespace {
+// [..., n] shards on every tp rank -> the tp blocks concatenated along `dim`.
+at::Tensor gather_cat(const at::Tensor& t, int64_t dim, Communicator& comm) {
+  auto in = t.detach().contiguous();
+  std::vector<int64_t> shape{comm.size()};
+  for (auto s : in.sizes()) shape.push_back(s);
+  auto out = at::empty(shape, in.options());
+  comm.allgather(out, in);
+  return at::cat(out.unbind(0), dim);
+}
+
+void set(const at::Tensor& dst, const at::Tensor& src, const char* what) {
+  if (dst.sizes() != src.sizes()) {
+    throw std::invalid_argument(std::string("tandem::tp::gather_to_dense: ") + what + " gathers to " +
+                                c10::str(src.sizes()) + ", the dense model has " + c10::str(dst.sizes()));
+  }
+  dst.copy_(src);
+}
+}  // namespace
+
+void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense, const CommPtr& tp, int64_t first,
+                     int64_t end) {
+  if (!parallel || !dense || parallel->size() != dense->size()) {
+    throw std::invalid_argument("tandem::tp::gather_to_dense: the tensor-parallel and dense models differ in children");
+  }
+  if (end < 0) end = static_cast<int64_t>(dense->size());
+  auto& c = *tp;
+  torch::NoGradGuard ng;
+  for (int64_t i = first; i < end; ++i) {
+    auto p = parallel->ptr(i);
+    auto d = dense->ptr(i);
+    if (p == d) continue;  // shared (replicated) child
+    if (auto* e = p->as<ParallelTokenEmbeddingImpl>()) {
+      auto* de = d->as<models::TokenEmbeddingImpl>();
+      if (!de) throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no TokenEmbedding");
+      set(de->tok->weight, gather_cat(e->tok->weight, 0, c), "the token embedding");
+      set(de->pos->weight, e->pos->weight, "the position embedding");
+    } else if (auto* b = p->as<ParallelTransformerBlockImpl>()) {
+      auto* db = d->as<models::TransformerBlockImpl>();
+      if (!db) throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no TransformerBlock");
+      const int64_t dm = db->qkv->options.in_features();
+      // Fused qkv rows are (q|k|v, head, dim); each rank holds its heads of each of the three.
+      auto w = gather_cat(b->attn->qkv->weight.view({3, -1, dm}).unsqueeze(0), 0, c);  // [tp, 3, rows, D]
+      set(db->qkv->weight, w.transpose(0, 1).reshape({3 * dm, dm}), "the qkv weight");
+      if (db->qkv->bias.defined()) {
+        auto bb = gather_cat(b->attn->qkv->bias.view({3, -1}).unsqueeze(0), 0, c);
+        set(db->qkv->bias, bb.transpose(0, 1).reshape({3 * dm}), "the qkv bias");
+      }
+      set(db->proj->weight, gather_cat(b->attn->proj->weight, 1, c), "the attention projection");
+      if (db->proj->bias.defined()) set(db->proj->bias, b->attn->proj->bias, "the attention projection bias");
+      set(db->fc1->weight, gather_cat(b->mlp->fc1->weight, 0, c), "fc1");
+      if (db->fc1->bias.defined()) set(db->fc1->bias, gather_cat(b->mlp->fc1->bias, 0, c), "the fc1 bias");
+      set(db->fc2->weight, gather_cat(b->mlp->fc2->weight, 1, c), "fc2");
+      if (db->fc2->bias.defined()) set(db->fc2->bias, b->mlp->fc2->bias, "the fc2 bias");
+      set(db->ln1->weight, b->ln1->weight, "ln1");
+      set(db->ln1->bias, b->ln1->bias, "ln1");
+      set(db->ln2->weight, b->ln2->weight, "ln2");
+      set(db->ln2->bias, b->ln2->bias, "ln2");
+    } else if (auto* col = p->as<ColumnParallelLinearImpl>()) {
+      auto* dl = d->as<torch::nn::LinearImpl>();
+      if (!dl) throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no Linear");
+      set(dl->weight, gather_cat(col->weight, 0, c), "a column-parallel linear");
+      if (dl->bias.defined()) set(dl->bias, gather_cat(col->bias, 0, c), "a column-parallel bias");
+    } else if (auto* row = p->as<RowParallelLinearImpl>()) {
+      auto* dl = d->as<torch::nn::LinearImpl>();
+      if (!dl) throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no Linear");
+      set(dl->weight, gather_cat(row->weight, 1, c), "a row-parallel linear");
+      if (dl->bias.defined()) set(dl->bias, row->bias, "a row-parallel bias");
+    } else {  // a replicated child of another dense model: parameter by parameter
+      auto dn = d->named_parameters();
+      for (auto& q : p->named_parameters()) {
+        auto* t = dn.find(q.key());
+        if (!t) {
+          throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " of the dense model has no '" +
+                                      q.key() + "'");
+        }
+        set(*t, q.value(), "a replicated parameter");
+      }
+    }
+  }
 }
 
 }  // namespace tandem::tp
