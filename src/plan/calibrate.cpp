@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "comm/backends.h"
 #include "tandem/models.h"
 #include "tandem/plan.h"
 #include "tandem/runtime.h"
@@ -208,7 +209,10 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
     std::vector<double> xs, ys;
     for (int64_t bytes : sizes) {
       const int64_t numel = std::max<int64_t>(n, (bytes / 4 / n) * n);
-      auto full = torch::ones({numel});
+      // All-reduce in the memory DDP's buckets use (shared memory on one node, see
+      // comm/backends.h), so that the constants are those of training.
+      auto full = op == "allreduce" ? detail::symmetric_empty(*comm, numel, torch::kFloat).fill_(1.0f)
+                                    : torch::ones({numel});
       auto part = torch::ones({numel / n});
       std::vector<double> t;
       for (int i = 0; i < 13; ++i) {
