@@ -19,3 +19,6 @@ endforeach()
 add_test(NAME e2e_multinode_link_down COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/multinode_fault.sh
          $<TARGET_FILE:tandem_cli> 5)
 set_tests_properties(e2e_multinode_link_down PROPERTIES TIMEOUT 150 PROCESSORS 2 SKIP_RETURN_CODE 77)
+# pretrain and finetune across 2 hosts give one host's validation loss and test accuracy.
+add_test(NAME e2e_multinode_text COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/multinode_text.sh $<TARGET_FILE:tandem_cli> 6)
+set_tests_properties(e2e_multinode_text PROPERTIES TIMEOUT 180 PROCESSORS 2 SKIP_RETURN_CODE 77)
