@@ -408,6 +408,23 @@ void fill_corpus_counts(const Corpus& c, TextReport& rep) {
   rep.test_documents = static_cast<int64_t>(c.test.size());
 }
 
+// Writes model.pt (the dense fp32 parameters) and the manifest that describes it into `dir`.
+void save_model(const fs::path& dir, const char* kind, const std::map<std::string, torch::Tensor>& params,
+                const ModelShape& shape, const TextTrainConfig& cfg, const Corpus& corpus, const Tokenizer& tok) {
+  torch::serialize::OutputArchive ar;
+  for (auto& [name, t] : params) ar.write(name, t);
+  ar.save_to((dir / "model.pt").string());
+  Manifest m;
+  m.kind = kind;
+  m.shape = shape;
+  m.task = cfg.corpus.task;
+  m.labels = corpus.labels;
+  m.tokenizer_fingerprint = tok.fingerprint();
+  m.tokenizer_vocab = tok.vocab_size();
+  m.steps = cfg.steps;
+  write_manifest(dir.string(), m);
+}
+
 }  // namespace
 
 void validate(const TextTrainConfig& cfg, int world) {
@@ -541,20 +558,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   }
   auto params = eng.full_parameters();
   gather_memory(rt, rep);
-  if (rank == 0) {
-    torch::serialize::OutputArchive ar;
-    for (auto& [name, t] : params) ar.write(name, t);
-    ar.save_to((dir / "model.pt").string());
-    Manifest m;
-    m.kind = "pretrain";
-    m.shape = shape;
-    m.task = cfg.corpus.task;
-    m.labels = corpus.labels;
-    m.tokenizer_fingerprint = tok.fingerprint();
-    m.tokenizer_vocab = tok.vocab_size();
-    m.steps = cfg.steps;
-    write_manifest(dir.string(), m);
-  }
+  if (rank == 0) save_model(dir, "pretrain", params, shape, cfg, corpus, tok);
   return rep;
 }
 
@@ -668,19 +672,8 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
   gather_memory(rt, rep);
   if (rank == 0 && !cfg.output.empty()) {
     fs::create_directories(cfg.output);
-    torch::serialize::OutputArchive ar;
-    for (auto& [name, t] : params) ar.write(name, t);
-    ar.save_to((fs::path(cfg.output) / "model.pt").string());
     tok.save((fs::path(cfg.output) / "tokenizer.model").string());
-    Manifest m;
-    m.kind = "finetune";
-    m.shape = shape;
-    m.task = cfg.corpus.task;
-    m.labels = corpus.labels;
-    m.tokenizer_fingerprint = tok.fingerprint();
-    m.tokenizer_vocab = tok.vocab_size();
-    m.steps = cfg.steps;
-    write_manifest(cfg.output, m);
+    save_model(cfg.output, "finetune", params, shape, cfg, corpus, tok);
   }
   return rep;
 }
