@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tandem/comm.h"
+#include "tandem/pipeline_schedule.h"
 
 namespace tandem {
 
@@ -31,9 +32,7 @@ PipelineSchedule parse_pipeline_schedule(const std::string& s);
 // Throws std::invalid_argument naming the problem: more stages than layers, a wrong number of
 // entries, a stage with no layer, counts that do not add up to the model's layers.
 void validate_partition(const std::vector<int64_t>& layers_per_stage, int64_t layers, int stages);
-// Contiguous split of `costs` into `stages` non-empty parts minimising the largest part's cost
-// (exact, dynamic programming). Throws std::invalid_argument when stages > costs.size().
-std::vector<int64_t> balance_partition(const std::vector<double>& costs, int stages);
+// balance_partition(costs, stages) and pipeline_order(): tandem/pipeline_schedule.h.
 // Balanced by parameter count (a parameterless layer counts as one parameter).
 std::vector<int64_t> partition_by_parameters(torch::nn::Sequential& model, int stages);
 // Balanced by measured forward+backward time of each layer on `sample_input` (a micro-batch).

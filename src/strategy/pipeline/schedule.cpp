@@ -1,0 +1,63 @@
+// Torch-free pipeline helpers (tandem/pipeline_schedule.h): the balanced contiguous partition
+// and the per-stage order of micro-batch forwards and backwards.
+#include "tandem/pipeline_schedule.h"
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace tandem {
+
+std::vector<int64_t> balance_partition(const std::vector<double>& costs, int stages) {
+  const int64_t n = static_cast<int64_t>(costs.size());
+  if (stages < 1 || stages > n) {
+    throw std::invalid_argument("tandem::balance_partition: cannot cut " + std::to_string(n) + " layers into " +
+                                std::to_string(stages) + " non-empty stages; use between 1 and " + std::to_string(n) +
+                                " stages");
+  }
+  std::vector<double> pre(n + 1, 0.0);
+  for (int64_t i = 0; i < n; ++i) pre[i + 1] = pre[i] + costs[i];
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[k][i]: smallest possible largest stage cost for the first i layers in k stages.
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<int64_t>> cut(stages + 1, std::vector<int64_t>(n + 1, 0));
+  best[0][0] = 0.0;
+  for (int k = 1; k <= stages; ++k) {
+    for (int64_t i = k; i <= n; ++i) {
+      for (int64_t j = k - 1; j < i; ++j) {
+        double c = std::max(best[k - 1][j], pre[i] - pre[j]);
+        if (c < best[k][i]) {
+          best[k][i] = c;
+          cut[k][i] = j;
+        }
+      }
+    }
+  }
+  std::vector<int64_t> parts(stages);
+  int64_t i = n;
+  for (int k = stages; k >= 1; --k) {
+    parts[k - 1] = i - cut[k][i];
+    i = cut[k][i];
+  }
+  return parts;
+}
+
+std::vector<std::pair<bool, int64_t>> pipeline_order(bool gpipe, int stage, int stages, int64_t m) {
+  std::vector<std::pair<bool, int64_t>> ops;
+  if (gpipe) {
+    for (int64_t i = 0; i < m; ++i) ops.emplace_back(true, i);
+    for (int64_t i = 0; i < m; ++i) ops.emplace_back(false, i);
+    return ops;
+  }
+  const int64_t warmup = std::min<int64_t>(stages - stage - 1, m);
+  for (int64_t i = 0; i < warmup; ++i) ops.emplace_back(true, i);
+  for (int64_t i = 0; i < m - warmup; ++i) {
+    ops.emplace_back(true, warmup + i);
+    ops.emplace_back(false, i);
+  }
+  for (int64_t i = m - warmup; i < m; ++i) ops.emplace_back(false, i);
+  return ops;
+}
+
+}  // namespace tandem
