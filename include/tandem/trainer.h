@@ -106,6 +106,8 @@ struct TrainReport {
   // and the most micro-batches whose activations each stage held at once.
   std::vector<int64_t> partition;
   std::vector<double> bubble_per_stage;
+  // Mean milliseconds per step (after the first) of each stage's train_step, and of its compute.
+  std::vector<double> pipeline_step_ms_per_stage, pipeline_compute_ms_per_stage;
   double bubble_measured = 0.0;    // mean of bubble_per_stage
   double bubble_theory = 0.0;      // (pp - 1) / micro_batches
   std::vector<int64_t> peak_live_micro_batches;

@@ -378,6 +378,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   std::vector<double> step_ms;
   int64_t step = start_step, samples = 0;
   double pipe_step_s = 0.0, pipe_compute_s = 0.0;  // pipeline steps after the first
+  int64_t pipe_steps = 0;
   int64_t peak_live = 0;
   auto pipe_loss = [](const at::Tensor& out, const at::Tensor& target) {
     return torch::nn::functional::cross_entropy(out.to(at::kFloat), target);
@@ -435,6 +436,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
         if (step > 0) {
           pipe_step_s += pipe->stats().step_seconds;
           pipe_compute_s += pipe->stats().compute_seconds;
+          ++pipe_steps;
         }
         peak_live = std::max(peak_live, pipe->stats().peak_live_micro_batches);
       } else {
@@ -502,15 +504,20 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     if (pipe_compute_s <= 0.0) {
       pipe_step_s = pipe->stats().step_seconds;
       pipe_compute_s = pipe->stats().compute_seconds;
+      pipe_steps = 1;
     }
     const double ratio = pipe_compute_s > 0 ? std::max(0.0, pipe_step_s - pipe_compute_s) / pipe_compute_s : 0.0;
-    auto mine = small(torch::tensor({ratio, static_cast<double>(peak_live)}, torch::kDouble));
-    auto all = small(torch::empty({2 * cfg.pp}, torch::kDouble));
+    const double per = 1e3 / static_cast<double>(std::max<int64_t>(1, pipe_steps));
+    auto mine = small(torch::tensor({ratio, static_cast<double>(peak_live), pipe_step_s * per, pipe_compute_s * per},
+                                    torch::kDouble));
+    auto all = small(torch::empty({4 * cfg.pp}, torch::kDouble));
     grid->pp()->allgather(all, mine);
     auto host = all.cpu();
     for (int s = 0; s < cfg.pp; ++s) {
-      rep.bubble_per_stage.push_back(host[2 * s].item<double>());
-      rep.peak_live_micro_batches.push_back(static_cast<int64_t>(host[2 * s + 1].item<double>()));
+      rep.bubble_per_stage.push_back(host[4 * s].item<double>());
+      rep.peak_live_micro_batches.push_back(static_cast<int64_t>(host[4 * s + 1].item<double>()));
+      rep.pipeline_step_ms_per_stage.push_back(host[4 * s + 2].item<double>());
+      rep.pipeline_compute_ms_per_stage.push_back(host[4 * s + 3].item<double>());
     }
     double sum = 0;
     for (double b : rep.bubble_per_stage) sum += b;
@@ -678,6 +685,8 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       r["pipeline_schedule"] = cfg.pipeline_schedule;
       r["partition"] = rep.partition;
       r["bubble_per_stage"] = rep.bubble_per_stage;
+      r["pipeline_step_ms_per_stage"] = rep.pipeline_step_ms_per_stage;
+      r["pipeline_compute_ms_per_stage"] = rep.pipeline_compute_ms_per_stage;
       r["bubble_measured"] = rep.bubble_measured;
       r["bubble_theory"] = rep.bubble_theory;
       r["peak_live_micro_batches"] = rep.peak_live_micro_batches;
