@@ -18,6 +18,18 @@ class Runtime;
 namespace tandem::plan {
 
 // ---------------------------------------------------------------- model description
+// One child of a flat Sequential (Tandem's dense built-ins), per sample: what the pipeline cuts
+// between (balanced by parameter count as tandem::partition_by_parameters does) and what tensor
+// parallelism splits (Linear pairs: column-parallel, then row-parallel; the rest replicated).
+struct LayerSpec {
+  std::string name;          // "linear", "conv", "relu", "pool", "flatten", "batchnorm"
+  double parameters = 0;
+  double forward_flops = 0;  // per sample
+  double input_elems = 0;    // per sample
+  double output_elems = 0;   // per sample (what crosses a stage boundary after this layer)
+  std::string tp;            // "" (replicated), "column" or "row"
+};
+
 struct ModelSpec {
   std::string name = "custom";
   std::string kind = "transformer";  // transformer | dense (mlp/cnn: no heads, no sequence)
@@ -32,6 +44,9 @@ struct ModelSpec {
   // Activation bytes kept for backward per sample (all layers, training precision);
   // 0: transformer estimate per layer seq*hidden*(34 + 5*heads*seq/hidden) (16-bit, Korthikanti et al.).
   double activation_bytes_per_sample = 0;
+  // Children of the Sequential, in order (the dense built-ins mlp, cnn, cnn_bn); empty for
+  // descriptions by shape. With them, pipeline and tensor-parallel layouts are modelled layer by layer.
+  std::vector<LayerSpec> children;
 };
 
 // Built-in descriptions: Tandem's reference models (mlp, cnn, cnn_bn, transformer_tiny), counted
@@ -119,6 +134,14 @@ struct ModelRates {
   double overhead_s = 0;      // fixed seconds per step (intercept of time against batch)
   double sgd_s_per_param = 0;   // optimizer step seconds per parameter (one thread)
   double adam_s_per_param = 0;
+  // Per child of the Sequential (ModelSpec::children), one process, one thread: forward+backward
+  // time = layer_overhead_s + layer_s_per_sample * batch (the last child with the loss). Pipeline
+  // stages and tensor-parallel shards are timed from these (micro-batches are small: the fixed
+  // part matters).
+  std::vector<double> layer_overhead_s, layer_s_per_sample;
+  // n workers of which a compute while the other n - a wait in a receive (a pipeline's bubble):
+  // per computing process, one thread each, by n then a (a < n; a = n is flops_synchronized).
+  std::map<int, std::map<int, double>> flops_while_waiting;
 };
 struct Calibration {
   std::string date, host;
@@ -128,6 +151,9 @@ struct Calibration {
   std::map<std::string, ModelRates> models;  // by model name
   // Per world size: fitted alpha and bandwidth of each collective, in the ring formulas' terms.
   std::map<int, std::map<std::string, AlphaBeta>> collectives;  // n -> {"allreduce", ...}
+  // Point-to-point (a pipeline's activations and gradients) per world size n: alpha and
+  // bandwidth of a send to a waiting receiver while every pair of ranks exchanges at once.
+  std::map<int, AlphaBeta> p2p;
 };
 
 // ---------------------------------------------------------------- configurations
@@ -141,6 +167,7 @@ struct PlanOptions {
   int devices = 0;                 // 0: every device of the cluster
   int max_tp = 8, max_pp = 64;
   bool activation_checkpointing = false;
+  std::string pipeline_schedule = "1f1b";  // 1f1b | gpipe (same makespan with equal stages)
   double memory_headroom = 0.9;    // use at most this fraction of device memory
   const Calibration* calibration = nullptr;
 };
@@ -182,6 +209,7 @@ struct Estimate {
   double samples_per_s = 0;
   double efficiency = 0;       // useful compute time at the device rate / step time
   std::map<std::string, double> comm_parts;  // seconds by collective
+  std::vector<int64_t> partition;  // children per pipeline stage (models that list them)
 };
 
 Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, const PlanOptions& o);

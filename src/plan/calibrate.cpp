@@ -76,6 +76,45 @@ double time_fwd_bwd(torch::nn::Sequential& model, const std::string& name, int64
   return median(t);
 }
 
+// Median seconds of each child's forward+backward at batch b, one after another on the real
+// activations (the input requires grad where the model's does: after the first child with
+// parameters), the last child with the loss; one pass of `iters` per child after `warmup`.
+std::vector<double> time_layers(torch::nn::Sequential& model, const std::string& name, int64_t b, int warmup,
+                                int iters) {
+  auto [x, y] = sample_batch(name, b);
+  std::vector<double> out;
+  bool needs_grad = false;
+  const size_t n = model->size();
+  for (size_t i = 0; i < n; ++i) {
+    auto& child = *(model->begin() + static_cast<std::ptrdiff_t>(i));
+    auto params = child.ptr()->parameters();
+    at::Tensor xi = x.detach();
+    if (needs_grad && at::isFloatingType(xi.scalar_type())) xi.requires_grad_(true);
+    std::vector<double> t;
+    at::Tensor yi;
+    for (int k = 0; k < warmup + iters; ++k) {
+      auto t0 = Clock::now();
+      for (auto& p : params)
+        if (p.grad().defined()) p.mutable_grad().zero_();
+      yi = child.forward(xi);
+      if (i + 1 == n) {
+        auto loss = loss_of(yi, y);
+        loss.backward();
+        (void)loss.item<double>();
+      } else if (yi.requires_grad()) {
+        yi.backward(at::ones_like(yi));
+        if (xi.requires_grad()) (void)xi.grad().data_ptr();
+      }
+      if (xi.requires_grad()) xi.mutable_grad() = at::Tensor();
+      if (k >= warmup) t.push_back(seconds_since(t0));
+    }
+    out.push_back(median(t));
+    needs_grad = needs_grad || !params.empty();
+    x = yi.detach();
+  }
+  return out;
+}
+
 // Fits time = overhead + flops(b) / rate from two batch sizes.
 void fit_rate(double flops_per_sample, int64_t b1, double t1, int64_t b2, double t2, double& rate, double& overhead) {
   const double f1 = flops_per_sample * b1, f2 = flops_per_sample * b2;
@@ -169,6 +208,30 @@ void calibrate_compute(Calibration& cal, const std::vector<std::string>& models,
     }
     fit_rate(f, b1, median(a1), b2, median(a2), mr.flops_1t, mr.overhead_s);
     fit_rate(f, b1, median(c1), b2, median(c2), mr.flops_all, ovh_all);
+    // Child by child (one thread), for pipeline stages and tensor-parallel shards: time =
+    // overhead + per-sample * batch through the two batch sizes, median of three rounds.
+    if (!spec.children.empty() && spec.children.size() == model->size()) {
+      at::set_num_threads(1);
+      std::vector<std::vector<double>> l1(model->size()), l2(model->size());
+      for (int round = 0; round < 3; ++round) {
+        auto t1 = time_layers(model, name, b1, 2, 7), t2 = time_layers(model, name, b2, 2, 7);
+        for (size_t i = 0; i < t1.size(); ++i) {
+          l1[i].push_back(t1[i]);
+          l2[i].push_back(t2[i]);
+        }
+      }
+      for (size_t i = 0; i < l1.size(); ++i) {
+        const double m1 = median(l1[i]), m2 = median(l2[i]);
+        double per = std::max(0.0, (m2 - m1) / static_cast<double>(b2 - b1));
+        double fixed = m1 - per * static_cast<double>(b1);
+        if (fixed < 0) {
+          fixed = 0;
+          per = m2 / static_cast<double>(b2);
+        }
+        mr.layer_overhead_s.push_back(fixed);
+        mr.layer_s_per_sample.push_back(per);
+      }
+    }
     at::set_num_threads(1);
     const double params = static_cast<double>(models::count_parameters(*model));
     mr.sgd_s_per_param = time_optimizer(model, "sgd") / params;
@@ -204,18 +267,41 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
     auto [x, y] = sample_batch(name, b);
     std::vector<double> ts;
     comm->barrier();
-    for (int i = 0; i < 9; ++i) {
-      auto t0 = Clock::now();
+    auto train_once = [&] {
       model->zero_grad(/*set_to_none=*/false);
       auto loss = loss_of(model->forward(x), y);
       loss.backward();
       (void)loss.item<double>();
+    };
+    for (int i = 0; i < 9; ++i) {
+      auto t0 = Clock::now();
+      train_once();
       comm->barrier();
       double dt = slowest(seconds_since(t0));
       if (i >= 2) ts.push_back(dt);
     }
     const double ts_med = median(ts);
     if (ts_med - ovh > 0) cal.models[name].flops_synchronized[n] = f / (ts_med - ovh);
+    // Ranks 0..a-1 compute while ranks a..n-1 wait in a receive from rank 0 (as idle pipeline
+    // stages do: their progress threads poll): the computing ranks' rate, slowest rank's median.
+    for (int a = 1; a < n; ++a) {
+      std::vector<double> ta;
+      auto token = torch::zeros({1});
+      comm->barrier();
+      if (comm->rank() < a) {
+        for (int i = 0; i < 9; ++i) {
+          auto t0 = Clock::now();
+          train_once();
+          if (i >= 2) ta.push_back(seconds_since(t0));
+        }
+        if (comm->rank() == 0)
+          for (int r = a; r < n; ++r) comm->send(token, r, 9);
+      } else {
+        comm->recv(token, 0, 9);
+      }
+      const double tm = slowest(ta.empty() ? 0.0 : median(ta));
+      if (tm - ovh > 0) cal.models[name].flops_while_waiting[n][a] = f / (tm - ovh);
+    }
   }
   // Collectives at 4 KiB (latency) and 256 KiB .. 16 MiB (bandwidth), float32, median of the
   // slowest rank: alpha = t(4 KiB) / steps; bandwidth by least squares through the origin of
@@ -247,6 +333,44 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         }
       }
     }
+  }
+  // Point-to-point as a pipeline transfers (the receive posted, a send, the receiver waits):
+  // ranks 2k and 2k+1 ping-pong, every pair at once; half the round trip of the slowest pair,
+  // median of three interleaved rounds of 8 after 2 warm-ups. alpha = t(4 KiB), bandwidth by
+  // least squares over the larger sizes.
+  {
+    const std::vector<int64_t> p2p_sizes = {4 << 10, 256 << 10, 1 << 20, 4 << 20};
+    std::vector<std::vector<double>> pt(p2p_sizes.size());
+    const int me = comm->rank(), peer = me ^ 1;
+    const bool paired = peer < n;
+    for (int round = 0; round < 3; ++round) {
+      for (size_t k = 0; k < p2p_sizes.size(); ++k) {
+        auto buf = torch::ones({p2p_sizes[k] / 4});
+        for (int i = 0; i < 10; ++i) {
+          comm->barrier();
+          auto t0 = Clock::now();
+          if (paired && me % 2 == 0) {
+            comm->send(buf, peer, 7);
+            comm->recv(buf, peer, 8);
+          } else if (paired) {
+            comm->recv(buf, peer, 7);
+            comm->send(buf, peer, 8);
+          }
+          const double dt = slowest(paired ? seconds_since(t0) / 2 : 0.0);
+          if (i >= 2) pt[k].push_back(dt);
+        }
+      }
+    }
+    AlphaBeta ab;
+    ab.alpha = median(pt[0]);
+    double sxy = 0, sxx = 0;
+    for (size_t k = 1; k < p2p_sizes.size(); ++k) {
+      const double xk = static_cast<double>(p2p_sizes[k]), yk = std::max(0.0, median(pt[k]) - ab.alpha);
+      sxy += xk * yk;
+      sxx += xk * xk;
+    }
+    ab.bandwidth = sxy > 0 ? sxx / sxy : static_cast<double>(p2p_sizes.back()) / median(pt.back());
+    cal.p2p[n] = ab;
   }
   for (const auto& op : ops) {
     std::vector<double> xs, ys;
@@ -286,10 +410,19 @@ std::string calibration_to_json(const Calibration& cal) {
                             return o;
                           }()},
                          {"sgd_s_per_param", m.sgd_s_per_param},
-                         {"adam_s_per_param", m.adam_s_per_param}};
+                         {"adam_s_per_param", m.adam_s_per_param},
+                         {"flops_while_waiting", [&] {
+                            nlohmann::json o = nlohmann::json::object();
+                            for (const auto& [n, by_a] : m.flops_while_waiting)
+                              for (const auto& [a, r] : by_a) o[std::to_string(n)][std::to_string(a)] = r;
+                            return o;
+                          }()},
+                         {"layer_overhead_s", m.layer_overhead_s},
+                         {"layer_s_per_sample", m.layer_s_per_sample}};
   }
   for (const auto& [n, ops] : cal.collectives)
     for (const auto& [op, ab] : ops) j["collectives"][std::to_string(n)][op] = {{"alpha", ab.alpha}, {"bandwidth", ab.bandwidth}};
+  for (const auto& [n, ab] : cal.p2p) j["p2p"][std::to_string(n)] = {{"alpha", ab.alpha}, {"bandwidth", ab.bandwidth}};
   return j.dump(2);
 }
 
@@ -311,11 +444,21 @@ Calibration calibration_from_json(const std::string& text) {
         r.overhead_s = m.value("overhead_s", 0.0);
         r.sgd_s_per_param = m.value("sgd_s_per_param", 0.0);
         r.adam_s_per_param = m.value("adam_s_per_param", 0.0);
+        r.layer_overhead_s = m.value("layer_overhead_s", std::vector<double>{});
+        r.layer_s_per_sample = m.value("layer_s_per_sample", std::vector<double>{});
+        if (r.layer_overhead_s.size() != r.layer_s_per_sample.size())
+          throw std::invalid_argument("models." + name + ": layer_overhead_s and layer_s_per_sample differ in length");
+        if (m.contains("flops_while_waiting"))
+          for (auto& [n, by_a] : m["flops_while_waiting"].items())
+            for (auto& [a, v] : by_a.items()) r.flops_while_waiting[std::stoi(n)][std::stoi(a)] = v.get<double>();
         if (m.contains("flops_synchronized"))
           for (auto& [n, v] : m["flops_synchronized"].items()) r.flops_synchronized[std::stoi(n)] = v.get<double>();
         cal.models[name] = r;
       }
     }
+    if (j.contains("p2p"))
+      for (auto& [n, ab] : j["p2p"].items())
+        cal.p2p[std::stoi(n)] = AlphaBeta{ab.at("alpha").get<double>(), ab.at("bandwidth").get<double>()};
     if (j.contains("collectives")) {
       for (auto& [n, ops] : j["collectives"].items())
         for (auto& [op, ab] : ops.items())

@@ -4,11 +4,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <tuple>
 
+#include "tandem/pipeline_schedule.h"
 #include "tandem/plan.h"
 
 namespace tandem::plan {
@@ -108,6 +110,97 @@ std::vector<int64_t> divisors(int64_t n) {
   for (int64_t i = 1; i <= n; ++i)
     if (n % i == 0) d.push_back(i);
   return d;
+}
+
+
+// ---- layer by layer (models with ModelSpec::children)
+
+// Whether autograd computes this child's input gradient: some earlier child has parameters (or,
+// on a pipeline stage after the first, the received activation requires it).
+std::vector<bool> input_grad_needed(const ModelSpec& m) {
+  std::vector<bool> need(m.children.size(), false);
+  bool any = false;
+  for (size_t i = 0; i < m.children.size(); ++i) {
+    need[i] = any;
+    any = any || m.children[i].parameters > 0;
+  }
+  return need;
+}
+
+// Forward+backward FLOPs per sample of child i: forward, the weight gradient (with parameters),
+// the input gradient (when needed): 1x each for FLOP-counted layers.
+double layer_train_flops(const LayerSpec& l, bool input_grad) {
+  return l.forward_flops * (1.0 + (l.parameters > 0 ? 1.0 : 0.0) + (input_grad ? 1.0 : 0.0));
+}
+
+// The split of a child over tp ranks: column- and row-parallel Linears compute 1/tp of it.
+double tp_share(const LayerSpec& l, int tp) { return (tp > 1 && !l.tp.empty()) ? 1.0 / tp : 1.0; }
+
+struct StageTimes {
+  double fwd = 0, bwd = 0;            // compute per micro-batch
+  double tp_fwd = 0, tp_bwd = 0;      // tensor-parallel all-reduces per micro-batch
+  double params = 0;                  // on one device of this stage (tp shards)
+  double out_bytes = 0;               // activation sent to the next stage per micro-batch
+};
+
+// Makespan of one pipelined step: every stage runs pipeline_order() (as tandem::Pipeline does);
+// a forward waits for the previous stage's forward of that micro-batch plus a transfer, a
+// backward for the next stage's backward plus a transfer. Stage times are at full speed;
+// speed(k) is the rate at which each of k stages computing at once progresses (1 on devices of
+// their own; on shared CPU cores the calibrated rate of k * tp * dp workers against one thread).
+// A fluid simulation: between events every running operation advances at speed(running).
+double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpipe, const std::vector<double>& xfer,
+                         const std::function<double(int)>& speed) {
+  const int p = static_cast<int>(st.size());
+  std::vector<std::vector<std::pair<bool, int64_t>>> order(p);
+  for (int s = 0; s < p; ++s) order[s] = pipeline_order(gpipe, s, p, m);
+  const double unset = -1.0, inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> f_end(p, std::vector<double>(m, unset)), b_end = f_end;
+  std::vector<size_t> next(p, 0);
+  std::vector<double> left(p, -1.0);  // work left of the running operation; < 0: not started
+  double now = 0.0;
+  auto ready_at = [&](int s) {  // when stage s's next operation may start (inf: not known yet)
+    auto [fwd, i] = order[s][next[s]];
+    if (fwd) return s == 0 ? 0.0 : (f_end[s - 1][i] < 0 ? inf : f_end[s - 1][i] + xfer[s - 1]);
+    return s == p - 1 ? 0.0 : (b_end[s + 1][i] < 0 ? inf : b_end[s + 1][i] + xfer[s]);
+  };
+  for (;;) {
+    int running = 0;
+    double next_start = inf;
+    bool all_done = true;
+    for (int s = 0; s < p; ++s) {
+      if (next[s] >= order[s].size()) continue;
+      all_done = false;
+      if (left[s] < 0) {
+        const double r = ready_at(s);
+        if (r <= now + 1e-15) {
+          auto [fwd, i] = order[s][next[s]];
+          left[s] = fwd ? st[s].fwd + st[s].tp_fwd : st[s].bwd + st[s].tp_bwd;
+        } else {
+          next_start = std::min(next_start, r);
+        }
+      }
+      if (left[s] >= 0) ++running;
+    }
+    if (all_done) break;
+    const double v = running > 0 ? std::max(1e-9, speed(running)) : 1.0;
+    double dt = next_start - now;
+    for (int s = 0; s < p; ++s)
+      if (next[s] < order[s].size() && left[s] >= 0) dt = std::min(dt, left[s] / v);
+    if (!std::isfinite(dt)) throw std::logic_error("pipeline simulation deadlocked");
+    now += dt;
+    for (int s = 0; s < p; ++s) {
+      if (next[s] >= order[s].size() || left[s] < 0) continue;
+      left[s] -= dt * v;
+      if (left[s] <= 1e-12) {
+        auto [fwd, i] = order[s][next[s]];
+        (fwd ? f_end : b_end)[s][i] = now;
+        left[s] = -1.0;
+        ++next[s];
+      }
+    }
+  }
+  return now;
 }
 
 }  // namespace
@@ -313,8 +406,28 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   const DeviceSpec dev = slowest_device(c);
   const int64_t batch = o.global_batch > 0 ? o.global_batch : (m.kind == "transformer" ? 1024 : 256);
 
+  // Layer by layer for models that list their children (pipeline cut by parameter count, as
+  // tandem::partition_by_parameters does; tensor parallelism splitting the Linear pairs).
+  const bool layered = !m.children.empty() && (tp > 1 || pp > 1);
+  const int64_t n_layers = m.children.empty() ? m.layers : static_cast<int64_t>(m.children.size());
+  std::vector<int64_t> partition;
+  std::vector<double> stage_params;
+  if (layered && pp <= n_layers) {
+    std::vector<double> costs;
+    for (const auto& l : m.children) costs.push_back(std::max(1.0, l.parameters));
+    partition = balance_partition(costs, pp);
+    e.partition = partition;
+    size_t i = 0;
+    for (int64_t k : partition) {
+      double ps = 0;
+      for (int64_t j = 0; j < k; ++j, ++i) ps += m.children[i].parameters * tp_share(m.children[i], tp);
+      stage_params.push_back(ps);
+    }
+  }
+
   // Memory first: it is meaningful even for layouts that are infeasible for other reasons.
-  const double psi_dev = m.parameters / (static_cast<double>(tp) * pp);
+  const double psi_dev = stage_params.empty() ? m.parameters / (static_cast<double>(tp) * pp)
+                                              : *std::max_element(stage_params.begin(), stage_params.end());
   e.memory = zero_model_states(psi_dev, l.zero, dp, sb);
   const int64_t per_replica = batch / dp;
   const int64_t mb = std::max<int64_t>(1, l.micro_batch);
@@ -338,15 +451,27 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   if (per_replica % mb != 0 || per_replica / mb != mcount)
     return infeasible("micro-batch " + std::to_string(mb) + " x " + std::to_string(mcount) + " does not make the " +
                       std::to_string(per_replica) + " samples per replica");
-  if (pp > m.layers)
-    return infeasible("too few layers: " + std::to_string(m.layers) + " layers for " + std::to_string(pp) + " pipeline stages");
-  if (tp > 1) {
+  if (pp > n_layers)
+    return infeasible("too few layers: " + std::to_string(n_layers) + " layers for " + std::to_string(pp) + " pipeline stages");
+  if (tp > 1 && !m.children.empty()) {
+    bool pairs = false;
+    for (const auto& l : m.children) {
+      if (l.tp != "column") continue;
+      pairs = true;
+      if (static_cast<int64_t>(l.output_elems) % tp != 0)
+        return infeasible("hidden width " + fmt("%.0f", l.output_elems) + " of a Linear pair does not split over tensor-parallel " +
+                          std::to_string(tp));
+    }
+    if (!pairs) return infeasible("tensor parallelism needs Linear pairs (or attention heads) to split");
+  } else if (tp > 1) {
     if (m.kind != "transformer" || m.heads < 1)
       return infeasible("tensor parallelism needs attention heads to split (a transformer description)");
     if (m.heads % tp != 0)
       return infeasible("indivisible heads: " + std::to_string(m.heads) + " heads over tensor-parallel " + std::to_string(tp));
     if (m.hidden % tp != 0)
       return infeasible("hidden size " + std::to_string(m.hidden) + " does not split over tensor-parallel " + std::to_string(tp));
+  }
+  if (tp > 1 && !c.cpu) {
     if (tp > dpn)
       return infeasible("tensor-parallel group of " + std::to_string(tp) + " spans nodes (" + std::to_string(dpn) +
                         " devices per node): its per-layer all-reduces need the intra-node link");
@@ -383,10 +508,106 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     p2p_mb = 2.0 * (link.latency + bytes / link.bandwidth);
     e.comm_parts["pp send/recv"] = p2p_mb * (mcount + pp - 1);
   }
-  const double slot = t_mb + tp_mb + p2p_mb;
+  double slot = t_mb + tp_mb + p2p_mb;
   e.compute_s = t_mb * mcount;
   e.bubble_s = (pp - 1) * slot;
-  const double pipeline_s = (mcount + pp - 1) * slot;
+  double pipeline_s = (mcount + pp - 1) * slot;
+  bool layered_overhead = false;  // per-layer fits include the fixed cost of every forward+backward
+  if (layered && !partition.empty()) {
+    // Per child: forward+backward seconds per micro-batch on one worker of this layout. With a
+    // per-layer calibration: its fixed + per-sample fit (one thread) scaled by this world's rate
+    // against one thread's; otherwise FLOPs at the worker rate.
+    const std::vector<bool> need = input_grad_needed(m);
+    const ModelRates* mr = nullptr;
+    if (c.cpu && o.calibration) {
+      auto it = o.calibration->models.find(m.name);
+      if (it != o.calibration->models.end() && it->second.layer_s_per_sample.size() == m.children.size() &&
+          it->second.layer_overhead_s.size() == m.children.size() && it->second.flops_1t > 0)
+        mr = &it->second;
+    }
+    // With the per-layer fits, stage times are one thread's alone; speed(k) scales them to k
+    // stages (k * tp * dp workers) computing at once on the shared cores.
+    const int cores = c.cpu && o.calibration ? std::max(1, o.calibration->cores) : 1;
+    const int threads = std::max(1, cores / used);
+    auto speed = [&](int active_stages) {
+      if (!mr) return 1.0;
+      const int n = active_stages * tp * dp;
+      if (n >= used || threads > 1) return r.flops / mr->flops_1t;  // everyone at once: the world's rate
+      // Measured: n of `used` workers computing while the others wait in a receive.
+      if (auto w = mr->flops_while_waiting.find(used); w != mr->flops_while_waiting.end()) {
+        auto a = w->second.find(n);
+        if (a != w->second.end() && a->second > 0) return a->second / mr->flops_1t;
+      }
+      if (n == 1) return 1.0;
+      auto it = mr->flops_synchronized.find(n);
+      if (it != mr->flops_synchronized.end() && it->second > 0) return it->second / mr->flops_1t;
+      const double conc = mr->flops_concurrent > 0 ? mr->flops_concurrent : mr->flops_1t;
+      return conc * std::min(1.0, static_cast<double>(cores) / n) / mr->flops_1t;
+    };
+    std::vector<StageTimes> st;
+    std::vector<double> xfer;
+    size_t i = 0;
+    e.comm_parts.erase("tp allreduce");
+    e.comm_parts.erase("pp send/recv");
+    double tp_total = 0, xfer_total = 0;
+    for (int64_t count : partition) {
+      StageTimes t;
+      for (int64_t j = 0; j < count; ++j, ++i) {
+        const LayerSpec& ly = m.children[i];
+        const bool in_grad = need[i] || (j == 0 && !st.empty());  // a later stage's input requires grad
+        const double share = tp_share(ly, tp);
+        const double train = layer_train_flops(ly, in_grad);
+        double secs;
+        if (mr) {
+          secs = mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * static_cast<double>(mb) * share;
+        } else {
+          secs = train * static_cast<double>(mb) * share / r.flops;
+        }
+        // Forward is its FLOP share of the layer's training work (a third with both gradients).
+        const double fshare = train > 0 ? ly.forward_flops / train : 0.5;
+        t.fwd += secs * fshare;
+        t.bwd += secs * (1.0 - fshare);
+        t.params += ly.parameters * share;
+        if (tp > 1 && ly.tp == "row")
+          t.tp_fwd += collective_seconds(c, o, "allreduce", tp, static_cast<double>(mb) * ly.output_elems * act_elem, 1);
+        if (tp > 1 && ly.tp == "column" && in_grad)
+          t.tp_bwd += collective_seconds(c, o, "allreduce", tp, static_cast<double>(mb) * ly.input_elems * act_elem, 1);
+        t.out_bytes = static_cast<double>(mb) * ly.output_elems * act_elem * (ly.tp == "column" ? 1.0 / tp : 1.0);
+      }
+      tp_total += (t.tp_fwd + t.tp_bwd) * mcount;
+      // The simulation divides work by the compute speed; the all-reduces run at their
+      // calibrated pace (taken with every stage busy).
+      t.tp_fwd *= speed(pp);
+      t.tp_bwd *= speed(pp);
+      st.push_back(t);
+    }
+    for (size_t s2 = 0; s2 + 1 < st.size(); ++s2) {
+      AlphaBeta ab{c.intra.latency, c.intra.bandwidth};
+      if (!c.cpu && tp * pp > dpn) ab = AlphaBeta{c.inter.latency, c.inter.bandwidth};
+      if (c.cpu && o.calibration && !o.calibration->p2p.empty()) {
+        auto it = o.calibration->p2p.lower_bound(used);  // this world size, or the nearest measured
+        if (it == o.calibration->p2p.end()) it = std::prev(o.calibration->p2p.end());
+        if (it->second.bandwidth > 0) ab = it->second;
+      }
+      xfer.push_back(ab.alpha + st[s2].out_bytes / ab.bandwidth);
+      xfer_total += 2.0 * xfer.back() * mcount;
+    }
+    if (tp > 1) e.comm_parts["tp allreduce"] = tp_total;
+    if (pp > 1) e.comm_parts["pp send/recv"] = xfer_total;
+    double slowest = 0, compute_max = 0;
+    for (const auto& t : st) {
+      slowest = std::max(slowest, t.fwd + t.bwd + t.tp_fwd + t.tp_bwd);
+      compute_max = std::max(compute_max, t.fwd + t.bwd);
+    }
+    slot = slowest;
+    e.compute_s = compute_max * mcount;
+    pipeline_s = simulate_pipeline(st, mcount, o.pipeline_schedule == "gpipe", xfer, speed);
+    const double all_busy = speed(pp);
+    slot /= all_busy;
+    e.compute_s /= all_busy;
+    e.bubble_s = std::max(0.0, pipeline_s - slot * mcount);
+    layered_overhead = mr != nullptr;
+  }
 
   // Data-parallel gradient and parameter collectives, overlapped with the last backward.
   double exposed = 0.0;
@@ -394,7 +615,9 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     const int stride = tp * pp;
     const double grad_bytes = psi_dev * (is_16bit(o.precision) ? 2.0 : 4.0);
     const double param_bytes = psi_dev * sb.param;
-    const double window = slot * 2.0 / 3.0;  // backward of the last micro-batch
+    // Backward of the last micro-batch; with a pipeline, Tandem averages the stage's gradients
+    // after the whole step (nothing to hide behind).
+    const double window = pp > 1 ? 0.0 : slot * 2.0 / 3.0;
     auto per_bucket = [&](const std::string& op, double bytes) {
       std::vector<double> t;
       for (double b : split_buckets(bytes, l.bucket_bytes)) t.push_back(collective_seconds(c, o, op, dp, b, stride));
@@ -436,7 +659,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     const double bytes_per_param = sb.param + sb.grad + 2.0 * sb.optimizer;  // read/write state, read grad, write param
     e.optimizer_s = params_updated * bytes_per_param / dev.memory_bandwidth;
   }
-  e.step_s = pipeline_s + exposed + e.optimizer_s + r.overhead;
+  e.step_s = pipeline_s + exposed + e.optimizer_s + (layered_overhead ? 0.0 : r.overhead);
   e.samples_per_s = batch / e.step_s;
 
   // Efficiency: one device running the whole batch with no communication (memory permitting

@@ -36,6 +36,18 @@ ModelSpec dense(const std::string& name, double params, double fwd_flops, double
   return m;
 }
 
+LayerSpec layer(const std::string& name, double params, double flops, double in, double out,
+               const std::string& tp = "") {
+  LayerSpec l;
+  l.name = name;
+  l.parameters = params;
+  l.forward_flops = flops;
+  l.input_elems = in;
+  l.output_elems = out;
+  l.tp = tp;
+  return l;
+}
+
 }  // namespace
 
 ModelSpec transformer_model(int64_t layers, int64_t hidden, int64_t heads, int64_t seq, int64_t vocab,
@@ -64,13 +76,20 @@ ModelSpec builtin_model(const std::string& name) {
     // Flatten, 784-1024 ReLU, 1024-1024 ReLU, 1024-10.
     const double w[] = {784, 1024, 1024, 10};
     double params = 0, flops = 0;
+    std::vector<LayerSpec> kids = {layer("flatten", 0, 0, 784, 784)};
     for (int i = 0; i < 3; ++i) {
       params += w[i] * w[i + 1] + w[i + 1];
       flops += 2 * w[i] * w[i + 1];
+      // tensor_parallel() pairs the first two Linears (column, row); the head stays replicated.
+      kids.push_back(layer("linear", w[i] * w[i + 1] + w[i + 1], 2 * w[i] * w[i + 1], w[i], w[i + 1],
+                           i == 0 ? "column" : i == 1 ? "row" : ""));
+      if (i < 2) kids.push_back(layer("relu", 0, 0, w[i + 1], w[i + 1]));
     }
     // Kept for backward (float32): the input, each linear output and each ReLU output, logits.
     double act = (784 + 2 * 1024 + 2 * 1024 + 10) * 4.0;
-    return dense("mlp", params, flops, act, 3, 1024);
+    ModelSpec m = dense("mlp", params, flops, act, 3, 1024);
+    m.children = kids;
+    return m;
   }
   if (name == "cnn" || name == "cnn_bn") {
     const bool bn = name == "cnn_bn";
@@ -80,7 +99,21 @@ ModelSpec builtin_model(const std::string& name) {
     // input, conv1 out, relu1, pool1 (+indices), conv2 out, relu2, pool2 (+indices), fc1, relu, logits
     double act = 784 + 2 * 25088.0 + 2 * 6272 + 2 * 12544.0 + 2 * 3136 + 2 * 128 + 10;
     if (bn) act += 25088 + 12544;
-    return dense(name, params, flops, act * 4.0, 4, 3136);
+    ModelSpec m = dense(name, params, flops, act * 4.0, 4, 3136);
+    // models/cnn.cpp, child by child; tensor_parallel() pairs the two Linears.
+    m.children.push_back(layer("conv", 1 * 32 * 9 + 32, 2.0 * 28 * 28 * 32 * 9, 784, 25088));
+    if (bn) m.children.push_back(layer("batchnorm", 64, 0, 25088, 25088));
+    m.children.push_back(layer("relu", 0, 0, 25088, 25088));
+    m.children.push_back(layer("pool", 0, 0, 25088, 6272));
+    m.children.push_back(layer("conv", 32 * 64 * 9 + 64, 2.0 * 14 * 14 * 64 * 9 * 32, 6272, 12544));
+    if (bn) m.children.push_back(layer("batchnorm", 128, 0, 12544, 12544));
+    m.children.push_back(layer("relu", 0, 0, 12544, 12544));
+    m.children.push_back(layer("pool", 0, 0, 12544, 3136));
+    m.children.push_back(layer("flatten", 0, 0, 3136, 3136));
+    m.children.push_back(layer("linear", 3136 * 128 + 128, 2.0 * 3136 * 128, 3136, 128, "column"));
+    m.children.push_back(layer("relu", 0, 0, 128, 128));
+    m.children.push_back(layer("linear", 128 * 10 + 10, 2.0 * 128 * 10, 128, 10, "row"));
+    return m;
   }
   if (name == "transformer_tiny") {
     // vocab 256, d_model 64, 4 heads, 2 layers, seq 64, MLP 4x, LM head (models/transformer.cpp).

@@ -16,4 +16,37 @@ if command -v gnuplot >/dev/null; then
 else
   grep -q "no plot: gnuplot is not installed" out.txt
 fi
+
+# Calibration (2 workers, small batch) and a bench of data- and model-parallel layouts that
+# predicts every row from it.
+"$tandem" plan --calibrate --calibrate-workers 2 --calibrate-batch 32 --model mlp --workers 1,2 --batch 64 \
+  --calibration cal.json > plan.txt
+python3 - cal.json <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+for m, kids in (("mlp", 6), ("cnn", 10), ("cnn_bn", 12)):
+    r = c["models"][m]
+    assert len(r["layer_overhead_s"]) == kids and len(r["layer_s_per_sample"]) == kids, (m, r)
+    assert all(x >= 0 for x in r["layer_overhead_s"] + r["layer_s_per_sample"]), (m, r)
+    assert sum(r["layer_s_per_sample"]) > 0, (m, r)
+    assert r["flops_synchronized"]["2"] > 0 and r["flops_while_waiting"]["2"]["1"] > 0, (m, r)
+assert c["p2p"]["2"]["alpha"] > 0 and c["p2p"]["2"]["bandwidth"] > 0, c["p2p"]
+assert c["collectives"]["2"]["allreduce"]["bandwidth"] > 0
+print("calibration ok")
+PY
+"$tandem" plan --cluster local --devices 2 --model mlp --batch 64 --calibration cal.json > layouts.txt
+for l in "dp1 tp2 pp1" "dp1 tp1 pp2"; do
+  grep -q "$l" layouts.txt || { echo "the local plan of 2 workers lacks $l"; cat layouts.txt; exit 1; }
+done
+"$tandem" bench --model mlp --workers 1,2 --strategies ddp,tp2,pp2,pp2-gpipe --micro-batches 2 --steps 4 --batch 64 \
+  --csv l.csv --no-plot --calibration cal.json | tee out2.txt
+[ "$(wc -l < l.csv)" -eq 6 ] || { echo "expected a header and 5 rows in l.csv"; cat l.csv; exit 1; }
+python3 - l.csv <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+assert [r["strategy"] for r in rows] == ["single", "ddp", "tp2", "pp2", "pp2-gpipe"], rows
+for r in rows:
+    assert float(r["predicted_ms"]) > 0 and float(r["step_ms"]) > 0, r
+print("layout bench ok")
+PY
 echo "bench ok"

@@ -39,5 +39,9 @@ expect bad-workers "worker counts must be at least 1" -- "$tandem" plan --model 
 expect calibrate-remote "--calibrate measures this machine" -- "$tandem" plan --model gpt2 --cluster h100x8 --calibrate
 expect bench-uneven "does not split evenly over every worker count" -- "$tandem" bench --workers 2,3 --batch 128
 expect bench-no-data "dataset directory '/nonexistent' not found" -- "$tandem" bench --data /nonexistent
+expect bench-bad-layout "unknown entry 'tp2x'" -- "$tandem" bench --strategies ddp,tp2x
+expect bench-micro-batches "does not split into --micro-batches 5" -- "$tandem" bench --workers 1,2 --batch 64 --strategies pp2 --micro-batches 5
+printf '{"cores": 2, "models": {"mlp": {"layer_overhead_s": [1, 2], "layer_s_per_sample": [1]}}}\n' > cal-bad.json
+expect bench-bad-calibration "calibration file is not valid.*differ in length" -- "$tandem" bench --calibration cal-bad.json
 echo "$fails failed"
 [ $fails -eq 0 ]

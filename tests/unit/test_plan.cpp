@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "tandem/models.h"
+#include "tandem/pipeline.h"
 #include "tandem/plan.h"
 
 namespace tp = tandem::plan;
@@ -256,4 +257,121 @@ TEST(Plan, LocalCalibratedModel) {
   // ZeRO-2: optimizer on half the parameters; reduce-scatter + all-gather instead of all-reduce.
   EXPECT_NEAR(z2.optimizer_s, 421642 / 2.0 * 2e-9, 1e-12);
   EXPECT_GT(z2.comm_parts.at("dp allgather"), 0.0);
+}
+
+// The dense built-ins list their children as LibTorch builds them (parameters child by child),
+// the pipeline cut is the trainer's (tandem::partition_by_parameters), and tensor parallelism
+// pairs Linears as tandem::tp::tensor_parallel does (column, elementwise children, row).
+TEST(Plan, LayeredModelsMatchLibTorchAndTheTrainersCut) {
+  for (const std::string name : {"mlp", "cnn", "cnn_bn"}) {
+    auto module = tandem::models::make_model(name);
+    const auto spec = tp::builtin_model(name);
+    ASSERT_EQ(spec.children.size(), module->size()) << name;
+    double total = 0;
+    for (size_t i = 0; i < spec.children.size(); ++i) {
+      int64_t n = 0;
+      for (const auto& p : (module->begin() + static_cast<std::ptrdiff_t>(i))->ptr()->parameters()) n += p.numel();
+      EXPECT_EQ(static_cast<int64_t>(spec.children[i].parameters), n) << name << " child " << i;
+      total += spec.children[i].parameters;
+      if (i > 0) EXPECT_EQ(spec.children[i].input_elems, spec.children[i - 1].output_elems) << name << " child " << i;
+      if (spec.children[i].tp == "row") {
+        size_t j = i - 1;
+        while (spec.children[j].name == "relu") --j;
+        EXPECT_EQ(spec.children[j].tp, "column") << name;
+      }
+    }
+    EXPECT_EQ(total, spec.parameters) << name;
+    auto c = tp::cluster_preset("h100x8");
+    tp::PlanOptions o;
+    o.global_batch = 64;
+    for (int pp = 2; pp <= 4; ++pp) {
+      tp::Layout l;
+      l.pp = pp; l.micro_batch = 16; l.micro_batches = 4;
+      auto e = tp::estimate(spec, c, l, o);
+      ASSERT_TRUE(e.feasible) << name << " pp " << pp << ": " << e.why;
+      EXPECT_EQ(e.partition, tandem::partition_by_parameters(module, pp)) << name << " pp " << pp;
+    }
+  }
+  // Tensor parallelism of a dense model: the pair's width must split; a model without pairs cannot.
+  auto c = tp::cluster_preset("h100x8");
+  tp::PlanOptions o;
+  o.global_batch = 64;
+  tp::Layout l;
+  l.tp = 2; l.micro_batch = 64;
+  EXPECT_TRUE(tp::estimate(tp::builtin_model("mlp"), c, l, o).feasible);
+  l.tp = 3;
+  auto e3 = tp::estimate(tp::builtin_model("mlp"), c, l, o);
+  EXPECT_FALSE(e3.feasible);
+  EXPECT_NE(e3.why.find("does not split over tensor-parallel 3"), std::string::npos) << e3.why;
+  auto no_pairs = tp::builtin_model("mlp");
+  for (auto& ch : no_pairs.children) ch.tp.clear();
+  l.tp = 2;
+  auto en = tp::estimate(no_pairs, c, l, o);
+  EXPECT_FALSE(en.feasible);
+  EXPECT_NE(en.why.find("Linear pairs"), std::string::npos) << en.why;
+}
+
+// Layer by layer: equal stages give the textbook (m + p - 1) slots under both schedules;
+// unequal ones Sum(t_s) + (m - 1) max(t_s); a calibration's per-layer fits and the tensor-parallel
+// split and all-reduces enter as the formulas say.
+TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
+  tp::ModelSpec m;
+  m.name = "four";
+  m.kind = "dense";
+  m.layers = 4;
+  for (int i = 0; i < 4; ++i) {
+    tp::LayerSpec ly;
+    ly.name = "linear";
+    ly.parameters = 1e6;
+    ly.forward_flops = 2e6;
+    ly.input_elems = ly.output_elems = 1000;
+    m.children.push_back(ly);
+    m.parameters += ly.parameters;
+    m.forward_flops_per_sample += ly.forward_flops;
+  }
+  m.activation_bytes_per_sample = 1e4;
+  auto c = tp::cluster_preset("h100x8");
+  c.intra.latency = 0;
+  c.intra.bandwidth = 1e30;  // free transfers
+  tp::PlanOptions o;
+  o.global_batch = 64;
+  const double rate = c.groups[0].device.flops * c.groups[0].device.mfu;
+  for (const std::string sched : {"gpipe", "1f1b"}) {
+    o.pipeline_schedule = sched;
+    tp::Layout l;
+    l.pp = 4; l.micro_batch = 8; l.micro_batches = 8;
+    auto e = tp::estimate(m, c, l, o);
+    ASSERT_TRUE(e.feasible) << e.why;
+    // Stage 0's first layer computes no input gradient: 2 passes, the others 3.
+    const double t0 = 2 * 2e6 * 8 / rate, t = 3 * 2e6 * 8 / rate;
+    EXPECT_NEAR(e.step_s - e.optimizer_s, t0 + 3 * t + 7 * t, 1e-6 * e.step_s) << sched;
+    EXPECT_EQ(e.partition, (std::vector<int64_t>{1, 1, 1, 1}));
+  }
+  // The CPU model with per-layer fits (one thread) and the tensor-parallel split of a pair.
+  tp::Calibration cal;
+  cal.cores = 2;
+  tp::ModelRates r;
+  r.flops_1t = 50e9;
+  r.flops_synchronized[2] = 25e9;  // two workers at once: each at half one thread's rate
+  r.layer_overhead_s = {1e-4, 1e-4, 1e-4, 1e-4};
+  r.layer_s_per_sample = {1e-5, 1e-5, 1e-5, 1e-5};
+  cal.models["four"] = r;
+  cal.collectives[2]["allreduce"] = {10e-6, 1e9};
+  cal.p2p[2] = {10e-6, 1e9};
+  auto local = tp::cluster_preset("local");
+  tp::PlanOptions lo;
+  lo.global_batch = 64; lo.precision = "fp32"; lo.optimizer = "sgd-plain"; lo.calibration = &cal;
+  m.children[0].tp = "column";
+  m.children[1].tp = "row";
+  tp::Layout l;
+  l.tp = 2; l.micro_batch = 64;
+  auto e = tp::estimate(m, local, l, lo);
+  ASSERT_TRUE(e.feasible) << e.why;
+  // Per worker: the pair at half its per-sample time, the rest whole; both workers at once run
+  // at 25/50 of one thread's speed. Plus the row layer's all-reduce of 64 x 1000 floats (the
+  // column layer needs no input gradient: it is the first).
+  const double compute = (2 * 1e-4 + 2 * 64 * 1e-5 / 2 + 2 * 1e-4 + 2 * 64 * 1e-5) / 0.5;
+  const double ar = tp::ring_allreduce_seconds(2, 64 * 1000 * 4.0, {10e-6, 1e9});
+  EXPECT_NEAR(e.comm_parts.at("tp allreduce"), ar, 1e-12);
+  EXPECT_NEAR(e.step_s - e.optimizer_s, compute + ar, 1e-9);
 }

@@ -17,6 +17,7 @@
 #include <iomanip>
 #include <iostream>
 #include <map>
+#include <regex>
 #include <sstream>
 
 #include "commands.h"
@@ -75,9 +76,39 @@ std::string tail_of(const std::string& path, size_t lines) {
   return s;
 }
 
+// A --strategies entry: ddp | zero1..3, or a model-parallel layout tpK, ppK or tpKppK with an
+// optional -gpipe/-1f1b schedule and -ddp/-zeroN for the data-parallel replicas (dp = workers / (tp*pp)).
+struct Layout {
+  std::string name, base = "ddp", schedule = "1f1b";
+  int tp = 1, pp = 1;
+};
+
+Layout parse_layout(const std::string& token) {
+  static const std::regex re("^(tp([0-9]+))?(pp([0-9]+))?(-(gpipe|1f1b))?(-?(ddp|zero[123]))?$");
+  std::smatch mt;
+  Layout l;
+  l.name = token;
+  if (token == "single") {
+    l.base = "single";
+    return l;
+  }
+  if (!std::regex_match(token, mt, re) || token.empty() || (mt[1].length() == 0 && mt[3].length() == 0 && mt[5].length() > 0)) {
+    throw std::invalid_argument("--strategies: unknown entry '" + token +
+                                "'; use ddp, zero1, zero2, zero3 or a layout such as tp2, pp2, tp2pp2, pp2-gpipe, "
+                                "pp2-zero1");
+  }
+  if (mt[2].length()) l.tp = std::stoi(mt[2]);
+  if (mt[4].length()) l.pp = std::stoi(mt[4]);
+  if (mt[6].length()) l.schedule = mt[6];
+  if (mt[8].length()) l.base = mt[8];
+  if (l.tp < 1 || l.pp < 1) throw std::invalid_argument("--strategies '" + token + "': tp and pp must be at least 1");
+  return l;
+}
+
 struct Row {
   int workers = 1;
   std::string strategy;
+  Layout layout;
   std::vector<double> step_ms, exposed_share, peak_mib, accuracy;
   double predicted_ms = 0;
 };
@@ -112,16 +143,21 @@ int cmd_bench(int argc, char** argv) {
   std::vector<int> workers = {1, 2, 4};
   int64_t batch = 0, steps = 30, eval_limit = 2000, epoch_samples = 60000;
   int reps = 1, threads = 0;
+  int64_t micro_batches = 4;
   bool accuracy = false, no_plot = false;
   std::string calibration = "tandem-calibration.json";
   double timeout_s = 600;
   app.add_option("--model", model, "built-in model: mlp | cnn | cnn_bn")->capture_default_str();
-  app.add_option("--strategies", strategies, "strategies for more than one worker (ddp, zero1, zero2, ...)")
+  app.add_option("--strategies", strategies,
+                 "strategies for more than one worker: ddp, zero1, zero2, zero3, and model-parallel layouts tpK, ppK, "
+                 "tpKppK (optionally -gpipe, -zeroN); layouts run where they divide the worker count")
       ->delimiter(',')->capture_default_str();
   app.add_option("-n,--workers", workers, "worker counts (1 runs --strategy single: the speedup reference)")
       ->delimiter(',')->capture_default_str();
   app.add_option("--batch", batch, "global batch (0: the multiple of every worker count nearest 128)")->capture_default_str();
   app.add_option("--steps", steps, "training steps per run (the median step time is reported)")->capture_default_str();
+  app.add_option("--micro-batches", micro_batches, "pipeline micro-batches per step (layouts with pp)")
+      ->capture_default_str();
   app.add_option("--reps", reps, "repetitions of every run, interleaved (median)")->capture_default_str();
   app.add_flag("--accuracy", accuracy, "evaluate test accuracy after the step budget");
   app.add_option("--eval-limit", eval_limit, "test samples for --accuracy")->capture_default_str();
@@ -153,9 +189,11 @@ int cmd_bench(int argc, char** argv) {
     throw std::invalid_argument("--batch " + std::to_string(batch) + " does not split evenly over every worker count; use a multiple of " +
                                 std::to_string(step_multiple));
 
-  // The runs: one worker with `single` (always: the reference), then every strategy for n > 1.
+  if (micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
+  // The runs: one worker with `single` (always: the reference), then every strategy for n > 1;
+  // a model-parallel layout where tp*pp divides n (and leaves replicas to shard for ZeRO).
   std::vector<Row> rows;
-  rows.push_back({1, "single"});
+  rows.push_back({1, "single", parse_layout("single")});
   for (int n : workers) {
     if (n == 1) continue;
     for (const auto& s : strategies) {
@@ -163,6 +201,13 @@ int cmd_bench(int argc, char** argv) {
       Row r;
       r.workers = n;
       r.strategy = s;
+      r.layout = parse_layout(s);
+      const int per_replica = r.layout.tp * r.layout.pp;
+      if (n % per_replica != 0 || (r.layout.base != "ddp" && n == per_replica)) continue;
+      const int64_t dp = n / per_replica;
+      if (r.layout.pp > 1 && (batch / dp) % micro_batches != 0)
+        throw std::invalid_argument("--batch " + std::to_string(batch) + " over " + std::to_string(dp) +
+                                    " replica(s) does not split into --micro-batches " + std::to_string(micro_batches));
       rows.push_back(r);
     }
   }
@@ -185,10 +230,13 @@ int cmd_bench(int argc, char** argv) {
     o.calibration = &cal;
     for (auto& r : rows) {
       plan::Layout l;
-      l.dp = r.workers;
-      l.zero = r.strategy.rfind("zero", 0) == 0 ? std::atoi(r.strategy.c_str() + 4) : 0;
-      l.micro_batch = batch / r.workers;
-      l.micro_batches = 1;
+      l.tp = r.layout.tp;
+      l.pp = r.layout.pp;
+      l.dp = r.workers / (l.tp * l.pp);
+      l.zero = r.layout.base.rfind("zero", 0) == 0 ? std::atoi(r.layout.base.c_str() + 4) : 0;
+      l.micro_batches = l.pp > 1 ? micro_batches : 1;
+      l.micro_batch = batch / l.dp / l.micro_batches;
+      o.pipeline_schedule = r.layout.schedule;
       plan::Estimate e = plan::estimate(m, c, l, o);
       if (e.feasible) r.predicted_ms = e.step_s * 1e3;
     }
@@ -210,11 +258,16 @@ int cmd_bench(int argc, char** argv) {
   for (int rep = 0; rep < reps; ++rep) {
     for (auto& r : rows) {
       const std::string metrics = (tmp / "metrics.jsonl").string(), log = (tmp / "log.txt").string();
-      std::vector<std::string> args = {self, "train", "--model", model, "--strategy", r.strategy, "-n",
+      std::vector<std::string> args = {self, "train", "--model", model, "--strategy", r.layout.base, "-n",
                                        std::to_string(r.workers), "--batch", std::to_string(batch), "--max-steps",
                                        std::to_string(steps), "--no-baseline", "--no-progress", "--metrics", metrics,
                                        "--data", data, "--timeout", fixed(timeout_s, 0), "--schedule", "constant"};
       if (threads > 0) args.insert(args.end(), {"--threads", std::to_string(threads)});
+      if (r.layout.tp > 1) args.insert(args.end(), {"--tp", std::to_string(r.layout.tp)});
+      if (r.layout.pp > 1) {
+        args.insert(args.end(), {"--pp", std::to_string(r.layout.pp), "--micro-batches", std::to_string(micro_batches),
+                                 "--pipeline-schedule", r.layout.schedule});
+      }
       if (accuracy) {
         args.insert(args.end(), {"--eval-limit", std::to_string(eval_limit)});
       } else {
@@ -264,7 +317,7 @@ int cmd_bench(int argc, char** argv) {
   if (!out) throw std::runtime_error("cannot write '" + csv + "'");
   out << "model,workers,strategy,global_batch,steps,reps,step_ms,samples_per_s,epoch_s,speedup,efficiency,"
          "comm_share,peak_mib,accuracy,predicted_ms,prediction_error\n";
-  std::cout << "\n" << std::right << std::setw(7) << "workers" << std::setw(10) << "strategy" << std::setw(10)
+  std::cout << "\n" << std::right << std::setw(7) << "workers" << std::setw(13) << "strategy" << std::setw(10)
             << "samples/s" << std::setw(9) << "step ms" << std::setw(9) << "epoch s" << std::setw(9) << "speedup"
             << std::setw(7) << "eff." << std::setw(7) << "comm" << std::setw(10) << "peak MiB";
   if (accuracy) std::cout << std::setw(9) << "accuracy";
@@ -279,7 +332,7 @@ int cmd_bench(int argc, char** argv) {
     const double peak = median(r.peak_mib);
     const double acc = accuracy ? median(r.accuracy) : -1;
     const double err = r.predicted_ms > 0 ? (r.predicted_ms - ms) / ms : 0.0;
-    std::cout << std::setw(7) << r.workers << std::setw(10) << r.strategy << std::setw(10) << fixed(sps, 0)
+    std::cout << std::setw(7) << r.workers << std::setw(13) << r.strategy << std::setw(10) << fixed(sps, 0)
               << std::setw(9) << fixed(ms, 1) << std::setw(9) << fixed(epoch_samples / sps, 1) << std::setw(8)
               << fixed(speedup, 2) << "x" << std::setw(6) << fixed(eff * 100, 0) << "%" << std::setw(7)
               << (share >= 0 ? fixed(share * 100, 0) + "%" : std::string("-")) << std::setw(10) << fixed(peak, 0);

@@ -163,7 +163,8 @@ int cmd_plan(int argc, char** argv) {
   app.add_option("--precision", o.precision, "mixed | fp32 | bf16 (default: fp32 on the local cluster, mixed elsewhere)");
   app.add_option("--zero", zero, "ZeRO stages to consider")->delimiter(',')->capture_default_str();
   app.add_option("--bucket-mb", bucket_mb, "gradient bucket sizes to consider, MiB")->delimiter(',')->capture_default_str();
-  app.add_option("--workers", workers, "data parallel only, these worker counts (default on the local cluster: 1..cores)")
+  app.add_option("--workers", workers, "data parallel only, these worker counts (default on the local cluster: 1..cores; "
+                 "with --devices N instead, every data x tensor x pipeline layout of N workers)")
       ->delimiter(',');
   app.add_option("--devices", o.devices, "use this many devices (default: all)");
   app.add_option("--max-tp", o.max_tp, "largest tensor-parallel degree")->capture_default_str();
@@ -282,7 +283,7 @@ int cmd_plan(int argc, char** argv) {
   o.zero_stages = zero;
   o.bucket_bytes.clear();
   for (double b : bucket_mb) o.bucket_bytes.push_back(b * 1024 * 1024);
-  if (workers.empty() && c.cpu) {
+  if (workers.empty() && c.cpu && o.devices == 0) {  // --devices N: every dp x tp x pp layout of N workers
     for (int n = 1; n <= devices_per_node(c); ++n) workers.push_back(n);
   }
   o.dp_only_workers = workers;
@@ -315,10 +316,12 @@ int cmd_plan(int argc, char** argv) {
       }
       Calibration part = calibration_from_json(read_file(out));
       for (auto& [k, v] : part.collectives) cal.collectives[k] = v;
+      for (auto& [k, v] : part.p2p) cal.p2p[k] = v;
       // The concurrent compute rate is a property of all cores busy: take it from n == cores.
       for (auto& [name, r] : part.models) {
         if (n == cal.cores || (n == 2 && cal.cores < 2)) cal.models[name].flops_concurrent = r.flops_concurrent;
         for (auto& [k, v] : r.flops_synchronized) cal.models[name].flops_synchronized[k] = v;
+        for (auto& [k, v] : r.flops_while_waiting) cal.models[name].flops_while_waiting[k] = v;
       }
       std::remove(out.c_str());
     }
