@@ -151,6 +151,10 @@ struct Calibration {
   std::map<std::string, ModelRates> models;  // by model name
   // Per world size: fitted alpha and bandwidth of each collective, in the ring formulas' terms.
   std::map<int, std::map<std::string, AlphaBeta>> collectives;  // n -> {"allreduce", ...}
+  // The measured times behind those fits, (bytes, seconds) by size: on this machine a
+  // collective's bandwidth depends on the size (caches; OpenMPI switches algorithms), so a
+  // calibrated world size is timed by interpolating them (log-log), the fit only beyond them.
+  std::map<int, std::map<std::string, std::vector<std::pair<double, double>>>> collective_times;
   // Point-to-point (a pipeline's activations and gradients) per world size n: alpha and
   // bandwidth of a send to a waiting receiver while every pair of ranks exchanges at once.
   std::map<int, AlphaBeta> p2p;

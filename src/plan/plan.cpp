@@ -321,6 +321,23 @@ double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std:
     if (op == "allgather") return ring_allgather_seconds(k, s, ab);
     throw std::invalid_argument("unknown collective '" + op + "'");
   };
+  if (c.cpu && o.calibration) {
+    // Timed at this world size: interpolate the measured sizes (log-log); past the largest,
+    // that point's bandwidth; below the smallest, its time (latency-bound).
+    auto n_it = o.calibration->collective_times.find(n);
+    if (n_it != o.calibration->collective_times.end()) {
+      auto op_it = n_it->second.find(op);
+      if (op_it != n_it->second.end() && op_it->second.size() >= 2) {
+        const auto& v = op_it->second;
+        if (bytes <= v.front().first) return v.front().second;
+        if (bytes >= v.back().first) return v.back().second * bytes / v.back().first;
+        size_t i = 1;
+        while (v[i].first < bytes) ++i;
+        const double f = std::log(bytes / v[i - 1].first) / std::log(v[i].first / v[i - 1].first);
+        return std::exp(std::log(v[i - 1].second) + f * std::log(v[i].second / v[i - 1].second));
+      }
+    }
+  }
   if (c.cpu && o.calibration && !o.calibration->collectives.empty()) {
     // Measured at this world size (or the nearest one measured).
     const auto& cols = o.calibration->collectives;

@@ -375,3 +375,21 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   EXPECT_NEAR(e.comm_parts.at("tp allreduce"), ar, 1e-12);
   EXPECT_NEAR(e.step_s - e.optimizer_s, compute + ar, 1e-9);
 }
+
+// A calibrated world size is timed from its measured sizes (log-log between them), not the fit.
+TEST(Plan, CalibratedCollectivesInterpolateMeasuredSizes) {
+  tp::Calibration cal;
+  cal.cores = 2;
+  cal.collectives[2]["allreduce"] = {1.0, 1.0};  // a fit that would give seconds: must not be used
+  cal.collective_times[2]["allreduce"] = {{4096.0, 1e-5}, {1048576.0, 1e-3}};
+  auto c = tp::cluster_preset("local");
+  tp::PlanOptions o;
+  o.calibration = &cal;
+  EXPECT_DOUBLE_EQ(tp::collective_seconds(c, o, "allreduce", 2, 4096), 1e-5);
+  EXPECT_DOUBLE_EQ(tp::collective_seconds(c, o, "allreduce", 2, 1024), 1e-5);
+  EXPECT_NEAR(tp::collective_seconds(c, o, "allreduce", 2, 65536), 1e-4, 1e-12);
+  EXPECT_NEAR(tp::collective_seconds(c, o, "allreduce", 2, 4 * 1048576.0), 4e-3, 1e-12);
+  // Other world sizes and operations: the alpha-beta fit of the nearest one.
+  cal.collectives[3]["allreduce"] = {1e-5, 1e9};
+  EXPECT_NEAR(tp::collective_seconds(c, o, "allreduce", 3, 3e6), tp::ring_allreduce_seconds(3, 3e6, {1e-5, 1e9}), 1e-15);
+}

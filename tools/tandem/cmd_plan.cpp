@@ -316,6 +316,7 @@ int cmd_plan(int argc, char** argv) {
       }
       Calibration part = calibration_from_json(read_file(out));
       for (auto& [k, v] : part.collectives) cal.collectives[k] = v;
+      for (auto& [k, v] : part.collective_times) cal.collective_times[k] = v;
       for (auto& [k, v] : part.p2p) cal.p2p[k] = v;
       // The concurrent compute rate is a property of all cores busy: take it from n == cores.
       for (auto& [name, r] : part.models) {
