@@ -576,7 +576,9 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
         const double train = layer_train_flops(ly, in_grad);
         double secs;
         if (mr) {
-          secs = mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * static_cast<double>(mb) * share;
+          // A split child does 1/tp of all of its work: the fixed part of a Linear's time
+          // (reading its weights, writing their gradient) is proportional to its weights too.
+          secs = (mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * static_cast<double>(mb)) * share;
         } else {
           secs = train * static_cast<double>(mb) * share / r.flops;
         }

@@ -367,10 +367,10 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   l.tp = 2; l.micro_batch = 64;
   auto e = tp::estimate(m, local, l, lo);
   ASSERT_TRUE(e.feasible) << e.why;
-  // Per worker: the pair at half its per-sample time, the rest whole; both workers at once run
-  // at 25/50 of one thread's speed. Plus the row layer's all-reduce of 64 x 1000 floats (the
-  // column layer needs no input gradient: it is the first).
-  const double compute = (2 * 1e-4 + 2 * 64 * 1e-5 / 2 + 2 * 1e-4 + 2 * 64 * 1e-5) / 0.5;
+  // Per worker: the pair at half its time (fixed and per-sample parts), the rest whole; both
+  // workers at once run at 25/50 of one thread's speed. Plus the row layer's all-reduce of
+  // 64 x 1000 floats (the column layer needs no input gradient: it is the first).
+  const double compute = (2 * (1e-4 + 64 * 1e-5) / 2 + 2 * (1e-4 + 64 * 1e-5)) / 0.5;
   const double ar = tp::ring_allreduce_seconds(2, 64 * 1000 * 4.0, {10e-6, 1e9});
   EXPECT_NEAR(e.comm_parts.at("tp allreduce"), ar, 1e-12);
   EXPECT_NEAR(e.step_s - e.optimizer_s, compute + ar, 1e-9);
