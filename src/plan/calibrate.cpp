@@ -103,7 +103,6 @@ std::vector<double> time_layers(torch::nn::Sequential& model, const std::string&
         (void)loss.item<double>();
       } else if (yi.requires_grad()) {
         yi.backward(at::ones_like(yi));
-        if (xi.requires_grad()) (void)xi.grad().data_ptr();
       }
       if (xi.requires_grad()) xi.mutable_grad() = at::Tensor();
       if (k >= warmup) t.push_back(seconds_since(t0));
@@ -124,6 +123,22 @@ void fit_rate(double flops_per_sample, int64_t b1, double t1, int64_t b2, double
     overhead = 0;
     rate = f2 / t2;
   }
+}
+
+// Alpha and bandwidth from times ys at sizes (the formula's bytes term) xs, smallest first:
+// alpha = ys[0] / steps (latency-bound), bandwidth by least squares through the origin of
+// ys - steps * alpha against xs over the larger sizes.
+AlphaBeta fit_alpha_beta(const std::vector<double>& xs, const std::vector<double>& ys, double steps) {
+  AlphaBeta ab;
+  ab.alpha = ys[0] / steps;
+  double sxy = 0, sxx = 0;
+  for (size_t i = 1; i < xs.size(); ++i) {
+    const double y = std::max(0.0, ys[i] - steps * ab.alpha);
+    sxy += xs[i] * y;
+    sxx += xs[i] * xs[i];
+  }
+  ab.bandwidth = sxy > 0 ? sxx / sxy : xs.back() / ys.back();
+  return ab;
 }
 
 double time_optimizer(torch::nn::Sequential& model, const std::string& which) {
@@ -369,15 +384,12 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         }
       }
     }
-    AlphaBeta ab;
-    ab.alpha = median(pt[0]);
-    double sxy = 0, sxx = 0;
-    for (size_t k = 1; k < p2p_sizes.size(); ++k) {
-      const double xk = static_cast<double>(p2p_sizes[k]), yk = std::max(0.0, median(pt[k]) - ab.alpha);
-      sxy += xk * yk;
-      sxx += xk * xk;
+    std::vector<double> xs, ys;
+    for (size_t k = 0; k < p2p_sizes.size(); ++k) {
+      xs.push_back(static_cast<double>(p2p_sizes[k]));
+      ys.push_back(median(pt[k]));
     }
-    ab.bandwidth = sxy > 0 ? sxx / sxy : static_cast<double>(p2p_sizes.back()) / median(pt.back());
+    const AlphaBeta ab = fit_alpha_beta(xs, ys, 1.0);
     cal.p2p[n] = ab;
   }
   for (const auto& op : ops) {
@@ -387,15 +399,9 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
       ys.push_back(median(times[op][k]));
     }
     const double steps = op == "allreduce" ? 2.0 * (n - 1) : (n - 1);
-    AlphaBeta ab;
-    ab.alpha = ys[0] / steps;
-    double sxy = 0, sxx = 0;
-    for (size_t i = 1; i < xs.size(); ++i) {
-      const double x = steps / n * xs[i], y = std::max(0.0, ys[i] - steps * ab.alpha);
-      sxy += x * y;
-      sxx += x * x;
-    }
-    ab.bandwidth = sxy > 0 ? sxx / sxy : steps / n * xs.back() / ys.back();
+    std::vector<double> scaled;
+    for (double x : xs) scaled.push_back(steps / n * x);
+    const AlphaBeta ab = fit_alpha_beta(scaled, ys, steps);
     cal.collectives[n][op] = ab;
     auto& curve = cal.collective_times[n][op];
     curve.clear();

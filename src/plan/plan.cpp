@@ -112,6 +112,14 @@ std::vector<int64_t> divisors(int64_t n) {
   return d;
 }
 
+// The entry measured at world size n, or at the nearest larger (else the largest) one measured.
+template <typename V>
+const V* nearest_world(const std::map<int, V>& by_n, int n) {
+  if (by_n.empty()) return nullptr;
+  auto it = by_n.lower_bound(n);
+  if (it == by_n.end()) it = std::prev(by_n.end());
+  return &it->second;
+}
 
 // ---- layer by layer (models with ModelSpec::children)
 
@@ -139,7 +147,6 @@ double tp_share(const LayerSpec& l, int tp) { return (tp > 1 && !l.tp.empty()) ?
 struct StageTimes {
   double fwd = 0, bwd = 0;            // compute per micro-batch
   double tp_fwd = 0, tp_bwd = 0;      // tensor-parallel all-reduces per micro-batch
-  double params = 0;                  // on one device of this stage (tp shards)
   double out_bytes = 0;               // activation sent to the next stage per micro-batch
 };
 
@@ -203,6 +210,102 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
   return now;
 }
 
+
+// A pipelined (or tensor-parallel) step of a model that lists its children, stage by stage.
+struct PipelineTimes {
+  double step = 0;     // makespan of the micro-batches
+  double slot = 0;     // slowest stage's micro-batch, every stage busy
+  double compute = 0;  // that stage's compute over the step
+  double bubble = 0;
+  double tp_comm = 0, p2p_comm = 0;
+  bool fitted = false;  // from the calibration's per-child fits
+};
+
+PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o, const Rates& r,
+                            const std::vector<int64_t>& partition, int dp, int tp, int64_t mb, int64_t mcount,
+                            double act_elem) {
+  const int pp = static_cast<int>(partition.size());
+  const int used = dp * tp * pp;
+  // Per child: forward+backward seconds per micro-batch on one worker of this layout. With a
+  // per-layer calibration: its fixed + per-sample fit (one thread); otherwise FLOPs at the worker rate.
+  const std::vector<bool> need = input_grad_needed(m);
+  const ModelRates* mr = nullptr;
+  if (c.cpu && o.calibration) {
+    auto it = o.calibration->models.find(m.name);
+    if (it != o.calibration->models.end() && it->second.layer_s_per_sample.size() == m.children.size() &&
+        it->second.layer_overhead_s.size() == m.children.size() && it->second.flops_1t > 0)
+      mr = &it->second;
+  }
+  // With the per-layer fits, stage times are one thread's alone; speed(k) scales them to k
+  // stages (k * tp * dp workers) computing at once on the shared cores.
+  const int cores = c.cpu && o.calibration ? std::max(1, o.calibration->cores) : 1;
+  const int threads = std::max(1, cores / used);
+  auto speed = [&](int active_stages) {
+    if (!mr) return 1.0;
+    const int n = active_stages * tp * dp;
+    if (n >= used || threads > 1) return r.flops / mr->flops_1t;  // everyone at once: the world's rate
+    // Measured: n of `used` workers computing while the others wait in a receive.
+    if (auto w = mr->flops_while_waiting.find(used); w != mr->flops_while_waiting.end()) {
+      auto a = w->second.find(n);
+      if (a != w->second.end() && a->second > 0) return a->second / mr->flops_1t;
+    }
+    if (n == 1) return 1.0;
+    auto it = mr->flops_synchronized.find(n);
+    if (it != mr->flops_synchronized.end() && it->second > 0) return it->second / mr->flops_1t;
+    const double conc = mr->flops_concurrent > 0 ? mr->flops_concurrent : mr->flops_1t;
+    return conc * std::min(1.0, static_cast<double>(cores) / n) / mr->flops_1t;
+  };
+  PipelineTimes out;
+  out.fitted = mr != nullptr;
+  std::vector<StageTimes> st;
+  size_t i = 0;
+  for (int64_t count : partition) {
+    StageTimes t;
+    for (int64_t j = 0; j < count; ++j, ++i) {
+      const LayerSpec& ly = m.children[i];
+      const bool in_grad = need[i] || (j == 0 && !st.empty());  // a later stage's input requires grad
+      const double share = tp_share(ly, tp);
+      const double train = layer_train_flops(ly, in_grad);
+      // A split child does 1/tp of all of its work: the fixed part of a Linear's time (reading
+      // its weights, writing their gradient) is proportional to its weights too.
+      const double secs = mr ? (mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * static_cast<double>(mb)) * share
+                             : train * static_cast<double>(mb) * share / r.flops;
+      // Forward is its FLOP share of the layer's training work (a third with both gradients).
+      const double fshare = train > 0 ? ly.forward_flops / train : 0.5;
+      t.fwd += secs * fshare;
+      t.bwd += secs * (1.0 - fshare);
+      if (tp > 1 && ly.tp == "row")
+        t.tp_fwd += collective_seconds(c, o, "allreduce", tp, static_cast<double>(mb) * ly.output_elems * act_elem, 1);
+      if (tp > 1 && ly.tp == "column" && in_grad)
+        t.tp_bwd += collective_seconds(c, o, "allreduce", tp, static_cast<double>(mb) * ly.input_elems * act_elem, 1);
+      t.out_bytes = static_cast<double>(mb) * ly.output_elems * act_elem * (ly.tp == "column" ? 1.0 / tp : 1.0);
+    }
+    out.tp_comm += (t.tp_fwd + t.tp_bwd) * mcount;
+    // The simulation divides work by the compute speed; the all-reduces run at their
+    // calibrated pace (taken with every stage busy).
+    t.tp_fwd *= speed(pp);
+    t.tp_bwd *= speed(pp);
+    st.push_back(t);
+  }
+  std::vector<double> xfer;
+  AlphaBeta ab{c.intra.latency, c.intra.bandwidth};
+  if (!c.cpu && tp * pp > devices_per_node(c)) ab = AlphaBeta{c.inter.latency, c.inter.bandwidth};
+  if (const AlphaBeta* cal = c.cpu && o.calibration ? nearest_world(o.calibration->p2p, used) : nullptr;
+      cal && cal->bandwidth > 0)
+    ab = *cal;
+  for (size_t s = 0; s + 1 < st.size(); ++s) {
+    xfer.push_back(ab.alpha + st[s].out_bytes / ab.bandwidth);
+    out.p2p_comm += 2.0 * xfer.back() * mcount;
+  }
+  const double all_busy = speed(pp);
+  for (const auto& t : st) {
+    out.slot = std::max(out.slot, (t.fwd + t.bwd + t.tp_fwd + t.tp_bwd) / all_busy);
+    out.compute = std::max(out.compute, (t.fwd + t.bwd) / all_busy * mcount);
+  }
+  out.step = simulate_pipeline(st, mcount, o.pipeline_schedule == "gpipe", xfer, speed);
+  out.bubble = std::max(0.0, out.step - out.slot * mcount);
+  return out;
+}
 }  // namespace
 
 // ---------------------------------------------------------------- model helpers
@@ -340,11 +443,9 @@ double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std:
   }
   if (c.cpu && o.calibration && !o.calibration->collectives.empty()) {
     // Measured at this world size (or the nearest one measured).
-    const auto& cols = o.calibration->collectives;
-    auto it = cols.lower_bound(n);
-    if (it == cols.end()) it = std::prev(cols.end());
-    auto op_it = it->second.find(op);
-    if (op_it != it->second.end() && op_it->second.bandwidth > 0) return ring(n, bytes, op_it->second);
+    const auto* ops = nearest_world(o.calibration->collectives, n);
+    auto op_it = ops->find(op);
+    if (op_it != ops->end() && op_it->second.bandwidth > 0) return ring(n, bytes, op_it->second);
   }
   const int dpn = devices_per_node(c);
   const int span = n * std::max(1, stride);
@@ -429,7 +530,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   const int64_t n_layers = m.children.empty() ? m.layers : static_cast<int64_t>(m.children.size());
   std::vector<int64_t> partition;
   std::vector<double> stage_params;
-  if (layered && pp <= n_layers) {
+  if (layered && pp <= n_layers) {  // else infeasible below
     std::vector<double> costs;
     for (const auto& l : m.children) costs.push_back(std::max(1.0, l.parameters));
     partition = balance_partition(costs, pp);
@@ -507,125 +608,39 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   const int workers_on_node = c.cpu ? used : std::min(used, dpn);
   const Rates r = worker_rates(m, c, o, workers_on_node);
   const double train_factor = o.activation_checkpointing ? 4.0 : 3.0;  // forward + 2x backward (+ recompute)
-  const double flops_mb = train_factor * forward_flops_per_sample(m) * mb / (static_cast<double>(tp) * pp);
-  const double t_mb = flops_mb / r.flops;
   const double act_elem = is_16bit(o.precision) ? 2.0 : 4.0;
-  // Tensor parallel: 2 all-reduces of [mb, seq, hidden] in forward and 2 in backward per layer (Megatron).
-  double tp_mb = 0.0;
-  if (tp > 1) {
-    const double bytes = static_cast<double>(mb) * m.seq * m.hidden * act_elem;
-    tp_mb = 4.0 * layers_here * collective_seconds(c, o, "allreduce", tp, bytes, 1);
-    e.comm_parts["tp allreduce"] = tp_mb * mcount;
-  }
-  // Pipeline: one activation forward and one gradient backward per micro-batch and stage boundary.
-  double p2p_mb = 0.0;
-  if (pp > 1) {
-    const double bytes = static_cast<double>(mb) * m.seq * m.hidden * act_elem / tp;
-    const LinkSpec& link = tp * pp <= dpn ? c.intra : c.inter;
-    p2p_mb = 2.0 * (link.latency + bytes / link.bandwidth);
-    e.comm_parts["pp send/recv"] = p2p_mb * (mcount + pp - 1);
-  }
-  double slot = t_mb + tp_mb + p2p_mb;
-  e.compute_s = t_mb * mcount;
-  e.bubble_s = (pp - 1) * slot;
-  double pipeline_s = (mcount + pp - 1) * slot;
-  bool layered_overhead = false;  // per-layer fits include the fixed cost of every forward+backward
-  if (layered && !partition.empty()) {
-    // Per child: forward+backward seconds per micro-batch on one worker of this layout. With a
-    // per-layer calibration: its fixed + per-sample fit (one thread) scaled by this world's rate
-    // against one thread's; otherwise FLOPs at the worker rate.
-    const std::vector<bool> need = input_grad_needed(m);
-    const ModelRates* mr = nullptr;
-    if (c.cpu && o.calibration) {
-      auto it = o.calibration->models.find(m.name);
-      if (it != o.calibration->models.end() && it->second.layer_s_per_sample.size() == m.children.size() &&
-          it->second.layer_overhead_s.size() == m.children.size() && it->second.flops_1t > 0)
-        mr = &it->second;
+  double slot = 0, pipeline_s = 0;
+  bool fitted = false;  // per-layer fits include the fixed cost of every forward+backward
+  if (layered) {
+    const PipelineTimes pt = layered_times(m, c, o, r, partition, dp, tp, mb, mcount, act_elem);
+    slot = pt.slot;
+    pipeline_s = pt.step;
+    e.compute_s = pt.compute;
+    e.bubble_s = pt.bubble;
+    fitted = pt.fitted;
+    if (tp > 1) e.comm_parts["tp allreduce"] = pt.tp_comm;
+    if (pp > 1) e.comm_parts["pp send/recv"] = pt.p2p_comm;
+  } else {
+    const double t_mb = train_factor * forward_flops_per_sample(m) * mb / (static_cast<double>(tp) * pp) / r.flops;
+    // Tensor parallel: 2 all-reduces of [mb, seq, hidden] in forward and 2 in backward per layer (Megatron).
+    double tp_mb = 0.0;
+    if (tp > 1) {
+      const double bytes = static_cast<double>(mb) * m.seq * m.hidden * act_elem;
+      tp_mb = 4.0 * layers_here * collective_seconds(c, o, "allreduce", tp, bytes, 1);
+      e.comm_parts["tp allreduce"] = tp_mb * mcount;
     }
-    // With the per-layer fits, stage times are one thread's alone; speed(k) scales them to k
-    // stages (k * tp * dp workers) computing at once on the shared cores.
-    const int cores = c.cpu && o.calibration ? std::max(1, o.calibration->cores) : 1;
-    const int threads = std::max(1, cores / used);
-    auto speed = [&](int active_stages) {
-      if (!mr) return 1.0;
-      const int n = active_stages * tp * dp;
-      if (n >= used || threads > 1) return r.flops / mr->flops_1t;  // everyone at once: the world's rate
-      // Measured: n of `used` workers computing while the others wait in a receive.
-      if (auto w = mr->flops_while_waiting.find(used); w != mr->flops_while_waiting.end()) {
-        auto a = w->second.find(n);
-        if (a != w->second.end() && a->second > 0) return a->second / mr->flops_1t;
-      }
-      if (n == 1) return 1.0;
-      auto it = mr->flops_synchronized.find(n);
-      if (it != mr->flops_synchronized.end() && it->second > 0) return it->second / mr->flops_1t;
-      const double conc = mr->flops_concurrent > 0 ? mr->flops_concurrent : mr->flops_1t;
-      return conc * std::min(1.0, static_cast<double>(cores) / n) / mr->flops_1t;
-    };
-    std::vector<StageTimes> st;
-    std::vector<double> xfer;
-    size_t i = 0;
-    e.comm_parts.erase("tp allreduce");
-    e.comm_parts.erase("pp send/recv");
-    double tp_total = 0, xfer_total = 0;
-    for (int64_t count : partition) {
-      StageTimes t;
-      for (int64_t j = 0; j < count; ++j, ++i) {
-        const LayerSpec& ly = m.children[i];
-        const bool in_grad = need[i] || (j == 0 && !st.empty());  // a later stage's input requires grad
-        const double share = tp_share(ly, tp);
-        const double train = layer_train_flops(ly, in_grad);
-        double secs;
-        if (mr) {
-          // A split child does 1/tp of all of its work: the fixed part of a Linear's time
-          // (reading its weights, writing their gradient) is proportional to its weights too.
-          secs = (mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * static_cast<double>(mb)) * share;
-        } else {
-          secs = train * static_cast<double>(mb) * share / r.flops;
-        }
-        // Forward is its FLOP share of the layer's training work (a third with both gradients).
-        const double fshare = train > 0 ? ly.forward_flops / train : 0.5;
-        t.fwd += secs * fshare;
-        t.bwd += secs * (1.0 - fshare);
-        t.params += ly.parameters * share;
-        if (tp > 1 && ly.tp == "row")
-          t.tp_fwd += collective_seconds(c, o, "allreduce", tp, static_cast<double>(mb) * ly.output_elems * act_elem, 1);
-        if (tp > 1 && ly.tp == "column" && in_grad)
-          t.tp_bwd += collective_seconds(c, o, "allreduce", tp, static_cast<double>(mb) * ly.input_elems * act_elem, 1);
-        t.out_bytes = static_cast<double>(mb) * ly.output_elems * act_elem * (ly.tp == "column" ? 1.0 / tp : 1.0);
-      }
-      tp_total += (t.tp_fwd + t.tp_bwd) * mcount;
-      // The simulation divides work by the compute speed; the all-reduces run at their
-      // calibrated pace (taken with every stage busy).
-      t.tp_fwd *= speed(pp);
-      t.tp_bwd *= speed(pp);
-      st.push_back(t);
+    // Pipeline: one activation forward and one gradient backward per micro-batch and stage boundary.
+    double p2p_mb = 0.0;
+    if (pp > 1) {
+      const double bytes = static_cast<double>(mb) * m.seq * m.hidden * act_elem / tp;
+      const LinkSpec& link = tp * pp <= dpn ? c.intra : c.inter;
+      p2p_mb = 2.0 * (link.latency + bytes / link.bandwidth);
+      e.comm_parts["pp send/recv"] = p2p_mb * (mcount + pp - 1);
     }
-    for (size_t s2 = 0; s2 + 1 < st.size(); ++s2) {
-      AlphaBeta ab{c.intra.latency, c.intra.bandwidth};
-      if (!c.cpu && tp * pp > dpn) ab = AlphaBeta{c.inter.latency, c.inter.bandwidth};
-      if (c.cpu && o.calibration && !o.calibration->p2p.empty()) {
-        auto it = o.calibration->p2p.lower_bound(used);  // this world size, or the nearest measured
-        if (it == o.calibration->p2p.end()) it = std::prev(o.calibration->p2p.end());
-        if (it->second.bandwidth > 0) ab = it->second;
-      }
-      xfer.push_back(ab.alpha + st[s2].out_bytes / ab.bandwidth);
-      xfer_total += 2.0 * xfer.back() * mcount;
-    }
-    if (tp > 1) e.comm_parts["tp allreduce"] = tp_total;
-    if (pp > 1) e.comm_parts["pp send/recv"] = xfer_total;
-    double slowest = 0, compute_max = 0;
-    for (const auto& t : st) {
-      slowest = std::max(slowest, t.fwd + t.bwd + t.tp_fwd + t.tp_bwd);
-      compute_max = std::max(compute_max, t.fwd + t.bwd);
-    }
-    slot = slowest;
-    e.compute_s = compute_max * mcount;
-    pipeline_s = simulate_pipeline(st, mcount, o.pipeline_schedule == "gpipe", xfer, speed);
-    const double all_busy = speed(pp);
-    slot /= all_busy;
-    e.compute_s /= all_busy;
-    e.bubble_s = std::max(0.0, pipeline_s - slot * mcount);
-    layered_overhead = mr != nullptr;
+    slot = t_mb + tp_mb + p2p_mb;
+    e.compute_s = t_mb * mcount;
+    e.bubble_s = (pp - 1) * slot;
+    pipeline_s = (mcount + pp - 1) * slot;
   }
 
   // Data-parallel gradient and parameter collectives, overlapped with the last backward.
@@ -678,7 +693,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     const double bytes_per_param = sb.param + sb.grad + 2.0 * sb.optimizer;  // read/write state, read grad, write param
     e.optimizer_s = params_updated * bytes_per_param / dev.memory_bandwidth;
   }
-  e.step_s = pipeline_s + exposed + e.optimizer_s + (layered_overhead ? 0.0 : r.overhead);
+  e.step_s = pipeline_s + exposed + e.optimizer_s + (fitted ? 0.0 : r.overhead);
   e.samples_per_s = batch / e.step_s;
 
   // Efficiency: one device running the whole batch with no communication (memory permitting

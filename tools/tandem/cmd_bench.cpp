@@ -79,7 +79,7 @@ std::string tail_of(const std::string& path, size_t lines) {
 // A --strategies entry: ddp | zero1..3, or a model-parallel layout tpK, ppK or tpKppK with an
 // optional -gpipe/-1f1b schedule and -ddp/-zeroN for the data-parallel replicas (dp = workers / (tp*pp)).
 struct Layout {
-  std::string name, base = "ddp", schedule = "1f1b";
+  std::string base = "ddp", schedule = "1f1b";
   int tp = 1, pp = 1;
 };
 
@@ -87,7 +87,6 @@ Layout parse_layout(const std::string& token) {
   static const std::regex re("^(tp([0-9]+))?(pp([0-9]+))?(-(gpipe|1f1b))?(-?(ddp|zero[123]))?$");
   std::smatch mt;
   Layout l;
-  l.name = token;
   if (token == "single") {
     l.base = "single";
     return l;
