@@ -156,25 +156,42 @@ struct StageTimes {
 // speed(k) is the rate at which each of k stages computing at once progresses (1 on devices of
 // their own; on shared CPU cores the calibrated rate of k * tp * dp workers against one thread).
 // A fluid simulation: between events every running operation advances at speed(running).
+//
+// deferred_sends: a stage's message leaves when the stage next stops computing (its next
+// operation ends, or it waits), not when the operation that produced it ends. On shared CPU
+// cores this is what Tandem's MPI transfers do: the sender's progress thread, which posts the
+// send and drives MPI's rendezvous, gets the core only when the compute thread blocks (a
+// one-step timeline of the MLP's 2-stage pipeline showed the first activation arrive after
+// stage 0's second forward). On a GPU the send is queued on a stream and leaves at once.
 double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpipe, const std::vector<double>& xfer,
-                         const std::function<double(int)>& speed) {
+                         const std::function<double(int)>& speed, bool deferred_sends) {
   const int p = static_cast<int>(st.size());
   std::vector<std::vector<std::pair<bool, int64_t>>> order(p);
   for (int s = 0; s < p; ++s) order[s] = pipeline_order(gpipe, s, p, m);
   const double unset = -1.0, inf = std::numeric_limits<double>::infinity();
-  std::vector<std::vector<double>> f_end(p, std::vector<double>(m, unset)), b_end = f_end;
+  // f_sent[s][i]: when stage s's activation of micro-batch i leaves for s+1; b_sent[s][i]: when
+  // its input gradient of micro-batch i leaves for s-1 (unset: not yet).
+  std::vector<std::vector<double>> f_sent(p, std::vector<double>(m, unset)), b_sent = f_sent;
+  std::vector<std::vector<std::pair<bool, int64_t>>> held(p);  // produced, not yet sent
   std::vector<size_t> next(p, 0);
   std::vector<double> left(p, -1.0);  // work left of the running operation; < 0: not started
   double now = 0.0;
   auto ready_at = [&](int s) {  // when stage s's next operation may start (inf: not known yet)
     auto [fwd, i] = order[s][next[s]];
-    if (fwd) return s == 0 ? 0.0 : (f_end[s - 1][i] < 0 ? inf : f_end[s - 1][i] + xfer[s - 1]);
-    return s == p - 1 ? 0.0 : (b_end[s + 1][i] < 0 ? inf : b_end[s + 1][i] + xfer[s]);
+    if (fwd) return s == 0 ? 0.0 : (f_sent[s - 1][i] < 0 ? inf : f_sent[s - 1][i] + xfer[s - 1]);
+    return s == p - 1 ? 0.0 : (b_sent[s + 1][i] < 0 ? inf : b_sent[s + 1][i] + xfer[s]);
+  };
+  auto release = [&](int s) {
+    for (auto [fwd, i] : held[s]) (fwd ? f_sent : b_sent)[s][i] = now;
+    held[s].clear();
   };
   for (;;) {
     int running = 0;
     double next_start = inf;
     bool all_done = true;
+    // A stage that is done or waits sends what it holds (its progress thread gets the core).
+    for (int s = 0; s < p; ++s)
+      if (next[s] >= order[s].size() || (left[s] < 0 && ready_at(s) > now + 1e-15)) release(s);
     for (int s = 0; s < p; ++s) {
       if (next[s] >= order[s].size()) continue;
       all_done = false;
@@ -201,7 +218,15 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
       left[s] -= dt * v;
       if (left[s] <= 1e-12) {
         auto [fwd, i] = order[s][next[s]];
-        (fwd ? f_end : b_end)[s][i] = now;
+        release(s);  // what the previous operation produced leaves now at the latest
+        const bool sends = fwd ? s + 1 < p : s > 0;
+        if (sends) {
+          if (deferred_sends) {
+            held[s].push_back({fwd, i});
+          } else {
+            (fwd ? f_sent : b_sent)[s][i] = now;
+          }
+        }
         left[s] = -1.0;
         ++next[s];
       }
@@ -302,7 +327,7 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
     out.slot = std::max(out.slot, (t.fwd + t.bwd + t.tp_fwd + t.tp_bwd) / all_busy);
     out.compute = std::max(out.compute, (t.fwd + t.bwd) / all_busy * mcount);
   }
-  out.step = simulate_pipeline(st, mcount, o.pipeline_schedule == "gpipe", xfer, speed);
+  out.step = simulate_pipeline(st, mcount, o.pipeline_schedule == "gpipe", xfer, speed, /*deferred_sends=*/c.cpu);
   out.bubble = std::max(0.0, out.step - out.slot * mcount);
   return out;
 }

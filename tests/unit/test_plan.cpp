@@ -374,6 +374,22 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   const double ar = tp::ring_allreduce_seconds(2, 64 * 1000 * 4.0, {10e-6, 1e9});
   EXPECT_NEAR(e.comm_parts.at("tp allreduce"), ar, 1e-12);
   EXPECT_NEAR(e.step_s - e.optimizer_s, compute + ar, 1e-9);
+
+  // A CPU pipeline sends a stage's output only when the stage next stops computing. GPipe, two
+  // stages, two micro-batches, free transfers: stage 0's first activation leaves after its
+  // second forward, stage 1's first input gradient after its second backward, so nothing
+  // overlaps and the step is the sum of every stage's work at one stage's speed (1), although
+  // two stages could compute at once at full speed here.
+  cal.models["four"].flops_synchronized[2] = 50e9;
+  m.children[0].tp.clear();
+  m.children[1].tp.clear();
+  cal.p2p[2] = {0.0, 1e30};
+  lo.pipeline_schedule = "gpipe";
+  tp::Layout pl;
+  pl.pp = 2; pl.micro_batch = 32; pl.micro_batches = 2;
+  auto pe = tp::estimate(m, local, pl, lo);
+  ASSERT_TRUE(pe.feasible) << pe.why;
+  EXPECT_NEAR(pe.step_s - pe.optimizer_s, 2 * 4 * (1e-4 + 32 * 1e-5), 1e-9);
 }
 
 // A calibrated world size is timed from its measured sizes (log-log between them), not the fit.
