@@ -133,6 +133,13 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
     close(out_pipe[1]);
     close(err_pipe[1]);
     setenv("OMPI_MCA_mpi_yield_when_idle", "1", 1);
+    // Messages up to 256 KiB between ranks of one host go eagerly (copied into the receiver's
+    // shared-memory queue when posted) instead of by rendezvous, which needs the sender's
+    // progress thread again after the receiver answers: on shared cores that thread waits for
+    // the compute thread's time slice. A pipeline's activations and gradients are such
+    // messages; the MLP's 2-stage pipeline step went from 28.7 to 23.3 ms (docs/BENCHMARKS.md).
+    // The user's own setting (environment or --mpi-arg) wins.
+    setenv("OMPI_MCA_btl_vader_eager_limit", "262144", 0);
     std::vector<char*> args;
     for (auto& s : cmd) args.push_back(const_cast<char*>(s.c_str()));
     args.push_back(nullptr);
