@@ -23,7 +23,8 @@ CommPtr make_self_communicator(const CommOptions& opts);
 // with the same size (a collective call, like the communicator's operations). On the MPI backend,
 // when all ranks share a node, it lives in an MPI-3 shared-memory window and an all-reduce (sum or
 // average) of a contiguous range of it reads and writes the peers' memory directly instead of
-// copying through MPI's fifos (DDP's gradient buckets use it). Otherwise plain memory.
+// copying through MPI's fifos (DDP's gradient buckets use it); so do a reduce-scatter whose input
+// and an all-gather whose output is such a range (ZeRO-1/2's flat buffers). Otherwise plain memory.
 // TANDEM_MPI_SHM=0 turns the shared-memory path off.
 at::Tensor symmetric_empty(Communicator& comm, int64_t numel, const at::TensorOptions& opts);
 

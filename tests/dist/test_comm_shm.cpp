@@ -1,4 +1,4 @@
-// The MPI backend's shared-memory all-reduce: tensors from detail::symmetric_empty live in an
+// The MPI backend's shared-memory all-reduce, reduce-scatter and all-gather: tensors from detail::symmetric_empty live in an
 // MPI-3 shared-memory window when all ranks share a node, and an all-reduce of such a tensor (or
 // of a contiguous range of it) sums straight from the peers' memory. Checked against the same
 // all-reduce of ordinary memory (the MPI path), on every rank, bit for bit: both sum the ranks'
@@ -87,6 +87,58 @@ TEST(SharedMemoryAllreduce, PlainMemoryWhereItDoesNotApply) {
   f.fill_(static_cast<float>(comm->rank()));
   comm->allreduce_async(f, ReduceOp::kMax)->wait();
   EXPECT_TRUE(f.eq(static_cast<float>(comm->size() - 1)).all().item<bool>());
+}
+
+// Reduce-scatter from a symmetric input (ZeRO's gradient buffer): every rank sums its chunk
+// straight from the peers' buffers, into a separate output or in place into its own chunk.
+TEST(SharedMemoryReduceScatter, MatchesTheMpiPathInPlaceAndNot) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  for (auto dt : {at::kFloat, at::kDouble}) {
+    for (int64_t chunk : {1, 4097, 250001}) {
+      for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+        const int64_t n = R * chunk;
+        const int64_t seed = n + 17 * static_cast<int64_t>(op);
+        auto input = rank_input(me, n, dt, seed);
+        auto ref = all_inputs(R, n, dt, seed).sum(0).narrow(0, me * chunk, chunk);
+        if (op == ReduceOp::kAvg) ref /= R;
+        auto plain_in = input.clone();
+        auto plain_out = at::empty({chunk}, input.options());
+        comm->reduce_scatter_async(plain_out, plain_in, op)->wait();
+        auto shm = detail::symmetric_empty(*comm, n, at::TensorOptions().dtype(dt));
+        ASSERT_NE(mapped_file(shm.data_ptr()), "");
+        shm.copy_(input);
+        auto out = at::empty({chunk}, input.options());
+        comm->reduce_scatter_async(out, shm, op)->wait();
+        EXPECT_TRUE(shm.equal(input)) << "a separate output leaves the input as it was";
+        auto own = shm.narrow(0, me * chunk, chunk);
+        comm->reduce_scatter_async(own, shm, op)->wait();
+        EXPECT_TRUE(own.equal(out)) << "in place and not give the same bits, chunk " << chunk;
+        const double tol = R * eps_of(dt) * all_inputs(R, n, dt, seed).abs().sum(0).max().item<double>();
+        EXPECT_LE((out.to(at::kDouble) - ref).abs().max().item<double>(), tol) << "chunk " << chunk;
+        if (R == 2) EXPECT_TRUE(out.equal(plain_out)) << "chunk " << chunk << ": two ranks: same bits as MPI";
+      }
+    }
+  }
+}
+
+// All-gather into a symmetric output (ZeRO's parameter buffer): in place (this rank's part
+// already in its chunk) and from a separate input; other ranks' chunks arrive exactly.
+TEST(SharedMemoryAllgather, InPlaceAndFromASeparateInput) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  for (int64_t chunk : {1, 4097, 250001}) {
+    auto want = all_inputs(R, chunk, at::kFloat, chunk).to(at::kFloat).reshape({R * chunk});
+    auto out = detail::symmetric_empty(*comm, R * chunk, at::TensorOptions().dtype(at::kFloat));
+    ASSERT_NE(mapped_file(out.data_ptr()), "");
+    out.fill_(-1.0f);
+    out.narrow(0, me * chunk, chunk).copy_(rank_input(me, chunk, at::kFloat, chunk));
+    comm->allgather_async(out, out.narrow(0, me * chunk, chunk))->wait();
+    EXPECT_TRUE(out.equal(want)) << "in place, chunk " << chunk;
+    out.fill_(-1.0f);
+    comm->allgather_async(out, rank_input(me, chunk, at::kFloat, chunk))->wait();
+    EXPECT_TRUE(out.equal(want)) << "separate input, chunk " << chunk;
+  }
 }
 
 TEST(SharedMemoryAllreduce, CountedAsAllreduceTraffic) {

@@ -37,5 +37,5 @@ tandem_add_dist_test(dist_comm_check_np3 3 "CollectiveCheck.*" TIMEOUT 120)
 
 # The shared-memory all-reduce of symmetric tensors (DDP's buckets) against the MPI path.
 foreach(np 2 3 4)
-  tandem_add_dist_test(dist_comm_shm_np${np} ${np} "SharedMemoryAllreduce.*" TIMEOUT 120)
+  tandem_add_dist_test(dist_comm_shm_np${np} ${np} "SharedMemory*" TIMEOUT 120)
 endforeach()

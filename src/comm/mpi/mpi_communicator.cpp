@@ -170,9 +170,11 @@ struct PendingOp {
 
 // The reduction of one rank's segment of a shared-memory all-reduce: sums the segment
 // [lo, hi) of every rank's buffer (in rank order, so every rank of the job would get the same
-// bits) and writes the result into every rank's buffer. Blocks of 4096 elements stay in L1.
+// bits) and writes the result into every rank's buffer, or only to `dst` (element lo there)
+// for a reduce-scatter. Blocks of 4096 elements stay in L1.
 template <typename T>
-void shm_reduce_segment(const std::vector<char*>& peers, size_t off, int64_t lo, int64_t hi, bool avg) {
+void shm_reduce_segment(const std::vector<char*>& peers, size_t off, int64_t lo, int64_t hi, bool avg,
+                        T* dst = nullptr) {
   constexpr int64_t kBlock = 4096;
   const int n = static_cast<int>(peers.size());
   alignas(64) T acc[kBlock];
@@ -186,6 +188,10 @@ void shm_reduce_segment(const std::vector<char*>& peers, size_t off, int64_t lo,
     if (avg) {
       const T div = static_cast<T>(n);
       for (int64_t i = 0; i < m; ++i) acc[i] /= div;
+    }
+    if (dst) {
+      std::memcpy(dst + (s - lo), acc, static_cast<size_t>(m) * sizeof(T));
+      continue;
     }
     for (int q = 0; q < n; ++q) {
       std::memcpy(reinterpret_cast<T*>(peers[q] + off) + s, acc, static_cast<size_t>(m) * sizeof(T));
@@ -289,6 +295,23 @@ class MpiCommunicator : public Communicator {
     int count = checked_count(out.numel(), what);
     checked_count(in.numel(), what);
     int n = size_;
+    if (auto shm = find_window(in, op)) {
+      // Shared memory: each rank sums its chunk straight from the n input buffers.
+      const size_t off = static_cast<size_t>(static_cast<char*>(in.data_ptr()) - shm->base);
+      const auto st = in.scalar_type();
+      const int64_t chunk = out.numel();
+      at::Tensor dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+      auto run = [=] { shm_reduce_scatter(*shm, off, chunk, st, op == ReduceOp::kAvg, dst.data_ptr(), what); };
+      return enqueue("reduce_scatter", what, in.numel() * in.element_size(),
+                     [=](std::vector<MPI_Request>& r) {
+                       r.clear();
+                       run();
+                     },
+                     [=]() mutable {
+                       if (!dst.is_same(out)) out.copy_(dst);
+                     },
+                     run);
+    }
     if (is_own_chunk(out, in)) {
       // In place: MPI_IN_PLACE takes the input from the receive buffer and leaves the result
       // at its start; move it to this rank's chunk.
@@ -333,6 +356,19 @@ class MpiCommunicator : public Communicator {
     auto type = mpi_type(in.scalar_type(), what);
     int count = checked_count(in.numel(), what);
     checked_count(out.numel(), what);
+    if (auto shm = find_window(out, ReduceOp::kSum)) {
+      // Shared memory: each rank copies the others' chunks straight from their output buffers.
+      const size_t off = static_cast<size_t>(static_cast<char*>(out.data_ptr()) - shm->base);
+      const int64_t bytes = in.numel() * in.element_size();
+      at::Tensor src = is_own_chunk(in, out) ? at::Tensor() : in.contiguous();
+      auto run = [=] { shm_allgather(*shm, off, bytes, src.defined() ? src.data_ptr() : nullptr, what); };
+      return enqueue("allgather", what, bytes,
+                     [=](std::vector<MPI_Request>& r) {
+                       r.clear();
+                       run();
+                     },
+                     [] {}, run);
+    }
     if (is_own_chunk(in, out)) {
       // In place: this rank's contribution already sits where it will be received.
       return enqueue("allgather", what, in.numel() * in.element_size(),
@@ -725,6 +761,36 @@ class MpiCommunicator : public Communicator {
     }
     check(MPI_Win_sync(w.win), what);
     check(MPI_Barrier(comm_), what);  // every segment is written everywhere
+  }
+
+  // Reduce-scatter of `chunk` elements per rank from the symmetric buffers at `off` into dst.
+  // dst may be this rank's own chunk of its input: nobody else reads that chunk of this rank.
+  void shm_reduce_scatter(const ShmWindow& w, size_t off, int64_t chunk, at::ScalarType st, bool avg, void* dst,
+                          const std::string& what) {
+    check(MPI_Win_sync(w.win), what);
+    check(MPI_Barrier(comm_), what);  // every rank's input is in its window
+    const int64_t lo = chunk * rank_, hi = lo + chunk;
+    if (st == at::kFloat) {
+      shm_reduce_segment<float>(w.peers, off, lo, hi, avg, static_cast<float*>(dst));
+    } else {
+      shm_reduce_segment<double>(w.peers, off, lo, hi, avg, static_cast<double*>(dst));
+    }
+    check(MPI_Win_sync(w.win), what);
+    check(MPI_Barrier(comm_), what);  // nobody changes its input before everyone has read it
+  }
+
+  // All-gather of `bytes` per rank into the symmetric buffers at `off`; src: this rank's part
+  // when it is not already in place.
+  void shm_allgather(const ShmWindow& w, size_t off, int64_t bytes, const void* src, const std::string& what) {
+    char* mine = w.peers[static_cast<size_t>(rank_)] + off;
+    if (src) std::memcpy(mine + rank_ * bytes, src, static_cast<size_t>(bytes));
+    check(MPI_Win_sync(w.win), what);
+    check(MPI_Barrier(comm_), what);  // every rank's part is in place
+    for (int q = 0; q < size_; ++q) {
+      if (q != rank_) std::memcpy(mine + q * bytes, w.peers[static_cast<size_t>(q)] + off + q * bytes, static_cast<size_t>(bytes));
+    }
+    check(MPI_Win_sync(w.win), what);
+    check(MPI_Barrier(comm_), what);  // nobody overwrites its part before everyone has copied it
   }
 
   std::atomic<int> shm_state_{0};  // 0: not yet known, 1: all ranks on one node, -1: off

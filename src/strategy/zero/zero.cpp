@@ -37,6 +37,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "comm/backends.h"
 #include "compat/torch_compat.h"
 #include "strategy/autograd_hooks.h"
 #include "strategy/model_sync.h"
@@ -224,7 +225,9 @@ struct ZeroDataParallel::Impl {
     // Masters keep the parameters' values before any conversion to the compute dtype.
     const auto compute = mixed ? compute_dtype(opts.precision) : dtype;
     const auto copts = at::TensorOptions().dtype(compute).device(device);
-    if (opts.stage < 3) flat = at::zeros({std::max<int64_t>(off, 1)}, copts);
+    // Symmetric memory (on one node, float32/64 on CPU: MPI-3 shared windows): the MPI backend
+    // reduce-scatters and all-gathers buckets of it in place through shared memory.
+    if (opts.stage < 3) flat = detail::symmetric_empty(*comm, std::max<int64_t>(off, 1), copts).zero_();
     for (auto& bk : buckets) {
       auto values = at::zeros({bk.padded}, at::TensorOptions().dtype(dtype).device(device));
       for (size_t i : bk.params) param_view(values, i).copy_(params[i].detach());
@@ -242,7 +245,7 @@ struct ZeroDataParallel::Impl {
       }
     }
     if (opts.stage == 1) {
-      grad_flat = at::zeros_like(flat);
+      grad_flat = detail::symmetric_empty(*comm, flat.numel(), copts).zero_();
     } else {
       grad_shard = at::zeros({std::max<int64_t>(shard_off, 1)}, copts);
     }
