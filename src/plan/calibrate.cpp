@@ -330,7 +330,10 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
   // slowest rank: alpha = t(4 KiB) / steps; bandwidth by least squares through the origin of
   // t - steps*alpha against (steps/n) * S over the larger sizes.
   const std::vector<int64_t> sizes = {4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20};
-  const std::vector<std::string> ops = {"allreduce", "reduce_scatter", "allgather"};
+  // "_shm": in place in symmetric memory, as ZeRO-1's gradients and ZeRO-1/2's parameters are
+  // (shared memory on one node); the plain ones in ordinary memory (ZeRO-2/3's per-bucket scratch).
+  const std::vector<std::string> ops = {"allreduce", "reduce_scatter", "allgather", "reduce_scatter_shm",
+                                        "allgather_shm"};
   // Three interleaved rounds, the median over all of them per operation and size: this guest's
   // inter-process copies run at one of two speeds for a minute or two at a time (a 3x swing in
   // reduce_scatter seen between two calibrations), and one pass can land in either.
@@ -342,14 +345,14 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         const int64_t numel = std::max<int64_t>(n, (sizes[k] / 4 / n) * n);
         // All-reduce in the memory DDP's buckets use (shared memory on one node, see
         // comm/backends.h), so that the constants are those of training.
-        auto full = op == "allreduce" ? detail::symmetric_empty(*comm, numel, torch::kFloat).fill_(1.0f)
-                                      : torch::ones({numel});
-        auto part = torch::ones({numel / n});
+        const bool symmetric = op == "allreduce" || op.size() > 4 && op.compare(op.size() - 4, 4, "_shm") == 0;
+        auto full = symmetric ? detail::symmetric_empty(*comm, numel, torch::kFloat).fill_(1.0f) : torch::ones({numel});
+        auto part = symmetric ? full.narrow(0, comm->rank() * (numel / n), numel / n) : torch::ones({numel / n});
         for (int i = 0; i < 8; ++i) {
           comm->barrier();
           auto t0 = Clock::now();
           if (op == "allreduce") comm->allreduce(full, ReduceOp::kSum);
-          else if (op == "reduce_scatter") comm->reduce_scatter(part, full, ReduceOp::kSum);
+          else if (op.compare(0, 14, "reduce_scatter") == 0) comm->reduce_scatter(part, full, ReduceOp::kSum);
           else comm->allgather(full, part);
           double dt = slowest(seconds_since(t0));
           if (i >= 2) times[op][k].push_back(dt);

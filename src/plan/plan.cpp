@@ -440,9 +440,17 @@ double ring_reduce_scatter_seconds(int n, double bytes, AlphaBeta ab) {
 }
 double ring_allgather_seconds(int n, double bytes, AlphaBeta ab) { return ring_reduce_scatter_seconds(n, bytes, ab); }
 
-double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std::string& op, int n, double bytes,
-                          int stride) {
+double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std::string& op_asked, int n,
+                          double bytes, int stride) {
   if (n <= 1 || bytes <= 0) return 0.0;
+  // "X_shm": X in place in symmetric memory (the MPI backend's shared-memory path on one node),
+  // as calibrated; otherwise the same model as X.
+  std::string op = op_asked;
+  if (op.size() > 4 && op.compare(op.size() - 4, 4, "_shm") == 0) {
+    const bool measured = c.cpu && o.calibration && o.calibration->collective_times.count(n) &&
+                          o.calibration->collective_times.at(n).count(op);
+    if (!measured) op.erase(op.size() - 4);
+  }
   auto ring = [&](int k, double s, AlphaBeta ab) {
     if (op == "allreduce") return ring_allreduce_seconds(k, s, ab);
     if (op == "reduce_scatter") return ring_reduce_scatter_seconds(k, s, ab);
@@ -691,12 +699,18 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     auto overlapped = [&](const std::vector<double>& t, double w) {
       return ov * bucket_exposed(t, w) + (1.0 - ov) * sum(t);
     };
-    std::vector<double> grads = per_bucket(l.zero >= 2 ? "reduce_scatter" : "allreduce", grad_bytes);
-    e.comm_parts[l.zero >= 2 ? "dp reduce_scatter" : "dp allreduce"] = sum(grads);
+    // ZeRO (every stage, as Tandem does it) reduce-scatters: each rank needs only its shard's sum.
+    // Stage 1 from its flat gradient buffer and stages 1-2 into their flat parameters, both
+    // symmetric memory; stage 2's gradients from per-bucket scratch, stage 3's parameters into
+    // per-unit buffers (ordinary memory).
+    const char* grad_op = l.zero == 1 ? "reduce_scatter_shm" : l.zero >= 2 ? "reduce_scatter" : "allreduce";
+    const char* gather_op = l.zero == 3 ? "allgather" : "allgather_shm";
+    std::vector<double> grads = per_bucket(grad_op, grad_bytes);
+    e.comm_parts[l.zero >= 1 ? "dp reduce_scatter" : "dp allreduce"] = sum(grads);
     exposed += overlapped(grads, window);
     if (l.zero == 1 || l.zero == 2) {
       // After the step every rank gathers the updated parameters (not overlapped).
-      std::vector<double> ag = per_bucket("allgather", param_bytes);
+      std::vector<double> ag = per_bucket(gather_op, param_bytes);
       e.comm_parts["dp allgather"] = sum(ag);
       exposed += sum(ag);
     } else if (l.zero == 3) {

@@ -408,4 +408,27 @@ TEST(Plan, CalibratedCollectivesInterpolateMeasuredSizes) {
   // Other world sizes and operations: the alpha-beta fit of the nearest one.
   cal.collectives[3]["allreduce"] = {1e-5, 1e9};
   EXPECT_NEAR(tp::collective_seconds(c, o, "allreduce", 3, 3e6), tp::ring_allreduce_seconds(3, 3e6, {1e-5, 1e9}), 1e-15);
+  // "_shm" (in place in symmetric memory): its own curve where measured, else the plain operation.
+  cal.collective_times[2]["reduce_scatter"] = {{4096.0, 1e-4}, {1048576.0, 1e-2}};
+  cal.collective_times[2]["reduce_scatter_shm"] = {{4096.0, 1e-5}, {1048576.0, 1e-3}};
+  EXPECT_NEAR(tp::collective_seconds(c, o, "reduce_scatter_shm", 2, 1048576.0), 1e-3, 1e-12);
+  EXPECT_NEAR(tp::collective_seconds(c, o, "reduce_scatter", 2, 1048576.0), 1e-2, 1e-12);
+  EXPECT_NEAR(tp::collective_seconds(c, o, "allreduce_shm", 2, 1048576.0), 1e-3, 1e-12);
+  EXPECT_NEAR(tp::collective_seconds(c, o, "reduce_scatter_shm", 3, 3e6),
+              tp::collective_seconds(c, o, "reduce_scatter", 3, 3e6), 1e-15);
+  // ZeRO-1 reduce-scatters its gradients from symmetric memory; ZeRO-2 from plain scratch.
+  tp::ModelSpec m = tp::builtin_model("mlp");
+  tp::PlanOptions lo;
+  lo.calibration = &cal;
+  lo.global_batch = 64; lo.precision = "fp32"; lo.optimizer = "sgd";
+  tp::Layout z1, z2;
+  z1.dp = z2.dp = 2;
+  z1.zero = 1;
+  z2.zero = 2;
+  z1.micro_batch = z2.micro_batch = 32;
+  const double grads = m.parameters * 4.0;
+  auto e1 = tp::estimate(m, c, z1, lo), e2 = tp::estimate(m, c, z2, lo);
+  ASSERT_TRUE(e1.feasible && e2.feasible) << e1.why << e2.why;
+  EXPECT_NEAR(e1.comm_parts.at("dp reduce_scatter"), tp::collective_seconds(c, lo, "reduce_scatter_shm", 2, grads), 1e-9);
+  EXPECT_NEAR(e2.comm_parts.at("dp reduce_scatter"), tp::collective_seconds(c, lo, "reduce_scatter", 2, grads), 1e-9);
 }
