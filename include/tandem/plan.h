@@ -158,6 +158,10 @@ struct Calibration {
   // Point-to-point (a pipeline's activations and gradients) per world size n: alpha and
   // bandwidth of a send to a waiting receiver while every pair of ranks exchanges at once.
   std::map<int, AlphaBeta> p2p;
+  // Per world size, (bytes, seconds) by size: from a send posted by a rank that goes on
+  // computing to the message's arrival at a receiver waiting for it (the sender's progress
+  // thread posts and progresses it when it gets a core), pairs of ranks at once.
+  std::map<int, std::vector<std::pair<double, double>>> send_delay;
 };
 
 // ---------------------------------------------------------------- configurations

@@ -395,6 +395,48 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
     const AlphaBeta ab = fit_alpha_beta(xs, ys, 1.0);
     cal.p2p[n] = ab;
   }
+  // Send delay, as in a pipeline: ranks 2k post a send to 2k+1 and go on computing for 30 ms
+  // (an unpaired last rank computes too); 2k+1 waits in the receive and takes the arrival time
+  // against the send's time stamp in the message (steady clock: one machine). Sizes under and
+  // over the launcher's eager limit (256 KiB); the largest delay over the pairs, median of 3
+  // interleaved rounds of 4 after a warm-up. Capped at 30 ms, when the sender stops to wait.
+  {
+    const std::vector<int64_t> d_sizes = {4 << 10, 192 << 10, 1 << 20};
+    std::vector<std::vector<double>> dd(d_sizes.size());
+    const int me = comm->rank(), peer = me ^ 1;
+    const bool paired = peer < n;
+    auto a = torch::randn({192, 192});
+    auto busy = [&](double secs) {
+      const auto t0 = Clock::now();
+      while (seconds_since(t0) < secs) (void)torch::mm(a, a);
+    };
+    auto now_s = [] { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); };
+    for (int round = 0; round < 3; ++round) {
+      for (size_t k = 0; k < d_sizes.size(); ++k) {
+        auto buf = torch::zeros({d_sizes[k] / 8}, torch::kDouble);
+        for (int i = 0; i < 5; ++i) {
+          comm->barrier();
+          double d = 0.0;
+          if (paired && me % 2 == 1) {
+            comm->recv(buf, peer, 11);
+            d = now_s() - buf.data_ptr<double>()[0];
+          } else if (paired) {
+            buf.data_ptr<double>()[0] = now_s();
+            auto w = comm->send_async(buf, peer, 11);
+            busy(0.03);
+            w->wait();
+          } else {
+            busy(0.03);
+          }
+          d = slowest(d);
+          if (i >= 1) dd[k].push_back(d);
+        }
+      }
+    }
+    auto& curve = cal.send_delay[n];
+    curve.clear();
+    for (size_t k = 0; k < d_sizes.size(); ++k) curve.emplace_back(static_cast<double>(d_sizes[k]), median(dd[k]));
+  }
   for (const auto& op : ops) {
     std::vector<double> xs, ys;
     for (size_t k = 0; k < sizes.size(); ++k) {
@@ -445,6 +487,7 @@ std::string calibration_to_json(const Calibration& cal) {
   for (const auto& [n, ops] : cal.collective_times)
     for (const auto& [op, curve] : ops) j["collective_times"][std::to_string(n)][op] = curve;
   for (const auto& [n, ab] : cal.p2p) j["p2p"][std::to_string(n)] = {{"alpha", ab.alpha}, {"bandwidth", ab.bandwidth}};
+  for (const auto& [n, curve] : cal.send_delay) j["send_delay"][std::to_string(n)] = curve;
   return j.dump(2);
 }
 
@@ -489,6 +532,16 @@ Calibration calibration_from_json(const std::string& text) {
           }
           cal.collective_times[std::stoi(n)][op] = v;
         }
+      }
+    }
+    if (j.contains("send_delay")) {
+      for (auto& [n, curve] : j["send_delay"].items()) {
+        auto v = curve.get<std::vector<std::pair<double, double>>>();
+        for (size_t i = 0; i < v.size(); ++i) {
+          if (!(v[i].first > 0) || !(v[i].second >= 0) || (i > 0 && v[i].first <= v[i - 1].first))
+            throw std::invalid_argument("send_delay." + n + ": sizes must increase and delays be non-negative");
+        }
+        cal.send_delay[std::stoi(n)] = v;
       }
     }
     if (j.contains("p2p"))

@@ -157,14 +157,15 @@ struct StageTimes {
 // their own; on shared CPU cores the calibrated rate of k * tp * dp workers against one thread).
 // A fluid simulation: between events every running operation advances at speed(running).
 //
-// deferred_sends: a stage's message leaves when the stage next stops computing (its next
-// operation ends, or it waits), not when the operation that produced it ends. On shared CPU
-// cores this is what Tandem's MPI transfers do: the sender's progress thread, which posts the
-// send and drives MPI's rendezvous, gets the core only when the compute thread blocks (a
-// one-step timeline of the MLP's 2-stage pipeline showed the first activation arrive after
-// stage 0's second forward). On a GPU the send is queued on a stream and leaves at once.
+// hold[s] (empty: none): a message of stage s leaves when the stage next stops computing (its
+// next operation ends, or it waits) or hold[s] after it was produced, whichever comes first.
+// On shared CPU cores Tandem's MPI sends are posted and progressed by the rank's progress
+// thread, which gets a core when the compute thread blocks or the scheduler gives it a slice
+// (a one-step timeline of the MLP's 2-stage pipeline showed the first activation arrive after
+// stage 0's second forward); the calibration measures that delay. On a GPU the send is queued
+// on a stream and leaves at once.
 double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpipe, const std::vector<double>& xfer,
-                         const std::function<double(int)>& speed, bool deferred_sends) {
+                         const std::function<double(int)>& speed, const std::vector<double>& hold) {
   const int p = static_cast<int>(st.size());
   std::vector<std::vector<std::pair<bool, int64_t>>> order(p);
   for (int s = 0; s < p; ++s) order[s] = pipeline_order(gpipe, s, p, m);
@@ -172,7 +173,12 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
   // f_sent[s][i]: when stage s's activation of micro-batch i leaves for s+1; b_sent[s][i]: when
   // its input gradient of micro-batch i leaves for s-1 (unset: not yet).
   std::vector<std::vector<double>> f_sent(p, std::vector<double>(m, unset)), b_sent = f_sent;
-  std::vector<std::vector<std::pair<bool, int64_t>>> held(p);  // produced, not yet sent
+  struct Held {
+    bool fwd;
+    int64_t i;
+    double deadline;
+  };
+  std::vector<std::vector<Held>> held(p);  // produced, not yet sent
   std::vector<size_t> next(p, 0);
   std::vector<double> left(p, -1.0);  // work left of the running operation; < 0: not started
   double now = 0.0;
@@ -181,9 +187,12 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
     if (fwd) return s == 0 ? 0.0 : (f_sent[s - 1][i] < 0 ? inf : f_sent[s - 1][i] + xfer[s - 1]);
     return s == p - 1 ? 0.0 : (b_sent[s + 1][i] < 0 ? inf : b_sent[s + 1][i] + xfer[s]);
   };
-  auto release = [&](int s) {
-    for (auto [fwd, i] : held[s]) (fwd ? f_sent : b_sent)[s][i] = now;
-    held[s].clear();
+  auto release = [&](int s, bool all) {  // all: the stage blocks; else only what is due
+    auto& h = held[s];
+    for (const auto& x : h)
+      if (all || x.deadline <= now + 1e-15) (x.fwd ? f_sent : b_sent)[s][x.i] = now;
+    h.erase(std::remove_if(h.begin(), h.end(), [&](const Held& x) { return all || x.deadline <= now + 1e-15; }),
+            h.end());
   };
   for (;;) {
     int running = 0;
@@ -191,7 +200,7 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
     bool all_done = true;
     // A stage that is done or waits sends what it holds (its progress thread gets the core).
     for (int s = 0; s < p; ++s)
-      if (next[s] >= order[s].size() || (left[s] < 0 && ready_at(s) > now + 1e-15)) release(s);
+      release(s, next[s] >= order[s].size() || (left[s] < 0 && ready_at(s) > now + 1e-15));
     for (int s = 0; s < p; ++s) {
       if (next[s] >= order[s].size()) continue;
       all_done = false;
@@ -209,8 +218,10 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
     if (all_done) break;
     const double v = running > 0 ? std::max(1e-9, speed(running)) : 1.0;
     double dt = next_start - now;
-    for (int s = 0; s < p; ++s)
+    for (int s = 0; s < p; ++s) {
       if (next[s] < order[s].size() && left[s] >= 0) dt = std::min(dt, left[s] / v);
+      for (const auto& x : held[s]) dt = std::min(dt, x.deadline - now);
+    }
     if (!std::isfinite(dt)) throw std::logic_error("pipeline simulation deadlocked");
     now += dt;
     for (int s = 0; s < p; ++s) {
@@ -218,14 +229,13 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
       left[s] -= dt * v;
       if (left[s] <= 1e-12) {
         auto [fwd, i] = order[s][next[s]];
-        release(s);  // what the previous operation produced leaves now at the latest
+        release(s, true);  // what the previous operation produced leaves now at the latest
         const bool sends = fwd ? s + 1 < p : s > 0;
-        if (sends) {
-          if (deferred_sends) {
-            held[s].push_back({fwd, i});
-          } else {
-            (fwd ? f_sent : b_sent)[s][i] = now;
-          }
+        const double h = hold.empty() ? 0.0 : hold[fwd ? s : s - 1];
+        if (sends && h > 0) {
+          held[s].push_back({fwd, i, now + h});
+        } else if (sends) {
+          (fwd ? f_sent : b_sent)[s][i] = now;
         }
         left[s] = -1.0;
         ++next[s];
@@ -322,12 +332,24 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
     xfer.push_back(ab.alpha + st[s].out_bytes / ab.bandwidth);
     out.p2p_comm += 2.0 * xfer.back() * mcount;
   }
+  // On CPU, how long a send waits for the sender's progress thread while the sender computes:
+  // the calibrated delay of the smallest measured size that holds the message (eager and
+  // rendezvous sizes differ), less the transfer counted above.
+  std::vector<double> hold;
+  if (const auto* delays = c.cpu && o.calibration ? nearest_world(o.calibration->send_delay, used) : nullptr;
+      delays && !delays->empty()) {
+    for (size_t s = 0; s + 1 < st.size(); ++s) {
+      auto it = std::find_if(delays->begin(), delays->end(), [&](const auto& d) { return d.first >= st[s].out_bytes; });
+      const double d = it != delays->end() ? it->second : delays->back().second;
+      hold.push_back(std::max(0.0, d - xfer[s]));
+    }
+  }
   const double all_busy = speed(pp);
   for (const auto& t : st) {
     out.slot = std::max(out.slot, (t.fwd + t.bwd + t.tp_fwd + t.tp_bwd) / all_busy);
     out.compute = std::max(out.compute, (t.fwd + t.bwd) / all_busy * mcount);
   }
-  out.step = simulate_pipeline(st, mcount, o.pipeline_schedule == "gpipe", xfer, speed, /*deferred_sends=*/c.cpu);
+  out.step = simulate_pipeline(st, mcount, o.pipeline_schedule == "gpipe", xfer, speed, hold);
   out.bubble = std::max(0.0, out.step - out.slot * mcount);
   return out;
 }

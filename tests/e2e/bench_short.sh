@@ -32,6 +32,10 @@ for m, kids in (("mlp", 6), ("cnn", 10), ("cnn_bn", 12)):
     assert r["flops_synchronized"]["2"] > 0 and r["flops_while_waiting"]["2"]["1"] > 0, (m, r)
 assert c["p2p"]["2"]["alpha"] > 0 and c["p2p"]["2"]["bandwidth"] > 0, c["p2p"]
 assert c["collectives"]["2"]["allreduce"]["bandwidth"] > 0
+for op in ("reduce_scatter_shm", "allgather_shm"):
+    assert len(c["collective_times"]["2"][op]) == 5 and all(t > 0 for _, t in c["collective_times"]["2"][op]), op
+d = c["send_delay"]["2"]
+assert [b for b, _ in d] == [4096, 196608, 1048576] and all(0 <= s <= 0.1 for _, s in d), d
 print("calibration ok")
 PY
 "$tandem" plan --cluster local --devices 2 --model mlp --batch 64 --calibration cal.json > layouts.txt

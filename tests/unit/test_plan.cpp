@@ -375,21 +375,33 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   EXPECT_NEAR(e.comm_parts.at("tp allreduce"), ar, 1e-12);
   EXPECT_NEAR(e.step_s - e.optimizer_s, compute + ar, 1e-9);
 
-  // A CPU pipeline sends a stage's output only when the stage next stops computing. GPipe, two
-  // stages, two micro-batches, free transfers: stage 0's first activation leaves after its
-  // second forward, stage 1's first input gradient after its second backward, so nothing
-  // overlaps and the step is the sum of every stage's work at one stage's speed (1), although
-  // two stages could compute at once at full speed here.
+  // A CPU pipeline sends a stage's output when the stage next stops computing, or after the
+  // calibrated send delay. GPipe, two stages, two micro-batches, free transfers, a delay longer
+  // than any operation: stage 0's first activation leaves after its second forward, stage 1's
+  // first input gradient after its second backward, so nothing overlaps and the step is the
+  // sum of every stage's work at one stage's speed (1), although two stages could compute at
+  // once at full speed here. With no delay they overlap.
   cal.models["four"].flops_synchronized[2] = 50e9;
   m.children[0].tp.clear();
   m.children[1].tp.clear();
   cal.p2p[2] = {0.0, 1e30};
+  cal.send_delay[2] = {{4096.0, 1.0}};
   lo.pipeline_schedule = "gpipe";
   tp::Layout pl;
   pl.pp = 2; pl.micro_batch = 32; pl.micro_batches = 2;
   auto pe = tp::estimate(m, local, pl, lo);
   ASSERT_TRUE(pe.feasible) << pe.why;
-  EXPECT_NEAR(pe.step_s - pe.optimizer_s, 2 * 4 * (1e-4 + 32 * 1e-5), 1e-9);
+  const double serial = 2 * 4 * (1e-4 + 32 * 1e-5);
+  EXPECT_NEAR(pe.step_s - pe.optimizer_s, serial, 1e-9);
+  cal.send_delay[2] = {{4096.0, 0.0}};
+  auto overlapped = tp::estimate(m, local, pl, lo);
+  EXPECT_LT(overlapped.step_s - overlapped.optimizer_s, serial - 2e-4);
+  // A delay shorter than the forward (1e-4 + 32e-5 s of each layer, half of it forward for the
+  // first): the first activation leaves mid-way through stage 0's second forward.
+  cal.send_delay[2] = {{4096.0, 1e-4}};
+  auto part = tp::estimate(m, local, pl, lo);
+  EXPECT_GT(part.step_s, overlapped.step_s + 1e-5);
+  EXPECT_LT(part.step_s, pe.step_s - 1e-5);
 }
 
 // A calibrated world size is timed from its measured sizes (log-log between them), not the fit.

@@ -318,6 +318,7 @@ int cmd_plan(int argc, char** argv) {
       for (auto& [k, v] : part.collectives) cal.collectives[k] = v;
       for (auto& [k, v] : part.collective_times) cal.collective_times[k] = v;
       for (auto& [k, v] : part.p2p) cal.p2p[k] = v;
+      for (auto& [k, v] : part.send_delay) cal.send_delay[k] = v;
       // The concurrent compute rate is a property of all cores busy: take it from n == cores.
       for (auto& [name, r] : part.models) {
         if (n == cal.cores || (n == 2 && cal.cores < 2)) cal.models[name].flops_concurrent = r.flops_concurrent;
