@@ -292,6 +292,17 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
   };
   PipelineTimes out;
   out.fitted = mr != nullptr;
+  // The children's per-sample times, scaled so that they add up to the whole model's (one
+  // thread, timed whole): timed one by one they vary between calibrations (the CNN's first
+  // convolution at 42-155 us per sample in four calibrations of one evening, the sum 18-23 %
+  // above the whole model's), while the whole model's rate holds within about 15 %.
+  double per_sample_scale = 1.0;
+  if (mr) {
+    double sum = 0.0;
+    for (double v : mr->layer_s_per_sample) sum += v;
+    const double whole = 3.0 * forward_flops_per_sample(m) / mr->flops_1t;
+    if (sum > 0 && whole > 0) per_sample_scale = whole / sum;
+  }
   std::vector<StageTimes> st;
   size_t i = 0;
   for (int64_t count : partition) {
@@ -303,7 +314,7 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
       const double train = layer_train_flops(ly, in_grad);
       // A split child does 1/tp of all of its work: the fixed part of a Linear's time (reading
       // its weights, writing their gradient) is proportional to its weights too.
-      const double secs = mr ? (mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * static_cast<double>(mb)) * share
+      const double secs = mr ? (mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * per_sample_scale * static_cast<double>(mb)) * share
                              : train * static_cast<double>(mb) * share / r.flops;
       // Forward is its FLOP share of the layer's training work (a third with both gradients).
       const double fshare = train > 0 ? ly.forward_flops / train : 0.5;
@@ -333,14 +344,28 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
     out.p2p_comm += 2.0 * xfer.back() * mcount;
   }
   // On CPU, how long a send waits for the sender's progress thread while the sender computes:
-  // the calibrated delay of the smallest measured size that holds the message (eager and
-  // rendezvous sizes differ), less the transfer counted above.
+  // for messages under the launcher's eager limit, the calibrated delay (linear in the size
+  // between the measured sizes under it), less the transfer counted above. Over the limit, none:
+  // the calibrated rendezvous delay (6.5 ms on 2 ranks, 22-30 ms on 3-4, for 1 MiB behind a
+  // sender computing 30 ms without a break) put the CNN's pipelines (602 KB activations) 23 to
+  // 103 % slow, where sending at once had them within 11 % (docs/BENCHMARKS.md).
+  constexpr double kEagerLimit = 256.0 * 1024;  // launcher.cpp: btl_vader_eager_limit
   std::vector<double> hold;
   if (const auto* delays = c.cpu && o.calibration ? nearest_world(o.calibration->send_delay, used) : nullptr;
       delays && !delays->empty()) {
+    std::vector<std::pair<double, double>> v;
+    for (const auto& d : *delays)
+      if (d.first <= kEagerLimit) v.push_back(d);
     for (size_t s = 0; s + 1 < st.size(); ++s) {
-      auto it = std::find_if(delays->begin(), delays->end(), [&](const auto& d) { return d.first >= st[s].out_bytes; });
-      const double d = it != delays->end() ? it->second : delays->back().second;
+      const double b = st[s].out_bytes;
+      double d = 0.0;
+      if (!v.empty() && b <= kEagerLimit) {
+        d = b <= v.front().first ? v.front().second : v.back().second;
+        for (size_t k = 1; k < v.size(); ++k) {
+          if (b > v[k - 1].first && b <= v[k].first)
+            d = v[k - 1].second + (b - v[k - 1].first) / (v[k].first - v[k - 1].first) * (v[k].second - v[k - 1].second);
+        }
+      }
       hold.push_back(std::max(0.0, d - xfer[s]));
     }
   }

@@ -351,8 +351,8 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   tp::Calibration cal;
   cal.cores = 2;
   tp::ModelRates r;
-  r.flops_1t = 50e9;
-  r.flops_synchronized[2] = 25e9;  // two workers at once: each at half one thread's rate
+  r.flops_1t = 6e11;  // the whole model's 3 x 8e6 FLOPs per sample in 4e-5 s: the children's sum
+  r.flops_synchronized[2] = 3e11;  // two workers at once: each at half one thread's rate
   r.layer_overhead_s = {1e-4, 1e-4, 1e-4, 1e-4};
   r.layer_s_per_sample = {1e-5, 1e-5, 1e-5, 1e-5};
   cal.models["four"] = r;
@@ -381,7 +381,7 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   // first input gradient after its second backward, so nothing overlaps and the step is the
   // sum of every stage's work at one stage's speed (1), although two stages could compute at
   // once at full speed here. With no delay they overlap.
-  cal.models["four"].flops_synchronized[2] = 50e9;
+  cal.models["four"].flops_synchronized[2] = 6e11;
   m.children[0].tp.clear();
   m.children[1].tp.clear();
   cal.p2p[2] = {0.0, 1e30};
@@ -402,6 +402,13 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   auto part = tp::estimate(m, local, pl, lo);
   EXPECT_GT(part.step_s, overlapped.step_s + 1e-5);
   EXPECT_LT(part.step_s, pe.step_s - 1e-5);
+  // The children's per-sample times are scaled to add up to the whole model's: a whole model
+  // timed twice as fast halves them (fixed parts stay).
+  cal.send_delay[2] = {{4096.0, 1.0}};
+  cal.models["four"].flops_1t = 1.2e12;
+  cal.models["four"].flops_synchronized[2] = 1.2e12;
+  auto fast = tp::estimate(m, local, pl, lo);
+  EXPECT_NEAR(fast.step_s - fast.optimizer_s, 2 * 4 * (1e-4 + 32 * 0.5e-5), 1e-9);
 }
 
 // A calibrated world size is timed from its measured sizes (log-log between them), not the fit.
