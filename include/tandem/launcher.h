@@ -8,6 +8,10 @@
 
 namespace tandem {
 
+// OpenMPI's btl_vader_eager_limit as the launcher sets it (unless the user does): messages up
+// to this size between ranks of one host are copied into the receiver's queue when posted.
+inline constexpr long kLocalEagerLimitBytes = 256 * 1024;
+
 struct LaunchOptions {
   int nprocs = 1;
   std::string hostfile;              // empty: this machine only

@@ -226,7 +226,10 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
 std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o);
 
 // The time a collective takes on the cluster for a group of n ranks (consecutive devices:
-// within a node while it fits), or from the calibration when it has this n.
+// within a node while it fits), or from the calibration when it has this n. op: "allreduce",
+// "reduce_scatter", "allgather", or one of them + "_shm" (in place in symmetric memory: the MPI
+// backend's shared-memory path), which takes its own calibrated curve where there is one.
+inline bool is_shm_op(const std::string& op) { return op.size() > 4 && op.compare(op.size() - 4, 4, "_shm") == 0; }
 double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std::string& op, int n, double bytes,
                           int stride = 1);
 

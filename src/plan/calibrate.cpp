@@ -349,7 +349,7 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         const int64_t numel = std::max<int64_t>(n, (sizes[k] / 4 / n) * n);
         // All-reduce in the memory DDP's buckets use (shared memory on one node, see
         // comm/backends.h), so that the constants are those of training.
-        const bool symmetric = op == "allreduce" || op.size() > 4 && op.compare(op.size() - 4, 4, "_shm") == 0;
+        const bool symmetric = op == "allreduce" || is_shm_op(op);
         auto full = symmetric ? detail::symmetric_empty(*comm, numel, torch::kFloat).fill_(1.0f) : torch::ones({numel});
         auto part = symmetric ? full.narrow(0, comm->rank() * (numel / n), numel / n) : torch::ones({numel / n});
         for (int i = 0; i < 8; ++i) {
@@ -525,29 +525,24 @@ Calibration calibration_from_json(const std::string& text) {
         cal.models[name] = r;
       }
     }
-    if (j.contains("collective_times")) {
-      for (auto& [n, ops] : j["collective_times"].items()) {
-        for (auto& [op, curve] : ops.items()) {
-          auto v = curve.get<std::vector<std::pair<double, double>>>();
-          for (size_t i = 0; i < v.size(); ++i) {
-            if (!(v[i].first > 0) || !(v[i].second > 0) || (i > 0 && v[i].first <= v[i - 1].first))
-              throw std::invalid_argument("collective_times." + n + "." + op +
-                                          ": sizes must increase and times be positive");
-          }
-          cal.collective_times[std::stoi(n)][op] = v;
-        }
+    // (bytes, seconds) by increasing size; times positive (delays may be 0).
+    auto curve_of = [](const nlohmann::json& c, const std::string& where, bool zero_ok) {
+      auto v = c.get<std::vector<std::pair<double, double>>>();
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (!(v[i].first > 0) || !(zero_ok ? v[i].second >= 0 : v[i].second > 0) ||
+            (i > 0 && v[i].first <= v[i - 1].first))
+          throw std::invalid_argument(where + ": sizes must increase and times be " +
+                                      (zero_ok ? "non-negative" : "positive"));
       }
-    }
-    if (j.contains("send_delay")) {
-      for (auto& [n, curve] : j["send_delay"].items()) {
-        auto v = curve.get<std::vector<std::pair<double, double>>>();
-        for (size_t i = 0; i < v.size(); ++i) {
-          if (!(v[i].first > 0) || !(v[i].second >= 0) || (i > 0 && v[i].first <= v[i - 1].first))
-            throw std::invalid_argument("send_delay." + n + ": sizes must increase and delays be non-negative");
-        }
-        cal.send_delay[std::stoi(n)] = v;
-      }
-    }
+      return v;
+    };
+    if (j.contains("collective_times"))
+      for (auto& [n, ops] : j["collective_times"].items())
+        for (auto& [op, curve] : ops.items())
+          cal.collective_times[std::stoi(n)][op] = curve_of(curve, "collective_times." + n + "." + op, false);
+    if (j.contains("send_delay"))
+      for (auto& [n, curve] : j["send_delay"].items())
+        cal.send_delay[std::stoi(n)] = curve_of(curve, "send_delay." + n, true);
     if (j.contains("p2p"))
       for (auto& [n, ab] : j["p2p"].items())
         cal.p2p[std::stoi(n)] = AlphaBeta{ab.at("alpha").get<double>(), ab.at("bandwidth").get<double>()};

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "tandem/launcher.h"
 #include "tandem/pipeline_schedule.h"
 #include "tandem/plan.h"
 
@@ -189,10 +190,12 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
   };
   auto release = [&](int s, bool all) {  // all: the stage blocks; else only what is due
     auto& h = held[s];
-    for (const auto& x : h)
-      if (all || x.deadline <= now + 1e-15) (x.fwd ? f_sent : b_sent)[s][x.i] = now;
-    h.erase(std::remove_if(h.begin(), h.end(), [&](const Held& x) { return all || x.deadline <= now + 1e-15; }),
-            h.end());
+    auto sent = [&](const Held& x) {
+      if (!all && x.deadline > now + 1e-15) return false;
+      (x.fwd ? f_sent : b_sent)[s][x.i] = now;
+      return true;
+    };
+    h.erase(std::remove_if(h.begin(), h.end(), sent), h.end());
   };
   for (;;) {
     int running = 0;
@@ -349,7 +352,7 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
   // the calibrated rendezvous delay (6.5 ms on 2 ranks, 22-30 ms on 3-4, for 1 MiB behind a
   // sender computing 30 ms without a break) put the CNN's pipelines (602 KB activations) 23 to
   // 103 % slow, where sending at once had them within 11 % (docs/BENCHMARKS.md).
-  constexpr double kEagerLimit = 256.0 * 1024;  // launcher.cpp: btl_vader_eager_limit
+  constexpr double kEagerLimit = kLocalEagerLimitBytes;
   std::vector<double> hold;
   if (const auto* delays = c.cpu && o.calibration ? nearest_world(o.calibration->send_delay, used) : nullptr;
       delays && !delays->empty()) {
@@ -493,7 +496,7 @@ double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std:
   // "X_shm": X in place in symmetric memory (the MPI backend's shared-memory path on one node),
   // as calibrated; otherwise the same model as X.
   std::string op = op_asked;
-  if (op.size() > 4 && op.compare(op.size() - 4, 4, "_shm") == 0) {
+  if (is_shm_op(op)) {
     const bool measured = c.cpu && o.calibration && o.calibration->collective_times.count(n) &&
                           o.calibration->collective_times.at(n).count(op);
     if (!measured) op.erase(op.size() - 4);

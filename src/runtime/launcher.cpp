@@ -139,7 +139,7 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
     // the compute thread's time slice. A pipeline's activations and gradients are such
     // messages; the MLP's 2-stage pipeline step went from 28.7 to 23.3 ms (docs/BENCHMARKS.md).
     // The user's own setting (environment or --mpi-arg) wins.
-    setenv("OMPI_MCA_btl_vader_eager_limit", "262144", 0);
+    setenv("OMPI_MCA_btl_vader_eager_limit", std::to_string(kLocalEagerLimitBytes).c_str(), 0);
     std::vector<char*> args;
     for (auto& s : cmd) args.push_back(const_cast<char*>(s.c_str()));
     args.push_back(nullptr);
