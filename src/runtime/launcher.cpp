@@ -137,7 +137,8 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
     // shared-memory queue when posted) instead of by rendezvous, which needs the sender's
     // progress thread again after the receiver answers: on shared cores that thread waits for
     // the compute thread's time slice. A pipeline's activations and gradients are such
-    // messages; the MLP's 2-stage pipeline step went from 28.7 to 23.3 ms (docs/BENCHMARKS.md).
+    // messages; the MLP's 2-stage pipeline step went from 28.7 to 23.4 ms, medians of 4 runs
+    // (docs/BENCHMARKS.md).
     // The user's own setting (environment or --mpi-arg) wins.
     setenv("OMPI_MCA_btl_vader_eager_limit", std::to_string(kLocalEagerLimitBytes).c_str(), 0);
     std::vector<char*> args;
