@@ -25,6 +25,16 @@ struct ProcessInfo {
 // Reads the environment only; never initializes anything.
 ProcessInfo detect_process_info();
 
+// Makes glibc's malloc keep freed memory for reuse instead of returning it to the kernel: a
+// fixed 32 MiB mmap threshold (glibc's largest; by default it moves with what the process freed
+// before) and a 1 GiB trim threshold. Without it, a step's activations may be mmapped and
+// unmapped every iteration and re-faulted page by page: the CNN's forward+backward at batch 96
+// took 60-63 ms instead of 48-49 ms (4,000-6,000 page faults per step) after the process had
+// run another model or used two threads (medians of 3 runs, docs/BENCHMARKS.md). Called by
+// Runtime's constructor; idempotent; TANDEM_MALLOC_TUNE=0 leaves malloc as it is. Returns
+// whether the settings were applied (false off glibc or when disabled).
+bool tune_allocator();
+
 // One host of the job: its name, the addresses its ranks advertise and its ranks (ascending).
 // Hosts are numbered by their lowest rank: the node rank of a process is its host's index.
 struct HostInfo {

@@ -3,6 +3,9 @@
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
 #include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <cstdlib>
 #include <cstring>
@@ -90,7 +93,19 @@ ProcessInfo detect_process_info() {
   return p;
 }
 
+bool tune_allocator() {
+  const char* v = std::getenv("TANDEM_MALLOC_TUNE");
+  if (v && std::strcmp(v, "0") == 0) return false;
+#if defined(__GLIBC__)
+  // mallopt returns 1 on success; 32 MiB is DEFAULT_MMAP_THRESHOLD_MAX on 64-bit glibc.
+  return mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1;
+#else
+  return false;
+#endif
+}
+
 Runtime::Runtime(const RuntimeOptions& opts) : info_(detect_process_info()) {
+  tune_allocator();
   // Threads: cores on this host shared among its ranks.
   int cores = static_cast<int>(std::thread::hardware_concurrency());
   if (cores <= 0) cores = 1;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "commands.h"
+#include "tandem/runtime.h"
 
 namespace {
 const char* kUsage =
@@ -24,6 +25,7 @@ const char* kUsage =
 }
 
 int main(int argc, char** argv) {
+  tandem::tune_allocator();  // before anything allocates (the calibration times compute in this process)
   if (argc < 2) {
     // The main job: training with its defaults.
     return tandem::cli::cmd_train(argc, argv);
