@@ -53,4 +53,20 @@ for r in rows:
     assert float(r["predicted_ms"]) > 0 and float(r["step_ms"]) > 0, r
 print("layout bench ok")
 PY
+# --predict-only: the same rows and predictions, nothing run; without a calibration, an error.
+"$tandem" bench --model mlp --workers 1,2 --strategies ddp,tp2,pp2,pp2-gpipe --micro-batches 2 --batch 64 \
+  --calibration cal.json --predict-only > pred.txt
+python3 - l.csv pred.txt <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+pred = [l.split() for l in open(sys.argv[2]).read().splitlines()[1:]]
+assert [(p[0], p[1]) for p in pred] == [(r["workers"], r["strategy"]) for r in rows], pred
+for p, r in zip(pred, rows):
+    assert abs(float(p[2]) - float(r["predicted_ms"])) <= 0.051, (p, r)
+print("predict-only ok")
+PY
+if "$tandem" bench --model mlp --workers 1,2 --calibration missing.json --predict-only > np.txt 2>&1; then
+  echo "--predict-only without a calibration succeeded"; exit 1
+fi
+grep -q "needs a calibration" np.txt || { cat np.txt; exit 1; }
 echo "bench ok"

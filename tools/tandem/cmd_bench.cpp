@@ -169,6 +169,9 @@ int cmd_bench(int argc, char** argv) {
   app.add_option("--calibration", calibration, "calibration from tandem plan --calibrate: adds predicted step times")
       ->capture_default_str();
   app.add_option("--timeout", timeout_s, "seconds a single run may take")->capture_default_str();
+  bool predict_only = false;
+  app.add_flag("--predict-only", predict_only,
+               "print the runs and their predicted step times (needs --calibration's file) without running them");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -239,6 +242,16 @@ int cmd_bench(int argc, char** argv) {
       plan::Estimate e = plan::estimate(m, c, l, o);
       if (e.feasible) r.predicted_ms = e.step_s * 1e3;
     }
+  }
+
+  if (predict_only) {
+    if (!have_cal)
+      throw std::invalid_argument("--predict-only needs a calibration: run tandem plan --calibrate or pass --calibration FILE");
+    std::cout << std::setw(7) << "workers" << std::setw(13) << "strategy" << std::setw(11) << "predicted" << "\n";
+    for (const auto& r : rows)
+      std::cout << std::setw(7) << r.workers << std::setw(13) << r.strategy << std::setw(11)
+                << (r.predicted_ms > 0 ? fixed(r.predicted_ms, 1) : std::string("-")) << "\n";
+    return 0;
   }
 
   const std::string self = self_executable();
