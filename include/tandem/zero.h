@@ -85,6 +85,11 @@ struct ZeroMemory {
   int64_t peak_scratch_bytes = 0;
   // Stage 3: the most bytes of gathered (full) unit parameters alive at once; 0 otherwise.
   int64_t peak_gathered_bytes = 0;
+  // Stages 2, 3 on CPU with more than one rank: the block (symmetric memory on one node) that
+  // scratch and gathered units are carved from, allocated once; and how many of those buffers
+  // did not fit in it and took ordinary memory (collectives on them go through MPI's fifos).
+  int64_t pool_bytes = 0;
+  int64_t pool_misses = 0;
   int64_t total() const { return parameter_bytes + gradient_bytes + optimizer_state_bytes; }
   int64_t model_total() const { return model_parameter_bytes + model_gradient_bytes + model_optimizer_state_bytes; }
 };

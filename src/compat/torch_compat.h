@@ -106,6 +106,14 @@ inline void alloc_storage(const at::Tensor& t, size_t nbytes) {
   s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
   s->set_nbytes(nbytes);
 }
+// Points the storage at `data` inside `owner`'s memory (a pool) and keeps `owner` alive until
+// the storage lets go of it (free_storage, another placement, or its end).
+inline void place_storage(const at::Tensor& t, void* data, size_t nbytes, const at::Tensor& owner) {
+  auto* s = t.storage().unsafeGetStorageImpl();
+  auto* keep = new at::Tensor(owner);
+  s->set_data_ptr_noswap(at::DataPtr(data, keep, [](void* k) { delete static_cast<at::Tensor*>(k); }, t.device()));
+  s->set_nbytes(nbytes);
+}
 inline bool storage_allocated(const at::Tensor& t) { return t.storage().nbytes() > 0; }
 
 }  // namespace tandem::compat

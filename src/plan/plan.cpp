@@ -750,11 +750,12 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
       return ov * bucket_exposed(t, w) + (1.0 - ov) * sum(t);
     };
     // ZeRO (every stage, as Tandem does it) reduce-scatters: each rank needs only its shard's sum.
-    // Stage 1 from its flat gradient buffer and stages 1-2 into their flat parameters, both
-    // symmetric memory; stage 2's gradients from per-bucket scratch, stage 3's parameters into
-    // per-unit buffers (ordinary memory).
-    const char* grad_op = l.zero == 1 ? "reduce_scatter_shm" : l.zero >= 2 ? "reduce_scatter" : "allreduce";
-    const char* gather_op = l.zero == 3 ? "allgather" : "allgather_shm";
+    // All in symmetric memory on a CPU node: stage 1 from its flat gradient buffer, stages 1-2
+    // into their flat parameters, stages 2-3 from per-bucket scratch and stage 3 into gathered
+    // units carved from a block allocated up front. Elsewhere the "_shm" curves fall back to
+    // the plain ones.
+    const char* grad_op = l.zero >= 1 ? "reduce_scatter_shm" : "allreduce";
+    const char* gather_op = "allgather_shm";
     std::vector<double> grads = per_bucket(grad_op, grad_bytes);
     e.comm_parts[l.zero >= 1 ? "dp reduce_scatter" : "dp allreduce"] = sum(grads);
     exposed += overlapped(grads, window);
@@ -765,7 +766,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
       exposed += sum(ag);
     } else if (l.zero == 3) {
       // Parameters gathered just in time in forward and again in backward, prefetched beside compute.
-      std::vector<double> ag = per_bucket("allgather", param_bytes);
+      std::vector<double> ag = per_bucket(gather_op, param_bytes);
       const double fwd = slot / 3.0;
       e.comm_parts["dp allgather (fwd+bwd)"] = 2.0 * sum(ag) * mcount;
       exposed += mcount * (overlapped(ag, fwd) + overlapped(ag, window));

@@ -269,6 +269,11 @@ TEST(Zero, Stage3GathersAFewUnitsAtATime) {
   EXPECT_EQ(m.model_parameter_bytes, 4 * psi / R);
   EXPECT_GE(m.peak_gathered_bytes, 2 * unit_bytes) << "prefetch should overlap the next unit's gather";
   EXPECT_LE(m.peak_gathered_bytes, 3 * unit_bytes) << "a unit in use, one prefetched, one being freed at most";
+  // Gathered units and gradient scratch come from one block allocated up front (symmetric
+  // memory, so that the collectives on them run through shared memory), every one of them.
+  EXPECT_GT(m.pool_bytes, 0);
+  EXPECT_LE(m.pool_bytes, 2 * 8 * unit_bytes);
+  EXPECT_EQ(m.pool_misses, 0);
   for (auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
   // Evaluation without autograd gathers and frees as it goes, too.
   {
@@ -473,6 +478,9 @@ TEST(Zero, Stage2ScratchStaysWithinAFewBuckets) {
   EXPECT_LE(m.peak_scratch_bytes, 3 * bucket_bytes);
   EXPECT_LT(m.peak_scratch_bytes, 4 * psi / 2);
   EXPECT_EQ(m.gradient_bytes, 4 * zero.shard_numel());  // the scratch is gone after backward
+  EXPECT_GT(m.pool_bytes, 0);
+  EXPECT_LE(m.pool_bytes, 4 * psi);
+  EXPECT_EQ(m.pool_misses, 0) << "every bucket's scratch should come from the pool";
 }
 
 TEST(Zero, RejectsBadOptions) {

@@ -435,7 +435,9 @@ TEST(Plan, CalibratedCollectivesInterpolateMeasuredSizes) {
   EXPECT_NEAR(tp::collective_seconds(c, o, "allreduce_shm", 2, 1048576.0), 1e-3, 1e-12);
   EXPECT_NEAR(tp::collective_seconds(c, o, "reduce_scatter_shm", 3, 3e6),
               tp::collective_seconds(c, o, "reduce_scatter", 3, 3e6), 1e-15);
-  // ZeRO-1 reduce-scatters its gradients from symmetric memory; ZeRO-2 from plain scratch.
+  // Every ZeRO stage reduce-scatters its gradients from symmetric memory on a CPU node (ZeRO-1
+  // from its flat buffer, ZeRO-2/3 from scratch carved from a block allocated up front), and
+  // ZeRO-3 gathers its units into that block too.
   tp::ModelSpec m = tp::builtin_model("mlp");
   tp::PlanOptions lo;
   lo.calibration = &cal;
@@ -449,5 +451,13 @@ TEST(Plan, CalibratedCollectivesInterpolateMeasuredSizes) {
   auto e1 = tp::estimate(m, c, z1, lo), e2 = tp::estimate(m, c, z2, lo);
   ASSERT_TRUE(e1.feasible && e2.feasible) << e1.why << e2.why;
   EXPECT_NEAR(e1.comm_parts.at("dp reduce_scatter"), tp::collective_seconds(c, lo, "reduce_scatter_shm", 2, grads), 1e-9);
-  EXPECT_NEAR(e2.comm_parts.at("dp reduce_scatter"), tp::collective_seconds(c, lo, "reduce_scatter", 2, grads), 1e-9);
+  EXPECT_NEAR(e2.comm_parts.at("dp reduce_scatter"), tp::collective_seconds(c, lo, "reduce_scatter_shm", 2, grads), 1e-9);
+  EXPECT_LT(e2.comm_parts.at("dp reduce_scatter"), tp::collective_seconds(c, lo, "reduce_scatter", 2, grads) / 2);
+  tp::Layout z3 = z2;
+  z3.zero = 3;
+  cal.collective_times[2]["allgather"] = {{4096.0, 1e-4}, {1048576.0, 1e-2}};
+  cal.collective_times[2]["allgather_shm"] = {{4096.0, 1e-5}, {1048576.0, 1e-3}};
+  auto e3 = tp::estimate(m, c, z3, lo);
+  ASSERT_TRUE(e3.feasible) << e3.why;
+  EXPECT_NEAR(e3.comm_parts.at("dp allgather (fwd+bwd)"), 2 * tp::collective_seconds(c, lo, "allgather_shm", 2, grads), 1e-9);
 }

@@ -33,7 +33,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <deque>
+#include <map>
 #include <sstream>
 #include <unordered_map>
 
@@ -73,6 +75,65 @@ bool same_view(const at::Tensor& g, const at::Tensor& v) {
 
 int64_t nbytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
 
+// A fixed block of symmetric memory (detail::symmetric_empty: an MPI-3 shared window on one
+// node) from which the buffers that ZeRO allocates during a step are carved: stage 2-3 gradient
+// scratch and stage 3 gathered units. The MPI backend reduce-scatters and all-gathers buffers
+// that lie in a window through shared memory (one copy) instead of MPI's fifos. Carving is
+// first fit with coalescing, so every rank, making the same requests in the same order, gets
+// the same offsets (the shared-memory collectives require it); the block itself is allocated
+// once, before any backward, because its allocation is collective. A request that does not fit
+// returns an undefined tensor (the caller allocates ordinary memory, on every rank alike).
+class SymmetricPool {
+ public:
+  SymmetricPool() = default;
+  SymmetricPool(Communicator& comm, int64_t numel, const at::TensorOptions& opts)
+      : base_(detail::symmetric_empty(comm, std::max<int64_t>(numel, 1), opts)) {
+    free_[0] = base_.numel();
+  }
+  at::Tensor take(int64_t numel) {
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < numel) continue;
+      const int64_t off = it->first, len = it->second;
+      free_.erase(it);
+      if (len > numel) free_[off + numel] = len - numel;
+      used_[off] = numel;
+      return base_.narrow(0, off, numel);
+    }
+    return at::Tensor();
+  }
+  // Gives back what take() returned (by its data pointer); false for memory not from here.
+  bool give_back(const void* p) {
+    if (!base_.defined()) return false;
+    const auto* b = static_cast<const char*>(base_.data_ptr());
+    const auto delta = static_cast<const char*>(p) - b;
+    if (delta < 0 || delta >= nbytes(base_)) return false;
+    const int64_t off = delta / static_cast<int64_t>(base_.element_size());
+    auto u = used_.find(off);
+    if (u == used_.end()) return false;
+    int64_t start = off, len = u->second;
+    used_.erase(u);
+    auto next = free_.find(start + len);
+    if (next != free_.end()) {
+      len += next->second;
+      free_.erase(next);
+    }
+    auto prev = free_.lower_bound(start);
+    if (prev != free_.begin() && (--prev, prev->first + prev->second == start)) {
+      start = prev->first;
+      len += prev->second;
+      free_.erase(prev);
+    }
+    free_[start] = len;
+    return true;
+  }
+  int64_t bytes() const { return nbytes(base_); }
+
+ private:
+  at::Tensor base_;
+  std::map<int64_t, int64_t> free_;  // offset -> elements
+  std::map<int64_t, int64_t> used_;
+};
+
 }  // namespace
 
 struct ZeroDataParallel::Impl {
@@ -110,6 +171,8 @@ struct ZeroDataParallel::Impl {
   double last_norm = -1.0;
   int64_t scratch_live = 0, scratch_peak = 0;  // bytes of bucket scratch alive
   int64_t gathered_live = 0, gathered_peak = 0;  // stage 3: bytes of gathered units
+  SymmetricPool pool;  // stages 2, 3 on CPU: scratch and gathered units
+  int64_t pool_misses = 0;  // requests that took ordinary memory instead
 
   std::string where() const { return "rank " + std::to_string(rank) + ": ZeRO-" + std::to_string(opts.stage); }
 
@@ -128,7 +191,11 @@ struct ZeroDataParallel::Impl {
   // Uninitialised but for the padding: take_gradient() writes every parameter's slice (its
   // gradient, or zeros), which saves a memset of the bucket every step.
   at::Tensor new_scratch(const Bucket& bk) {
-    auto t = at::empty({bk.padded}, bk.shard.options());
+    auto t = pool.take(bk.padded);
+    if (!t.defined()) {
+      pool_misses += pool.bytes() > 0;
+      t = at::empty({bk.padded}, bk.shard.options());
+    }
     t.narrow(0, bk.numel, bk.padded - bk.numel).zero_();
     scratch_live += nbytes(t);
     scratch_peak = std::max(scratch_peak, scratch_live);
@@ -136,6 +203,7 @@ struct ZeroDataParallel::Impl {
   }
   void free_scratch(Bucket& bk) {
     scratch_live -= nbytes(bk.scratch);
+    if (bk.scratch.defined()) pool.give_back(bk.scratch.data_ptr());
     bk.scratch = at::Tensor();
   }
 
@@ -249,6 +317,20 @@ struct ZeroDataParallel::Impl {
     } else {
       grad_shard = at::zeros({std::max<int64_t>(shard_off, 1)}, copts);
     }
+    const char* no_pool = std::getenv("TANDEM_ZERO_POOL");  // "0": ordinary memory, as before
+    if (opts.stage >= 2 && device.is_cpu() && world > 1 && !(no_pool && std::string(no_pool) == "0")) {
+      // Room for the scratch of the buckets in flight and the one filling, and (stage 3) for
+      // the gathered units: the running one, its prefetched neighbours and the last unit, which
+      // forward keeps for backward. Collective: every rank sizes it alike.
+      int64_t largest = 0, total = 0;
+      for (const auto& bk : buckets) {
+        largest = std::max(largest, bk.padded);
+        total += bk.padded;
+      }
+      int64_t slots = std::max(1, opts.max_inflight_buckets) + 2;
+      if (opts.stage == 3) slots += 2 * std::max(0, opts.prefetch) + 3;
+      pool = SymmetricPool(*comm, std::min(slots * largest, (opts.stage == 3 ? 2 : 1) * total), copts);
+    }
     if (opts.stage == 3) {
       for (auto& bk : buckets) {
         gathered_live += nbytes(bk.full);
@@ -269,7 +351,12 @@ struct ZeroDataParallel::Impl {
 
   void start_gather(Bucket& bk) {
     if (bk.state != Gather::kFree) return;
-    compat::alloc_storage(bk.full, static_cast<size_t>(nbytes(bk.full)));
+    if (auto slot = pool.take(bk.padded); slot.defined()) {
+      compat::place_storage(bk.full, slot.data_ptr(), static_cast<size_t>(nbytes(bk.full)), slot);
+    } else {
+      pool_misses += pool.bytes() > 0;
+      compat::alloc_storage(bk.full, static_cast<size_t>(nbytes(bk.full)));
+    }
     gathered_live += nbytes(bk.full);
     gathered_peak = std::max(gathered_peak, gathered_live);
     bk.state = Gather::kInFlight;
@@ -299,7 +386,9 @@ struct ZeroDataParallel::Impl {
       } catch (...) {
       }
     }
+    const void* p = bk.full.storage().data();
     compat::free_storage(bk.full);
+    if (p) pool.give_back(p);
     gathered_live -= nbytes(bk.full);
     bk.state = Gather::kFree;
   }
@@ -795,6 +884,8 @@ ZeroMemory ZeroDataParallel::memory() const {
   m.optimizer_state_bytes = optimizer_state_bytes(*I.optim) + m.master_bytes;
   m.peak_scratch_bytes = I.scratch_peak;
   m.peak_gathered_bytes = I.gathered_peak;
+  m.pool_bytes = I.pool.bytes();
+  m.pool_misses = I.pool_misses;
   const int64_t e = I.opts.stage < 3 ? I.flat.element_size() : (I.buckets.empty() ? 4 : I.buckets[0].shard.element_size());
   const int64_t N = I.world;
   m.model_parameter_bytes = I.opts.stage < 3 ? e * I.psi : e * I.psi / N;
