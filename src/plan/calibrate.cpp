@@ -305,37 +305,43 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
       ts_med = std::min(ts_med, median(ts));
     }
     if (ts_med - ovh > 0) cal.models[name].flops_synchronized[n] = f / (ts_med - ovh);
-    // Ranks 0..a-1 compute while ranks a..n-1 wait in a receive from rank 0 (as idle pipeline
-    // stages do: their progress threads poll): the computing ranks' rate, slowest rank's median.
-    // Three interleaved rounds: where busy and polling threads outnumber the cores the
-    // scheduler's placement swings this rate (2.5x between two calibrations of one machine).
-    std::map<int, std::vector<double>> by_a;
-    for (int round = 0; round < 3; ++round) {
-      for (int a = 1; a < n; ++a) {
-        std::vector<double> ta;
-        auto token = torch::zeros({1});
+    // a of n ranks computing while the others wait, as pipeline stages do: phases of one
+    // micro-batch (half of b) forward+backward on a ranks, a barrier after each, the computing
+    // ranks rotating by one every phase; the slowest rank's median phase, median of 3 rounds.
+    // Stored as the rate that makes the one-thread time of that work (overhead + FLOPs at
+    // flops_1t, from calibrate_compute) last the phase: the pipeline's stage times are scaled
+    // by rate / flops_1t. Until the sixth session the computing ranks ran 7 whole batches
+    // without a break while the others waited in one receive: that rate was bimodal (the MLP's 2
+    // of 4: 32-106 GFLOP/s over five calibrations, the CNN's 21-55), as one placement of the
+    // threads held for the whole round, and the 4-rank pipelines missed by -43 to +69 %. The
+    // rotating phases' FLOPs over the phase came out 28-46 and 30-39 in two calibrations, near
+    // what the measured pipelines imply (MLP about 40-55, CNN about 37); docs/BENCHMARKS.md.
+    const int64_t bm = std::max<int64_t>(1, b / 2);
+    auto [xm, ym] = sample_batch(name, bm);
+    const double fm = 3.0 * forward_flops_per_sample(spec) * static_cast<double>(bm);
+    const double f1 = it != cal.models.end() ? it->second.flops_1t : 0.0;
+    const double alone = f1 > 0 ? ovh + fm / f1 : 0.0;
+    for (int a = 1; a < n; ++a) {
+      std::vector<double> rounds;
+      for (int round = 0; round < 3; ++round) {
+        std::vector<double> tp;
         comm->barrier();
-        if (comm->rank() < a) {
-          for (int i = 0; i < 7; ++i) {
-            auto t0 = Clock::now();
-            train_once();
-            if (i >= 2) ta.push_back(seconds_since(t0));
+        for (int j = 0; j < 12; ++j) {
+          const bool mine = ((comm->rank() - j) % n + n) % n < a;
+          auto t0 = Clock::now();
+          if (mine) {
+            model->zero_grad(/*set_to_none=*/false);
+            auto loss = loss_of(model->forward(xm), ym);
+            loss.backward();
+            (void)loss.item<double>();
           }
-          if (comm->rank() == 0)
-            for (int r = a; r < n; ++r) comm->send(token, r, 9);
-        } else {
-          comm->recv(token, 0, 9);
+          comm->barrier();
+          if (j >= 2) tp.push_back(seconds_since(t0));
         }
-        by_a[a].push_back(slowest(ta.empty() ? 0.0 : median(ta)));
+        rounds.push_back(slowest(median(tp)));
       }
-    }
-    // The slowest round: a pipeline's stages run for many steps through every placement the
-    // scheduler makes, and a round that caught a favourable one overstates the rate (the MLP's
-    // 2 of 4: 38-41 GFLOP/s in three calibrations, 102 and 130 in two, above one thread alone;
-    // its 4-rank pipelines ran at the slow rate in all five).
-    for (auto& [a, ts_a] : by_a) {
-      const double tm = *std::max_element(ts_a.begin(), ts_a.end());
-      if (tm - ovh > 0) cal.models[name].flops_while_waiting[n][a] = f / (tm - ovh);
+      const double t = median(rounds);
+      if (t > 0) cal.models[name].flops_while_waiting[n][a] = alone > 0 ? f1 * alone / t : fm / t;
     }
   }
   // Collectives at 4 KiB (latency) and 256 KiB .. 16 MiB (bandwidth), float32, median of the
