@@ -55,7 +55,7 @@ print("layout bench ok")
 PY
 # --predict-only: the same rows and predictions, nothing run; without a calibration, an error.
 "$tandem" bench --model mlp --workers 1,2 --strategies ddp,tp2,pp2,pp2-gpipe --micro-batches 2 --batch 64 \
-  --calibration cal.json --predict-only > pred.txt
+  --calibration cal.json --predict-only --data /nonexistent > pred.txt  # needs no dataset
 python3 - l.csv pred.txt <<'PY'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))

@@ -182,7 +182,7 @@ int cmd_bench(int argc, char** argv) {
   if (workers.empty() || workers.front() < 1) throw std::invalid_argument("--workers must be positive counts");
   if (steps < 2) throw std::invalid_argument("--steps must be at least 2 (the first step is not timed)");
   if (reps < 1) throw std::invalid_argument("--reps must be at least 1");
-  if (!fs::is_directory(data))
+  if (!predict_only && !fs::is_directory(data))
     throw std::invalid_argument("dataset directory '" + data + "' not found; install dataset-fashion-mnist or pass --data DIR");
   int64_t step_multiple = 1;
   for (int n : workers) step_multiple = lcm(step_multiple, n);

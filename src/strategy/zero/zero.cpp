@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <unordered_map>
@@ -99,6 +100,7 @@ class SymmetricPool {
       used_[off] = numel;
       return base_.narrow(0, off, numel);
     }
+    misses_ += base_.defined();
     return at::Tensor();
   }
   // Gives back what take() returned (by its data pointer); false for memory not from here.
@@ -117,21 +119,26 @@ class SymmetricPool {
       len += next->second;
       free_.erase(next);
     }
-    auto prev = free_.lower_bound(start);
-    if (prev != free_.begin() && (--prev, prev->first + prev->second == start)) {
-      start = prev->first;
-      len += prev->second;
-      free_.erase(prev);
+    auto after = free_.lower_bound(start);
+    if (after != free_.begin()) {
+      auto before = std::prev(after);
+      if (before->first + before->second == start) {
+        start = before->first;
+        len += before->second;
+        free_.erase(before);
+      }
     }
     free_[start] = len;
     return true;
   }
   int64_t bytes() const { return nbytes(base_); }
+  int64_t misses() const { return misses_; }  // requests that did not fit
 
  private:
   at::Tensor base_;
   std::map<int64_t, int64_t> free_;  // offset -> elements
   std::map<int64_t, int64_t> used_;
+  int64_t misses_ = 0;
 };
 
 }  // namespace
@@ -172,7 +179,6 @@ struct ZeroDataParallel::Impl {
   int64_t scratch_live = 0, scratch_peak = 0;  // bytes of bucket scratch alive
   int64_t gathered_live = 0, gathered_peak = 0;  // stage 3: bytes of gathered units
   SymmetricPool pool;  // stages 2, 3 on CPU: scratch and gathered units
-  int64_t pool_misses = 0;  // requests that took ordinary memory instead
 
   std::string where() const { return "rank " + std::to_string(rank) + ": ZeRO-" + std::to_string(opts.stage); }
 
@@ -192,10 +198,7 @@ struct ZeroDataParallel::Impl {
   // gradient, or zeros), which saves a memset of the bucket every step.
   at::Tensor new_scratch(const Bucket& bk) {
     auto t = pool.take(bk.padded);
-    if (!t.defined()) {
-      pool_misses += pool.bytes() > 0;
-      t = at::empty({bk.padded}, bk.shard.options());
-    }
+    if (!t.defined()) t = at::empty({bk.padded}, bk.shard.options());
     t.narrow(0, bk.numel, bk.padded - bk.numel).zero_();
     scratch_live += nbytes(t);
     scratch_peak = std::max(scratch_peak, scratch_live);
@@ -354,7 +357,6 @@ struct ZeroDataParallel::Impl {
     if (auto slot = pool.take(bk.padded); slot.defined()) {
       compat::place_storage(bk.full, slot.data_ptr(), static_cast<size_t>(nbytes(bk.full)), slot);
     } else {
-      pool_misses += pool.bytes() > 0;
       compat::alloc_storage(bk.full, static_cast<size_t>(nbytes(bk.full)));
     }
     gathered_live += nbytes(bk.full);
@@ -885,7 +887,7 @@ ZeroMemory ZeroDataParallel::memory() const {
   m.peak_scratch_bytes = I.scratch_peak;
   m.peak_gathered_bytes = I.gathered_peak;
   m.pool_bytes = I.pool.bytes();
-  m.pool_misses = I.pool_misses;
+  m.pool_misses = I.pool.misses();
   const int64_t e = I.opts.stage < 3 ? I.flat.element_size() : (I.buckets.empty() ? 4 : I.buckets[0].shard.element_size());
   const int64_t N = I.world;
   m.model_parameter_bytes = I.opts.stage < 3 ? e * I.psi : e * I.psi / N;
