@@ -69,4 +69,23 @@ if "$tandem" bench --model mlp --workers 1,2 --calibration missing.json --predic
   echo "--predict-only without a calibration succeeded"; exit 1
 fi
 grep -q "needs a calibration" np.txt || { cat np.txt; exit 1; }
+# --calibrate: a calibration of this model alone before every repetition, each repetition's
+# prediction kept, the median reported.
+"$tandem" bench --model mlp --workers 1,2 --strategies ddp,pp2 --micro-batches 2 --steps 3 --batch 64 --reps 2 \
+  --calibrate --csv k.csv --no-plot | tee out3.txt
+python3 - k.csv <<'PY'
+import csv, json, statistics, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+assert [r["strategy"] for r in rows] == ["single", "ddp", "pp2"], rows
+for r in rows:
+    per = [float(x) for x in r["predicted_ms_per_rep"].split(";")]
+    assert len(per) == 2 and all(p > 0 for p in per), r
+    assert abs(statistics.median(per) - float(r["predicted_ms"])) <= 0.002, r
+for k in (1, 2):
+    c = json.load(open(f"k.calibration-{k}.json"))
+    assert list(c["models"]) == ["mlp"], list(c["models"])  # this model only
+    assert c["models"]["mlp"]["flops_synchronized"]["2"] > 0 and c["collectives"]["2"]["allreduce"]["bandwidth"] > 0
+print("calibrate per repetition ok")
+PY
+grep -q "\[2/2\] calibrating" out3.txt || { echo "no calibration before the second repetition"; exit 1; }
 echo "bench ok"

@@ -1,8 +1,8 @@
 // `tandem bench`: runs `tandem train` for a model under a list of strategies and worker counts,
 // a bounded number of steps each (median over repetitions, interleaved), and prints samples/s,
 // time per epoch, speedup over one worker, efficiency, communication share, peak memory and
-// optionally accuracy; with a calibration from `tandem plan --calibrate`, also the predicted
-// step time. Writes CSV and a plot of speedup against workers (gnuplot) next to the ideal line.
+// optionally accuracy; with a calibration from `tandem plan --calibrate` (or one measured before
+// every repetition, --calibrate), also the predicted step time. Writes CSV and a plot of speedup against workers (gnuplot) next to the ideal line.
 #include <CLI/CLI.hpp>
 #include <fcntl.h>
 #include <nlohmann/json.hpp>
@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -110,6 +111,7 @@ struct Row {
   Layout layout;
   std::vector<double> step_ms, exposed_share, peak_mib, accuracy;
   double predicted_ms = 0;
+  std::vector<double> predicted_rounds;  // --calibrate: one prediction per repetition
 };
 
 int64_t lcm(int64_t a, int64_t b) {
@@ -169,9 +171,13 @@ int cmd_bench(int argc, char** argv) {
   app.add_option("--calibration", calibration, "calibration from tandem plan --calibrate: adds predicted step times")
       ->capture_default_str();
   app.add_option("--timeout", timeout_s, "seconds a single run may take")->capture_default_str();
-  bool predict_only = false;
+  bool predict_only = false, calibrate = false;
   app.add_flag("--predict-only", predict_only,
                "print the runs and their predicted step times (needs --calibration's file) without running them");
+  app.add_flag("--calibrate", calibrate,
+               "calibrate this machine (tandem plan --calibrate, this model only) before every repetition and "
+               "predict each repetition from its own calibration (median over repetitions); the calibrations "
+               "are kept next to the CSV");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -182,6 +188,12 @@ int cmd_bench(int argc, char** argv) {
   if (workers.empty() || workers.front() < 1) throw std::invalid_argument("--workers must be positive counts");
   if (steps < 2) throw std::invalid_argument("--steps must be at least 2 (the first step is not timed)");
   if (reps < 1) throw std::invalid_argument("--reps must be at least 1");
+  if (calibrate && predict_only)
+    throw std::invalid_argument("--predict-only predicts from an existing calibration without running anything; "
+                                "drop --calibrate (or --predict-only to measure and calibrate)");
+  if (calibrate && model != "mlp" && model != "cnn" && model != "cnn_bn")
+    throw std::invalid_argument("--calibrate: the calibration runs the built-in models mlp, cnn and cnn_bn, not '" +
+                                model + "'");
   if (!predict_only && !fs::is_directory(data))
     throw std::invalid_argument("dataset directory '" + data + "' not found; install dataset-fashion-mnist or pass --data DIR");
   int64_t step_multiple = 1;
@@ -214,14 +226,9 @@ int cmd_bench(int argc, char** argv) {
     }
   }
 
-  // Predictions from a calibration, when there is one.
-  plan::Calibration cal;
-  bool have_cal = false;
-  if (std::ifstream f(calibration); f) {
-    std::stringstream ss;
-    ss << f.rdbuf();
-    cal = plan::calibration_from_json(ss.str());
-    have_cal = true;
+  // Predictions from a calibration: the file given, or with --calibrate one measured before
+  // every repetition.
+  auto predict = [&](const plan::Calibration& cal) {
     plan::ModelSpec m = plan::builtin_model(model);
     plan::ClusterSpec c = plan::cluster_preset("local");
     if (cal.memory_bandwidth > 0) c.groups[0].device.memory_bandwidth = cal.memory_bandwidth;
@@ -240,8 +247,19 @@ int cmd_bench(int argc, char** argv) {
       l.micro_batch = batch / l.dp / l.micro_batches;
       o.pipeline_schedule = r.layout.schedule;
       plan::Estimate e = plan::estimate(m, c, l, o);
-      if (e.feasible) r.predicted_ms = e.step_s * 1e3;
+      r.predicted_ms = e.feasible ? e.step_s * 1e3 : 0.0;
     }
+  };
+  auto read_calibration = [](const std::string& path) {
+    std::ifstream f(path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return plan::calibration_from_json(ss.str());
+  };
+  bool have_cal = calibrate;
+  if (!calibrate && std::ifstream(calibration)) {
+    predict(read_calibration(calibration));
+    have_cal = true;
   }
 
   if (predict_only) {
@@ -262,12 +280,47 @@ int cmd_bench(int argc, char** argv) {
   const fs::path tmp = tmpl;
   auto cleanup = [&] {
     ::unlink((tmp / "metrics.jsonl").c_str());
+    ::unlink((tmp / "calibration.json").c_str());
     ::unlink((tmp / "log.txt").c_str());
     ::rmdir(tmp.c_str());
   };
   std::cout << "tandem bench: " << model << ", global batch " << batch << ", " << steps << " steps per run, " << reps
             << " repetition(s), " << rows.size() << " configurations" << std::endl;
+  std::string cal_workers;
+  for (int n : workers)
+    if (n > 1) cal_workers += (cal_workers.empty() ? "" : ",") + std::to_string(n);
   for (int rep = 0; rep < reps; ++rep) {
+    if (calibrate) {
+      // Minutes, not hours, between a calibration and the runs it predicts: this guest's speed
+      // changes mode for minutes at a time (docs/BENCHMARKS.md, seventh session).
+      const std::string cal_path = (tmp / "calibration.json").string(), log = (tmp / "log.txt").string();
+      std::vector<std::string> args = {self, "plan", "--calibrate", "--cluster", "local", "--model", model,
+                                       "--calibrate-models", model, "--calibrate-batch", std::to_string(batch),
+                                       "--batch", std::to_string(batch), "--calibration", cal_path, "--top", "0",
+                                       "--show-infeasible", "0"};
+      if (!cal_workers.empty()) args.insert(args.end(), {"--calibrate-workers", cal_workers});
+      std::cout << "  [" << rep + 1 << "/" << reps << "] calibrating... " << std::flush;
+      const auto t0 = std::chrono::steady_clock::now();
+      int rc = run_logged(args, log);
+      if (rc != 0) {
+        std::cout << "failed\n";
+        std::cerr << "tandem bench: `tandem plan --calibrate` exited with " << rc << "; its last lines:\n"
+                  << tail_of(log, 15);
+        cleanup();
+        return 1;
+      }
+      predict(read_calibration(cal_path));
+      for (auto& r : rows) r.predicted_rounds.push_back(r.predicted_ms);
+      fs::path keep = fs::path(csv).replace_extension("");
+      keep += ".calibration-" + std::to_string(rep + 1) + ".json";
+      {
+        std::ifstream in(cal_path);
+        std::ofstream out(keep);
+        out << in.rdbuf();
+      }
+      std::cout << fixed(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0)
+                << " s, kept in " << keep.string() << std::endl;
+    }
     for (auto& r : rows) {
       const std::string metrics = (tmp / "metrics.jsonl").string(), log = (tmp / "log.txt").string();
       std::vector<std::string> args = {self, "train", "--model", model, "--strategy", r.layout.base, "-n",
@@ -322,13 +375,18 @@ int cmd_bench(int argc, char** argv) {
     }
   }
   cleanup();
+  if (calibrate)
+    for (auto& r : rows) {
+      bool all = std::all_of(r.predicted_rounds.begin(), r.predicted_rounds.end(), [](double v) { return v > 0; });
+      r.predicted_ms = all ? median(r.predicted_rounds) : 0.0;
+    }
 
   // The table.
   const double base_ms = median(rows.front().step_ms);
   std::ofstream out(csv);
   if (!out) throw std::runtime_error("cannot write '" + csv + "'");
   out << "model,workers,strategy,global_batch,steps,reps,step_ms,samples_per_s,epoch_s,speedup,efficiency,"
-         "comm_share,peak_mib,accuracy,predicted_ms,prediction_error\n";
+         "comm_share,peak_mib,accuracy,predicted_ms,prediction_error,predicted_ms_per_rep\n";
   std::cout << "\n" << std::right << std::setw(7) << "workers" << std::setw(13) << "strategy" << std::setw(10)
             << "samples/s" << std::setw(9) << "step ms" << std::setw(9) << "epoch s" << std::setw(9) << "speedup"
             << std::setw(7) << "eff." << std::setw(7) << "comm" << std::setw(10) << "peak MiB";
@@ -358,7 +416,10 @@ int cmd_bench(int argc, char** argv) {
         << fixed(ms, 3) << "," << fixed(sps, 2) << "," << fixed(epoch_samples / sps, 3) << "," << fixed(speedup, 4)
         << "," << fixed(eff, 4) << "," << (share >= 0 ? fixed(share, 4) : "") << "," << fixed(peak, 1) << ","
         << (acc >= 0 ? fixed(acc, 4) : "") << "," << (r.predicted_ms > 0 ? fixed(r.predicted_ms, 3) : "") << ","
-        << (r.predicted_ms > 0 ? fixed(err, 4) : "") << "\n";
+        << (r.predicted_ms > 0 ? fixed(err, 4) : "") << ",";
+    for (size_t k = 0; k < r.predicted_rounds.size(); ++k)
+      out << (k ? ";" : "") << (r.predicted_rounds[k] > 0 ? fixed(r.predicted_rounds[k], 3) : "");
+    out << "\n";
   }
   out.close();
   std::cout << "(speedup and efficiency against 1 worker, median step times; comm: exposed communication share of "

@@ -125,6 +125,7 @@ int cmd_plan(int argc, char** argv) {
   std::string json_path, calibration_path = "tandem-calibration.json", calib_out;
   bool calibrate = false, calibrate_worker = false, use_calibration = false;
   std::vector<int> calib_workers;
+  std::vector<std::string> calib_models;
   int64_t calib_batch = 128;
 
   app.add_option("--model", model_name, "built-in model (mlp, cnn, transformer_tiny, resnet50, gpt2, llama-7b, ...)");
@@ -180,6 +181,10 @@ int cmd_plan(int argc, char** argv) {
   app.add_option("--calibrate-workers", calib_workers, "world sizes for the collective calibration (default 2..max(4, cores))")
       ->delimiter(',');
   app.add_option("--calibrate-batch", calib_batch, "batch for the compute calibration")->capture_default_str();
+  app.add_option("--calibrate-models", calib_models,
+                 "built-in models whose compute rates --calibrate measures (default mlp,cnn,cnn_bn; "
+                 "transformer_tiny too when it is --model)")
+      ->delimiter(',');
   app.add_flag("--calibrate-worker", calibrate_worker, "(internal) one rank of the collective calibration")->group("");
   app.add_option("--calibrate-out", calib_out, "(internal)")->group("");
   try {
@@ -189,9 +194,18 @@ int cmd_plan(int argc, char** argv) {
   }
 
   // --- internal: one rank of the collective calibration
-  std::vector<std::string> cal_models;
-  for (const auto& n : {"mlp", "cnn", "cnn_bn"}) cal_models.push_back(n);
-  if (!model_name.empty() && model_name == "transformer_tiny") cal_models.push_back(model_name);
+  std::vector<std::string> cal_models = calib_models;
+  if (cal_models.empty()) {
+    for (const auto& n : {"mlp", "cnn", "cnn_bn"}) cal_models.push_back(n);
+    if (!model_name.empty() && model_name == "transformer_tiny") cal_models.push_back(model_name);
+  }
+  for (const auto& n : cal_models) {
+    if (n != "mlp" && n != "cnn" && n != "cnn_bn" && n != "transformer_tiny")
+      throw std::invalid_argument("--calibrate-models: '" + n +
+                                  "' is not a model the calibration can run (mlp, cnn, cnn_bn, transformer_tiny)");
+  }
+  std::string cal_models_list;
+  for (const auto& n : cal_models) cal_models_list += (cal_models_list.empty() ? "" : ",") + n;
   if (calibrate_worker) {
     RuntimeOptions ro;
     ro.threads = 1;
@@ -296,7 +310,7 @@ int cmd_plan(int argc, char** argv) {
       int most = std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
       for (int n = 2; n <= most; ++n) calib_workers.push_back(n);
     }
-    std::cout << "calibrating compute (mlp, cnn, cnn_bn: one thread and all cores)..." << std::endl;
+    std::cout << "calibrating compute (" << cal_models_list << ": one thread and all cores)..." << std::endl;
     calibrate_compute(cal, cal_models, calib_batch);
     {
       std::ofstream f(calibration_path);
@@ -309,7 +323,8 @@ int cmd_plan(int argc, char** argv) {
       LaunchOptions lo;
       lo.nprocs = n;
       int rc = launch(lo, {self_executable(), "plan", "--calibrate-worker", "--calibration", calibration_path,
-                           "--calibrate-out", out, "--calibrate-batch", std::to_string(calib_batch)});
+                           "--calibrate-out", out, "--calibrate-batch", std::to_string(calib_batch),
+                           "--calibrate-models", cal_models_list});
       if (rc != 0) {
         std::cerr << "tandem plan: the collective calibration on " << n << " workers failed (exit " << rc << ")\n";
         return 1;
