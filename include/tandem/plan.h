@@ -142,6 +142,10 @@ struct ModelRates {
   // n workers of which a compute while the other n - a wait in a receive (a pipeline's bubble):
   // per computing process, one thread each, by n then a (a < n; a = n is flops_synchronized).
   std::map<int, std::map<int, double>> flops_while_waiting;
+  // By world size n: seconds each blocking collective inside forward+backward adds beyond the
+  // step's one synchronisation, as ZeRO-3 waits for every unit's gather: a 4 KiB all-gather
+  // before each child with parameters and before its backward (the last one's excepted).
+  std::map<int, double> sync_point_s;
 };
 struct Calibration {
   std::string date, host;

@@ -305,6 +305,54 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
       ts_med = std::min(ts_med, median(ts));
     }
     if (ts_med - ovh > 0) cal.models[name].flops_synchronized[n] = f / (ts_med - ovh);
+    // ZeRO-3's pattern of blocking collectives within the step (4 KiB each: the payload is
+    // priced by the collective curves), interleaved with the plain iterations above: the extra
+    // time per collective. Every one is a rendezvous of all ranks in the middle of compute;
+    // on more ranks than cores that waits for descheduled peers, which the back-to-back
+    // timings below never see. The MLP's ZeRO-3 step cost 2-3 ms more than ZeRO-2's on 2 ranks
+    // (7 collectives against 2), the CNN's 4-7 ms on 3-4, where the curves priced 0.4-0.5 ms.
+    {
+      const int64_t tiny = std::max<int64_t>(n, (1024 / n) * n);
+      auto full = detail::symmetric_empty(*comm, tiny, torch::kFloat).fill_(1.0f);
+      auto part = full.narrow(0, comm->rank() * (tiny / n), tiny / n);
+      auto rendezvous = [&] { comm->allgather_async(full, part)->wait(); };
+      int units = 0;
+      for (auto it = model->begin(); it != model->end(); ++it) units += it->ptr()->parameters().empty() ? 0 : 1;
+      auto patterned_once = [&] {
+        model->zero_grad(/*set_to_none=*/false);
+        at::Tensor h = x;
+        int u = 0;
+        for (auto it = model->begin(); it != model->end(); ++it) {
+          if (it->ptr()->parameters().empty()) {
+            h = it->forward(h);
+            continue;
+          }
+          rendezvous();
+          h = it->forward(h);
+          if (++u < units && h.requires_grad()) h.register_hook([&](const at::Tensor&) { rendezvous(); });
+        }
+        auto loss = loss_of(h, y);
+        loss.backward();
+        (void)loss.item<double>();
+      };
+      double plain = std::numeric_limits<double>::infinity(), patterned = plain;
+      for (int round = 0; round < 3; ++round) {
+        for (int kind = 0; kind < 2; ++kind) {
+          std::vector<double> ts;
+          comm->barrier();
+          for (int i = 0; i < 9; ++i) {
+            auto t0 = Clock::now();
+            if (kind == 0) train_once(); else patterned_once();
+            comm->barrier();
+            double dt = slowest(seconds_since(t0));
+            if (i >= 2) ts.push_back(dt);
+          }
+          (kind == 0 ? plain : patterned) = std::min(kind == 0 ? plain : patterned, median(ts));
+        }
+      }
+      const int points = std::max(1, 2 * units - 1);
+      cal.models[name].sync_point_s[n] = std::max(0.0, (patterned - plain) / points);
+    }
     // a of n ranks computing while the others wait, as pipeline stages do: phases of one
     // micro-batch (half of b) forward+backward on a ranks, a barrier after each, the computing
     // ranks rotating by one every phase; the slowest rank's median phase, median of 3 rounds.
@@ -503,6 +551,11 @@ std::string calibration_to_json(const Calibration& cal) {
                               for (const auto& [a, r] : by_a) o[std::to_string(n)][std::to_string(a)] = r;
                             return o;
                           }()},
+                         {"sync_point_s", [&] {
+                            nlohmann::json o = nlohmann::json::object();
+                            for (const auto& [n, v] : m.sync_point_s) o[std::to_string(n)] = v;
+                            return o;
+                          }()},
                          {"layer_overhead_s", m.layer_overhead_s},
                          {"layer_s_per_sample", m.layer_s_per_sample}};
   }
@@ -540,6 +593,12 @@ Calibration calibration_from_json(const std::string& text) {
         if (m.contains("flops_while_waiting"))
           for (auto& [n, by_a] : m["flops_while_waiting"].items())
             for (auto& [a, v] : by_a.items()) r.flops_while_waiting[std::stoi(n)][std::stoi(a)] = v.get<double>();
+        if (m.contains("sync_point_s"))
+          for (auto& [n, v] : m["sync_point_s"].items()) {
+            r.sync_point_s[std::stoi(n)] = v.get<double>();
+            if (!(r.sync_point_s[std::stoi(n)] >= 0))
+              throw std::invalid_argument("models." + name + ".sync_point_s." + n + " must be >= 0");
+          }
         if (m.contains("flops_synchronized"))
           for (auto& [n, v] : m["flops_synchronized"].items()) r.flops_synchronized[std::stoi(n)] = v.get<double>();
         cal.models[name] = r;

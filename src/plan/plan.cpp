@@ -770,6 +770,23 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
       const double fwd = slot / 3.0;
       e.comm_parts["dp allgather (fwd+bwd)"] = 2.0 * sum(ag) * mcount;
       exposed += mcount * (overlapped(ag, fwd) + overlapped(ag, window));
+      // Tandem waits for every unit's gather before its forward and before its backward (the
+      // last unit's excepted): each is a rendezvous of the ranks inside compute. On a calibrated
+      // CPU node, its measured cost beyond the 4 KiB collective's own time.
+      if (c.cpu && o.calibration) {
+        auto it = o.calibration->models.find(m.name);
+        if (it != o.calibration->models.end() && !it->second.sync_point_s.empty()) {
+          const auto& sp = it->second.sync_point_s;
+          auto near = sp.lower_bound(used);
+          if (near == sp.end()) near = std::prev(near);
+          int units = 0;
+          for (const auto& ly : m.children) units += ly.parameters > 0 ? 1 : 0;
+          if (units == 0) units = static_cast<int>(m.layers);
+          const double per_point = std::max(0.0, near->second - collective_seconds(c, o, gather_op, dp, 4096.0, stride));
+          e.comm_parts["dp zero3 rendezvous"] = (2.0 * units - 1.0) * per_point * mcount;
+          exposed += e.comm_parts["dp zero3 rendezvous"];
+        }
+      }
     }
   }
   for (const auto& [k, v] : e.comm_parts) e.comm_s += v;

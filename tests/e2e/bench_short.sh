@@ -30,6 +30,7 @@ for m, kids in (("mlp", 6), ("cnn", 10), ("cnn_bn", 12)):
     assert all(x >= 0 for x in r["layer_overhead_s"] + r["layer_s_per_sample"]), (m, r)
     assert sum(r["layer_s_per_sample"]) > 0, (m, r)
     assert r["flops_synchronized"]["2"] > 0 and r["flops_while_waiting"]["2"]["1"] > 0, (m, r)
+    assert r["sync_point_s"]["2"] >= 0, (m, r)
 assert c["p2p"]["2"]["alpha"] > 0 and c["p2p"]["2"]["bandwidth"] > 0, c["p2p"]
 assert c["collectives"]["2"]["allreduce"]["bandwidth"] > 0
 for op in ("reduce_scatter_shm", "allgather_shm"):

@@ -223,13 +223,19 @@ TEST(Plan, MixedNodesRunAtTheSlowestDevice) {
   EXPECT_GT(em.compute_s, 2.5 * eh.compute_s);  // A100 312 vs H100 989 TFLOP/s
 }
 
-// The local CPU model with a calibration: time-sharing beyond the cores, optimizer on the shard.
-TEST(Plan, LocalCalibratedModel) {
+// A 2-core calibration of the CNN's compute (no collectives).
+static tp::Calibration cnn_compute_calibration() {
   tp::Calibration cal;
   cal.cores = 2;
   tp::ModelRates r;
   r.flops_1t = 40e9; r.flops_all = 70e9; r.flops_concurrent = 35e9; r.overhead_s = 1e-3; r.sgd_s_per_param = 2e-9;
   cal.models["cnn"] = r;
+  return cal;
+}
+
+// The local CPU model with a calibration: time-sharing beyond the cores, optimizer on the shard.
+TEST(Plan, LocalCalibratedModel) {
+  tp::Calibration cal = cnn_compute_calibration();
   for (int n : {2, 3, 4}) {
     cal.collectives[n]["allreduce"] = {20e-6, 2e9};
     cal.collectives[n]["reduce_scatter"] = {20e-6, 1e9};
@@ -257,6 +263,44 @@ TEST(Plan, LocalCalibratedModel) {
   // ZeRO-2: optimizer on half the parameters; reduce-scatter + all-gather instead of all-reduce.
   EXPECT_NEAR(z2.optimizer_s, 421642 / 2.0 * 2e-9, 1e-12);
   EXPECT_GT(z2.comm_parts.at("dp allgather"), 0.0);
+}
+
+// ZeRO-3 waits for each unit's gather before its forward and its backward (the last unit's
+// excepted): 2U - 1 rendezvous, each priced at the calibrated sync_point_s beyond the 4 KiB
+// collective's own time; without the measurement, nothing is added.
+TEST(Plan, ZeroThreeRendezvousFromTheCalibration) {
+  tp::Calibration cal = cnn_compute_calibration();
+  for (int n : {2, 4})
+    for (const char* op : {"allreduce", "reduce_scatter", "allgather", "reduce_scatter_shm", "allgather_shm"})
+      cal.collectives[n][op] = {20e-6, 2e9};
+  auto c = tp::cluster_preset("local");
+  tp::PlanOptions o;
+  o.precision = "fp32"; o.optimizer = "sgd"; o.global_batch = 192; o.calibration = &cal;
+  const auto m = tp::builtin_model("cnn");
+  int units = 0;
+  for (const auto& ly : m.children) units += ly.parameters > 0 ? 1 : 0;
+  ASSERT_EQ(units, 4);  // conv, conv, linear, linear
+  auto step = [&](int zero) {
+    tp::Layout l;
+    l.dp = 4; l.zero = zero; l.micro_batch = 48;
+    auto e = tp::estimate(m, c, l, o);
+    EXPECT_TRUE(e.feasible) << e.why;
+    return e;
+  };
+  const auto before = step(3);
+  EXPECT_EQ(before.comm_parts.count("dp zero3 rendezvous"), 0u);
+  cal.models["cnn"].sync_point_s = {{2, 1e-4}, {4, 5e-4}};
+  const auto after = step(3), z2 = step(2);
+  const double alpha4k = tp::ring_allgather_seconds(4, 4096.0, {20e-6, 2e9});
+  EXPECT_NEAR(after.comm_parts.at("dp zero3 rendezvous"), 7 * (5e-4 - alpha4k), 1e-12);
+  EXPECT_NEAR(after.step_s - before.step_s, 7 * (5e-4 - alpha4k), 1e-12);
+  EXPECT_EQ(z2.comm_parts.count("dp zero3 rendezvous"), 0u);  // stage 2 waits once, after backward
+  // The calibration file carries it; a negative value is refused.
+  auto back = tp::calibration_from_json(tp::calibration_to_json(cal));
+  EXPECT_DOUBLE_EQ(back.models.at("cnn").sync_point_s.at(4), 5e-4);
+  auto text = tp::calibration_to_json(cal);
+  text.replace(text.find("0.0005"), 6, "-0.001");
+  EXPECT_THROW(tp::calibration_from_json(text), std::invalid_argument);
 }
 
 // The dense built-ins list their children as LibTorch builds them (parameters child by child),

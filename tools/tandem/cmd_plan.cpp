@@ -339,6 +339,7 @@ int cmd_plan(int argc, char** argv) {
         if (n == cal.cores || (n == 2 && cal.cores < 2)) cal.models[name].flops_concurrent = r.flops_concurrent;
         for (auto& [k, v] : r.flops_synchronized) cal.models[name].flops_synchronized[k] = v;
         for (auto& [k, v] : r.flops_while_waiting) cal.models[name].flops_while_waiting[k] = v;
+        for (auto& [k, v] : r.sync_point_s) cal.models[name].sync_point_s[k] = v;
       }
       std::remove(out.c_str());
     }
