@@ -90,6 +90,11 @@ struct TrainReport {
   double loss_scale = 1.0;         // fp16: the final dynamic loss scale
   int64_t skipped_steps = 0;       // fp16: steps skipped on overflow
   int64_t peak_gathered_bytes = 0; // zero3: most gathered unit parameters alive at once
+  // zero2/3 on CPU with more than one rank (rank 0): the shared-memory block that gradient
+  // scratch and gathered units come from, and how many of them did not fit and took ordinary
+  // memory (slower collectives: MPI's fifos instead of shared memory).
+  int64_t zero_pool_bytes = 0;
+  int64_t zero_pool_misses = 0;
   int64_t parameters = 0;
   // Rank 0's bytes of parameters, gradients and optimizer state held after training (for
   // zero1-3 the sharded figures, masters included in the optimizer state; see ZeroMemory in

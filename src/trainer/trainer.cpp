@@ -604,6 +604,8 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     rep.gradient_bytes = m.gradient_bytes;
     rep.optimizer_state_bytes = m.optimizer_state_bytes;
     rep.peak_gathered_bytes = m.peak_gathered_bytes;
+    rep.zero_pool_bytes = m.pool_bytes;
+    rep.zero_pool_misses = m.pool_misses;
   } else {
     for (auto& p : trained) {
       rep.parameter_bytes += p.numel() * p.element_size();
@@ -649,6 +651,8 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
                         {"wire_bytes_per_step", rep.wire_bytes_per_step},
                         {"comm_engine_seconds", rep.comm_engine_seconds},
                         {"peak_gathered_bytes", rep.peak_gathered_bytes},
+                        {"zero_pool_bytes", rep.zero_pool_bytes},
+                        {"zero_pool_misses", rep.zero_pool_misses},
                         {"world_size", world},
                         {"steps", rep.steps},
                         {"samples", rep.samples},
@@ -743,6 +747,12 @@ std::string format_report(const TrainConfig& cfg, const TrainReport& r) {
   if (r.peak_gathered_bytes > 0) {
     os << "gathered (zero3) " << std::setprecision(2) << r.peak_gathered_bytes / (1024.0 * 1024.0)
        << " MiB of full parameters alive at most (rank 0)\n";
+  }
+  if (r.zero_pool_bytes > 0) {
+    os << "zero block       " << std::setprecision(2) << r.zero_pool_bytes / (1024.0 * 1024.0)
+       << " MiB of shared memory for scratch" << (r.peak_gathered_bytes > 0 ? " and gathered units" : "") << ", "
+       << r.zero_pool_misses << " buffer(s) outside it" << (r.zero_pool_misses > 0 ? " (their collectives go through MPI's fifos, slower)" : "")
+       << " (rank 0)\n";
   }
   if (r.precision == "fp16") {
     os << "loss scale       " << std::setprecision(0) << r.loss_scale << ", " << r.skipped_steps

@@ -14,6 +14,8 @@ for s in ddp zero1 zero2 zero3; do
   "$tandem" train --strategy "$s" "${common[@]}" --metrics "$out/$s.jsonl" >"$out/log_$s" 2>&1 ||
     { cat "$out/log_$s"; exit 1; }
 done
+grep -q "^zero block .* and gathered units, 0 buffer(s) outside it" "$out/log_zero3" ||
+  { echo "the zero3 report lacks its shared block"; cat "$out/log_zero3"; exit 1; }
 python3 - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -44,6 +46,9 @@ for s in ("zero1", "zero2", "zero3"):
     print(f"{s}: {wire / 2**20:.2f} MiB on the wire per step and rank, ddp {ref_wire / 2**20:.2f} MiB "
           f"({wire / ref_wire:.2f}x, expected {factor}x)")
     checks["traffic"] = abs(wire - factor * ref_wire) <= 0.1 * factor * ref_wire
+    if s in ("zero2", "zero3"):  # scratch (and stage 3's gathered units) from the shared block
+        print(f"{s}: zero block {r['zero_pool_bytes']} bytes, {r['zero_pool_misses']} buffer(s) outside it")
+        checks["shared block"] = r["zero_pool_bytes"] > 0 and r["zero_pool_misses"] == 0
     print(f"{s}: bytes params {r['parameter_bytes']} grads {r['gradient_bytes']} optimizer {r['optimizer_state_bytes']}"
           f" (ddp: {rd['parameter_bytes']} {rd['gradient_bytes']} {rd['optimizer_state_bytes']})")
     for k, v in checks.items():
