@@ -44,6 +44,7 @@ expect bench-micro-batches "does not split into --micro-batches 5" -- "$tandem" 
 expect calibrate-bad-model "--calibrate-models: 'resnet50' is not a model the calibration can run" -- "$tandem" plan --cluster local --calibrate --calibrate-models mlp,resnet50
 expect bench-calibrate-predict "--predict-only predicts from an existing calibration" -- "$tandem" bench --calibrate --predict-only
 expect bench-calibrate-model "--calibrate: the calibration runs the built-in models" -- "$tandem" bench --model transformer_tiny --calibrate
+expect bench-unwritable-csv "cannot write the CSV '/nonexistent/b.csv'" -- "$tandem" bench --workers 1 --csv /nonexistent/b.csv
 printf '{"cores": 2, "models": {"mlp": {"layer_overhead_s": [1, 2], "layer_s_per_sample": [1]}}}\n' > cal-bad.json
 expect bench-bad-calibration "calibration file is not valid.*differ in length" -- "$tandem" bench --calibration cal-bad.json
 echo "$fails failed"

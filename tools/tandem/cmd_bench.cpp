@@ -2,7 +2,8 @@
 // a bounded number of steps each (median over repetitions, interleaved), and prints samples/s,
 // time per epoch, speedup over one worker, efficiency, communication share, peak memory and
 // optionally accuracy; with a calibration from `tandem plan --calibrate` (or one measured before
-// every repetition, --calibrate), also the predicted step time. Writes CSV and a plot of speedup against workers (gnuplot) next to the ideal line.
+// every repetition, --calibrate), also the predicted step time. Writes CSV and a plot of
+// speedup against workers (gnuplot) next to the ideal line.
 #include <CLI/CLI.hpp>
 #include <fcntl.h>
 #include <nlohmann/json.hpp>
@@ -272,6 +273,9 @@ int cmd_bench(int argc, char** argv) {
     return 0;
   }
 
+  // The CSV is written at the end: find out now, not after the runs, that it cannot be.
+  if (!std::ofstream(csv, std::ios::app))
+    throw std::invalid_argument("cannot write the CSV '" + csv + "'; pass --csv with a writable path");
   const std::string self = self_executable();
   // A private scratch directory (POSIX calls: std::filesystem::remove_all resolves to a copy
   // inside libtorch.so that crashes here).
@@ -317,6 +321,10 @@ int cmd_bench(int argc, char** argv) {
         std::ifstream in(cal_path);
         std::ofstream out(keep);
         out << in.rdbuf();
+        if (!out) {
+          cleanup();
+          throw std::runtime_error("cannot write the calibration to '" + keep.string() + "'");
+        }
       }
       std::cout << fixed(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0)
                 << " s, kept in " << keep.string() << std::endl;
