@@ -278,12 +278,6 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
     double ovh = it != cal.models.end() ? it->second.overhead_s : 0.0;
     const double f = 3.0 * forward_flops_per_sample(spec) * b;
     if (t - ovh > 0) cal.models[name].flops_concurrent = f / (t - ovh);
-    // The same with a barrier after every forward+backward (a step's synchronisation), the
-    // slowest rank's median: on more ranks than cores this includes waiting for descheduled peers.
-    // Three rounds of 2 warm-ups and 7, the fastest round's median: on 4 ranks over 2 cores a
-    // pass now and then runs 40 % slow for seconds. The MLP's 48 samples took 15-17 ms in four
-    // calibrations and 25 ms in one, while training's 4-worker DDP step held at 22-24 ms with
-    // its all-reduce; the first iterations of a pass sometimes take 21-25 ms too.
     auto [x, y] = sample_batch(name, b);
     auto train_once = [&] {
       model->zero_grad(/*set_to_none=*/false);
@@ -291,25 +285,16 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
       loss.backward();
       (void)loss.item<double>();
     };
-    double ts_med = std::numeric_limits<double>::infinity();
-    for (int round = 0; round < 3; ++round) {
-      std::vector<double> ts;
-      comm->barrier();
-      for (int i = 0; i < 9; ++i) {
-        auto t0 = Clock::now();
-        train_once();
-        comm->barrier();
-        double dt = slowest(seconds_since(t0));
-        if (i >= 2) ts.push_back(dt);
-      }
-      ts_med = std::min(ts_med, median(ts));
-    }
-    if (ts_med - ovh > 0) cal.models[name].flops_synchronized[n] = f / (ts_med - ovh);
-    // ZeRO-3's pattern of blocking collectives within the step (4 KiB each: the payload is
-    // priced by the collective curves), interleaved with the plain iterations above: the extra
-    // time per collective. Every one is a rendezvous of all ranks in the middle of compute;
-    // on more ranks than cores that waits for descheduled peers, which the back-to-back
-    // timings below never see. The MLP's ZeRO-3 step cost 2-3 ms more than ZeRO-2's on 2 ranks
+    // Plain iterations with a barrier after every forward+backward (a step's synchronisation),
+    // the slowest rank's median: on more ranks than cores this includes waiting for descheduled
+    // peers. Three rounds of 2 warm-ups and 7, the fastest round's median: on 4 ranks over 2
+    // cores a pass now and then runs 40 % slow for seconds. The MLP's 48 samples took 15-17 ms
+    // in four calibrations and 25 ms in one, while training's 4-worker DDP step held at
+    // 22-24 ms with its all-reduce; the first iterations of a pass sometimes take 21-25 ms too.
+    // Interleaved with them, ZeRO-3's pattern of blocking collectives within the step (4 KiB
+    // each: the payload is priced by the collective curves): the extra time per collective.
+    // Every one is a rendezvous of all ranks in the middle of compute; on more ranks than cores
+    // that waits for descheduled peers, which the back-to-back timings below never see. The MLP's ZeRO-3 step cost 2-3 ms more than ZeRO-2's on 2 ranks
     // (7 collectives against 2), the CNN's 4-7 ms on 3-4, where the curves priced 0.4-0.5 ms.
     {
       const int64_t tiny = std::max<int64_t>(n, (1024 / n) * n);
@@ -347,9 +332,11 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
             double dt = slowest(seconds_since(t0));
             if (i >= 2) ts.push_back(dt);
           }
-          (kind == 0 ? plain : patterned) = std::min(kind == 0 ? plain : patterned, median(ts));
+          double& best = kind == 0 ? plain : patterned;
+          best = std::min(best, median(ts));
         }
       }
+      if (plain - ovh > 0) cal.models[name].flops_synchronized[n] = f / (plain - ovh);
       const int points = std::max(1, 2 * units - 1);
       cal.models[name].sync_point_s[n] = std::max(0.0, (patterned - plain) / points);
     }
@@ -608,9 +595,9 @@ Calibration calibration_from_json(const std::string& text) {
             for (auto& [a, v] : by_a.items()) r.flops_while_waiting[std::stoi(n)][std::stoi(a)] = v.get<double>();
         if (m.contains("sync_point_s"))
           for (auto& [n, v] : m["sync_point_s"].items()) {
-            r.sync_point_s[std::stoi(n)] = v.get<double>();
-            if (!(r.sync_point_s[std::stoi(n)] >= 0))
-              throw std::invalid_argument("models." + name + ".sync_point_s." + n + " must be >= 0");
+            const double s = v.get<double>();
+            if (!(s >= 0)) throw std::invalid_argument("models." + name + ".sync_point_s." + n + " must be >= 0");
+            r.sync_point_s[std::stoi(n)] = s;
           }
         if (m.contains("flops_synchronized"))
           for (auto& [n, v] : m["flops_synchronized"].items()) r.flops_synchronized[std::stoi(n)] = v.get<double>();
