@@ -60,6 +60,12 @@ struct OpStats {
 
 struct CommOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // MPI backend: how a rank's progress thread waits while the rank is blocked on an operation
+  // that has not moved for a while. 0: it yields and polls again (lowest latency, but on more
+  // threads than cores it competes with the ranks that compute); > 0: it sleeps that many
+  // microseconds between polls; -1: decided by the Runtime (sleeps where this node's ranks
+  // times compute threads exceed its cores). TANDEM_MPI_WAIT_SLEEP_US overrides it.
+  int wait_sleep_us = -1;
 };
 
 class Communicator {

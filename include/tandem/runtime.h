@@ -35,6 +35,11 @@ ProcessInfo detect_process_info();
 // whether the settings were applied (false off glibc or when disabled).
 bool tune_allocator();
 
+// CommOptions::wait_sleep_us for the MPI backend when it is left to the Runtime: 50 us sleeps
+// between a blocked rank's polls where this node's ranks times compute threads exceed its cores
+// (the ranks that compute keep the cores), else 0 (yield and poll: the lowest latency).
+int default_wait_sleep_us(int local_ranks, int threads_per_rank, int cores);
+
 // One host of the job: its name, the addresses its ranks advertise and its ranks (ascending).
 // Hosts are numbered by their lowest rank: the node rank of a process is its host's index.
 struct HostInfo {

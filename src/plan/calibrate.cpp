@@ -256,6 +256,20 @@ void calibrate_compute(Calibration& cal, const std::vector<std::string>& models,
   }
 }
 
+// A barrier of point-to-point messages (dissemination: log2 n rounds of a send to rank + k and a
+// receive from rank - k), so that the ranks that arrive early wait in a receive, as a pipeline
+// stage waits for its neighbour, and not in MPI's blocking barrier, which spins.
+void barrier_in_receives(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  auto out = torch::zeros({1});
+  auto in = torch::zeros({1});
+  for (int k = 1, round = 0; k < n; k *= 2, ++round) {
+    auto s = comm.send_async(out, (r + k) % n, 900 + round);
+    comm.recv_async(in, (r - k + n) % n, 900 + round)->wait();
+    s->wait();
+  }
+}
+
 void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std::string>& models, int64_t batch) {
   auto comm = rt.cpu_world();
   const int n = comm->size();
@@ -341,7 +355,8 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
       cal.models[name].sync_point_s[n] = std::max(0.0, (patterned - plain) / points);
     }
     // a of n ranks computing while the others wait, as pipeline stages do: phases of one
-    // micro-batch (half of b) forward+backward on a ranks, a barrier after each, the computing
+    // micro-batch (half of b) forward+backward on a ranks, a barrier after each (of receives:
+    // the idle ranks wait as a stage waits for its neighbour), the computing
     // ranks rotating by one every phase; the slowest rank's median phase, median of 3 rounds.
     // Stored as the rate that makes the one-thread time of that work (overhead + FLOPs at
     // flops_1t, from calibrate_compute) last the phase: the pipeline's stage times are scaled
@@ -370,7 +385,7 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
             loss.backward();
             (void)loss.item<double>();
           }
-          comm->barrier();
+          barrier_in_receives(*comm);
           if (j >= 2) tp.push_back(seconds_since(t0));
         }
         rounds.push_back(slowest(median(tp)));

@@ -104,6 +104,10 @@ bool tune_allocator() {
 #endif
 }
 
+int default_wait_sleep_us(int local_ranks, int threads_per_rank, int cores) {
+  return std::max(1, local_ranks) * std::max(1, threads_per_rank) > std::max(1, cores) ? 50 : 0;
+}
+
 Runtime::Runtime(const RuntimeOptions& opts) : info_(detect_process_info()) {
   tune_allocator();
   // Threads: cores on this host shared among its ranks.
@@ -141,7 +145,9 @@ Runtime::Runtime(const RuntimeOptions& opts) : info_(detect_process_info()) {
   if (want_mpi) {
 #ifdef TANDEM_WITH_MPI
     mpi_initialized_here_ = detail::mpi_init_if_needed();
-    cpu_world_ = detail::make_mpi_world(opts.comm);
+    CommOptions co = opts.comm;
+    if (co.wait_sleep_us < 0) co.wait_sleep_us = default_wait_sleep_us(info_.local_size, threads_, cores);
+    cpu_world_ = detail::make_mpi_world(co);
 #endif
   } else if (backend == "mpi") {
     throw std::runtime_error("the MPI backend was asked for, but this build has none (rebuild with OpenMPI installed)");

@@ -8,6 +8,9 @@
 #include <numeric>
 #include <thread>
 
+#include <ctime>
+
+#include "comm/backends.h"
 #include "tests/dist/comm_test_util.h"
 #include "tests/dist/dist_env.h"
 
@@ -81,6 +84,41 @@ TEST(Async, CompletesWithoutWaitWhileTheCallerComputes) {
   work->wait();
   auto all = all_inputs(R, 1 << 20, at::kFloat, 55);
   EXPECT_TRUE(within(t, all.sum(0), R * eps_of(at::kFloat) * all.abs().sum(0)));
+}
+
+// A rank blocked in a receive whose sender is busy for 300 ms: with wait_sleep_us > 0 (the
+// Runtime's choice on more threads than cores) its progress thread sleeps between polls, so the
+// process uses a small part of a core while it waits; a poller that yields in a loop uses all
+// of a free core (printed for comparison, not asserted: it depends on the machine's load).
+TEST(Async, BlockedRankSleepsBetweenPollsWhenAsked) {
+  auto base = world();
+  const int R = base->size(), me = base->rank();
+  for (int sleep_us : {50, 0}) {
+    CommOptions o;
+    o.timeout = kTestTimeout;
+    o.wait_sleep_us = sleep_us;
+    auto comm = detail::make_mpi_world(o);  // collective on every rank
+    auto x = at::zeros({16}, at::kFloat);
+    comm->barrier();
+    if (me == 0) {
+      timespec c0{}, c1{};
+      clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
+      auto t0 = std::chrono::steady_clock::now();
+      comm->recv(x, 1, 5);
+      const double wall = seconds_since(t0);
+      clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
+      const double cpu = (c1.tv_sec - c0.tv_sec) + 1e-9 * (c1.tv_nsec - c0.tv_nsec);
+      std::printf("[ wait     ] wait_sleep_us %d: %.0f ms waiting, %.0f ms of CPU (%.0f %%), %d ranks\n", sleep_us,
+                  1e3 * wall, 1e3 * cpu, 100.0 * cpu / wall, R);
+      EXPECT_GE(wall, 0.25);
+      if (sleep_us > 0) EXPECT_LT(cpu, 0.4 * wall) << "the progress thread kept polling while its rank waited";
+      EXPECT_TRUE(exactly(x, at::full({16}, 7.0)));
+    } else if (me == 1) {
+      std::this_thread::sleep_for(milliseconds(300));
+      comm->send(at::full({16}, 7.0f), 0, 5);
+    }
+    comm->barrier();
+  }
 }
 
 TEST(Async, SendsMatchReceivesByTagNotByOrder) {

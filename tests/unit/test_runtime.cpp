@@ -112,3 +112,13 @@ TEST(TuneAllocator, KeepsFreedMemoryForReuse) {
   EXPECT_LT(after, 100) << "faults per round before " << before << ", after " << after;
 }
 #endif
+
+// The MPI backend's blocked ranks sleep between polls only where the node is oversubscribed.
+TEST(Runtime, WaitSleepOnlyWhereThreadsExceedCores) {
+  EXPECT_EQ(tandem::default_wait_sleep_us(2, 1, 2), 0);    // this machine, 2 ranks
+  EXPECT_EQ(tandem::default_wait_sleep_us(4, 1, 2), 50);   // 4 ranks on 2 cores
+  EXPECT_EQ(tandem::default_wait_sleep_us(3, 1, 2), 50);
+  EXPECT_EQ(tandem::default_wait_sleep_us(4, 4, 16), 0);   // every rank its cores
+  EXPECT_EQ(tandem::default_wait_sleep_us(4, 8, 16), 50);  // --threads over the share
+  EXPECT_EQ(tandem::default_wait_sleep_us(0, 0, 0), 0);    // unknown: one rank, one thread
+}

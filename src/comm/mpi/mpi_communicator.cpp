@@ -215,6 +215,8 @@ class MpiCommunicator : public Communicator {
     MPI_Comm_size(comm_, &size_);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     if (const char* p = std::getenv("TANDEM_MPI_POLL_US")) poll_us_ = std::atoi(p);
+    wait_sleep_us_ = std::max(0, opts.wait_sleep_us);
+    if (const char* p = std::getenv("TANDEM_MPI_WAIT_SLEEP_US")) wait_sleep_us_ = std::max(0, std::atoi(p));
     if (const char* m = std::getenv("TANDEM_MPI_COLLECTIVES")) blocking_collectives_ = std::string(m) != "nonblocking";
     if (const char* m = std::getenv("TANDEM_MPI_SHM"); m && std::string(m) == "0") shm_state_ = -1;
     if (const char* c = std::getenv("TANDEM_CHECK_COLLECTIVES"); c && std::string(c) == "1") {
@@ -468,7 +470,10 @@ class MpiCommunicator : public Communicator {
                      [] {});
     w->wait();
     if (*newcomm == MPI_COMM_NULL) return nullptr;
-    return std::make_shared<MpiCommunicator>(*newcomm, CommOptions{timeout()});
+    CommOptions o;
+    o.timeout = timeout();
+    o.wait_sleep_us = wait_sleep_us_;
+    return std::make_shared<MpiCommunicator>(*newcomm, o);
   }
 
   // See detail::symmetric_empty. An undefined tensor when the fast path does not apply.
@@ -656,10 +661,13 @@ class MpiCommunicator : public Communicator {
       stuck_.store(!inflight.empty());
       if (!inflight.empty() && !progressed) {
         // Nobody blocked on us: give the cores to compute, polling at most every poll_us_.
-        // Someone blocked: poll as fast as the scheduler lets us.
+        // Someone blocked: poll as fast as the scheduler lets us for a while, then every
+        // wait_sleep_us_ (the wait is long: the peer is computing, and may want this core).
         ++idle_rounds;
         if (waiters_.load() == 0 && poll_us_ > 0 && idle_rounds > 16) {
           std::this_thread::sleep_for(std::chrono::microseconds(poll_us_));
+        } else if (wait_sleep_us_ > 0 && idle_rounds > 16) {
+          std::this_thread::sleep_for(std::chrono::microseconds(wait_sleep_us_));
         } else {
           std::this_thread::yield();
         }
@@ -802,6 +810,13 @@ class MpiCommunicator : public Communicator {
   int64_t check_seq_ = 0;
   int rank_ = 0, size_ = 1;
   int poll_us_ = 0;
+  // While a caller is blocked on an operation that has not moved for 16 polls: sleep this long
+  // between polls instead of yielding (CommOptions::wait_sleep_us; 0: yield). On more ranks
+  // than cores a yielding poller keeps taking slices of a core that a computing rank wants:
+  // measured on 4 ranks over 2 cores (docs/BENCHMARKS.md, eighth session), the MLP's tp2pp2
+  // step ran 28.9-29.4 ms with yield and 18.6-21.6 ms with 50 us sleeps. A message that lands
+  // during a sleep is seen up to ~100 us late (timer slack), so it is off where cores suffice.
+  int wait_sleep_us_ = 0;
   // Collectives as blocking MPI calls on the progress thread (OpenMPI's tuned algorithms)
   // instead of non-blocking ones (libnbc), which measured 0.70-0.74x their bandwidth from 1 MiB
   // up (docs/BENCHMARKS.md); TANDEM_MPI_COLLECTIVES=blocking|nonblocking.
