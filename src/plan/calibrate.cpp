@@ -308,8 +308,9 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
     // Interleaved with them, ZeRO-3's pattern of blocking collectives within the step (4 KiB
     // each: the payload is priced by the collective curves): the extra time per collective.
     // Every one is a rendezvous of all ranks in the middle of compute; on more ranks than cores
-    // that waits for descheduled peers, which the back-to-back timings below never see. The MLP's ZeRO-3 step cost 2-3 ms more than ZeRO-2's on 2 ranks
-    // (7 collectives against 2), the CNN's 4-7 ms on 3-4, where the curves priced 0.4-0.5 ms.
+    // that waits for descheduled peers, which the back-to-back timings below never see. The
+    // MLP's ZeRO-3 step cost 2-3 ms more than ZeRO-2's on 2 ranks (7 collectives against 2),
+    // the CNN's 4-7 ms on 3-4, where the curves priced 0.4-0.5 ms.
     {
       const int64_t tiny = std::max<int64_t>(n, (1024 / n) * n);
       auto full = detail::symmetric_empty(*comm, tiny, torch::kFloat).fill_(1.0f);

@@ -5,10 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <ctime>
 #include <numeric>
 #include <thread>
-
-#include <ctime>
 
 #include "comm/backends.h"
 #include "tests/dist/comm_test_util.h"

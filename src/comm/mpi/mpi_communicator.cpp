@@ -660,14 +660,14 @@ class MpiCommunicator : public Communicator {
       }
       stuck_.store(!inflight.empty());
       if (!inflight.empty() && !progressed) {
-        // Nobody blocked on us: give the cores to compute, polling at most every poll_us_.
-        // Someone blocked: poll as fast as the scheduler lets us for a while, then every
-        // wait_sleep_us_ (the wait is long: the peer is computing, and may want this core).
+        // After 16 polls without progress: nobody blocked on us and poll_us_ set: poll every
+        // poll_us_ (the cores go to compute); otherwise every wait_sleep_us_ where it is set
+        // (oversubscribed nodes: the peer is computing and may want this core). Else yield and
+        // poll again at once.
         ++idle_rounds;
-        if (waiters_.load() == 0 && poll_us_ > 0 && idle_rounds > 16) {
-          std::this_thread::sleep_for(std::chrono::microseconds(poll_us_));
-        } else if (wait_sleep_us_ > 0 && idle_rounds > 16) {
-          std::this_thread::sleep_for(std::chrono::microseconds(wait_sleep_us_));
+        const int sleep_us = waiters_.load() == 0 && poll_us_ > 0 ? poll_us_ : wait_sleep_us_;
+        if (sleep_us > 0 && idle_rounds > 16) {
+          std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
         } else {
           std::this_thread::yield();
         }
@@ -810,7 +810,7 @@ class MpiCommunicator : public Communicator {
   int64_t check_seq_ = 0;
   int rank_ = 0, size_ = 1;
   int poll_us_ = 0;
-  // While a caller is blocked on an operation that has not moved for 16 polls: sleep this long
+  // While an operation has not moved for 16 polls (and poll_us_ does not apply): sleep this long
   // between polls instead of yielding (CommOptions::wait_sleep_us; 0: yield). On more ranks
   // than cores a yielding poller keeps taking slices of a core that a computing rank wants:
   // measured on 4 ranks over 2 cores (docs/BENCHMARKS.md, eighth session), the MLP's tp2pp2
