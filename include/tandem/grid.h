@@ -51,6 +51,25 @@ class ProcessGrid {
 // are complete only after the whole (micro-batched) backward; DDP/ZeRO over grid.dp() also work.
 void average_gradients(const std::vector<at::Tensor>& params, Communicator& comm);
 
+// average_gradients for every step of a training loop: the same result, through one flat buffer
+// per dtype and device group allocated at the first call in symmetric memory
+// (detail::symmetric_empty: on one node an MPI-3 shared window that the all-reduce reduces in
+// place, as DDP's buckets do) and kept. average_gradients' fresh buffer goes through MPI's fifos:
+// the MLP's dp 2 x pp 2 step on 4 ranks over 2 cores spent 4-7 ms in that all-reduce of 3-4 MiB;
+// through the kept buffer its median step went from 31.5 to 26.7 ms (docs/BENCHMARKS.md). The
+// first average() is collective over `comm` (every rank, same parameters); so is every later one.
+class GradientAverager {
+ public:
+  GradientAverager(std::vector<at::Tensor> params, CommPtr comm);
+  void average();
+
+ private:
+  std::vector<at::Tensor> params_;
+  CommPtr comm_;
+  std::vector<std::vector<size_t>> groups_;  // by dtype and device, found by the first average()
+  std::vector<at::Tensor> buffers_;          // one per group, allocated by the first average()
+};
+
 // Broadcasts the values of `params` from `root` of `comm` in place (e.g. the same initial replica
 // on every dp rank of a grid, or the same dense weights on every tp rank before sharding).
 void broadcast_parameters(const std::vector<at::Tensor>& params, Communicator& comm, int root = 0);

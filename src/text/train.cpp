@@ -118,6 +118,7 @@ struct Engine {
   std::unique_ptr<ZeroDataParallel> zero;
   std::unique_ptr<MixedPrecisionOptimizer> opt;
   std::vector<at::Tensor> trained;  // this rank's parameters (its stage's, its shards)
+  std::unique_ptr<GradientAverager> averager;  // a pipeline's replicas, after the whole step
   CommPtr comm, dp_comm;
   Precision precision;
   int dp = 1, dp_rank = 0;
@@ -137,6 +138,7 @@ struct Engine {
       pipe = std::make_unique<Pipeline>(net, grid->pp(), po);
     }
     trained = pipe ? pipe->parameters() : net->parameters();
+    averager = std::make_unique<GradientAverager>(trained, dp_comm);
     OptimizerOptions oo;
     oo.kind = "adamw";
     oo.lr = cfg.lr;
@@ -174,7 +176,7 @@ struct Engine {
   torch::Tensor forward_backward(const torch::Tensor& x, const torch::Tensor& y, const LossFn& loss_fn) {
     if (pipe) {
       auto loss = pipe->train_step(x, y, loss_fn);
-      if (!zero && dp > 1) average_gradients(trained, *dp_comm);  // ZeRO reduces in its hooks
+      if (!zero && dp > 1) averager->average();  // ZeRO reduces in its hooks
       return loss;
     }
     auto loss = loss_fn(forward(x), y);

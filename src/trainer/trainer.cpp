@@ -257,6 +257,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   }
   // What this rank trains: its stage (pp > 1), else the whole (possibly tensor-parallel) model.
   const std::vector<at::Tensor> trained = pipe ? pipe->parameters() : model->parameters();
+  GradientAverager averager(trained, dp_comm);  // a pipeline's replicas, after the whole step
   const std::shared_ptr<torch::nn::Module> trained_module =
       pipe ? pipe->stage_module().ptr() : std::shared_ptr<torch::nn::Module>(model.ptr());
 
@@ -432,7 +433,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       if (pipe) {
         // Every stage gets the batch (stage 0 uses the inputs, the last stage the targets).
         loss = pipe->train_step(x, y, pipe_loss);
-        if (!zero) average_gradients(trained, *dp_comm);  // ZeRO reduces in its hooks
+        if (!zero) averager.average();  // ZeRO reduces in its hooks
         if (step > 0) {
           pipe_step_s += pipe->stats().step_seconds;
           pipe_compute_s += pipe->stats().compute_seconds;

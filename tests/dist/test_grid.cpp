@@ -1,6 +1,6 @@
 // The dp x tp x pp grid (tandem/grid.h) and the strategies composed on it, against
 // single-process training in float64: tp=2 x dp=2 (DistributedDataParallel over the dp groups),
-// pp=2 x dp=2 (Pipeline + average_gradients), tp=2 x pp=2 (tensor-parallel blocks inside pipeline
+// pp=2 x dp=2 (Pipeline + average_gradients; GradientAverager), tp=2 x pp=2 (tensor-parallel blocks inside pipeline
 // stages); 10 SGD steps each on a global batch that every rank draws the same way.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -152,6 +152,47 @@ TEST(Grid, PipelineTimesDataParallelMatchesSingleProcess) {
     auto l = loss.reshape({1}).clone();
     g.dp()->allreduce(l, ReduceOp::kAvg);
     EXPECT_LE(std::abs(l.item<double>() - want[s]), kTol * want[s]) << "step " << s << " (" << g.describe() << ")";
+  }
+}
+
+// GradientAverager against the mean: over each dp group of a pp=2 grid and over the world, a
+// float and a double group and a parameter without a gradient, three calls with different
+// gradients (its buffers are kept between calls), all equal to average_gradients'.
+TEST(Grid, GradientAveragerKeepsBuffersAndAverages) {
+  auto w = world();
+  ASSERT_EQ(w->size(), 4) << "run on 4 ranks";
+  ProcessGrid g(w, /*tp=*/1, /*pp=*/2);
+  for (const CommPtr& c : {g.dp(), w}) {
+    SCOPED_TRACE("group of " + std::to_string(c->size()));
+    std::vector<at::Tensor> params = {torch::zeros({3, 5}), torch::zeros({7}, torch::kDouble), torch::zeros({2, 2}),
+                                      torch::zeros({4})};
+    std::vector<at::Tensor> copies;
+    for (auto& p : params) copies.push_back(p.clone());
+    GradientAverager avg(params, c);
+    // Gradient of parameter k on the rank of group rank r at call s; the last parameter has none.
+    auto grad = [](const at::Tensor& p, int k, int r, int s) {
+      return torch::arange(p.numel(), p.options()).reshape(p.sizes()) * (r + 1) + 10.0 * k + 100.0 * s;
+    };
+    for (int s = 0; s < 3; ++s) {
+      for (size_t k = 0; k + 1 < params.size(); ++k) {
+        params[k].mutable_grad() = grad(params[k], static_cast<int>(k), c->rank(), s);
+        copies[k].mutable_grad() = params[k].grad().clone();
+      }
+      params.back().mutable_grad() = at::Tensor();
+      copies.back().mutable_grad() = at::Tensor();
+      avg.average();
+      average_gradients(copies, *c);
+      for (size_t k = 0; k < params.size(); ++k) {
+        ASSERT_TRUE(params[k].grad().defined()) << "parameter " << k;
+        at::Tensor want = torch::zeros_like(params[k]);
+        if (k + 1 < params.size()) {
+          for (int r = 0; r < c->size(); ++r) want += grad(params[k], static_cast<int>(k), r, s);
+          want /= c->size();
+        }
+        EXPECT_TRUE(torch::allclose(params[k].grad(), want)) << "call " << s << ", parameter " << k;
+        EXPECT_TRUE(torch::equal(params[k].grad(), copies[k].grad())) << "call " << s << ", parameter " << k;
+      }
+    }
   }
 }
 

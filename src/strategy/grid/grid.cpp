@@ -1,6 +1,8 @@
 // ProcessGrid: three Communicator::split calls; gradient averaging and parameter broadcast helpers.
 #include "tandem/grid.h"
 
+#include "comm/backends.h"
+
 #include <torch/torch.h>
 
 #include <stdexcept>
@@ -47,8 +49,8 @@ std::string ProcessGrid::describe() const {
 
 namespace {
 // Parameters grouped by dtype and device, so that each group goes out as one flat buffer.
-template <typename F>
-void for_each_group(const std::vector<at::Tensor>& params, F&& f) {
+std::vector<std::vector<size_t>> groups_of(const std::vector<at::Tensor>& params) {
+  std::vector<std::vector<size_t>> groups;
   std::vector<bool> done(params.size(), false);
   for (size_t i = 0; i < params.size(); ++i) {
     if (done[i]) continue;
@@ -59,7 +61,33 @@ void for_each_group(const std::vector<at::Tensor>& params, F&& f) {
         done[j] = true;
       }
     }
-    f(group);
+    groups.push_back(std::move(group));
+  }
+  return groups;
+}
+
+template <typename F>
+void for_each_group(const std::vector<at::Tensor>& params, F&& f) {
+  for (const auto& g : groups_of(params)) f(g);
+}
+
+// The gradients of `group` (zeros where a parameter has none, which then gets them) flattened.
+std::vector<at::Tensor> flat_grads(const std::vector<at::Tensor>& params, const std::vector<size_t>& group) {
+  std::vector<at::Tensor> flat;
+  for (size_t i : group) {
+    auto p = params[i];
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    flat.push_back(p.grad().reshape({-1}));
+  }
+  return flat;
+}
+
+void copy_back(const std::vector<at::Tensor>& params, const std::vector<size_t>& group, const at::Tensor& buf) {
+  int64_t off = 0;
+  for (size_t i : group) {
+    auto g = params[i].grad();
+    g.copy_(buf.narrow(0, off, g.numel()).view_as(g));
+    off += g.numel();
   }
 }
 }  // namespace
@@ -68,21 +96,33 @@ void average_gradients(const std::vector<at::Tensor>& params, Communicator& comm
   if (comm.size() == 1) return;
   torch::NoGradGuard ng;
   for_each_group(params, [&](const std::vector<size_t>& group) {
-    std::vector<at::Tensor> flat;
-    for (size_t i : group) {
-      auto p = params[i];
-      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-      flat.push_back(p.grad().reshape({-1}));
-    }
-    auto buf = at::cat(flat);
+    auto buf = at::cat(flat_grads(params, group));
     comm.allreduce(buf, ReduceOp::kAvg);
-    int64_t off = 0;
-    for (size_t i : group) {
-      auto g = params[i].grad();
-      g.copy_(buf.narrow(0, off, g.numel()).view_as(g));
-      off += g.numel();
-    }
+    copy_back(params, group, buf);
   });
+}
+
+GradientAverager::GradientAverager(std::vector<at::Tensor> params, CommPtr comm)
+    : params_(std::move(params)), comm_(std::move(comm)) {
+  if (!comm_) throw std::invalid_argument("tandem::GradientAverager: no communicator");
+}
+
+void GradientAverager::average() {
+  if (comm_->size() == 1) return;
+  torch::NoGradGuard ng;
+  const bool first = buffers_.empty();
+  if (first) groups_ = groups_of(params_);  // the dtypes now (a model may be converted after construction)
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    auto flat = flat_grads(params_, groups_[k]);
+    if (first) {
+      int64_t total = 0;
+      for (const auto& f : flat) total += f.numel();
+      buffers_.push_back(detail::symmetric_empty(*comm_, total, flat.front().options()));
+    }
+    at::cat_out(buffers_[k], flat);
+    comm_->allreduce(buffers_[k], ReduceOp::kAvg);
+    copy_back(params_, groups_[k], buffers_[k]);
+  }
 }
 
 void broadcast_parameters(const std::vector<at::Tensor>& params, Communicator& comm, int root) {
