@@ -142,8 +142,12 @@ AlphaBeta fit_alpha_beta(const std::vector<double>& xs, const std::vector<double
   return ab;
 }
 
-double time_optimizer(torch::nn::Sequential& model, const std::string& which) {
-  for (auto& p : model->parameters()) p.mutable_grad() = torch::randn_like(p);
+// One optimizer step on one thread, as training runs it: right after a forward and backward of
+// `b` samples (untimed), which wrote the gradients it reads. Timed back to back instead, its
+// parameters, gradients and state stay in the cache: the MLP's SGD step (1.86M parameters)
+// took 0.55-0.63 ms that way, and 0.91-1.01 ms after a backward (docs/BENCHMARKS.md).
+double time_optimizer(torch::nn::Sequential& model, const std::string& name, int64_t b, const std::string& which) {
+  auto [x, y] = sample_batch(name, b);
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (which == "adam") {
     opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
@@ -152,6 +156,10 @@ double time_optimizer(torch::nn::Sequential& model, const std::string& which) {
   }
   std::vector<double> t;
   for (int i = 0; i < 13; ++i) {
+    model->zero_grad(/*set_to_none=*/false);
+    auto loss = loss_of(model->forward(x), y);
+    loss.backward();
+    (void)loss.item<double>();
     auto t0 = Clock::now();
     opt->step();
     if (i >= 3) t.push_back(seconds_since(t0));
@@ -250,8 +258,8 @@ void calibrate_compute(Calibration& cal, const std::vector<std::string>& models,
     }
     at::set_num_threads(1);
     const double params = static_cast<double>(models::count_parameters(*model));
-    mr.sgd_s_per_param = time_optimizer(model, "sgd") / params;
-    mr.adam_s_per_param = time_optimizer(model, "adam") / params;
+    mr.sgd_s_per_param = time_optimizer(model, name, b1, "sgd") / params;
+    mr.adam_s_per_param = time_optimizer(model, name, b1, "adam") / params;
     cal.models[name] = mr;
   }
 }
