@@ -409,8 +409,11 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
   const std::vector<int64_t> sizes = {4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20};
   // "_shm": in place in symmetric memory, as ZeRO-1's gradients and ZeRO-1/2's parameters are
   // (shared memory on one node); the plain ones in ordinary memory (ZeRO-2/3's per-bucket scratch).
+  // "allgather_copy_shm": into symmetric memory from a separate input, as ZeRO-3 gathers a unit
+  // from its shard into a slot of its block (each rank copies its own part in too, then the
+  // others'); "allgather_shm" is in place, as ZeRO-1/2 gather into their flat parameters.
   const std::vector<std::string> ops = {"allreduce", "reduce_scatter", "allgather", "reduce_scatter_shm",
-                                        "allgather_shm"};
+                                        "allgather_shm", "allgather_copy_shm"};
   // Three interleaved rounds, the median over all of them per operation and size: this guest's
   // inter-process copies run at one of two speeds for a minute or two at a time (a 3x swing in
   // reduce_scatter seen between two calibrations), and one pass can land in either.
@@ -429,7 +432,8 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         // comm/backends.h), so that the constants are those of training.
         const bool symmetric = op == "allreduce" || is_shm_op(op);
         auto full = symmetric ? detail::symmetric_empty(*comm, numel, torch::kFloat).fill_(1.0f) : torch::ones({numel});
-        auto part = symmetric ? full.narrow(0, comm->rank() * (numel / n), numel / n) : torch::ones({numel / n});
+        auto part = symmetric && op != "allgather_copy_shm" ? full.narrow(0, comm->rank() * (numel / n), numel / n)
+                                                             : torch::ones({numel / n});
         for (int i = 0; i < 8; ++i) {
           std::memset(evict.data(), i, evict.size());
           comm->barrier();

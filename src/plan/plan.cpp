@@ -496,11 +496,12 @@ double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std:
   // "X_shm": X in place in symmetric memory (the MPI backend's shared-memory path on one node),
   // as calibrated; otherwise the same model as X.
   std::string op = op_asked;
-  if (is_shm_op(op)) {
-    const bool measured = c.cpu && o.calibration && o.calibration->collective_times.count(n) &&
-                          o.calibration->collective_times.at(n).count(op);
-    if (!measured) op.erase(op.size() - 4);
-  }
+  auto measured = [&](const std::string& x) {
+    return c.cpu && o.calibration && o.calibration->collective_times.count(n) && o.calibration->collective_times.at(n).count(x);
+  };
+  // ZeRO-3's gather from a separate shard: as calibrated, else as the in-place one.
+  if (op == "allgather_copy_shm" && !measured(op)) op = "allgather_shm";
+  if (is_shm_op(op) && !measured(op)) op.erase(op.size() - 4);
   auto ring = [&](int k, double s, AlphaBeta ab) {
     if (op == "allreduce") return ring_allreduce_seconds(k, s, ab);
     if (op == "reduce_scatter") return ring_reduce_scatter_seconds(k, s, ab);
@@ -755,7 +756,9 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     // units carved from a block allocated up front. Elsewhere the "_shm" curves fall back to
     // the plain ones.
     const char* grad_op = l.zero >= 1 ? "reduce_scatter_shm" : "allreduce";
-    const char* gather_op = "allgather_shm";
+    // ZeRO-1/2 gather in place into their flat parameters; ZeRO-3 from each unit's shard into a
+    // slot of its block, which copies this rank's part too.
+    const char* gather_op = l.zero == 3 ? "allgather_copy_shm" : "allgather_shm";
     std::vector<double> grads = per_bucket(grad_op, grad_bytes);
     e.comm_parts[l.zero >= 1 ? "dp reduce_scatter" : "dp allreduce"] = sum(grads);
     exposed += overlapped(grads, window);

@@ -504,4 +504,16 @@ TEST(Plan, CalibratedCollectivesInterpolateMeasuredSizes) {
   auto e3 = tp::estimate(m, c, z3, lo);
   ASSERT_TRUE(e3.feasible) << e3.why;
   EXPECT_NEAR(e3.comm_parts.at("dp allgather (fwd+bwd)"), 2 * tp::collective_seconds(c, lo, "allgather_shm", 2, grads), 1e-9);
+  // ZeRO-3 gathers from a separate shard: the "allgather_copy_shm" curve where it was calibrated
+  // (above, without it, the in-place one); ZeRO-1/2 keep gathering in place.
+  cal.collective_times[2]["allgather_copy_shm"] = {{4096.0, 2e-5}, {1048576.0, 2e-3}};
+  EXPECT_NEAR(tp::collective_seconds(c, lo, "allgather_copy_shm", 2, 1048576.0), 2e-3, 1e-12);
+  EXPECT_NEAR(tp::collective_seconds(c, lo, "allgather_copy_shm", 3, 3e6), tp::collective_seconds(c, lo, "allgather", 3, 3e6),
+              1e-15);
+  auto e3c = tp::estimate(m, c, z3, lo), e2c = tp::estimate(m, c, z2, lo);
+  ASSERT_TRUE(e3c.feasible && e2c.feasible) << e3c.why << e2c.why;
+  EXPECT_NEAR(e3c.comm_parts.at("dp allgather (fwd+bwd)"), 2 * tp::collective_seconds(c, lo, "allgather_copy_shm", 2, grads),
+              1e-9);
+  EXPECT_GT(e3c.comm_parts.at("dp allgather (fwd+bwd)"), e3.comm_parts.at("dp allgather (fwd+bwd)"));
+  EXPECT_NEAR(e2c.comm_parts.at("dp allgather"), tp::collective_seconds(c, lo, "allgather_shm", 2, grads), 1e-9);
 }
