@@ -1,7 +1,8 @@
 // The dp x tp x pp grid (tandem/grid.h) and the strategies composed on it, against
 // single-process training in float64: tp=2 x dp=2 (DistributedDataParallel over the dp groups),
-// pp=2 x dp=2 (Pipeline + average_gradients; GradientAverager), tp=2 x pp=2 (tensor-parallel blocks inside pipeline
-// stages); 10 SGD steps each on a global batch that every rank draws the same way.
+// pp=2 x dp=2 (Pipeline + average_gradients), tp=2 x pp=2 (tensor-parallel blocks inside
+// pipeline stages); 10 SGD steps each on a global batch that every rank draws the same way.
+// GradientAverager against the mean and against average_gradients.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
