@@ -124,8 +124,8 @@ const V* nearest_world(const std::map<int, V>& by_n, int n) {
 
 // ---- layer by layer (models with ModelSpec::children)
 
-// Whether autograd computes this child's input gradient: some earlier child has parameters (or,
-// on a pipeline stage after the first, the received activation requires it).
+// Whether autograd computes this child's input gradient: some earlier child has parameters. On
+// a pipeline too: a stage's received activation requires grad only then.
 std::vector<bool> input_grad_needed(const ModelSpec& m) {
   std::vector<bool> need(m.children.size(), false);
   bool any = false;
@@ -160,14 +160,20 @@ struct StageTimes {
 //
 // hold[s] (empty: none): a message of stage s leaves when the stage next stops computing (its
 // next operation ends, or it waits) or hold[s] after it was produced, whichever comes first.
+// grad_back[s] (empty: all true): whether a gradient goes back from stage s+1 to stage s. None
+// does where nothing up to stage s has parameters (tandem::Pipeline then sends none), and stage
+// s's backward does not wait.
+//
 // On shared CPU cores Tandem's MPI sends are posted and progressed by the rank's progress
 // thread, which gets a core when the compute thread blocks or the scheduler gives it a slice
 // (a one-step timeline of the MLP's 2-stage pipeline showed the first activation arrive after
 // stage 0's second forward); the calibration measures that delay. On a GPU the send is queued
 // on a stream and leaves at once.
 double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpipe, const std::vector<double>& xfer,
-                         const std::function<double(int)>& speed, const std::vector<double>& hold) {
+                         const std::function<double(int)>& speed, const std::vector<double>& hold,
+                         const std::vector<bool>& grad_back = {}) {
   const int p = static_cast<int>(st.size());
+  auto grad_to = [&](int s) { return grad_back.empty() || grad_back[s]; };  // from s+1 to s
   std::vector<std::vector<std::pair<bool, int64_t>>> order(p);
   for (int s = 0; s < p; ++s) order[s] = pipeline_order(gpipe, s, p, m);
   const double unset = -1.0, inf = std::numeric_limits<double>::infinity();
@@ -186,7 +192,8 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
   auto ready_at = [&](int s) {  // when stage s's next operation may start (inf: not known yet)
     auto [fwd, i] = order[s][next[s]];
     if (fwd) return s == 0 ? 0.0 : (f_sent[s - 1][i] < 0 ? inf : f_sent[s - 1][i] + xfer[s - 1]);
-    return s == p - 1 ? 0.0 : (b_sent[s + 1][i] < 0 ? inf : b_sent[s + 1][i] + xfer[s]);
+    if (s == p - 1 || !grad_to(s)) return 0.0;
+    return b_sent[s + 1][i] < 0 ? inf : b_sent[s + 1][i] + xfer[s];
   };
   auto release = [&](int s, bool all) {  // all: the stage blocks; else only what is due
     auto& h = held[s];
@@ -233,7 +240,7 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
       if (left[s] <= 1e-12) {
         auto [fwd, i] = order[s][next[s]];
         release(s, true);  // what the previous operation produced leaves now at the latest
-        const bool sends = fwd ? s + 1 < p : s > 0;
+        const bool sends = fwd ? s + 1 < p : s > 0 && grad_to(s - 1);
         const double h = hold.empty() ? 0.0 : hold[fwd ? s : s - 1];
         if (sends && h > 0) {
           held[s].push_back({fwd, i, now + h});
@@ -312,7 +319,9 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
     StageTimes t;
     for (int64_t j = 0; j < count; ++j, ++i) {
       const LayerSpec& ly = m.children[i];
-      const bool in_grad = need[i] || (j == 0 && !st.empty());  // a later stage's input requires grad
+      // A later stage's input requires grad only if something before it has parameters
+      // (tandem::Pipeline tracks it only then).
+      const bool in_grad = need[i];
       const double share = tp_share(ly, tp);
       const double train = layer_train_flops(ly, in_grad);
       // A split child does 1/tp of all of its work: the fixed part of a Linear's time (reading
@@ -342,9 +351,12 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
   if (const AlphaBeta* cal = c.cpu && o.calibration ? nearest_world(o.calibration->p2p, used) : nullptr;
       cal && cal->bandwidth > 0)
     ab = *cal;
-  for (size_t s = 0; s + 1 < st.size(); ++s) {
+  std::vector<bool> grad_back;
+  for (size_t s = 0, first = 0; s + 1 < st.size(); ++s) {
+    first += static_cast<size_t>(partition[s]);
+    grad_back.push_back(need[first]);
     xfer.push_back(ab.alpha + st[s].out_bytes / ab.bandwidth);
-    out.p2p_comm += 2.0 * xfer.back() * mcount;
+    out.p2p_comm += (grad_back.back() ? 2.0 : 1.0) * xfer.back() * mcount;
   }
   // On CPU, how long a send waits for the sender's progress thread while the sender computes:
   // for messages under the launcher's eager limit, the calibrated delay (linear in the size
@@ -377,7 +389,7 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
     out.slot = std::max(out.slot, (t.fwd + t.bwd + t.tp_fwd + t.tp_bwd) / all_busy);
     out.compute = std::max(out.compute, (t.fwd + t.bwd) / all_busy * mcount);
   }
-  out.step = simulate_pipeline(st, mcount, o.pipeline_schedule == "gpipe", xfer, speed, hold);
+  out.step = simulate_pipeline(st, mcount, o.pipeline_schedule == "gpipe", xfer, speed, hold, grad_back);
   out.bubble = std::max(0.0, out.step - out.slot * mcount);
   return out;
 }

@@ -114,6 +114,51 @@ TEST(Pipeline, TransformerGradientsMatchSingleProcess) {
   }
 }
 
+// Stages before the first parameter (a Flatten and a Tanh on stages of their own): no gradient
+// goes back to them, and the first stage with parameters does not compute its input's. The
+// gradients still match the reference, under both schedules.
+TEST(Pipeline, NoGradientGoesBackToStagesWithoutParameters) {
+  auto comm = world();
+  const int P = comm->size();
+  constexpr int64_t kWidth = 9, kIn = 13, kBatch = 24, kHeaderBytes = 11 * 8;  // header: 11 int64
+  auto make = [&] {
+    torch::manual_seed(17);
+    torch::nn::Sequential net(torch::nn::Flatten(), torch::nn::Tanh(), torch::nn::Linear(kIn, kWidth),
+                              torch::nn::Tanh(), torch::nn::Linear(kWidth, kWidth), torch::nn::Linear(kWidth, 5));
+    net->to(torch::kDouble);
+    return net;
+  };
+  auto [x, y] = global_batch(kBatch, 23, 5);
+  x = x.to(torch::kDouble);
+  auto ref = make();
+  const auto want = reference_grads(ref, x, y);
+  const double want_loss = ce(ref->forward(x), y).item<double>();
+  // The first stage with parameters: 1 of 2 ({2, 4}), 2 of 4 ({1, 1, 2, 2}).
+  const std::vector<int64_t> part = P == 2 ? std::vector<int64_t>{2, 4} : std::vector<int64_t>{1, 1, 2, 2};
+  const int first_with_params = P == 2 ? 1 : 2;
+  for (auto sched : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+    SCOPED_TRACE(to_string(sched));
+    PipelineOptions o;
+    o.schedule = sched;
+    o.micro_batches = 4;
+    o.partition = part;
+    Pipeline pipe(make(), comm, o);
+    auto loss = pipe.train_step(x, y, ce);
+    EXPECT_NEAR(loss.item<double>(), want_loss, 1e-12 * std::abs(want_loss));
+    expect_stage_grads(pipe, want, 1e-10);
+    const auto& st = pipe.stats();
+    if (pipe.stage() < first_with_params) {
+      // Only the activations come in (none on stage 0): no gradient.
+      const int64_t in = pipe.stage() == 0 ? 0 : kHeaderBytes + kBatch * kIn * 8;
+      EXPECT_EQ(st.bytes_received, in) << "stage " << pipe.stage();
+    } else if (pipe.stage() == first_with_params) {
+      // Only its activations go out (none from the last stage): no input gradient.
+      const int64_t out = pipe.is_last() ? 0 : kHeaderBytes + kBatch * kWidth * 8;
+      EXPECT_EQ(st.bytes_sent, out) << "stage " << pipe.stage();
+    }
+  }
+}
+
 TEST(Pipeline, TrainingMatchesSingleProcessOverSteps) {
   auto comm = world();
   auto ref = make_mlp(8);

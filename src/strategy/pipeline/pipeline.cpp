@@ -6,7 +6,9 @@
 // state) cannot deadlock on a rendezvous-size message. Shapes are agreed per step: the first
 // micro-batch's activation is preceded by a small header (dtype, rank, sizes); the others must
 // have the same shape (equal micro-batches), which the sender checks. Gradients go back only for
-// floating-point activations, which both neighbours know from the dtype.
+// activations that require one, which the header says too: a stage whose output does not
+// depend on any trainable parameter (a leading Flatten or a frozen embedding) gets no gradient,
+// and the next stage neither computes nor sends one for its input.
 #include "tandem/pipeline.h"
 
 #include <c10/core/CPUAllocator.h>
@@ -176,7 +178,8 @@ double PipelineStats::bubble_ratio() const {
 
 namespace {
 constexpr int kTagHeader = 71, kTagActivation = 72, kTagGradient = 73;
-constexpr int64_t kMaxDims = 8, kHeaderLen = 2 + kMaxDims;
+// Header: dtype, dims, sizes, whether the activation requires a gradient.
+constexpr int64_t kMaxDims = 8, kHeaderLen = 3 + kMaxDims;
 
 double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -224,6 +227,8 @@ struct Transfer {
   bool have_in_header = false, sent_out_header = false;
   std::vector<int64_t> in_shape, out_shape;
   at::ScalarType in_dtype = at::kFloat;
+  // Whether the activations received (sent) this step need their gradient sent back (received).
+  bool in_grad = false, out_grad = false;
 
   void poll() {
     pending.erase(std::remove_if(pending.begin(), pending.end(),
@@ -262,6 +267,8 @@ struct Transfer {
       h[0] = static_cast<int64_t>(y.scalar_type());
       h[1] = y.dim();
       for (int64_t d = 0; d < y.dim(); ++d) h[2 + d] = y.size(d);
+      out_grad = y.requires_grad() && at::isFloatingType(y.scalar_type());
+      h[2 + kMaxDims] = out_grad ? 1 : 0;
       send(at::tensor(h, at::kLong).to(device), dst, kTagHeader);
       out_shape = y.sizes().vec();
       sent_out_header = true;
@@ -270,6 +277,10 @@ struct Transfer {
                                " produced micro-batch outputs of different shapes in one step (" +
                                c10::str(y.sizes()) + " after " + c10::str(c10::IntArrayRef(out_shape)) +
                                "); every micro-batch must have the same shape");
+    } else if ((y.requires_grad() && at::isFloatingType(y.scalar_type())) != out_grad) {
+      throw std::runtime_error("tandem::Pipeline: stage " + std::to_string(stage) +
+                               " produced micro-batch outputs that differ in requiring a gradient in one step; "
+                               "every micro-batch must take the same path through the stage");
     }
     send(y.detach(), dst, kTagActivation);
   }
@@ -282,6 +293,7 @@ struct Transfer {
       auto* p = hc.data_ptr<int64_t>();
       in_dtype = static_cast<at::ScalarType>(p[0]);
       in_shape.assign(p + 2, p + 2 + p[1]);
+      in_grad = p[2 + kMaxDims] != 0;
       have_in_header = true;
     }
     auto x = at::empty(in_shape, at::TensorOptions().dtype(in_dtype).device(device));
@@ -336,7 +348,9 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
     Slot& s = slots[i];
     if (forward) {
       at::Tensor x = is_first() ? inputs.narrow(0, i * mb_in, mb_in) : tr.recv_activation(stage_ - 1);
-      if (!is_first() && at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
+      // Track the input only where the previous stage wants its gradient: a stage fed by one
+      // without parameters (the MLP's leading Flatten on a stage of its own) skips computing it.
+      if (!is_first() && tr.in_grad) x.requires_grad_(true);
       auto t0 = std::chrono::steady_clock::now();
       at::Tensor y = stage_module_->forward(x);
       if (is_last()) {
@@ -361,16 +375,14 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
         stats_.compute_seconds += since(t0);
         auto l = s.loss.detach().to(at::kDouble).reshape({});
         loss_sum = loss_sum.defined() ? loss_sum + l : l;
-      } else if (at::isFloatingType(s.output.scalar_type())) {
+      } else if (tr.out_grad) {
         auto g = at::empty(s.output.sizes(), s.output.options().memory_format(at::MemoryFormat::Contiguous));
         tr.recv(g, stage_ + 1, kTagGradient, /*host=*/false);
-        if (s.output.requires_grad()) {
-          auto t0 = std::chrono::steady_clock::now();
-          s.output.backward(g);
-          stats_.compute_seconds += since(t0);
-        }
+        auto t0 = std::chrono::steady_clock::now();
+        s.output.backward(g);
+        stats_.compute_seconds += since(t0);
       }
-      if (!is_first() && at::isFloatingType(s.input.scalar_type())) {
+      if (!is_first() && tr.in_grad) {
         auto gx = s.input.grad();
         tr.send(gx.defined() ? gx : at::zeros_like(s.input), stage_ - 1, kTagGradient);
       }
