@@ -365,16 +365,20 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
     }
     // a of n ranks computing while the others wait, as pipeline stages do: phases of one
     // micro-batch (half of b) forward+backward on a ranks, a barrier after each (of receives:
-    // the idle ranks wait as a stage waits for its neighbour), the computing
-    // ranks rotating by one every phase; the slowest rank's median phase, median of 3 rounds.
+    // the idle ranks wait as a stage waits for its neighbour). The same a ranks compute for a
+    // whole round, as a pipeline's stages stay on their ranks, and the set moves by one rank every
+    // round; the slowest rank's median phase, median of 3 rounds. Until the tenth session the set
+    // moved every phase: each computing rank then started with its model out of the cache that
+    // the others had used, and the MLP's 1 of 4 took 5.5-7.6 ms to compute what the held set did
+    // in 3.9-4.8, which priced the MLP's 4-rank pipelines 10-30 % slow (docs/BENCHMARKS.md).
     // Stored as the rate that makes the one-thread time of that work (overhead + FLOPs at
     // flops_1t, from calibrate_compute) last the phase: the pipeline's stage times are scaled
     // by rate / flops_1t. Until the sixth session the computing ranks ran 7 whole batches
     // without a break while the others waited in one receive: that rate was bimodal (the MLP's 2
     // of 4: 32-106 GFLOP/s over five calibrations, the CNN's 21-55), as one placement of the
-    // threads held for the whole round, and the 4-rank pipelines missed by -43 to +69 %. The
-    // rotating phases' FLOPs over the phase came out 28-46 and 30-39 in two calibrations, near
-    // what the measured pipelines imply (MLP about 40-55, CNN about 37); docs/BENCHMARKS.md.
+    // threads held for the whole round, and the 4-rank pipelines missed by -43 to +69 %. Now the
+    // waiting ranks sleep between polls (eighth session) and every phase ends in a barrier, and
+    // a round's placement is one of three whose median is taken.
     const int64_t bm = std::max<int64_t>(1, b / 2);
     auto [xm, ym] = sample_batch(name, bm);
     const double fm = 3.0 * forward_flops_per_sample(spec) * static_cast<double>(bm);
@@ -386,7 +390,7 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         std::vector<double> tp;
         comm->barrier();
         for (int j = 0; j < 12; ++j) {
-          const bool mine = ((comm->rank() - j) % n + n) % n < a;
+          const bool mine = ((comm->rank() - round) % n + n) % n < a;
           auto t0 = Clock::now();
           if (mine) {
             model->zero_grad(/*set_to_none=*/false);
