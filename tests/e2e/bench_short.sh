@@ -71,9 +71,10 @@ if "$tandem" bench --model mlp --workers 1,2 --calibration missing.json --predic
 fi
 grep -q "needs a calibration" np.txt || { cat np.txt; exit 1; }
 # --calibrate: a calibration of this model alone before every repetition, each repetition's
-# prediction kept, the median reported.
+# prediction kept, the median reported. --drift-warn 0: the single worker's spread over the
+# repetitions is always reported (at the default 15 % only when the machine changed speed).
 "$tandem" bench --model mlp --workers 1,2 --strategies ddp,pp2 --micro-batches 2 --steps 3 --batch 64 --reps 2 \
-  --calibrate --csv k.csv --no-plot | tee out3.txt
+  --calibrate --csv k.csv --no-plot --drift-warn 0 | tee out3.txt
 python3 - k.csv <<'PY'
 import csv, json, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
@@ -82,6 +83,9 @@ for r in rows:
     per = [float(x) for x in r["predicted_ms_per_rep"].split(";")]
     assert len(per) == 2 and all(p > 0 for p in per), r
     assert abs(statistics.median(per) - float(r["predicted_ms"])) <= 0.002, r
+    steps = [float(x) for x in r["step_ms_per_rep"].split(";")]
+    assert len(steps) == 2 and all(t > 0 for t in steps), r
+    assert abs(statistics.median(steps) - float(r["step_ms"])) <= 0.002, r
 for k in (1, 2):
     c = json.load(open(f"k.calibration-{k}.json"))
     assert list(c["models"]) == ["mlp"], list(c["models"])  # this model only
@@ -89,4 +93,9 @@ for k in (1, 2):
 print("calibrate per repetition ok")
 PY
 grep -q "\[2/2\] calibrating" out3.txt || { echo "no calibration before the second repetition"; exit 1; }
+grep -q "note: the single worker's step varied by .* over the 2 repetitions" out3.txt ||
+  { echo "no note of the single worker's spread with --drift-warn 0"; exit 1; }
+if "$tandem" bench --model mlp --workers 1 --steps 1 --drift-warn -5 > dw.txt 2>&1; then
+  echo "a negative --drift-warn was accepted"; exit 1
+fi
 echo "bench ok"

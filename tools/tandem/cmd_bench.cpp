@@ -172,6 +172,12 @@ int cmd_bench(int argc, char** argv) {
   app.add_option("--calibration", calibration, "calibration from tandem plan --calibrate: adds predicted step times")
       ->capture_default_str();
   app.add_option("--timeout", timeout_s, "seconds a single run may take")->capture_default_str();
+  double drift_warn = 15.0;
+  app.add_option("--drift-warn", drift_warn,
+                 "with --reps >= 2: warn when the single worker's step varies by this many percent or more "
+                 "between repetitions (the machine changed speed during the bench)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   bool predict_only = false, calibrate = false;
   app.add_flag("--predict-only", predict_only,
                "print the runs and their predicted step times (needs --calibration's file) without running them");
@@ -394,7 +400,7 @@ int cmd_bench(int argc, char** argv) {
   std::ofstream out(csv);
   if (!out) throw std::runtime_error("cannot write '" + csv + "'");
   out << "model,workers,strategy,global_batch,steps,reps,step_ms,samples_per_s,epoch_s,speedup,efficiency,"
-         "comm_share,peak_mib,accuracy,predicted_ms,prediction_error,predicted_ms_per_rep\n";
+         "comm_share,peak_mib,accuracy,predicted_ms,prediction_error,predicted_ms_per_rep,step_ms_per_rep\n";
   std::cout << "\n" << std::right << std::setw(7) << "workers" << std::setw(13) << "strategy" << std::setw(10)
             << "samples/s" << std::setw(9) << "step ms" << std::setw(9) << "epoch s" << std::setw(9) << "speedup"
             << std::setw(7) << "eff." << std::setw(7) << "comm" << std::setw(10) << "peak MiB";
@@ -427,9 +433,26 @@ int cmd_bench(int argc, char** argv) {
         << (r.predicted_ms > 0 ? fixed(err, 4) : "") << ",";
     for (size_t k = 0; k < r.predicted_rounds.size(); ++k)
       out << (k ? ";" : "") << (r.predicted_rounds[k] > 0 ? fixed(r.predicted_rounds[k], 3) : "");
+    out << ",";
+    for (size_t k = 0; k < r.step_ms.size(); ++k) out << (k ? ";" : "") << fixed(r.step_ms[k], 3);
     out << "\n";
   }
   out.close();
+  // The same single-worker run, repeated: on a machine that changes speed (a shared guest, a
+  // throttled laptop) its spread is the noise that every row's median and prediction carry.
+  if (reps >= 2) {
+    const auto& single = rows.front().step_ms;
+    const auto [lo, hi] = std::minmax_element(single.begin(), single.end());
+    const double spread = *lo > 0 ? (*hi / *lo - 1.0) * 100.0 : 0.0;
+    if (spread >= drift_warn) {
+      std::cout << "note: the single worker's step varied by " << fixed(spread, 0) << " % over the " << reps
+                << " repetitions (";
+      for (size_t k = 0; k < single.size(); ++k) std::cout << (k ? ", " : "") << fixed(single[k], 1);
+      std::cout << " ms): this machine changed speed during the bench, and every row's median"
+                << (have_cal ? " and prediction" : "") << " carries noise of that order; the CSV's step_ms_per_rep "
+                << "lists each repetition\n";
+    }
+  }
   std::cout << "(speedup and efficiency against 1 worker, median step times; comm: exposed communication share of "
                "the loop, DDP only)\nCSV written to "
             << csv << "\n";
