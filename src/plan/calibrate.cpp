@@ -368,9 +368,10 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
     // the idle ranks wait as a stage waits for its neighbour). The same a ranks compute for a
     // whole round, as a pipeline's stages stay on their ranks, and the set moves by one rank every
     // round; the slowest rank's median phase, median of 3 rounds. Until the tenth session the set
-    // moved every phase: each computing rank then started with its model out of the cache that
-    // the others had used, and the MLP's 1 of 4 took 5.5-7.6 ms to compute what the held set did
-    // in 3.9-4.8, which priced the MLP's 4-rank pipelines 10-30 % slow (docs/BENCHMARKS.md).
+    // moved every phase: each computing rank then started cold (its model not in the caches of
+    // the core it ran on; which level was not measured), and the MLP's 1 of 4 took 5.5-7.6 ms to
+    // compute what the held set did in 3.9-4.8, which priced the MLP's 4-rank pipelines 10-30 %
+    // slow (docs/BENCHMARKS.md).
     // Stored as the rate that makes the one-thread time of that work (overhead + FLOPs at
     // flops_1t, from calibrate_compute) last the phase: the pipeline's stage times are scaled
     // by rate / flops_1t. Until the sixth session the computing ranks ran 7 whole batches
