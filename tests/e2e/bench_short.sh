@@ -98,4 +98,5 @@ grep -q "note: the single worker's step varied by .* over the 2 repetitions" out
 if "$tandem" bench --model mlp --workers 1 --steps 1 --drift-warn -5 > dw.txt 2>&1; then
   echo "a negative --drift-warn was accepted"; exit 1
 fi
+grep -q "drift-warn" dw.txt || { echo "the refusal does not name --drift-warn"; cat dw.txt; exit 1; }
 echo "bench ok"

@@ -4,11 +4,11 @@
 // Transfers. Receives block (the data is needed); sends are asynchronous and kept in a pending
 // list until they complete, so that two neighbours each sending before receiving (1F1B's steady
 // state) cannot deadlock on a rendezvous-size message. Shapes are agreed per step: the first
-// micro-batch's activation is preceded by a small header (dtype, rank, sizes); the others must
-// have the same shape (equal micro-batches), which the sender checks. Gradients go back only for
-// activations that require one, which the header says too: a stage whose output does not
-// depend on any trainable parameter (a leading Flatten or a frozen embedding) gets no gradient,
-// and the next stage neither computes nor sends one for its input.
+// micro-batch's activation is preceded by a small header (dtype, rank, sizes, whether it requires
+// a gradient); the others must have the same shape (equal micro-batches), which the sender
+// checks. Gradients go back only for activations that require one: a stage whose output does
+// not depend on any trainable parameter (a leading Flatten or a frozen embedding) gets no
+// gradient, and the next stage neither computes nor sends one for its input.
 #include "tandem/pipeline.h"
 
 #include <c10/core/CPUAllocator.h>
@@ -257,6 +257,7 @@ struct Transfer {
   }
 
   void send_activation(const at::Tensor& y, int dst, int stage) {
+    const bool wants_grad = y.requires_grad() && at::isFloatingType(y.scalar_type());
     if (!sent_out_header) {
       if (y.dim() > kMaxDims) {
         throw std::invalid_argument("tandem::Pipeline: stage " + std::to_string(stage) + " outputs a tensor of " +
@@ -267,7 +268,7 @@ struct Transfer {
       h[0] = static_cast<int64_t>(y.scalar_type());
       h[1] = y.dim();
       for (int64_t d = 0; d < y.dim(); ++d) h[2 + d] = y.size(d);
-      out_grad = y.requires_grad() && at::isFloatingType(y.scalar_type());
+      out_grad = wants_grad;
       h[2 + kMaxDims] = out_grad ? 1 : 0;
       send(at::tensor(h, at::kLong).to(device), dst, kTagHeader);
       out_shape = y.sizes().vec();
@@ -277,7 +278,7 @@ struct Transfer {
                                " produced micro-batch outputs of different shapes in one step (" +
                                c10::str(y.sizes()) + " after " + c10::str(c10::IntArrayRef(out_shape)) +
                                "); every micro-batch must have the same shape");
-    } else if ((y.requires_grad() && at::isFloatingType(y.scalar_type())) != out_grad) {
+    } else if (wants_grad != out_grad) {
       throw std::runtime_error("tandem::Pipeline: stage " + std::to_string(stage) +
                                " produced micro-batch outputs that differ in requiring a gradient in one step; "
                                "every micro-batch must take the same path through the stage");
