@@ -24,6 +24,7 @@
 
 namespace torch::nn {
 class Module;
+class SequentialImpl;
 }
 namespace torch::optim {
 class Optimizer;
@@ -66,6 +67,18 @@ std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const 
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero,
                             Communicator& comm, const CheckpointSaveOptions& o = {});
 
+// From a tensor-parallel model (`parallel`, made by tp::tensor_parallel() from a model of
+// models.h; no pipeline): `dense` is a model of the dense shape on the same device, used as
+// scratch (its values are overwritten), `opt` the optimizer over parallel's parameters in order
+// (or their masters). The shards of the parameters and of the optimizer state are gathered over
+// `tp` (collective over `tp` and `comm`) and `comm`'s rank 0 writes the whole model, as a
+// replicated checkpoint: it loads under any strategy, tensor-parallel degree and world size.
+std::string save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta,
+                                            const std::shared_ptr<torch::nn::SequentialImpl>& parallel,
+                                            const std::shared_ptr<torch::nn::SequentialImpl>& dense,
+                                            torch::optim::Optimizer& opt, const CommPtr& tp, Communicator& comm,
+                                            const CheckpointSaveOptions& o = {});
+
 // The newest complete checkpoint under root ("" when none; incomplete ones are ignored).
 std::string latest_checkpoint(const std::string& root);
 
@@ -95,5 +108,13 @@ CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, tor
                                const CheckpointLoadOptions& o = {});
 CheckpointMeta load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,
                                const CheckpointLoadOptions& o = {});
+// Into a tensor-parallel model (as for save_tensor_parallel_checkpoint; `dense` is scratch),
+// from a checkpoint of any layout: the full values are cut as tp::tensor_parallel() cuts them
+// for this tp rank, optimizer state likewise. Local (no collective).
+CheckpointMeta load_tensor_parallel_checkpoint(const std::string& dir,
+                                               const std::shared_ptr<torch::nn::SequentialImpl>& parallel,
+                                               const std::shared_ptr<torch::nn::SequentialImpl>& dense,
+                                               torch::optim::Optimizer& opt, const CommPtr& tp, int rank,
+                                               const CheckpointLoadOptions& o = {});
 
 }  // namespace tandem

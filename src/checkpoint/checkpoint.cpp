@@ -31,6 +31,7 @@
 
 #include "checkpoint/shard_io.h"
 #include "tandem/pipeline.h"
+#include "tandem/tensor_parallel.h"
 #include "tandem/zero.h"
 
 namespace tandem {
@@ -538,6 +539,183 @@ std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDa
   plan.entries.emplace_back("rng/cpu", cpu_rng_state());
   plan.layout = {{"kind", "zero"}, {"stage", st.stage}, {"buckets", buckets}, {"params", params}};
   return save_impl(root, std::move(plan), comm, o);
+}
+
+namespace {
+// A tensor-parallel model and a dense one of its shape, checked to correspond to `opt`: the
+// scratch pair through which shards become whole values (tp::gather_to_dense) and whole values
+// shards (tp::tensor_parallel, as the model was cut).
+struct TpPair {
+  torch::nn::Sequential parallel, dense;
+  std::vector<at::Tensor> ops;  // the optimizer's parameters (or masters), in parallel's order
+  std::vector<at::Tensor> live;  // parallel's parameters
+};
+
+TpPair tp_pair(const std::shared_ptr<torch::nn::SequentialImpl>& parallel,
+               const std::shared_ptr<torch::nn::SequentialImpl>& dense, torch::optim::Optimizer& opt, const char* who) {
+  if (!parallel || !dense) throw std::invalid_argument(std::string(who) + ": no model given");
+  TpPair p{torch::nn::Sequential(parallel), torch::nn::Sequential(dense), optimizer_params(opt), {}};
+  p.live = p.parallel->parameters();
+  if (p.ops.size() != p.live.size()) {
+    throw std::invalid_argument(std::string(who) + ": the optimizer has " + std::to_string(p.ops.size()) +
+                                " parameters, the tensor-parallel model " + std::to_string(p.live.size()) +
+                                "; pass the optimizer over its parameters (or their masters)");
+  }
+  return p;
+}
+
+// The dense model's values cut for this tp rank, in the parallel model's parameter order.
+std::vector<at::Tensor> cut_for_rank(TpPair& p, const CommPtr& tp, const char* who) {
+  tp::TensorParallelOptions to;
+  to.sync_dense = false;  // the dense values are the same on every rank: no broadcast
+  auto shards = tp::tensor_parallel(p.dense, tp, to)->parameters();
+  if (shards.size() != p.live.size()) {
+    throw std::invalid_argument(std::string(who) + ": the dense model cuts into " + std::to_string(shards.size()) +
+                                " tensor-parallel parameters, the model has " + std::to_string(p.live.size()) +
+                                "; pass a dense model of the same shape");
+  }
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    if (shards[i].sizes() != p.live[i].sizes()) {
+      throw std::invalid_argument(std::string(who) + ": tensor-parallel parameter " + std::to_string(i) + " has shape " +
+                                  shape_str(p.live[i].sizes()) + ", the dense model cuts it to " +
+                                  shape_str(shards[i].sizes()) + "; pass a dense model of the same shape");
+    }
+    out.push_back(shards[i].detach().clone());
+  }
+  return out;
+}
+}  // namespace
+
+std::string save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta,
+                                            const std::shared_ptr<torch::nn::SequentialImpl>& parallel,
+                                            const std::shared_ptr<torch::nn::SequentialImpl>& dense,
+                                            torch::optim::Optimizer& opt, const CommPtr& tp, Communicator& comm,
+                                            const CheckpointSaveOptions& o) {
+  const char* who = "save_tensor_parallel_checkpoint";
+  if (!tp) throw std::invalid_argument(std::string(who) + ": no tensor-parallel communicator given");
+  TpPair p = tp_pair(parallel, dense, opt, who);
+  // A scratch copy of the parallel model (cut from `dense`, whose values do not matter here):
+  // each field (the values, then each optimizer slot) is copied into its shards and gathered
+  // into `dense` by tp::gather_to_dense, which knows how every layer was cut.
+  auto scratch_shards = [&] {
+    tp::TensorParallelOptions to;
+    to.sync_dense = false;
+    return tp::tensor_parallel(p.dense, tp, to);
+  }();
+  auto sp = scratch_shards->parameters();
+  if (sp.size() != p.ops.size()) {
+    throw std::invalid_argument(std::string(who) + ": the dense model cuts into " + std::to_string(sp.size()) +
+                                " tensor-parallel parameters, the model has " + std::to_string(p.ops.size()) +
+                                "; pass a dense model of the same shape");
+  }
+  std::vector<ParamOptimizerState> states;
+  std::set<std::string> slots;
+  int64_t step = 0;
+  for (auto& t : p.ops) {
+    states.push_back(get_param_state(opt, t));
+    step = std::max(step, states.back().step);
+    for (auto& [k, v] : states.back().slots) slots.insert(k);
+  }
+  auto dn = p.dense->named_parameters(true);
+  // Gathers field(i) of every shard into whole tensors by dense name (collective over tp).
+  auto gather_field = [&](const std::function<at::Tensor(size_t)>& field) {
+    {
+      torch::NoGradGuard ng;
+      for (size_t i = 0; i < sp.size(); ++i) {
+        auto v = field(i);
+        if (v.sizes() != sp[i].sizes()) {
+          throw std::invalid_argument(std::string(who) + ": tensor-parallel parameter " + std::to_string(i) +
+                                      " has shape " + shape_str(v.sizes()) + ", the dense model cuts it to " +
+                                      shape_str(sp[i].sizes()) + "; pass a dense model of the same shape");
+        }
+        sp[i].copy_(v);
+      }
+    }
+    tp::gather_to_dense(scratch_shards, p.dense, tp);
+    std::map<std::string, at::Tensor> out;
+    for (auto& kv : dn) out[kv.key()] = kv.value().detach().clone();
+    return out;
+  };
+  const bool write = comm.rank() == 0;
+  SavePlan plan;
+  plan.meta = meta;
+  plan.meta.optimizer = optimizer_kind(opt);
+  auto values = gather_field([&](size_t i) { return p.ops[i].detach(); });
+  for (auto& kv : dn) {
+    plan.params.push_back(tensor_desc(kv.key(), values.at(kv.key())));
+    if (write) plan.entries.emplace_back("param/" + kv.key(), values.at(kv.key()));
+  }
+  // A slot that some parameter lacks (one that never had a gradient) is saved as zeros for it.
+  for (const auto& k : slots) {
+    auto whole = gather_field([&](size_t i) {
+      auto it = states[i].slots.find(k);
+      return it != states[i].slots.end() ? it->second.detach() : at::zeros_like(p.ops[i]);
+    });
+    if (write)
+      for (auto& kv : dn) plan.entries.emplace_back(k + "/" + kv.key(), whole.at(kv.key()));
+  }
+  plan.optimizer_step = step;
+  plan.slots.assign(slots.begin(), slots.end());
+  for (auto& [n, b] : named_buffers(*p.parallel)) {
+    plan.buffers.push_back(tensor_desc(n, b));
+    if (write) plan.entries.emplace_back("buffer/" + n, b);
+  }
+  plan.entries.emplace_back("rng/cpu", cpu_rng_state());
+  plan.layout = {{"kind", "replicated"}, {"owner", 0}};
+  return save_impl(root, std::move(plan), comm, o);
+}
+
+CheckpointMeta load_tensor_parallel_checkpoint(const std::string& dir,
+                                               const std::shared_ptr<torch::nn::SequentialImpl>& parallel,
+                                               const std::shared_ptr<torch::nn::SequentialImpl>& dense,
+                                               torch::optim::Optimizer& opt, const CommPtr& tp, int rank,
+                                               const CheckpointLoadOptions& o) {
+  const char* who = "load_tensor_parallel_checkpoint";
+  if (!tp) throw std::invalid_argument(std::string(who) + ": no tensor-parallel communicator given");
+  TpPair p = tp_pair(parallel, dense, opt, who);
+  auto fc = read_full_checkpoint(dir);
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (auto& kv : p.dense->named_parameters(true)) params.emplace_back(kv.key(), kv.value());
+  auto buffers = named_buffers(*p.parallel);
+  check_fits(fc, dir, o, params, buffers, optimizer_kind(opt));
+  // Every field whole into `dense`, then cut for this rank.
+  auto cut_field = [&](const std::function<at::Tensor(const std::string&, const at::Tensor&)>& whole) {
+    {
+      torch::NoGradGuard ng;
+      for (auto& [n, t] : params) t.copy_(whole(n, t));
+    }
+    return cut_for_rank(p, tp, who);
+  };
+  auto values = cut_field([&](const std::string& n, const at::Tensor&) { return fc.params.at(n); });
+  std::set<std::string> slots;
+  int64_t step = 0;
+  for (auto& [n, st] : fc.optim) {
+    step = std::max(step, st.step);
+    for (auto& [k, v] : st.slots) slots.insert(k);
+  }
+  std::vector<ParamOptimizerState> states(p.ops.size());
+  for (const auto& k : slots) {
+    auto cut = cut_field([&](const std::string& n, const at::Tensor& t) {
+      const auto& s = fc.optim.at(n).slots;
+      auto it = s.find(k);
+      return it != s.end() ? it->second : at::zeros_like(t);
+    });
+    for (size_t i = 0; i < cut.size(); ++i) {
+      states[i].slots[k] = cut[i];
+      states[i].step = step;
+    }
+  }
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < p.ops.size(); ++i) {
+      p.ops[i].copy_(values[i]);
+      if (!p.ops[i].is_same(p.live[i])) p.live[i].copy_(values[i]);
+      set_param_state(opt, p.ops[i], states[i]);
+    }
+  }
+  finish_load(fc, buffers, rank, o);
+  return fc.meta;
 }
 
 std::string latest_checkpoint(const std::string& root) {

@@ -1,6 +1,7 @@
 #include "tandem/trainer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -181,8 +182,13 @@ void validate_checkpointing(const TrainConfig& cfg) {
     throw std::invalid_argument(std::string(cfg.resume ? "--resume" : "--checkpoint-every") +
                                 " needs --checkpoint-dir DIR");
   }
-  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.tp > 1) {
-    throw std::invalid_argument("checkpoints of tensor-parallel runs (--tp) are not supported yet; use --pp or data parallelism");
+  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.tp > 1 && cfg.pp > 1) {
+    throw std::invalid_argument("checkpoints of runs with both --tp and --pp are not supported yet; use one of them "
+                                "(either checkpoint resumes under the other)");
+  }
+  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.tp > 1 && cfg.strategy.rfind("zero", 0) == 0) {
+    throw std::invalid_argument("checkpoints of tensor-parallel runs (--tp) support --strategy ddp over the replicas, not " +
+                                cfg.strategy);
   }
   if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.pp > 1 && cfg.strategy.rfind("zero", 0) == 0) {
     throw std::invalid_argument("checkpoints of pipeline runs (--pp) support --strategy ddp over the replicas, not " +
@@ -315,6 +321,17 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   int64_t total_steps = steps_per_epoch * cfg.epochs;
   if (cfg.max_steps >= 0) total_steps = std::min(total_steps, cfg.max_steps);
 
+  // Checkpoints of a tensor-parallel model go through a dense model of its shape (scratch, fp32
+  // as the optimizer's values): gathered into it to save, cut from it to load.
+  torch::nn::Sequential tp_dense{nullptr};
+  if (cfg.tp > 1 && (cfg.checkpoint_every > 0 || cfg.resume)) {
+    // Its initialisation draws from the generator: keep the run's random stream as without checkpoints.
+    auto gen = at::detail::getDefaultCPUGenerator();
+    const auto state = gen.get_state();
+    tp_dense = models::make_model(cfg.model);
+    gen.set_state(state);
+    tp_dense->to(dev);
+  }
   // Resume: parameters, optimizer state, loss scale and RNG from the newest checkpoint (any
   // strategy and world size: it is resharded on load), then the step and data position.
   int64_t start_step = 0, start_epoch = 0, skip_in_epoch = 0;
@@ -334,6 +351,8 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       lo.expect_model = cfg.model;
       auto meta = zero   ? load_checkpoint(dir, *zero, rank, lo)
                   : pipe ? load_checkpoint(dir, *pipe, optimizer->optimizer(), rank, lo)
+                  : tp_dense ? load_tensor_parallel_checkpoint(dir, model.ptr(), tp_dense.ptr(), optimizer->optimizer(),
+                                                               grid->tp(), rank, lo)
                          : load_checkpoint(dir, *model, optimizer->optimizer(), rank, lo);
       if (optimizer) optimizer->restore_loss_scaler(meta.loss_scale, meta.loss_scale_good_steps, meta.skipped_steps);
       start_step = meta.step;
@@ -366,6 +385,9 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     auto cpu = rt.cpu_world();
     if (zero) {
       save_checkpoint(cfg.checkpoint_dir, m, *zero, *cpu, so);
+    } else if (tp_dense) {  // the shards gathered over grid.tp(); rank 0 writes the whole model
+      save_tensor_parallel_checkpoint(cfg.checkpoint_dir, m, model.ptr(), tp_dense.ptr(), optimizer->optimizer(),
+                                      grid->tp(), *cpu, so);
     } else if (pipe) {  // one writer per stage: the first replica's
       save_checkpoint(cfg.checkpoint_dir, m, *pipe, optimizer->optimizer(), grid->dp_rank() == 0, *cpu, so);
     } else {

@@ -3,7 +3,9 @@
 // ZeRO-1 on N) against an uninterrupted single-process reference, and bad input: corrupted
 // and truncated shards, a damaged manifest, missing files, another model, and a save killed
 // midway (fork + SIGKILL), each leaving what existed untouched. Pipeline stages (one stage per
-// rank, each writing its own) resume bitwise as stages and continue in one process.
+// rank, each writing its own) resume bitwise as stages and continue in one process. A
+// tensor-parallel transformer's checkpoint (gathered) equals a dense run's state and loads back
+// into shards exactly.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
@@ -20,7 +22,9 @@
 #include "tandem/checkpoint.h"
 #include "tandem/ddp.h"
 #include "tandem/optim.h"
+#include "tandem/models.h"
 #include "tandem/pipeline.h"
+#include "tandem/tensor_parallel.h"
 #include "tandem/zero.h"
 #include "tests/dist/dist_env.h"
 #include "tests/dist/train_test_util.h"
@@ -383,6 +387,86 @@ TEST(CheckpointReshard, PipelineStagesToOneProcess) {
     }
     ckpt::remove_tree(dir);
   }
+  comm->barrier();
+}
+
+// A transformer split over every rank (tp = world, heads and the fused qkv cut per head): two
+// AdamW steps, a checkpoint of the gathered whole; it equals a dense run's state in one process,
+// and loads back into another tensor-parallel model shard for shard, optimizer state included.
+TEST(CheckpointReshard, TensorParallelTransformer) {
+  auto comm = world();
+  const int rank = comm->rank();
+  const auto c = small_lm();
+  auto make = [&](uint64_t seed) {
+    torch::manual_seed(seed);
+    auto m = models::transformer(c);
+    m->to(torch::kDouble);
+    return m;
+  };
+  auto g = at::detail::createCPUGenerator(12);
+  auto ids = torch::randint(0, c.vocab, {3, 6}, g);
+  auto tgt = torch::randint(0, c.vocab, {3, 6}, g);
+  auto ce = [](const at::Tensor& out, const at::Tensor& y) {
+    return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
+  };
+  const auto o = adamw();
+  auto train2 = [&](torch::nn::Sequential m, torch::optim::Optimizer& opt) {
+    for (int s = 0; s < 2; ++s) {
+      opt.zero_grad();
+      ce(m->forward(ids), tgt).backward();
+      opt.step();
+    }
+  };
+  auto par = tp::tensor_parallel(make(5), comm);
+  auto opt = make_optimizer(par->parameters(), o);
+  train2(par, *opt);
+  const auto dir = shared_dir(*comm, "tp");
+  const auto path = save_tensor_parallel_checkpoint(dir, meta_at(2, "tp"), par.ptr(), make(99).ptr(), *opt, comm, *comm);
+  EXPECT_EQ(path, dir + "/step-00000002");
+  if (rank == 0) {  // whole, as a dense run in one process left it
+    auto dense = make(5);
+    auto dopt = make_optimizer(dense->parameters(), o);
+    train2(dense, *dopt);
+    auto loaded = make(98);
+    auto lopt = make_optimizer(loaded->parameters(), o);
+    load_checkpoint(path, *loaded, *lopt, 0);
+    auto want = dense->named_parameters();
+    for (auto& kv : loaded->named_parameters()) {
+      EXPECT_LE((kv.value() - want[kv.key()]).abs().max().item<double>(), 1e-9) << kv.key();
+      auto a = get_param_state(*lopt, kv.value()), b = get_param_state(*dopt, want[kv.key()]);
+      EXPECT_EQ(a.step, b.step) << kv.key();
+      for (auto& [k, v] : b.slots) EXPECT_LE((a.slots.at(k) - v).abs().max().item<double>(), 1e-9) << k << " of " << kv.key();
+    }
+  }
+  {  // back into shards: every one as it was saved
+    auto par2 = tp::tensor_parallel(make(77), comm);
+    auto opt2 = make_optimizer(par2->parameters(), o);
+    load_tensor_parallel_checkpoint(path, par2.ptr(), make(98).ptr(), *opt2, comm, rank);
+    auto want = par->parameters(), got = par2->parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(torch::equal(got[i], want[i])) << "shard " << i;
+      auto a = get_param_state(*opt2, got[i]), b = get_param_state(*opt, want[i]);
+      EXPECT_EQ(a.step, b.step);
+      ASSERT_EQ(a.slots.size(), b.slots.size());
+      for (auto& [k, v] : b.slots) EXPECT_TRUE(torch::equal(a.slots.at(k), v)) << k << " of shard " << i;
+    }
+    // A scratch model of another shape is refused, naming the parameter; nothing is changed.
+    auto other = c;
+    other.mlp_ratio = 4;
+    torch::manual_seed(1);
+    auto wrong = models::transformer(other);
+    wrong->to(torch::kDouble);
+    try {
+      load_tensor_parallel_checkpoint(path, par2.ptr(), wrong.ptr(), *opt2, comm, rank);
+      ADD_FAILURE() << "a dense model of another shape was accepted";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("fc1.weight"), std::string::npos) << e.what();
+    }
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], want[i])) << "shard " << i << " after the refusal";
+  }
+  comm->barrier();
+  if (rank == 0) ckpt::remove_tree(dir);
   comm->barrier();
 }
 

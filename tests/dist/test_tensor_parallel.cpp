@@ -138,16 +138,6 @@ TEST(TensorParallel, VocabParallelEmbeddingAndCrossEntropyMatchDense) {
   EXPECT_LE(rel_err(lp.grad(), rows(ld.grad(), 2, T, r)), kTol);
 }
 
-models::TransformerConfig small_lm() {
-  models::TransformerConfig c;
-  c.vocab = 20;
-  c.d_model = 16;
-  c.heads = 4;
-  c.layers = 2;
-  c.seq = 6;
-  c.mlp_ratio = 2;
-  return c;
-}
 
 at::Tensor ce(const at::Tensor& out, const at::Tensor& y) {
   return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));

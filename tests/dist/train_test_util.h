@@ -1,5 +1,5 @@
 // Helpers shared by the strategy tests (DDP, ZeRO): a deterministic global batch, each rank's
-// slice of it, and the relative error against a reference.
+// slice of it, the relative error against a reference, and a small transformer.
 #pragma once
 
 #include <torch/torch.h>
@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <utility>
+
+#include "tandem/models.h"
 
 namespace tandem::test {
 
@@ -27,6 +29,18 @@ inline double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
   auto d = (a.to(torch::kDouble) - b.to(torch::kDouble)).norm().item<double>();
   auto r = b.to(torch::kDouble).norm().item<double>();
   return d / std::max(r, 1e-30);
+}
+
+// A transformer small enough for the tests, split evenly over 1, 2 or 4 tensor-parallel ranks.
+inline models::TransformerConfig small_lm() {
+  models::TransformerConfig c;
+  c.vocab = 20;
+  c.d_model = 16;
+  c.heads = 4;
+  c.layers = 2;
+  c.seq = 6;
+  c.mlp_ratio = 2;
+  return c;
 }
 
 }  // namespace tandem::test

@@ -8,7 +8,12 @@
 # its stage); resuming from step 10 with --pp 2 gives the same losses bit for bit, and as one
 # worker, 2 DDP workers and 2 replicas x 2 stages within 1e-5; the checkpoint the latter saves
 # at step 20 (written by one rank per stage of 4) resumes on one worker within 1e-5 too.
-# usage: train_checkpoint.sh TANDEM [ddp|pipeline]
+# Mode "tp": a 2-way tensor-parallel run (--tp 2) saves the whole model at 10 and 20 (the
+# shards gathered, rank 0 writes); it runs bit for bit as without checkpoints; resuming from
+# step 10 with --tp 2 gives the same losses bit for bit, and as one worker, 2 DDP workers and
+# 2 replicas x 2 shards within 1e-5; a DDP checkpoint resumes with --tp 2 within 1e-5, and the
+# checkpoint of the 2 x 2 run at step 20 on one worker; --tp with --pp or ZeRO is refused.
+# usage: train_checkpoint.sh TANDEM [ddp|pipeline|tp]
 set -euo pipefail
 tandem=$1
 mode=${2:-ddp}
@@ -47,6 +52,47 @@ for spec in runs:
 sys.exit(0 if ok else 1)
 PY
 }
+
+if [[ "$mode" == tp ]]; then
+  # Tensor parallelism (--tp 2): the shards are gathered and rank 0 writes the whole model.
+  common=(--model mlp --batch 64 --optimizer adamw --lr 0.001 --seed 5 --max-steps 24 --no-eval --no-baseline
+          --no-progress --threads 1)
+  run full -n 2 --tp 2 --checkpoint-every 10 --checkpoint-dir "$out/full"
+  python3 -c "import json,sys; l=json.load(open(sys.argv[1]))['layout']; print('layout', l); sys.exit(l['kind'] != 'replicated')" \
+    "$out/full/step-00000010/manifest.json"
+  # Checkpointing leaves the run itself unchanged.
+  run plain -n 2 --tp 2
+  common+=(--checkpoint-every 10)
+  for d in tp one ddp tp4; do
+    mkdir -p "$out/$d"
+    cp -r "$out/full/step-00000010" "$out/$d/"
+  done
+  run tp -n 2 --tp 2 --checkpoint-dir "$out/tp" --resume
+  run one -n 1 --strategy single --checkpoint-dir "$out/one" --resume
+  grep -q "resuming from .*step-00000010 (step 10, saved by ddp on 2 worker" "$out/log_one"
+  run ddp -n 2 --strategy ddp --checkpoint-dir "$out/ddp" --resume
+  run tp4 -n 4 --tp 2 --checkpoint-dir "$out/tp4" --resume
+  # The other way: a DDP checkpoint (full's DDP twin, saved at 10) cut for --tp 2, and the
+  # checkpoint the 2 replicas x 2 shards saved at 20 resumed on one worker.
+  run dfull -n 2 --strategy ddp --checkpoint-dir "$out/dfull"
+  mkdir -p "$out/dtp" && cp -r "$out/dfull/step-00000010" "$out/dtp/"
+  run dtp -n 2 --tp 2 --checkpoint-dir "$out/dtp" --resume
+  mkdir -p "$out/one20" && cp -r "$out/tp4/step-00000020" "$out/one20/"
+  run one20 -n 1 --strategy single --checkpoint-dir "$out/one20" --resume
+  grep -q "saved by ddp on 4 worker" "$out/log_one20"
+  # Refused before any worker starts: --tp with --pp, --tp with ZeRO.
+  for bad in "--pp 2" "--strategy zero1"; do
+    # shellcheck disable=SC2086
+    if "$tandem" train "${common[@]}" -n 4 --tp 2 $bad --checkpoint-dir "$out/bad" >"$out/log_bad" 2>&1; then
+      echo "FAIL: a tensor-parallel run with $bad and checkpoints was accepted"; exit 1
+    fi
+    grep -q "checkpoints of" "$out/log_bad" || { cat "$out/log_bad"; exit 1; }
+  done
+  compare full plain:bitwise:1-24 tp:bitwise:11-24 one:tol:11-24 ddp:tol:11-24 tp4:tol:11-24 one20:tol:21-24
+  compare dfull dtp:tol:11-24
+  echo "checkpoint tp ok"
+  exit 0
+fi
 
 if [[ "$mode" == pipeline ]]; then
   common=(--model mlp --batch 64 --micro-batches 2 --optimizer adamw --lr 0.001 --seed 5 --no-eval --no-baseline
