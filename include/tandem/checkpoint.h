@@ -63,6 +63,13 @@ std::string save_checkpoint(const std::string& root, CheckpointMeta meta, torch:
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
                             torch::optim::Optimizer& opt, bool writer, Communicator& comm,
                             const CheckpointSaveOptions& o = {});
+// From ZeRO (any stage) over the data-parallel replicas of a pipeline stage (`zero` built over
+// pipe.stage_module() and `dp`): the stage's chunks are gathered over `dp` (collective) and the
+// replica with dp rank 0 writes the stage whole, as the other overload's writer does: the
+// checkpoint loads under any strategy and world size.
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
+                            ZeroDataParallel& zero, const CommPtr& dp, Communicator& comm,
+                            const CheckpointSaveOptions& o = {});
 // From ZeRO (any stage): each rank writes its chunks (fp32 masters and optimizer state).
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero,
                             Communicator& comm, const CheckpointSaveOptions& o = {});
@@ -107,6 +114,10 @@ CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model,
 CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, torch::optim::Optimizer& opt, int rank,
                                const CheckpointLoadOptions& o = {});
 CheckpointMeta load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,
+                               const CheckpointLoadOptions& o = {});
+// Into ZeRO over the replicas of a pipeline stage: the stage's parameters, from a checkpoint of
+// any layout (it may hold more: other stages).
+CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, ZeroDataParallel& zero, int rank,
                                const CheckpointLoadOptions& o = {});
 // Into a tensor-parallel model (as for save_tensor_parallel_checkpoint; `dense` is scratch),
 // from a checkpoint of any layout: the full values are cut as tp::tensor_parallel() cuts them

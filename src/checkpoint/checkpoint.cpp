@@ -455,11 +455,11 @@ std::string save_checkpoint(const std::string& root, CheckpointMeta meta, torch:
   return save_impl(root, std::move(plan), comm, o);
 }
 
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
-                            torch::optim::Optimizer& opt, bool writer, Communicator& comm,
-                            const CheckpointSaveOptions& o) {
-  auto stage = pipe.stage_module();
-  SavePlan mine = whole_tensors_plan(meta, *stage, opt, writer);
+namespace {
+// A pipeline checkpoint from each rank's plan of its stage (whole tensors; entries only on the
+// writers, one per stage): the manifest records which rank holds what.
+std::string save_stages(const std::string& root, SavePlan mine, const Pipeline& pipe, bool writer, Communicator& comm,
+                        const CheckpointSaveOptions& o) {
   // Every rank learns what each writer holds (one string per rank: "" from the others).
   json what;
   if (writer) {
@@ -507,6 +507,61 @@ std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const 
   plan.slots.assign(slots.begin(), slots.end());
   plan.layout = {{"kind", "stages"}, {"partition", pipe.partition()}, {"params", owned_params}, {"buffers", owned_buffers}};
   return save_impl(root, std::move(plan), comm, o);
+}
+}  // namespace
+
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
+                            torch::optim::Optimizer& opt, bool writer, Communicator& comm,
+                            const CheckpointSaveOptions& o) {
+  auto stage = pipe.stage_module();
+  return save_stages(root, whole_tensors_plan(meta, *stage, opt, writer), pipe, writer, comm, o);
+}
+
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
+                            ZeroDataParallel& zero, const CommPtr& dp, Communicator& comm,
+                            const CheckpointSaveOptions& o) {
+  if (!dp) throw std::invalid_argument("save_checkpoint: no data-parallel communicator given for the pipeline's ZeRO");
+  const bool writer = dp->rank() == 0;
+  SavePlan mine;
+  mine.meta = meta;
+  mine.meta.optimizer = optimizer_kind(zero.optimizer());
+  const auto st = zero.shard_state();
+  if (st.world_size != dp->size()) {
+    throw std::invalid_argument("save_checkpoint: ZeRO shards over " + std::to_string(st.world_size) +
+                                " ranks, the data-parallel communicator has " + std::to_string(dp->size()) +
+                                "; pass the communicator ZeRO was built over");
+  }
+  // Each bucket whole on every replica of the stage: the ranks' chunks in rank order (gathered
+  // on the stage's device, which a CUDA communicator needs).
+  auto ps = pipe.parameters();
+  const at::Device dev = ps.empty() ? at::Device(at::kCPU) : ps.front().device();
+  std::set<std::string> slots;
+  std::vector<std::map<std::string, at::Tensor>> whole(st.buckets.size());
+  for (size_t b = 0; b < st.buckets.size(); ++b) {
+    for (auto& [k, chunk] : st.buckets[b].slots) {
+      if (k != "param") slots.insert(k);
+      auto in = chunk.reshape({-1}).to(dev).contiguous();
+      auto out = at::empty({dp->size() * in.numel()}, in.options());
+      dp->allgather(out, in);
+      whole[b][k] = out.cpu();
+    }
+  }
+  for (auto& p : st.params) {
+    auto& bucket = whole.at(p.bucket);
+    auto value = bucket.at("param").narrow(0, p.offset, p.numel).reshape(p.shape);
+    mine.params.push_back(tensor_desc(p.name, value));
+    if (!writer) continue;
+    mine.entries.emplace_back("param/" + p.name, value.clone());
+    for (const auto& k : slots) mine.entries.emplace_back(k + "/" + p.name, bucket.at(k).narrow(0, p.offset, p.numel).reshape(p.shape).clone());
+  }
+  mine.slots.assign(slots.begin(), slots.end());
+  mine.optimizer_step = st.optimizer_step;
+  for (auto& [n, b] : named_buffers(zero.module())) {
+    mine.buffers.push_back(tensor_desc(n, b));
+    if (writer) mine.entries.emplace_back("buffer/" + n, b);
+  }
+  mine.entries.emplace_back("rng/cpu", cpu_rng_state());
+  return save_stages(root, std::move(mine), pipe, writer, comm, o);
 }
 
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero, Communicator& comm,
@@ -746,17 +801,30 @@ CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, tor
   return load_whole_tensors(dir, *stage, opt, rank, o, /*whole_model=*/false);
 }
 
-CheckpointMeta load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,
-                               const CheckpointLoadOptions& o) {
+namespace {
+CheckpointMeta load_zero(const std::string& dir, ZeroDataParallel& zero, int rank, const CheckpointLoadOptions& o,
+                         bool whole_model) {
   auto fc = read_full_checkpoint(dir);
   std::vector<std::pair<std::string, at::Tensor>> params;
   for (auto& p : zero.shard_state().params) params.emplace_back(p.name, at::empty(p.shape));
   auto buffers = named_buffers(zero.module());
-  check_fits(fc, dir, o, params, buffers, optimizer_kind(zero.optimizer()));
+  check_fits(fc, dir, o, params, buffers, optimizer_kind(zero.optimizer()), whole_model);
   zero.load_full_state(fc.params, fc.optim);
   zero.restore_loss_scaler(fc.meta.loss_scale, fc.meta.loss_scale_good_steps, fc.meta.skipped_steps);
   finish_load(fc, buffers, rank, o);
   return fc.meta;
+}
+}  // namespace
+
+CheckpointMeta load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,
+                               const CheckpointLoadOptions& o) {
+  return load_zero(dir, zero, rank, o, /*whole_model=*/true);
+}
+
+CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, ZeroDataParallel& zero, int rank,
+                               const CheckpointLoadOptions& o) {
+  (void)pipe;  // the stage's parameters are ZeRO's; the checkpoint may hold more (other stages)
+  return load_zero(dir, zero, rank, o, /*whole_model=*/false);
 }
 
 }  // namespace tandem

@@ -190,10 +190,6 @@ void validate_checkpointing(const TrainConfig& cfg) {
     throw std::invalid_argument("checkpoints of tensor-parallel runs (--tp) support --strategy ddp over the replicas, not " +
                                 cfg.strategy);
   }
-  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.pp > 1 && cfg.strategy.rfind("zero", 0) == 0) {
-    throw std::invalid_argument("checkpoints of pipeline runs (--pp) support --strategy ddp over the replicas, not " +
-                                cfg.strategy);
-  }
 }
 
 }  // namespace
@@ -349,7 +345,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       }
       CheckpointLoadOptions lo;
       lo.expect_model = cfg.model;
-      auto meta = zero   ? load_checkpoint(dir, *zero, rank, lo)
+      auto meta = zero   ? (pipe ? load_checkpoint(dir, *pipe, *zero, rank, lo) : load_checkpoint(dir, *zero, rank, lo))
                   : pipe ? load_checkpoint(dir, *pipe, optimizer->optimizer(), rank, lo)
                   : tp_dense ? load_tensor_parallel_checkpoint(dir, model.ptr(), tp_dense.ptr(), optimizer->optimizer(),
                                                                grid->tp(), rank, lo)
@@ -383,7 +379,9 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     CheckpointSaveOptions so;
     so.keep = cfg.checkpoint_keep;
     auto cpu = rt.cpu_world();
-    if (zero) {
+    if (zero && pipe) {  // each stage's chunks gathered over its replicas; the first replica writes
+      save_checkpoint(cfg.checkpoint_dir, m, *pipe, *zero, dp_comm, *cpu, so);
+    } else if (zero) {
       save_checkpoint(cfg.checkpoint_dir, m, *zero, *cpu, so);
     } else if (tp_dense) {  // the shards gathered over grid.tp(); rank 0 writes the whole model
       save_tensor_parallel_checkpoint(cfg.checkpoint_dir, m, model.ptr(), tp_dense.ptr(), optimizer->optimizer(),

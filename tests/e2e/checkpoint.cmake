@@ -3,7 +3,8 @@
 add_test(NAME e2e_train_checkpoint COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_checkpoint.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_train_checkpoint PROPERTIES TIMEOUT 300 PROCESSORS 2)
 # Pipeline checkpoints (--pp 2: one writer per stage): bitwise resume with --pp 2; resume on one
-# worker, 2 DDP workers and 2 replicas x 2 stages within 1e-5; ZeRO with --pp refused.
+# worker, 2 DDP workers and 2 replicas x 2 stages within 1e-5; the same with ZeRO-1 over the
+# replicas (each stage's chunks gathered, written whole).
 add_test(NAME e2e_train_checkpoint_pipeline COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_checkpoint.sh $<TARGET_FILE:tandem_cli> pipeline)
 set_tests_properties(e2e_train_checkpoint_pipeline PROPERTIES TIMEOUT 240 PROCESSORS 2)
 # Tensor-parallel checkpoints (--tp 2: gathered, written whole by rank 0): bitwise resume with
