@@ -74,16 +74,27 @@ std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const 
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero,
                             Communicator& comm, const CheckpointSaveOptions& o = {});
 
-// From a tensor-parallel model (`parallel`, made by tp::tensor_parallel() from a model of
-// models.h; no pipeline): `dense` is a model of the dense shape on the same device, used as
-// scratch (its values are overwritten), `opt` the optimizer over parallel's parameters in order
-// (or their masters). The shards of the parameters and of the optimizer state are gathered over
-// `tp` (collective over `tp` and `comm`) and `comm`'s rank 0 writes the whole model, as a
-// replicated checkpoint: it loads under any strategy, tensor-parallel degree and world size.
+// What a tensor-parallel rank trains, for its checkpoints: `parallel` is the whole model made
+// by tp::tensor_parallel() from a model of models.h, `dense` a model of the dense shape on the
+// same device used as scratch (its values are overwritten), `tp` the tensor-parallel group.
+// With `pipe`, the rank trains that pipeline's stage of `parallel`. The trained values and
+// their optimizer state come from `opt` (over the trained parameters in order, or their
+// masters) or from `zero` (ZeRO over the data-parallel replicas `dp`). `dp` is also needed with
+// `pipe`: the first tp rank of each stage's first replica writes the stage.
+struct TensorParallelState {
+  std::shared_ptr<torch::nn::SequentialImpl> parallel, dense;
+  CommPtr tp;
+  const Pipeline* pipe = nullptr;
+  torch::optim::Optimizer* opt = nullptr;
+  ZeroDataParallel* zero = nullptr;
+  CommPtr dp;
+};
+// Collective over `comm` (and the groups in `s`): the shards of the values and of each optimizer
+// slot are gathered over tp (and dp for ZeRO) into whole tensors; without a pipeline `comm`'s
+// rank 0 writes the whole model (a replicated checkpoint), with one each stage's writer its
+// stage (as a pipeline's). Either loads under any strategy, tensor-parallel degree and world size.
 std::string save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta,
-                                            const std::shared_ptr<torch::nn::SequentialImpl>& parallel,
-                                            const std::shared_ptr<torch::nn::SequentialImpl>& dense,
-                                            torch::optim::Optimizer& opt, const CommPtr& tp, Communicator& comm,
+                                            const TensorParallelState& s, Communicator& comm,
                                             const CheckpointSaveOptions& o = {});
 
 // The newest complete checkpoint under root ("" when none; incomplete ones are ignored).
@@ -119,13 +130,10 @@ CheckpointMeta load_checkpoint(const std::string& dir, ZeroDataParallel& zero, i
 // any layout (it may hold more: other stages).
 CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, ZeroDataParallel& zero, int rank,
                                const CheckpointLoadOptions& o = {});
-// Into a tensor-parallel model (as for save_tensor_parallel_checkpoint; `dense` is scratch),
-// from a checkpoint of any layout: the full values are cut as tp::tensor_parallel() cuts them
-// for this tp rank, optimizer state likewise. Local (no collective).
-CheckpointMeta load_tensor_parallel_checkpoint(const std::string& dir,
-                                               const std::shared_ptr<torch::nn::SequentialImpl>& parallel,
-                                               const std::shared_ptr<torch::nn::SequentialImpl>& dense,
-                                               torch::optim::Optimizer& opt, const CommPtr& tp, int rank,
+// Into a tensor-parallel rank (as for save_tensor_parallel_checkpoint), from a checkpoint of any
+// layout: the whole values are cut as tp::tensor_parallel() cuts them for this tp rank,
+// optimizer state likewise. Local (no collective).
+CheckpointMeta load_tensor_parallel_checkpoint(const std::string& dir, const TensorParallelState& s, int rank,
                                                const CheckpointLoadOptions& o = {});
 
 }  // namespace tandem

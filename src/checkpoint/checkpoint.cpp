@@ -456,6 +456,42 @@ std::string save_checkpoint(const std::string& root, CheckpointMeta meta, torch:
 }
 
 namespace {
+// ZeRO's values and optimizer slots whole (the ranks' chunks over `dp`, gathered on `dev`, which
+// a CUDA communicator needs), by parameter name.
+struct WholeState {
+  std::map<std::string, at::Tensor> params;
+  std::map<std::string, std::map<std::string, at::Tensor>> slots;  // slot -> name -> tensor
+  int64_t step = 0;
+};
+
+WholeState gather_zero(ZeroDataParallel& zero, Communicator& dp, at::Device dev, const char* who) {
+  const auto st = zero.shard_state();
+  if (st.world_size != dp.size()) {
+    throw std::invalid_argument(std::string(who) + ": ZeRO shards over " + std::to_string(st.world_size) +
+                                " ranks, the data-parallel communicator has " + std::to_string(dp.size()) +
+                                "; pass the communicator ZeRO was built over");
+  }
+  std::vector<std::map<std::string, at::Tensor>> whole(st.buckets.size());
+  for (size_t b = 0; b < st.buckets.size(); ++b) {
+    for (auto& [k, chunk] : st.buckets[b].slots) {
+      auto in = chunk.reshape({-1}).to(dev).contiguous();
+      auto out = at::empty({dp.size() * in.numel()}, in.options());
+      dp.allgather(out, in);
+      whole[b][k] = out.cpu();
+    }
+  }
+  WholeState w;
+  w.step = st.optimizer_step;
+  for (auto& p : st.params) {
+    for (auto& [k, flat] : whole.at(p.bucket)) {
+      auto t = flat.narrow(0, p.offset, p.numel).reshape(p.shape).clone();
+      if (k == "param") w.params[p.name] = t;
+      else w.slots[k][p.name] = t;
+    }
+  }
+  return w;
+}
+
 // A pipeline checkpoint from each rank's plan of its stage (whole tensors; entries only on the
 // writers, one per stage): the manifest records which rank holds what.
 std::string save_stages(const std::string& root, SavePlan mine, const Pipeline& pipe, bool writer, Communicator& comm,
@@ -520,42 +556,23 @@ std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const 
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
                             ZeroDataParallel& zero, const CommPtr& dp, Communicator& comm,
                             const CheckpointSaveOptions& o) {
+  const char* who = "save_checkpoint";
   if (!dp) throw std::invalid_argument("save_checkpoint: no data-parallel communicator given for the pipeline's ZeRO");
   const bool writer = dp->rank() == 0;
   SavePlan mine;
   mine.meta = meta;
   mine.meta.optimizer = optimizer_kind(zero.optimizer());
-  const auto st = zero.shard_state();
-  if (st.world_size != dp->size()) {
-    throw std::invalid_argument("save_checkpoint: ZeRO shards over " + std::to_string(st.world_size) +
-                                " ranks, the data-parallel communicator has " + std::to_string(dp->size()) +
-                                "; pass the communicator ZeRO was built over");
-  }
-  // Each bucket whole on every replica of the stage: the ranks' chunks in rank order (gathered
-  // on the stage's device, which a CUDA communicator needs).
   auto ps = pipe.parameters();
-  const at::Device dev = ps.empty() ? at::Device(at::kCPU) : ps.front().device();
-  std::set<std::string> slots;
-  std::vector<std::map<std::string, at::Tensor>> whole(st.buckets.size());
-  for (size_t b = 0; b < st.buckets.size(); ++b) {
-    for (auto& [k, chunk] : st.buckets[b].slots) {
-      if (k != "param") slots.insert(k);
-      auto in = chunk.reshape({-1}).to(dev).contiguous();
-      auto out = at::empty({dp->size() * in.numel()}, in.options());
-      dp->allgather(out, in);
-      whole[b][k] = out.cpu();
-    }
-  }
-  for (auto& p : st.params) {
-    auto& bucket = whole.at(p.bucket);
-    auto value = bucket.at("param").narrow(0, p.offset, p.numel).reshape(p.shape);
+  const auto whole = gather_zero(zero, *dp, ps.empty() ? at::Device(at::kCPU) : ps.front().device(), who);
+  for (auto& p : zero.shard_state().params) {
+    const auto& value = whole.params.at(p.name);
     mine.params.push_back(tensor_desc(p.name, value));
     if (!writer) continue;
-    mine.entries.emplace_back("param/" + p.name, value.clone());
-    for (const auto& k : slots) mine.entries.emplace_back(k + "/" + p.name, bucket.at(k).narrow(0, p.offset, p.numel).reshape(p.shape).clone());
+    mine.entries.emplace_back("param/" + p.name, value);
+    for (auto& [k, field] : whole.slots) mine.entries.emplace_back(k + "/" + p.name, field.at(p.name));
   }
-  mine.slots.assign(slots.begin(), slots.end());
-  mine.optimizer_step = st.optimizer_step;
+  for (auto& [k, field] : whole.slots) mine.slots.push_back(k);
+  mine.optimizer_step = whole.step;
   for (auto& [n, b] : named_buffers(zero.module())) {
     mine.buffers.push_back(tensor_desc(n, b));
     if (writer) mine.entries.emplace_back("buffer/" + n, b);
@@ -597,176 +614,208 @@ std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDa
 }
 
 namespace {
-// A tensor-parallel model and a dense one of its shape, checked to correspond to `opt`: the
-// scratch pair through which shards become whole values (tp::gather_to_dense) and whole values
-// shards (tp::tensor_parallel, as the model was cut).
-struct TpPair {
-  torch::nn::Sequential parallel, dense;
-  std::vector<at::Tensor> ops;  // the optimizer's parameters (or masters), in parallel's order
-  std::vector<at::Tensor> live;  // parallel's parameters
-};
-
-TpPair tp_pair(const std::shared_ptr<torch::nn::SequentialImpl>& parallel,
-               const std::shared_ptr<torch::nn::SequentialImpl>& dense, torch::optim::Optimizer& opt, const char* who) {
-  if (!parallel || !dense) throw std::invalid_argument(std::string(who) + ": no model given");
-  TpPair p{torch::nn::Sequential(parallel), torch::nn::Sequential(dense), optimizer_params(opt), {}};
-  p.live = p.parallel->parameters();
-  if (p.ops.size() != p.live.size()) {
-    throw std::invalid_argument(std::string(who) + ": the optimizer has " + std::to_string(p.ops.size()) +
-                                " parameters, the tensor-parallel model " + std::to_string(p.live.size()) +
-                                "; pass the optimizer over its parameters (or their masters)");
-  }
-  return p;
-}
-
-// The dense model's values cut for this tp rank, in the parallel model's parameter order.
-std::vector<at::Tensor> cut_for_rank(TpPair& p, const CommPtr& tp, const char* who) {
-  tp::TensorParallelOptions to;
-  to.sync_dense = false;  // the dense values are the same on every rank: no broadcast
-  auto shards = tp::tensor_parallel(p.dense, tp, to)->parameters();
-  if (shards.size() != p.live.size()) {
-    throw std::invalid_argument(std::string(who) + ": the dense model cuts into " + std::to_string(shards.size()) +
-                                " tensor-parallel parameters, the model has " + std::to_string(p.live.size()) +
-                                "; pass a dense model of the same shape");
-  }
-  std::vector<at::Tensor> out;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    if (shards[i].sizes() != p.live[i].sizes()) {
-      throw std::invalid_argument(std::string(who) + ": tensor-parallel parameter " + std::to_string(i) + " has shape " +
-                                  shape_str(p.live[i].sizes()) + ", the dense model cuts it to " +
-                                  shape_str(shards[i].sizes()) + "; pass a dense model of the same shape");
-    }
-    out.push_back(shards[i].detach().clone());
+// Names "i.key" of the parameters (or buffers) of children [first, end) of a Sequential, as the
+// whole model and a pipeline's stage module call them, with the tensors, in parameters() order.
+std::vector<std::pair<std::string, at::Tensor>> named_range(torch::nn::Sequential m, int64_t first, int64_t end,
+                                                             bool buffers) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (int64_t i = first; i < end; ++i) {
+    auto c = m->ptr(i);
+    for (auto& kv : buffers ? c->named_buffers(true) : c->named_parameters(true))
+      out.emplace_back(std::to_string(i) + "." + kv.key(), kv.value());
   }
   return out;
 }
+
+// What a tensor-parallel rank trains, resolved: the children range, the trained parameters by
+// name, and the scratch pair through which shards become whole values (tp::gather_to_dense) and
+// whole values shards (tp::tensor_parallel, as the model was cut).
+struct TpView {
+  torch::nn::Sequential parallel, dense;
+  int64_t first = 0, end = 0;
+  std::vector<std::pair<std::string, at::Tensor>> trained;  // in the optimizer's order
+  std::string optimizer;                                    // its kind
+};
+
+TpView tp_view(const TensorParallelState& s, const char* who) {
+  auto bad = [&](const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); };
+  if (!s.parallel || !s.dense) bad("no model given");
+  if (!s.tp) bad("no tensor-parallel communicator given");
+  if ((s.opt == nullptr) == (s.zero == nullptr)) bad("give the optimizer or ZeRO (one of them)");
+  if ((s.zero || s.pipe) && !s.dp) bad("ZeRO and pipelines need the data-parallel communicator");
+  TpView v{torch::nn::Sequential(s.parallel), torch::nn::Sequential(s.dense), 0, 0, {}, {}};
+  if (v.parallel->size() != v.dense->size()) bad("the tensor-parallel and dense models differ in children");
+  v.first = s.pipe ? s.pipe->first_layer() : 0;
+  v.end = s.pipe ? s.pipe->end_layer() : static_cast<int64_t>(v.parallel->size());
+  v.trained = named_range(v.parallel, v.first, v.end, false);
+  if (s.opt) {
+    auto ops = optimizer_params(*s.opt);
+    if (ops.size() != v.trained.size()) {
+      bad("the optimizer has " + std::to_string(ops.size()) + " parameters, the tensor-parallel model (or stage) " +
+          std::to_string(v.trained.size()) + "; pass the optimizer over its parameters (or their masters)");
+    }
+    for (size_t i = 0; i < ops.size(); ++i) v.trained[i].second = ops[i];  // the masters where there are
+    v.optimizer = optimizer_kind(*s.opt);
+  } else {
+    v.optimizer = optimizer_kind(s.zero->optimizer());
+  }
+  return v;
+}
+
+// The cut of `dense`'s current values for this tp rank: children [first, end) of a fresh
+// tp::tensor_parallel(dense), by name (copies).
+std::map<std::string, at::Tensor> cut_for_rank(TpView& v, const CommPtr& tp, const char* who) {
+  tp::TensorParallelOptions to;
+  to.sync_dense = false;  // the dense values are the same on every rank: no broadcast
+  auto shards = named_range(tp::tensor_parallel(v.dense, tp, to), v.first, v.end, false);
+  if (shards.size() != v.trained.size()) {
+    throw std::invalid_argument(std::string(who) + ": the dense model cuts into " + std::to_string(shards.size()) +
+                                " tensor-parallel parameters here, the model has " + std::to_string(v.trained.size()) +
+                                "; pass a dense model of the same shape");
+  }
+  std::map<std::string, at::Tensor> out;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& [n, t] = v.trained[i];
+    if (shards[i].first != n || shards[i].second.sizes() != t.sizes()) {
+      throw std::invalid_argument(std::string(who) + ": tensor-parallel parameter '" + n + "' " + shape_str(t.sizes()) +
+                                  " does not match the dense model's cut '" + shards[i].first + "' " +
+                                  shape_str(shards[i].second.sizes()) + "; pass a dense model of the same shape");
+    }
+    out[n] = shards[i].second.detach().clone();
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta,
-                                            const std::shared_ptr<torch::nn::SequentialImpl>& parallel,
-                                            const std::shared_ptr<torch::nn::SequentialImpl>& dense,
-                                            torch::optim::Optimizer& opt, const CommPtr& tp, Communicator& comm,
+                                            const TensorParallelState& s, Communicator& comm,
                                             const CheckpointSaveOptions& o) {
   const char* who = "save_tensor_parallel_checkpoint";
-  if (!tp) throw std::invalid_argument(std::string(who) + ": no tensor-parallel communicator given");
-  TpPair p = tp_pair(parallel, dense, opt, who);
+  TpView v = tp_view(s, who);
+  // The trained values and slots of this rank's shards, by name.
+  WholeState mine;
+  if (s.zero) {
+    const at::Device dev = v.trained.empty() ? at::Device(at::kCPU) : v.trained.front().second.device();
+    mine = gather_zero(*s.zero, *s.dp, dev, who);
+  } else {
+    for (auto& [n, t] : v.trained) {
+      mine.params[n] = t.detach();
+      auto st = get_param_state(*s.opt, t);
+      mine.step = std::max(mine.step, st.step);
+      for (auto& [k, x] : st.slots) mine.slots[k][n] = x.detach();
+    }
+  }
   // A scratch copy of the parallel model (cut from `dense`, whose values do not matter here):
   // each field (the values, then each optimizer slot) is copied into its shards and gathered
   // into `dense` by tp::gather_to_dense, which knows how every layer was cut.
-  auto scratch_shards = [&] {
-    tp::TensorParallelOptions to;
-    to.sync_dense = false;
-    return tp::tensor_parallel(p.dense, tp, to);
-  }();
-  auto sp = scratch_shards->parameters();
-  if (sp.size() != p.ops.size()) {
-    throw std::invalid_argument(std::string(who) + ": the dense model cuts into " + std::to_string(sp.size()) +
-                                " tensor-parallel parameters, the model has " + std::to_string(p.ops.size()) +
-                                "; pass a dense model of the same shape");
-  }
-  std::vector<ParamOptimizerState> states;
-  std::set<std::string> slots;
-  int64_t step = 0;
-  for (auto& t : p.ops) {
-    states.push_back(get_param_state(opt, t));
-    step = std::max(step, states.back().step);
-    for (auto& [k, v] : states.back().slots) slots.insert(k);
-  }
-  auto dn = p.dense->named_parameters(true);
-  // Gathers field(i) of every shard into whole tensors by dense name (collective over tp).
-  auto gather_field = [&](const std::function<at::Tensor(size_t)>& field) {
+  tp::TensorParallelOptions to;
+  to.sync_dense = false;
+  auto scratch = tp::tensor_parallel(v.dense, s.tp, to);
+  auto sp = named_range(scratch, v.first, v.end, false);
+  auto dn = named_range(v.dense, v.first, v.end, false);
+  auto gather_field = [&](const std::map<std::string, at::Tensor>& field) {
     {
       torch::NoGradGuard ng;
-      for (size_t i = 0; i < sp.size(); ++i) {
-        auto v = field(i);
-        if (v.sizes() != sp[i].sizes()) {
-          throw std::invalid_argument(std::string(who) + ": tensor-parallel parameter " + std::to_string(i) +
-                                      " has shape " + shape_str(v.sizes()) + ", the dense model cuts it to " +
-                                      shape_str(sp[i].sizes()) + "; pass a dense model of the same shape");
+      for (auto& [n, t] : sp) {
+        auto it = field.find(n);
+        // A slot that some parameter lacks (one that never had a gradient) is saved as zeros for it.
+        if (it == field.end()) {
+          t.zero_();
+          continue;
         }
-        sp[i].copy_(v);
+        if (it->second.sizes() != t.sizes()) {
+          throw std::invalid_argument(std::string(who) + ": tensor-parallel parameter '" + n + "' has shape " +
+                                      shape_str(it->second.sizes()) + ", the dense model cuts it to " +
+                                      shape_str(t.sizes()) + "; pass a dense model of the same shape");
+        }
+        t.copy_(it->second);
       }
     }
-    tp::gather_to_dense(scratch_shards, p.dense, tp);
+    tp::gather_to_dense(scratch, v.dense, s.tp, v.first, v.end);
     std::map<std::string, at::Tensor> out;
-    for (auto& kv : dn) out[kv.key()] = kv.value().detach().clone();
+    for (auto& [n, t] : dn) out[n] = t.detach().clone();
     return out;
   };
-  const bool write = comm.rank() == 0;
+  if (sp.size() != v.trained.size()) {
+    throw std::invalid_argument(std::string(who) + ": the dense model cuts into " + std::to_string(sp.size()) +
+                                " tensor-parallel parameters here, the model has " + std::to_string(v.trained.size()) +
+                                "; pass a dense model of the same shape");
+  }
+  const bool writer = s.pipe ? (s.tp->rank() == 0 && s.dp->rank() == 0) : comm.rank() == 0;
   SavePlan plan;
   plan.meta = meta;
-  plan.meta.optimizer = optimizer_kind(opt);
-  auto values = gather_field([&](size_t i) { return p.ops[i].detach(); });
-  for (auto& kv : dn) {
-    plan.params.push_back(tensor_desc(kv.key(), values.at(kv.key())));
-    if (write) plan.entries.emplace_back("param/" + kv.key(), values.at(kv.key()));
+  plan.meta.optimizer = v.optimizer;
+  auto values = gather_field(mine.params);
+  for (auto& [n, t] : dn) {
+    plan.params.push_back(tensor_desc(n, values.at(n)));
+    if (writer) plan.entries.emplace_back("param/" + n, values.at(n));
   }
-  // A slot that some parameter lacks (one that never had a gradient) is saved as zeros for it.
-  for (const auto& k : slots) {
-    auto whole = gather_field([&](size_t i) {
-      auto it = states[i].slots.find(k);
-      return it != states[i].slots.end() ? it->second.detach() : at::zeros_like(p.ops[i]);
-    });
-    if (write)
-      for (auto& kv : dn) plan.entries.emplace_back(k + "/" + kv.key(), whole.at(kv.key()));
+  for (auto& [k, field] : mine.slots) {
+    auto whole = gather_field(field);
+    if (writer)
+      for (auto& [n, t] : dn) plan.entries.emplace_back(k + "/" + n, whole.at(n));
+    plan.slots.push_back(k);
   }
-  plan.optimizer_step = step;
-  plan.slots.assign(slots.begin(), slots.end());
-  for (auto& [n, b] : named_buffers(*p.parallel)) {
+  plan.optimizer_step = mine.step;
+  for (auto& [n, b] : named_range(v.parallel, v.first, v.end, true)) {
     plan.buffers.push_back(tensor_desc(n, b));
-    if (write) plan.entries.emplace_back("buffer/" + n, b);
+    if (writer) plan.entries.emplace_back("buffer/" + n, b);
   }
   plan.entries.emplace_back("rng/cpu", cpu_rng_state());
+  if (s.pipe) return save_stages(root, std::move(plan), *s.pipe, writer, comm, o);
   plan.layout = {{"kind", "replicated"}, {"owner", 0}};
   return save_impl(root, std::move(plan), comm, o);
 }
 
-CheckpointMeta load_tensor_parallel_checkpoint(const std::string& dir,
-                                               const std::shared_ptr<torch::nn::SequentialImpl>& parallel,
-                                               const std::shared_ptr<torch::nn::SequentialImpl>& dense,
-                                               torch::optim::Optimizer& opt, const CommPtr& tp, int rank,
+CheckpointMeta load_tensor_parallel_checkpoint(const std::string& dir, const TensorParallelState& s, int rank,
                                                const CheckpointLoadOptions& o) {
   const char* who = "load_tensor_parallel_checkpoint";
-  if (!tp) throw std::invalid_argument(std::string(who) + ": no tensor-parallel communicator given");
-  TpPair p = tp_pair(parallel, dense, opt, who);
+  TpView v = tp_view(s, who);
   auto fc = read_full_checkpoint(dir);
-  std::vector<std::pair<std::string, at::Tensor>> params;
-  for (auto& kv : p.dense->named_parameters(true)) params.emplace_back(kv.key(), kv.value());
-  auto buffers = named_buffers(*p.parallel);
-  check_fits(fc, dir, o, params, buffers, optimizer_kind(opt));
+  // The whole dense model is filled (a stage's cut may depend on its neighbours: the MLP pairs
+  // Linears across a ReLU), so the checkpoint must hold every parameter.
+  auto params = named_range(v.dense, 0, static_cast<int64_t>(v.dense->size()), false);
+  auto buffers = named_range(v.parallel, v.first, v.end, true);
+  check_fits(fc, dir, o, params, buffers, v.optimizer);
   // Every field whole into `dense`, then cut for this rank.
   auto cut_field = [&](const std::function<at::Tensor(const std::string&, const at::Tensor&)>& whole) {
     {
       torch::NoGradGuard ng;
       for (auto& [n, t] : params) t.copy_(whole(n, t));
     }
-    return cut_for_rank(p, tp, who);
+    return cut_for_rank(v, s.tp, who);
   };
   auto values = cut_field([&](const std::string& n, const at::Tensor&) { return fc.params.at(n); });
   std::set<std::string> slots;
   int64_t step = 0;
   for (auto& [n, st] : fc.optim) {
     step = std::max(step, st.step);
-    for (auto& [k, v] : st.slots) slots.insert(k);
+    for (auto& [k, x] : st.slots) slots.insert(k);
   }
-  std::vector<ParamOptimizerState> states(p.ops.size());
+  std::map<std::string, ParamOptimizerState> states;
   for (const auto& k : slots) {
     auto cut = cut_field([&](const std::string& n, const at::Tensor& t) {
-      const auto& s = fc.optim.at(n).slots;
-      auto it = s.find(k);
-      return it != s.end() ? it->second : at::zeros_like(t);
+      const auto& sl = fc.optim.at(n).slots;
+      auto it = sl.find(k);
+      return it != sl.end() ? it->second : at::zeros_like(t);
     });
-    for (size_t i = 0; i < cut.size(); ++i) {
-      states[i].slots[k] = cut[i];
-      states[i].step = step;
+    for (auto& [n, t] : cut) {
+      states[n].slots[k] = t;
+      states[n].step = step;
     }
   }
-  {
+  if (s.zero) {
+    s.zero->load_full_state(values, states);
+    s.zero->restore_loss_scaler(fc.meta.loss_scale, fc.meta.loss_scale_good_steps, fc.meta.skipped_steps);
+  } else {
+    auto live = named_range(v.parallel, v.first, v.end, false);
     torch::NoGradGuard ng;
-    for (size_t i = 0; i < p.ops.size(); ++i) {
-      p.ops[i].copy_(values[i]);
-      if (!p.ops[i].is_same(p.live[i])) p.live[i].copy_(values[i]);
-      set_param_state(opt, p.ops[i], states[i]);
+    for (size_t i = 0; i < v.trained.size(); ++i) {
+      const auto& [n, op] = v.trained[i];
+      op.copy_(values.at(n));
+      if (!op.is_same(live[i].second)) live[i].second.copy_(values.at(n));
+      set_param_state(*s.opt, op, states[n]);
     }
   }
   finish_load(fc, buffers, rank, o);

@@ -182,14 +182,6 @@ void validate_checkpointing(const TrainConfig& cfg) {
     throw std::invalid_argument(std::string(cfg.resume ? "--resume" : "--checkpoint-every") +
                                 " needs --checkpoint-dir DIR");
   }
-  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.tp > 1 && cfg.pp > 1) {
-    throw std::invalid_argument("checkpoints of runs with both --tp and --pp are not supported yet; use one of them "
-                                "(either checkpoint resumes under the other)");
-  }
-  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.tp > 1 && cfg.strategy.rfind("zero", 0) == 0) {
-    throw std::invalid_argument("checkpoints of tensor-parallel runs (--tp) support --strategy ddp over the replicas, not " +
-                                cfg.strategy);
-  }
 }
 
 }  // namespace
@@ -328,6 +320,17 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     gen.set_state(state);
     tp_dense->to(dev);
   }
+  auto tp_state = [&] {
+    TensorParallelState s;
+    s.parallel = model.ptr();
+    s.dense = tp_dense.ptr();
+    s.tp = grid->tp();
+    s.pipe = pipe.get();
+    s.opt = optimizer ? &optimizer->optimizer() : nullptr;
+    s.zero = zero.get();
+    s.dp = dp_comm;
+    return s;
+  };
   // Resume: parameters, optimizer state, loss scale and RNG from the newest checkpoint (any
   // strategy and world size: it is resharded on load), then the step and data position.
   int64_t start_step = 0, start_epoch = 0, skip_in_epoch = 0;
@@ -345,10 +348,9 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       }
       CheckpointLoadOptions lo;
       lo.expect_model = cfg.model;
-      auto meta = zero   ? (pipe ? load_checkpoint(dir, *pipe, *zero, rank, lo) : load_checkpoint(dir, *zero, rank, lo))
+      auto meta = tp_dense ? load_tensor_parallel_checkpoint(dir, tp_state(), rank, lo)
+                  : zero   ? (pipe ? load_checkpoint(dir, *pipe, *zero, rank, lo) : load_checkpoint(dir, *zero, rank, lo))
                   : pipe ? load_checkpoint(dir, *pipe, optimizer->optimizer(), rank, lo)
-                  : tp_dense ? load_tensor_parallel_checkpoint(dir, model.ptr(), tp_dense.ptr(), optimizer->optimizer(),
-                                                               grid->tp(), rank, lo)
                          : load_checkpoint(dir, *model, optimizer->optimizer(), rank, lo);
       if (optimizer) optimizer->restore_loss_scaler(meta.loss_scale, meta.loss_scale_good_steps, meta.skipped_steps);
       start_step = meta.step;
@@ -379,13 +381,12 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     CheckpointSaveOptions so;
     so.keep = cfg.checkpoint_keep;
     auto cpu = rt.cpu_world();
-    if (zero && pipe) {  // each stage's chunks gathered over its replicas; the first replica writes
+    if (tp_dense) {  // the shards gathered over grid.tp(); rank 0 writes the whole model
+      save_tensor_parallel_checkpoint(cfg.checkpoint_dir, m, tp_state(), *cpu, so);
+    } else if (zero && pipe) {  // each stage's chunks gathered over its replicas; the first replica writes
       save_checkpoint(cfg.checkpoint_dir, m, *pipe, *zero, dp_comm, *cpu, so);
     } else if (zero) {
       save_checkpoint(cfg.checkpoint_dir, m, *zero, *cpu, so);
-    } else if (tp_dense) {  // the shards gathered over grid.tp(); rank 0 writes the whole model
-      save_tensor_parallel_checkpoint(cfg.checkpoint_dir, m, model.ptr(), tp_dense.ptr(), optimizer->optimizer(),
-                                      grid->tp(), *cpu, so);
     } else if (pipe) {  // one writer per stage: the first replica's
       save_checkpoint(cfg.checkpoint_dir, m, *pipe, optimizer->optimizer(), grid->dp_rank() == 0, *cpu, so);
     } else {

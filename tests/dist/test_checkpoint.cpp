@@ -421,7 +421,15 @@ TEST(CheckpointReshard, TensorParallelTransformer) {
   auto opt = make_optimizer(par->parameters(), o);
   train2(par, *opt);
   const auto dir = shared_dir(*comm, "tp");
-  const auto path = save_tensor_parallel_checkpoint(dir, meta_at(2, "tp"), par.ptr(), make(99).ptr(), *opt, comm, *comm);
+  auto state = [&](torch::nn::Sequential p, torch::nn::Sequential dense, torch::optim::Optimizer& o) {
+    TensorParallelState s;
+    s.parallel = p.ptr();
+    s.dense = dense.ptr();
+    s.tp = comm;
+    s.opt = &o;
+    return s;
+  };
+  const auto path = save_tensor_parallel_checkpoint(dir, meta_at(2, "tp"), state(par, make(99), *opt), *comm);
   EXPECT_EQ(path, dir + "/step-00000002");
   if (rank == 0) {  // whole, as a dense run in one process left it
     auto dense = make(5);
@@ -441,7 +449,7 @@ TEST(CheckpointReshard, TensorParallelTransformer) {
   {  // back into shards: every one as it was saved
     auto par2 = tp::tensor_parallel(make(77), comm);
     auto opt2 = make_optimizer(par2->parameters(), o);
-    load_tensor_parallel_checkpoint(path, par2.ptr(), make(98).ptr(), *opt2, comm, rank);
+    load_tensor_parallel_checkpoint(path, state(par2, make(98), *opt2), rank);
     auto want = par->parameters(), got = par2->parameters();
     ASSERT_EQ(got.size(), want.size());
     for (size_t i = 0; i < got.size(); ++i) {
@@ -458,7 +466,7 @@ TEST(CheckpointReshard, TensorParallelTransformer) {
     auto wrong = models::transformer(other);
     wrong->to(torch::kDouble);
     try {
-      load_tensor_parallel_checkpoint(path, par2.ptr(), wrong.ptr(), *opt2, comm, rank);
+      load_tensor_parallel_checkpoint(path, state(par2, wrong, *opt2), rank);
       ADD_FAILURE() << "a dense model of another shape was accepted";
     } catch (const std::runtime_error& e) {
       EXPECT_NE(std::string(e.what()).find("fc1.weight"), std::string::npos) << e.what();
