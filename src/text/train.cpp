@@ -452,7 +452,7 @@ void validate(const TextTrainConfig& cfg, int world) {
                                   cfg.strategy);
     }
     if (precision != Precision::kFP32) {
-      throw std::invalid_argument(layout + " trains in fp32 only for now (as tandem train); drop --precision " +
+      throw std::invalid_argument(layout + " trains in fp32 only for now (tandem train takes bf16 too); drop --precision " +
                                   cfg.precision);
     }
   } else if (cfg.strategy == "single" && world != 1) {

@@ -88,8 +88,11 @@ int validate_model_parallel(const TrainConfig& cfg, int world) {
     throw std::invalid_argument(layout + " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
                                 cfg.strategy + (cfg.strategy == "single" ? " (one worker)" : " (not supported yet)"));
   }
-  if (cfg.precision != "fp32") {
-    throw std::invalid_argument(layout + " trains in fp32 only for now; drop --precision " + cfg.precision);
+  if (cfg.precision == "fp16") {
+    // The loss scaler would have to skip a step on every rank when any stage or shard
+    // overflowed; it agrees over the data-parallel ranks only.
+    throw std::invalid_argument(layout + " trains in fp32 or bf16 (no loss scaling needed), not fp16 (not supported "
+                                "yet); use --precision bf16");
   }
   if (cfg.max_grad_norm > 0) {
     throw std::invalid_argument(layout + ": --max-grad-norm would clip each shard by its own norm; not supported yet");
@@ -453,7 +456,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       at::Tensor loss;
       if (pipe) {
         // Every stage gets the batch (stage 0 uses the inputs, the last stage the targets).
-        loss = pipe->train_step(x, y, pipe_loss);
+        loss = pipe->train_step(prec == Precision::kFP32 ? x : x.to(dtype), y, pipe_loss);
         if (!zero) averager.average();  // ZeRO reduces in its hooks
         if (step > 0) {
           pipe_step_s += pipe->stats().step_seconds;
@@ -600,7 +603,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     int64_t correct = 0;
     for (auto& idx : data::batches(mine, 1000, false)) {
       auto [x, y] = data::gather_batch(test_set, idx);
-      auto out = eval_pipe ? eval_pipe->forward(x) : forward(x);
+      auto out = eval_pipe ? eval_pipe->forward(prec == Precision::kFP32 ? x : x.to(dtype)) : forward(x);
       if (counts) correct += out.argmax(1).eq(y).sum().item<int64_t>();
     }
     auto t = small(torch::tensor({correct, counts ? static_cast<int64_t>(mine.size()) : int64_t{0}}, torch::kLong));

@@ -3,7 +3,8 @@
 # one worker with --strategy single: the same seed, global batch, lr and constant schedule must
 # give the same per-step losses (within TOL relative; tp and pp only change the order of float32
 # sums) for tp 2 x dp 2, pp 2 (GPipe and 1F1B), tp 2 x pp 2, and pp 2 x dp 2 with ZeRO-1 over
-# dp. The report and the metrics name the layout and the pipeline's bubble next to (pp-1)/m. Bad
+# dp. In bf16 tp 2 x dp 2, pp 2 and tp 2 x pp 2 with ZeRO-1 follow one bf16 worker. The report
+# and the metrics name the layout and the pipeline's bubble next to (pp-1)/m. Bad
 # input fails at start, non-zero, with a message naming the problem.
 # usage: train_model_parallel.sh TANDEM
 set -uo pipefail
@@ -87,6 +88,41 @@ for name, (dp, tp, pp) in layouts.items():
 sys.exit(0 if ok else 1)
 PY
 
+# bf16 (fp32 masters, no loss scaling): the layouts against one bf16 worker. bf16 rounds each
+# product's inputs to 8 significant bits, so a layout's other order of sums shows far above
+# float32's; the bound is TOL_BF16 relative, and every run must stay within 2 % of fp32's loss.
+run single_bf16 -n 1 --strategy single --precision bf16
+run tp2_dp2_bf16 -n 4 --tp 2 --precision bf16
+run pp2_bf16 -n 2 --pp 2 --micro-batches 4 --precision bf16
+run tp2_pp2_zero1_bf16 -n 4 --tp 2 --pp 2 --micro-batches 4 --strategy zero1 --precision bf16
+TOL=${TANDEM_MP_TOL_BF16:-5e-3} python3 - "$out" $STEPS <<'PY' || fails=$((fails + 1))
+import json, os, sys
+out, steps = sys.argv[1], int(sys.argv[2])
+tol = float(os.environ["TOL"])
+def load(name):
+    try:
+        return [d["loss"] for d in map(json.loads, open(f"{out}/{name}.jsonl")) if not d.get("report")], \
+               [d for d in map(json.loads, open(f"{out}/{name}.jsonl")) if d.get("report")][0]
+    except (FileNotFoundError, IndexError):
+        return None, None
+ref, _ = load("single_bf16")
+fp32, _ = load("single")
+if ref is None or fp32 is None or len(ref) != steps:
+    print("FAIL: the single-worker references did not run"); sys.exit(1)
+ok = True
+for name in ("single_bf16", "tp2_dp2_bf16", "pp2_bf16", "tp2_pp2_zero1_bf16"):
+    l, r = load(name)
+    if l is None or len(l) != steps:
+        print(f"FAIL {name}: did not log {steps} steps"); ok = False; continue
+    worst = max(abs(a - b) / abs(b) for a, b in zip(l, ref))
+    worst32 = max(abs(a - b) / abs(b) for a, b in zip(l, fp32))
+    print(f"{name}: worst relative loss difference from one bf16 worker {worst:.2e}, from fp32 {worst32:.2e} "
+          f"(last {l[-1]:.5f}; bf16 {ref[-1]:.5f}, fp32 {fp32[-1]:.5f}); report precision {r['precision']}")
+    if worst > tol or worst32 > 2e-2 or r["precision"] != "bf16":
+        print(f"FAIL {name}"); ok = False
+sys.exit(0 if ok else 1)
+PY
+
 expect() {  # expect NAME PATTERN -- command...: non-zero exit, quickly, with a line matching PATTERN
   local name=$1 pattern=$2; shift 3
   local start=$SECONDS
@@ -117,7 +153,7 @@ expect zero3-with-pp "composes with --strategy ddp or zero1 .* not zero3" -- \
 expect single-with-tp "strategy single runs one worker" -- "$tandem" train -n 2 --tp 2 --strategy single "${bad[@]}"
 expect bad-schedule "unknown pipeline schedule 'zigzag'; use gpipe or 1f1b" -- \
   "$tandem" train -n 2 --pp 2 --pipeline-schedule zigzag "${bad[@]}"
-expect fp16-with-pp "trains in fp32 only" -- "$tandem" train -n 2 --pp 2 --precision fp16 "${bad[@]}"
+expect fp16-with-pp "trains in fp32 or bf16 .* not fp16" -- "$tandem" train -n 2 --pp 2 --precision fp16 "${bad[@]}"
 
 if [ $fails -ne 0 ]; then echo "model-parallel train: $fails failure(s)"; exit 1; fi
 echo "model-parallel train ok"
