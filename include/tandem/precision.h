@@ -90,6 +90,12 @@ class MixedPrecisionOptimizer {
     scaler_.restore(scale, overflow_free_steps, skipped_steps);
   }
   torch::optim::Optimizer& optimizer() { return *optim_; }
+  // Model parallelism: this rank's parameters are part of the model, so the gradient norm that
+  // clipping (and fp16's overflow check) uses is a global one: parameter i's squares are summed
+  // over `tp` when sharded[i] (tp::sharded_parameters), counted once otherwise, and the stage's
+  // total is summed over `pp`. Either communicator may be null (no such split). Collective in
+  // step() when max_grad_norm > 0 or in fp16.
+  void set_model_parallel(std::vector<bool> sharded, CommPtr tp, CommPtr pp);
   // Bytes of the fp32 masters (0 in fp32) and of the optimizer state.
   int64_t master_bytes() const;
   int64_t optimizer_state_bytes() const;
@@ -100,6 +106,11 @@ class MixedPrecisionOptimizer {
   std::unique_ptr<torch::optim::Optimizer> optim_;
   LossScaler scaler_;
   double last_norm_ = -1.0;
+  std::vector<bool> sharded_;
+  CommPtr mp_tp_, mp_pp_;
+  bool model_parallel_ = false;
+  // The global norm from the squares of this rank's sharded and other gradients (see above).
+  double global_norm(const at::Tensor& sq_sharded, const at::Tensor& sq_other) const;
 };
 
 }  // namespace tandem

@@ -158,4 +158,11 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, T
 void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense, const CommPtr& tp, int64_t first = 0,
                      int64_t end = -1);
 
+// For each parameter of children [first, end) of `parallel` (end < 0: all), in parameters()
+// order: whether it is a shard (a slice of a dense parameter, different on every tp rank: the
+// weights of column- and row-parallel linears, a column-parallel bias, a vocabulary-parallel
+// table) or the same on every tp rank (everything else). A global gradient norm adds the
+// shards' squares over the tp ranks and counts the others once.
+std::vector<bool> sharded_parameters(torch::nn::Sequential parallel, int64_t first = 0, int64_t end = -1);
+
 }  // namespace tandem::tp

@@ -94,8 +94,10 @@ int validate_model_parallel(const TrainConfig& cfg, int world) {
     throw std::invalid_argument(layout + " trains in fp32 or bf16 (no loss scaling needed), not fp16 (not supported "
                                 "yet); use --precision bf16");
   }
-  if (cfg.max_grad_norm > 0) {
-    throw std::invalid_argument(layout + ": --max-grad-norm would clip each shard by its own norm; not supported yet");
+  if (cfg.max_grad_norm > 0 && cfg.strategy != "ddp") {
+    // ZeRO's norm covers its data-parallel shards only, not the other stages and tp shards.
+    throw std::invalid_argument(layout + ": --max-grad-norm with " + cfg.strategy +
+                                " would clip each stage and shard by its own norm; use --strategy ddp (not supported yet)");
   }
   if (pp > 1 && cfg.compress != "none") {
     throw std::invalid_argument("--pp " + std::to_string(pp) +
@@ -267,6 +269,17 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     optimizer = std::make_unique<MixedPrecisionOptimizer>(trained, prec, optimizer_options(cfg),
                                                           LossScalerOptions{}, dp > 1 ? dp_comm : nullptr);
     if (prec != Precision::kFP32) model->to(dtype);
+    // Clipping by the norm of the whole model's gradient: shards summed over tp, stages over pp.
+    if (grid && cfg.max_grad_norm > 0) {
+      std::vector<bool> sharded;
+      if (cfg.tp > 1) {
+        sharded = tp::sharded_parameters(model, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1);
+      } else {
+        sharded.assign(trained.size(), false);
+      }
+      optimizer->set_model_parallel(std::move(sharded), cfg.tp > 1 ? grid->tp() : nullptr,
+                                    cfg.pp > 1 ? grid->pp() : nullptr);
+    }
   }
 
   std::unique_ptr<DistributedDataParallel> ddp;

@@ -3,6 +3,7 @@
 // (heads split), vocabulary-parallel embedding and cross-entropy, whole converted models; outputs
 // and every gradient (this rank's shard of the dense gradient) in float64; bad sizes.
 #include <gtest/gtest.h>
+#include <cstring>
 #include <torch/torch.h>
 
 #include "tandem/models.h"
@@ -195,6 +196,29 @@ TEST(TensorParallel, ConvertedTransformerMatchesDense) {
     tp->allreduce(t);
     EXPECT_LE(std::abs(t.item<double>() + rep - dense_sq), 1e-9 * dense_sq) << "sum of squared gradients";
   }
+}
+
+// Which parameters are shards (for a global gradient norm): by name, over the whole transformer
+// and over a range of its children.
+TEST(TensorParallel, ShardedParametersByKind) {
+  auto tp = world();
+  auto par = tp::tensor_parallel(double_transformer(small_lm(), 5), tp);
+  auto flags = tp::sharded_parameters(par);
+  auto named = par->named_parameters();
+  ASSERT_EQ(flags.size(), named.size());
+  auto expect_shard = [](const std::string& n) {
+    for (const char* k : {"tok.weight", "qkv.weight", "qkv.bias", "proj.weight", "fc1.weight", "fc1.bias", "fc2.weight"})
+      if (n.size() >= std::strlen(k) && n.compare(n.size() - std::strlen(k), std::strlen(k), k) == 0) return true;
+    return n.rfind("4.", 0) == 0;  // the LM head (after the final LayerNorm, 3), column-parallel
+  };
+  int shards = 0;
+  for (size_t i = 0; i < flags.size(); ++i) {
+    EXPECT_EQ(flags[i], expect_shard(named[i].key())) << named[i].key();
+    shards += flags[i];
+  }
+  EXPECT_GT(shards, 0);
+  auto mid = tp::sharded_parameters(par, 1, 2);  // the first block alone
+  EXPECT_EQ(mid.size(), par->ptr(1)->parameters().size());
 }
 
 // The padded transformer of `tandem pretrain/finetune` (mask channel, pooled classifier head):

@@ -3,7 +3,8 @@
 # one worker with --strategy single: the same seed, global batch, lr and constant schedule must
 # give the same per-step losses (within TOL relative; tp and pp only change the order of float32
 # sums) for tp 2 x dp 2, pp 2 (GPipe and 1F1B), tp 2 x pp 2, and pp 2 x dp 2 with ZeRO-1 over
-# dp. In bf16 tp 2 x dp 2, pp 2 and tp 2 x pp 2 with ZeRO-1 follow one bf16 worker. The report
+# dp. In bf16 tp 2 x dp 2, pp 2 and tp 2 x pp 2 with ZeRO-1 follow one bf16 worker, and with
+# --max-grad-norm tp 2 x dp 2, pp 2 and tp 2 x pp 2 one clipping worker. The report
 # and the metrics name the layout and the pipeline's bubble next to (pp-1)/m. Bad
 # input fails at start, non-zero, with a message naming the problem.
 # usage: train_model_parallel.sh TANDEM
@@ -123,6 +124,39 @@ for name in ("single_bf16", "tp2_dp2_bf16", "pp2_bf16", "tp2_pp2_zero1_bf16"):
 sys.exit(0 if ok else 1)
 PY
 
+# --max-grad-norm clips by the whole model's gradient norm: the shards' squares summed over tp,
+# the stages' over pp. With a bound the gradients exceed at every step, the layouts must follow
+# one clipping worker within TOL (each clipping by its own part's norm they missed by 2-4 %), and
+# the clipped reference must differ from the unclipped one (the clip is active).
+run clip_single -n 1 --strategy single --max-grad-norm 0.3
+run clip_tp2_dp2 -n 4 --tp 2 --max-grad-norm 0.3
+run clip_pp2 -n 2 --pp 2 --micro-batches 4 --max-grad-norm 0.3
+run clip_tp2_pp2 -n 4 --tp 2 --pp 2 --micro-batches 4 --max-grad-norm 0.3
+TOL=${TANDEM_MP_TOL:-1e-4} python3 - "$out" $STEPS <<'PY' || fails=$((fails + 1))
+import json, os, sys
+out, steps = sys.argv[1], int(sys.argv[2])
+tol = float(os.environ["TOL"])
+def load(name):
+    try:
+        return [d["loss"] for d in map(json.loads, open(f"{out}/{name}.jsonl")) if not d.get("report")]
+    except FileNotFoundError:
+        return None
+ref, plain = load("clip_single"), load("single")
+if ref is None or plain is None or len(ref) != steps:
+    print("FAIL: the single-worker references did not run"); sys.exit(1)
+ok = abs(ref[-1] - plain[-1]) / plain[-1] > 1e-2
+print(f"clipping active: last loss {ref[-1]:.5f} clipped, {plain[-1]:.5f} not" + ("" if ok else " FAIL"))
+for name in ("clip_tp2_dp2", "clip_pp2", "clip_tp2_pp2"):
+    l = load(name)
+    if l is None or len(l) != steps:
+        print(f"FAIL {name}: did not log {steps} steps"); ok = False; continue
+    worst = max(abs(a - b) / abs(b) for a, b in zip(l, ref))
+    print(f"{name}: worst relative loss difference from one clipping worker {worst:.2e}")
+    if worst > tol:
+        print(f"FAIL {name}: {worst:.2e} > {tol:g}"); ok = False
+sys.exit(0 if ok else 1)
+PY
+
 expect() {  # expect NAME PATTERN -- command...: non-zero exit, quickly, with a line matching PATTERN
   local name=$1 pattern=$2; shift 3
   local start=$SECONDS
@@ -153,6 +187,8 @@ expect zero3-with-pp "composes with --strategy ddp or zero1 .* not zero3" -- \
 expect single-with-tp "strategy single runs one worker" -- "$tandem" train -n 2 --tp 2 --strategy single "${bad[@]}"
 expect bad-schedule "unknown pipeline schedule 'zigzag'; use gpipe or 1f1b" -- \
   "$tandem" train -n 2 --pp 2 --pipeline-schedule zigzag "${bad[@]}"
+expect clip-with-zero1-and-pp "--max-grad-norm with zero1 .* use --strategy ddp" -- \
+  "$tandem" train -n 4 --pp 2 --strategy zero1 --max-grad-norm 1 "${bad[@]}"
 expect fp16-with-pp "trains in fp32 or bf16 .* not fp16" -- "$tandem" train -n 2 --pp 2 --precision fp16 "${bad[@]}"
 
 if [ $fails -ne 0 ]; then echo "model-parallel train: $fails failure(s)"; exit 1; fi

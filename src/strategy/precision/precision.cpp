@@ -154,10 +154,45 @@ at::Tensor MixedPrecisionOptimizer::scale_loss(const at::Tensor& loss) const {
   return scaler_.dynamic() ? loss * scaler_.scale() : loss;
 }
 
+void MixedPrecisionOptimizer::set_model_parallel(std::vector<bool> sharded, CommPtr tp, CommPtr pp) {
+  if (sharded.size() != params_.size()) {
+    throw std::invalid_argument("MixedPrecisionOptimizer::set_model_parallel: " + std::to_string(sharded.size()) +
+                                " flags for " + std::to_string(params_.size()) + " parameters");
+  }
+  sharded_ = std::move(sharded);
+  mp_tp_ = std::move(tp);
+  mp_pp_ = std::move(pp);
+  model_parallel_ = true;
+}
+
+double MixedPrecisionOptimizer::global_norm(const at::Tensor& sq_sharded, const at::Tensor& sq_other) const {
+  // One float64 pair per reduction (the communicators take tensors on their device).
+  auto dev = params_.empty() ? at::Device(at::kCPU) : params_[0].device();
+  auto sh = sq_sharded.to(dev, at::kDouble).reshape({1}).clone();
+  if (mp_tp_ && mp_tp_->size() > 1) mp_tp_->allreduce(sh, ReduceOp::kSum);
+  auto total = sh + sq_other.to(dev, at::kDouble).reshape({1});
+  if (mp_pp_ && mp_pp_->size() > 1) mp_pp_->allreduce(total, ReduceOp::kSum);
+  return std::sqrt(total.item<double>());
+}
+
 bool MixedPrecisionOptimizer::step(double max_grad_norm) {
   torch::NoGradGuard ng;
   if (precision_ == Precision::kFP32) {
-    last_norm_ = max_grad_norm > 0 ? torch::nn::utils::clip_grad_norm_(params_, max_grad_norm) : -1.0;
+    if (max_grad_norm > 0 && model_parallel_) {
+      const auto opts = (params_.empty() ? at::TensorOptions() : params_[0].options()).dtype(at::kDouble);
+      auto sh = at::zeros({}, opts), other = at::zeros({}, opts);
+      for (size_t i = 0; i < params_.size(); ++i) {
+        const auto& g = params_[i].grad();
+        if (g.defined()) (sharded_[i] ? sh : other) += g.to(at::kDouble).pow(2).sum();
+      }
+      last_norm_ = global_norm(sh, other);
+      const double coef = max_grad_norm / (last_norm_ + 1e-6);
+      if (coef < 1.0)
+        for (auto& p : params_)
+          if (p.grad().defined()) p.mutable_grad().mul_(coef);
+    } else {
+      last_norm_ = max_grad_norm > 0 ? torch::nn::utils::clip_grad_norm_(params_, max_grad_norm) : -1.0;
+    }
     optim_->step();
     return true;
   }
@@ -166,6 +201,7 @@ bool MixedPrecisionOptimizer::step(double max_grad_norm) {
   // fp32 gradients for the masters, unscaled; one sum of squares gives both the overflow
   // check and the norm for clipping.
   auto sq = at::zeros({}, masters_.empty() ? at::TensorOptions(at::kDouble) : masters_[0].options().dtype(at::kDouble));
+  auto sq_sharded = at::zeros_like(sq);  // model parallelism: the shards' part of sq
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& g = params_[i].grad();
     if (!g.defined()) {
@@ -179,10 +215,10 @@ bool MixedPrecisionOptimizer::step(double max_grad_norm) {
     }
     auto g32 = g.to(at::kFloat);
     if (inv != 1.0) g32.mul_(inv);
-    sq += g32.to(at::kDouble).pow(2).sum();
+    (model_parallel_ && sharded_[i] ? sq_sharded : sq) += g32.to(at::kDouble).pow(2).sum();
     masters_[i].mutable_grad() = g32;
   }
-  double norm = std::sqrt(sq.item<double>());
+  double norm = model_parallel_ ? global_norm(sq_sharded, sq) : std::sqrt(sq.item<double>());
   bool found_inf = !std::isfinite(norm);
   scaler_.update(found_inf);
   if (found_inf) {

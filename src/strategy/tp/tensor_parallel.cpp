@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <set>
 #include <stdexcept>
 
 #include "tandem/grid.h"
@@ -432,6 +433,28 @@ void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense
       }
     }
   }
+}
+
+std::vector<bool> sharded_parameters(torch::nn::Sequential parallel, int64_t first, int64_t end) {
+  if (!parallel) throw std::invalid_argument("tandem::tp::sharded_parameters: no model given");
+  if (end < 0) end = static_cast<int64_t>(parallel->size());
+  std::vector<bool> out;
+  for (int64_t i = first; i < end; ++i) {
+    auto child = parallel->ptr(i);
+    std::set<const void*> shards;
+    for (auto& m : child->modules(/*include_self=*/true)) {
+      if (auto* c = m->as<ColumnParallelLinearImpl>()) {
+        shards.insert(c->weight.unsafeGetTensorImpl());
+        if (c->bias.defined()) shards.insert(c->bias.unsafeGetTensorImpl());
+      } else if (auto* r = m->as<RowParallelLinearImpl>()) {
+        shards.insert(r->weight.unsafeGetTensorImpl());
+      } else if (auto* e = m->as<VocabParallelEmbeddingImpl>()) {
+        shards.insert(e->weight.unsafeGetTensorImpl());
+      }
+    }
+    for (auto& t : child->parameters()) out.push_back(shards.count(t.unsafeGetTensorImpl()) > 0);
+  }
+  return out;
 }
 
 }  // namespace tandem::tp
