@@ -281,6 +281,29 @@ TEST(EdgeCases, ReduceScatterInPlaceIntoOwnChunk) {
   }
 }
 
+// fp16 averages of values near fp16's largest (65504): their sum overflows, their mean does not.
+// Every path must give the mean: allreduce, reduce-scatter in place and into another tensor.
+TEST(EdgeCases, Fp16AverageOfLargeValuesDoesNotOverflow) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  if (R < 2) GTEST_SKIP() << "needs 2 ranks";
+  const int64_t n = 64;
+  auto expect_mean = [&](const at::Tensor& got, const char* what) {
+    ASSERT_TRUE(at::isfinite(got).all().item<bool>()) << what << ": " << got.max().item<float>();
+    EXPECT_NEAR(got.to(at::kFloat).mean().item<float>(), 40000.0f, 64.0f) << what;
+  };
+  auto big = [&](int64_t k) { return at::full({k}, 40000.0 + 8.0 * me, at::kHalf) - 4.0 * (R - 1); };
+  auto a = big(n);
+  comm->allreduce(a, ReduceOp::kAvg);
+  expect_mean(a, "allreduce");
+  auto in = big(R * n), out = at::empty({n}, at::kHalf);
+  comm->reduce_scatter(out, in, ReduceOp::kAvg);
+  expect_mean(out, "reduce_scatter");
+  auto own = big(R * n);
+  comm->reduce_scatter(own.narrow(0, me * n, n), own, ReduceOp::kAvg);
+  expect_mean(own.narrow(0, me * n, n), "reduce_scatter in place");
+}
+
 TEST(EdgeCases, AllgatherInPlaceFromOwnChunk) {
   auto comm = world();
   const int R = comm->size(), me = comm->rank();

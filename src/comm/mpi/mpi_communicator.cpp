@@ -271,16 +271,24 @@ class MpiCommunicator : public Communicator {
                      },
                      [] {}, run);
     }
+    // fp16 averages divide first: the sum of n gradients near fp16's largest value (a loss
+    // scale just under overflow) would overflow where their mean does not, and skip a step that
+    // one process takes.
+    const bool pre = op == ReduceOp::kAvg && t.scalar_type() == at::kHalf;
     return enqueue("allreduce", what, t.numel() * t.element_size(),
                    [=](std::vector<MPI_Request>& r) {
                      r.resize(1);
+                     if (pre) buf.div_(n);
                      check(MPI_Iallreduce(MPI_IN_PLACE, buf.data_ptr(), count, type, mop, comm_, &r[0]), what);
                    },
                    [=]() mutable {
-                     if (op == ReduceOp::kAvg) buf.div_(n);
+                     if (op == ReduceOp::kAvg && !pre) buf.div_(n);
                      if (!buf.is_same(t)) t.copy_(buf);
                    },
-                   [=] { check(MPI_Allreduce(MPI_IN_PLACE, buf.data_ptr(), count, type, mop, comm_), what); });
+                   [=] {
+                     if (pre) buf.div_(n);
+                     check(MPI_Allreduce(MPI_IN_PLACE, buf.data_ptr(), count, type, mop, comm_), what);
+                   });
   }
 
   WorkPtr reduce_scatter_async(at::Tensor out, at::Tensor in, ReduceOp op) override {
@@ -314,6 +322,7 @@ class MpiCommunicator : public Communicator {
                      },
                      run);
     }
+    const bool pre = op == ReduceOp::kAvg && in.scalar_type() == at::kHalf;  // as allreduce
     if (is_own_chunk(out, in)) {
       // In place: MPI_IN_PLACE takes the input from the receive buffer and leaves the result
       // at its start; move it to this rank's chunk.
@@ -322,16 +331,21 @@ class MpiCommunicator : public Communicator {
       return enqueue("reduce_scatter", what, in.numel() * in.element_size(),
                      [=](std::vector<MPI_Request>& r) {
                        r.resize(1);
+                       if (pre) in.div_(n);
                        check(MPI_Ireduce_scatter_block(MPI_IN_PLACE, in.data_ptr(), count, type, mop, comm_, &r[0]),
                              what);
                      },
                      [=]() mutable {
                        if (me != 0) std::memcpy(out.data_ptr(), in.data_ptr(), bytes);
-                       if (op == ReduceOp::kAvg) out.div_(n);
+                       if (op == ReduceOp::kAvg && !pre) out.div_(n);
                      },
-                     [=] { check(MPI_Reduce_scatter_block(MPI_IN_PLACE, in.data_ptr(), count, type, mop, comm_), what); });
+                     [=] {
+                       if (pre) in.div_(n);
+                       check(MPI_Reduce_scatter_block(MPI_IN_PLACE, in.data_ptr(), count, type, mop, comm_), what);
+                     });
     }
-    at::Tensor src = in.contiguous();
+    // Not in place: the input is the caller's, so a divided fp16 input is a copy.
+    at::Tensor src = pre ? in.div(n).contiguous() : in.contiguous();
     at::Tensor dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
     return enqueue("reduce_scatter", what, in.numel() * in.element_size(),
                    [=](std::vector<MPI_Request>& r) {
@@ -340,7 +354,7 @@ class MpiCommunicator : public Communicator {
                            what);
                    },
                    [=]() mutable {
-                     if (op == ReduceOp::kAvg) dst.div_(n);
+                     if (op == ReduceOp::kAvg && !pre) dst.div_(n);
                      if (!dst.is_same(out)) out.copy_(dst);
                    },
                    [=] { check(MPI_Reduce_scatter_block(src.data_ptr(), dst.data_ptr(), count, type, mop, comm_), what); });
