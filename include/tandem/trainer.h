@@ -18,6 +18,7 @@ struct TrainConfig {
   std::string strategy = "ddp";  // single | ddp | zero1 | zero2 | zero3 (ZeRO stages 1-3)
   std::string precision = "fp32";  // fp32 | bf16 | fp16 (fp32 master weights, fp16 with loss scaling)
   double max_grad_norm = 0.0;      // clip the global gradient norm; 0 = off
+  double initial_loss_scale = 65536.0;  // fp16: the dynamic loss scale's start
   int epochs = 1;
   int64_t batch = 128;  // global batch, split evenly across ranks
   std::string optimizer = "sgd";  // sgd | adam | adamw

@@ -88,11 +88,11 @@ int validate_model_parallel(const TrainConfig& cfg, int world) {
     throw std::invalid_argument(layout + " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
                                 cfg.strategy + (cfg.strategy == "single" ? " (one worker)" : " (not supported yet)"));
   }
-  if (cfg.precision == "fp16") {
-    // The loss scaler would have to skip a step on every rank when any stage or shard
-    // overflowed; it agrees over the data-parallel ranks only.
-    throw std::invalid_argument(layout + " trains in fp32 or bf16 (no loss scaling needed), not fp16 (not supported "
-                                "yet); use --precision bf16");
+  if (cfg.precision == "fp16" && cfg.strategy != "ddp") {
+    // ZeRO's loss scaler agrees on overflows over its data-parallel shards only.
+    throw std::invalid_argument(layout + ": --precision fp16 with " + cfg.strategy +
+                                " would skip steps on some stages only; use --strategy ddp or --precision bf16 "
+                                "(not supported yet)");
   }
   if (cfg.max_grad_norm > 0 && cfg.strategy != "ddp") {
     // ZeRO's norm covers its data-parallel shards only, not the other stages and tp shards.
@@ -180,6 +180,12 @@ void validate(const TrainConfig& cfg, int world) {
 
 namespace {
 
+LossScalerOptions scaler_options(const TrainConfig& cfg) {
+  LossScalerOptions o;
+  o.init_scale = cfg.initial_loss_scale;
+  return o;
+}
+
 void validate_checkpointing(const TrainConfig& cfg) {
   if (cfg.checkpoint_every < 0) throw std::invalid_argument("--checkpoint-every must be >= 0 (0: never)");
   if (cfg.checkpoint_keep < 0) throw std::invalid_argument("--keep must be >= 0 (0: keep all)");
@@ -266,11 +272,13 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   const bool is_zero = cfg.strategy.rfind("zero", 0) == 0;
   std::unique_ptr<MixedPrecisionOptimizer> optimizer;
   if (!is_zero) {
-    optimizer = std::make_unique<MixedPrecisionOptimizer>(trained, prec, optimizer_options(cfg),
-                                                          LossScalerOptions{}, dp > 1 ? dp_comm : nullptr);
+    optimizer = std::make_unique<MixedPrecisionOptimizer>(trained, prec, optimizer_options(cfg), scaler_options(cfg),
+                                                          dp > 1 ? dp_comm : nullptr);
     if (prec != Precision::kFP32) model->to(dtype);
-    // Clipping by the norm of the whole model's gradient: shards summed over tp, stages over pp.
-    if (grid && cfg.max_grad_norm > 0) {
+    // Clipping by the norm of the whole model's gradient: shards summed over tp, stages over pp;
+    // in fp16 the same norm is the overflow check, so that every stage and shard skips a step
+    // together.
+    if (grid && (cfg.max_grad_norm > 0 || prec == Precision::kFP16)) {
       std::vector<bool> sharded;
       if (cfg.tp > 1) {
         sharded = tp::sharded_parameters(model, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1);
@@ -303,6 +311,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     o.bucket_cap_bytes = cfg.bucket_mb * 1024 * 1024;
     o.optimizer = optimizer_options(cfg);
     o.precision = prec;
+    o.loss_scaler = scaler_options(cfg);
     o.max_grad_norm = cfg.max_grad_norm;
     zero = std::make_unique<ZeroDataParallel>(trained_module, dp_comm, o);
   }
@@ -418,8 +427,11 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   double pipe_step_s = 0.0, pipe_compute_s = 0.0;  // pipeline steps after the first
   int64_t pipe_steps = 0;
   int64_t peak_live = 0;
-  auto pipe_loss = [](const at::Tensor& out, const at::Tensor& target) {
-    return torch::nn::functional::cross_entropy(out.to(at::kFloat), target);
+  // fp16: the last stage back-propagates the scaled loss (the pipeline reports what this returns,
+  // so the step's loss is unscaled below).
+  auto pipe_loss = [&](const at::Tensor& out, const at::Tensor& target) {
+    auto l = torch::nn::functional::cross_entropy(out.to(at::kFloat), target);
+    return optimizer ? optimizer->scale_loss(l) : l;
   };
   model->train();
   // Every communicator the step uses (the grid's groups count their own traffic).
@@ -470,6 +482,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       if (pipe) {
         // Every stage gets the batch (stage 0 uses the inputs, the last stage the targets).
         loss = pipe->train_step(prec == Precision::kFP32 ? x : x.to(dtype), y, pipe_loss);
+        if (optimizer && optimizer->scaler().dynamic()) loss = loss / optimizer->scaler().scale();
         if (!zero) averager.average();  // ZeRO reduces in its hooks
         if (step > 0) {
           pipe_step_s += pipe->stats().step_seconds;

@@ -4,7 +4,8 @@
 # give the same per-step losses (within TOL relative; tp and pp only change the order of float32
 # sums) for tp 2 x dp 2, pp 2 (GPipe and 1F1B), tp 2 x pp 2, and pp 2 x dp 2 with ZeRO-1 over
 # dp. In bf16 tp 2 x dp 2, pp 2 and tp 2 x pp 2 with ZeRO-1 follow one bf16 worker, and with
-# --max-grad-norm tp 2 x dp 2, pp 2 and tp 2 x pp 2 one clipping worker. The report
+# --max-grad-norm tp 2 x dp 2, pp 2 and tp 2 x pp 2 one clipping worker; in fp16 from a loss
+# scale that overflows tp 2, pp 2 and tp 2 x pp 2 skip the same steps as one fp16 worker. The report
 # and the metrics name the layout and the pipeline's bubble next to (pp-1)/m. Bad
 # input fails at start, non-zero, with a message naming the problem.
 # usage: train_model_parallel.sh TANDEM
@@ -124,6 +125,41 @@ for name in ("single_bf16", "tp2_dp2_bf16", "pp2_bf16", "tp2_pp2_zero1_bf16"):
 sys.exit(0 if ok else 1)
 PY
 
+# fp16 with dynamic loss scaling, started at 2^24 so that the first steps overflow: every stage
+# and shard must skip the same steps as one fp16 worker (the overflow check is the global norm's)
+# and then follow its losses within 1e-3. One replica each: data-parallel replicas overflow on
+# their own half batches, which one worker's whole batch need not (2 DDP workers skip 6 steps
+# here where one skips 5), as with PyTorch's DDP and GradScaler.
+run f16_single -n 1 --strategy single --precision fp16 --initial-loss-scale 16777216
+run f16_tp2 -n 2 --tp 2 --precision fp16 --initial-loss-scale 16777216
+run f16_pp2 -n 2 --pp 2 --micro-batches 4 --precision fp16 --initial-loss-scale 16777216
+run f16_tp2_pp2 -n 4 --tp 2 --pp 2 --micro-batches 4 --precision fp16 --initial-loss-scale 16777216
+python3 - "$out" $STEPS <<'PY' || fails=$((fails + 1))
+import json, sys
+out, steps = sys.argv[1], int(sys.argv[2])
+def load(name):
+    try:
+        rows = [json.loads(l) for l in open(f"{out}/{name}.jsonl")]
+    except FileNotFoundError:
+        return None, None
+    return [d["loss"] for d in rows if not d.get("report")], next((d for d in rows if d.get("report")), None)
+ref, rr = load("f16_single")
+if ref is None or len(ref) != steps or rr is None:
+    print("FAIL: the fp16 single-worker reference did not run"); sys.exit(1)
+ok = 0 < rr["skipped_steps"] < steps
+print(f"f16_single: {rr['skipped_steps']} step(s) skipped, loss scale {rr['loss_scale']:g}" + ("" if ok else " FAIL (want some)"))
+for name in ("f16_tp2", "f16_pp2", "f16_tp2_pp2"):
+    l, r = load(name)
+    if l is None or len(l) != steps or r is None:
+        print(f"FAIL {name}: did not log {steps} steps"); ok = False; continue
+    worst = max(abs(a - b) / abs(b) for a, b in zip(l, ref))
+    same = (r["skipped_steps"], r["loss_scale"]) == (rr["skipped_steps"], rr["loss_scale"])
+    print(f"{name}: {r['skipped_steps']} skipped, scale {r['loss_scale']:g}; worst relative loss difference {worst:.2e}")
+    if worst > 1e-3 or not same:
+        print(f"FAIL {name}"); ok = False
+sys.exit(0 if ok else 1)
+PY
+
 # --max-grad-norm clips by the whole model's gradient norm: the shards' squares summed over tp,
 # the stages' over pp. With a bound the gradients exceed at every step, the layouts must follow
 # one clipping worker within TOL (each clipping by its own part's norm they missed by 2-4 %), and
@@ -189,7 +225,8 @@ expect bad-schedule "unknown pipeline schedule 'zigzag'; use gpipe or 1f1b" -- \
   "$tandem" train -n 2 --pp 2 --pipeline-schedule zigzag "${bad[@]}"
 expect clip-with-zero1-and-pp "--max-grad-norm with zero1 .* use --strategy ddp" -- \
   "$tandem" train -n 4 --pp 2 --strategy zero1 --max-grad-norm 1 "${bad[@]}"
-expect fp16-with-pp "trains in fp32 or bf16 .* not fp16" -- "$tandem" train -n 2 --pp 2 --precision fp16 "${bad[@]}"
+expect fp16-with-zero1-and-pp "--precision fp16 with zero1 .* use --strategy ddp or --precision bf16" -- \
+  "$tandem" train -n 4 --pp 2 --strategy zero1 --precision fp16 "${bad[@]}"
 
 if [ $fails -ne 0 ]; then echo "model-parallel train: $fails failure(s)"; exit 1; fi
 echo "model-parallel train ok"

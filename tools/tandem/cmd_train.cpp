@@ -36,6 +36,10 @@ int cmd_train(int argc, char** argv) {
                  "fp32 | bf16 | fp16 (compute precision; fp32 master weights; fp16 with dynamic loss scaling)")
       ->capture_default_str();
   app.add_option("--max-grad-norm", cfg.max_grad_norm, "clip the global gradient norm (0: off)")->capture_default_str();
+  app.add_option("--initial-loss-scale", cfg.initial_loss_scale,
+                 "fp16: the dynamic loss scale to start from (halved on every overflow, doubled after 1000 clean steps)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("-n,--nprocs", nprocs, "workers to launch")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--epochs", cfg.epochs, "epochs")->capture_default_str();
   app.add_option("--batch", cfg.batch, "global batch size (split across workers)")->capture_default_str();
