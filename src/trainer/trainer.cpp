@@ -84,9 +84,13 @@ int validate_model_parallel(const TrainConfig& cfg, int world) {
     throw std::invalid_argument(layout + " = " + std::to_string(tp * pp) + " ranks per replica does not divide the " +
                                 std::to_string(world) + " workers; use -n a multiple of " + std::to_string(tp * pp));
   }
-  if (cfg.strategy != "ddp" && cfg.strategy != "zero1") {
-    throw std::invalid_argument(layout + " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
-                                cfg.strategy + (cfg.strategy == "single" ? " (one worker)" : " (not supported yet)"));
+  // ZeRO-2 and 3 reduce-scatter gradients in backward hooks: a pipeline's backward runs once per
+  // micro-batch, so they compose with tensor parallelism only (as in DeepSpeed).
+  const bool zero = cfg.strategy.rfind("zero", 0) == 0;
+  if (cfg.strategy != "ddp" && !(zero && (pp == 1 || cfg.strategy == "zero1"))) {
+    throw std::invalid_argument(layout + " composes with --strategy ddp or zero1 over the data-parallel ranks" +
+                                std::string(pp == 1 ? " (zero2 and zero3 too)" : "") + ", not " + cfg.strategy +
+                                (cfg.strategy == "single" ? " (one worker)" : " (not supported yet)"));
   }
   if (cfg.precision == "fp16" && cfg.strategy != "ddp") {
     // ZeRO's loss scaler agrees on overflows over its data-parallel shards only.

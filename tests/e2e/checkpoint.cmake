@@ -9,7 +9,7 @@ add_test(NAME e2e_train_checkpoint_pipeline COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/
 set_tests_properties(e2e_train_checkpoint_pipeline PROPERTIES TIMEOUT 240 PROCESSORS 2)
 # Tensor-parallel checkpoints (--tp 2: gathered, written whole by rank 0): bitwise resume with
 # --tp 2; resume on one worker, 2 DDP workers and 2 replicas x 2 shards, and a DDP checkpoint
-# resumed with --tp 2, within 1e-5; --tp with --pp, with ZeRO-1 and with both, each resumed bit
+# resumed with --tp 2, within 1e-5; --tp with --pp, with ZeRO-3, and with --pp and ZeRO-1, each resumed bit
 # for bit and on one worker.
 add_test(NAME e2e_train_checkpoint_tp COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_checkpoint.sh $<TARGET_FILE:tandem_cli> tp)
 set_tests_properties(e2e_train_checkpoint_tp PROPERTIES TIMEOUT 400 PROCESSORS 2)

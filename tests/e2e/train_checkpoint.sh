@@ -14,7 +14,7 @@
 # shards gathered, rank 0 writes); it runs bit for bit as without checkpoints; resuming from
 # step 10 with --tp 2 gives the same losses bit for bit, and as one worker, 2 DDP workers and
 # 2 replicas x 2 shards within 1e-5; a DDP checkpoint resumes with --tp 2 within 1e-5, and the
-# checkpoint of the 2 x 2 run at step 20 on one worker. --tp 2 --pp 2, --tp 2 with ZeRO-1 over 2
+# checkpoint of the 2 x 2 run at step 20 on one worker. --tp 2 --pp 2, --tp 2 with ZeRO-3 over 2
 # replicas, and --tp 2 --pp 2 with ZeRO-1 resume themselves bit for bit and on one worker
 # within 1e-5, and a DDP checkpoint resumes as the latter.
 # usage: train_checkpoint.sh TANDEM [ddp|pipeline|tp]
@@ -84,10 +84,10 @@ if [[ "$mode" == tp ]]; then
   mkdir -p "$out/one20" && cp -r "$out/tp4/step-00000020" "$out/one20/"
   run one20 -n 1 --strategy single --checkpoint-dir "$out/one20" --resume
   grep -q "saved by ddp on 4 worker" "$out/log_one20"
-  # With --pp and with ZeRO-1 over the replicas (2 x 2 workers; 2 x 2 x 2 stages, shards and
+  # With --pp, with ZeRO-3 over the replicas, and with --pp and ZeRO-1 (2 x 2 workers; 2 x 2 x 2 stages, shards and
   # replicas would need 8): the same gather, by stage with --pp (the first tp rank of each
   # stage's first replica writes it). Each resumes itself bit for bit and on one worker.
-  for v in "tpp:--tp 2 --pp 2 --micro-batches 2" "tz1:--tp 2 --strategy zero1" "tppz:--tp 2 --pp 2 --micro-batches 2 --strategy zero1"; do
+  for v in "tpp:--tp 2 --pp 2 --micro-batches 2" "tz3:--tp 2 --strategy zero3" "tppz:--tp 2 --pp 2 --micro-batches 2 --strategy zero1"; do
     name=${v%%:*}
     read -r -a args <<<"${v#*:}"
     run "$name" -n 4 "${args[@]}" --checkpoint-dir "$out/$name"
