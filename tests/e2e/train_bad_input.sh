@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Bad input to `tandem train`: each case must exit non-zero, quickly, with a message that
-# names the problem. usage: train_bad_input.sh TANDEM
+# names the problem; fp16 convolutions on the CPU run with a warning. usage: train_bad_input.sh TANDEM
 set -uo pipefail
 tandem=$1
 tmp=$(mktemp -d)
@@ -51,6 +51,19 @@ for split, n in (("train", 3), ("t10k", 3)):
         f.write(struct.pack(">II", 0x801, n) + bytes([1] * n))
 PY
 expect more-workers-than-samples "fewer than the 4 workers" -- "$tandem" train -n 4 --data "$tmp/tiny" --batch 4 --no-baseline
+
+# Allowed but warned: fp16 convolutions on the CPU (no fast kernels); the MLP is not warned.
+timeout 120 "$tandem" train -n 1 --model cnn --precision fp16 --batch 8 --max-steps 2 --no-eval --no-baseline \
+  --no-progress >"$tmp/warn" 2>&1
+rc=$?
+if [ $rc -ne 0 ] || ! grep -q "warning: --precision fp16 on the CPU runs convolutions without fast kernels" "$tmp/warn"; then
+  echo "FAIL fp16-cnn-warning (exit $rc)"; tail -5 "$tmp/warn"; fails=$((fails + 1))
+else
+  echo "ok   fp16-cnn-warning: $(grep -m1 warning "$tmp/warn")"
+fi
+timeout 120 "$tandem" train -n 1 --model mlp --precision fp16 --batch 8 --max-steps 2 --no-eval --no-baseline \
+  --no-progress >"$tmp/warn" 2>&1
+if grep -q "warning: --precision fp16" "$tmp/warn"; then echo "FAIL fp16-mlp-warned"; fails=$((fails + 1)); fi
 
 echo "$fails failed"
 [ $fails -eq 0 ]

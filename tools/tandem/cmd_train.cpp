@@ -138,6 +138,12 @@ int cmd_train(int argc, char** argv) {
       std::cerr << "tandem train: " << e.what() << "\n";
       return 2;
     }
+    // Allowed but slow: CPUs have no fast fp16 convolution kernels (oneDNN falls back to its
+    // reference kernel; a CNN step took 64x fp32's on an Intel Xeon, docs/BENCHMARKS.md).
+    if (cfg.precision == "fp16" && device == "cpu" && cfg.model != "mlp") {
+      std::cerr << "tandem train: warning: --precision fp16 on the CPU runs convolutions without fast kernels "
+                   "(a step can take 10-60x fp32's); bf16 is the CPU's mixed precision\n";
+    }
   }
   // One worker is launched as a child too when --max-restarts may have to relaunch it.
   if (!is_worker && (nprocs > 1 || max_restarts > 0)) {
