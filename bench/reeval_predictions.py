@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Re-predicts stored `tandem bench --calibrate` runs with the current `tandem`.
+
+Each run directory holds what `tandem bench --model M ... --reps R --calibrate --csv DIR/bench_M.csv`
+wrote: bench_M.log (each repetition's measured step), bench_M.calibration-K.json (the calibration
+taken before repetition K). For every row, every calibration is re-predicted with
+`tandem bench --predict-only --calibration FILE` and the median prediction compared with the
+median measured step, so a change to the time model can be tried on every stored row in a minute
+without running anything (docs/BENCHMARKS.md, "Eleventh session").
+
+usage: bench/reeval_predictions.py TANDEM DIR... [--verbose]
+  e.g. bench/reeval_predictions.py build/tandem bench/protocol-runs/run3*
+"""
+import glob
+import os
+import re
+import statistics as st
+import subprocess
+import sys
+
+STRATEGIES = "ddp,zero1,zero2,zero3,tp2,pp2,pp2-gpipe,tp2pp2,tp4,pp4"
+
+
+def predictions(tandem, model, calibration, batch):
+    out = subprocess.run([tandem, "bench", "--model", model, "--workers", "1,2,3,4", "--strategies", STRATEGIES,
+                          "--batch", str(batch), "--predict-only", "--calibration", calibration],
+                         capture_output=True, text=True, check=True).stdout
+    got = {}
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) == 3 and f[0].isdigit() and f[2] != "-":
+            got[(int(f[0]), f[1])] = float(f[2])
+    return got
+
+
+def rows_of(tandem, d):
+    rows = []
+    for log in sorted(glob.glob(os.path.join(d, "bench_*.log"))):
+        model = re.search(r"bench_(\w+)\.log$", log).group(1)
+        text = open(log).read()
+        batch = int(re.search(r"global batch (\d+)", text).group(1))
+        measured = {}
+        for m in re.finditer(r"\[(\d+)/\d+\] (\d+) worker\(s\), (\S+)\.\.\. ([0-9.]+) ms/step", text):
+            measured.setdefault((int(m.group(2)), m.group(3)), []).append(float(m.group(4)))
+        predicted = {}
+        for cal in sorted(glob.glob(log[:-4] + ".calibration-*.json")):
+            for key, v in predictions(tandem, model, cal, batch).items():
+                predicted.setdefault(key, []).append(v)
+        for key, ms in measured.items():
+            if key in predicted:
+                meas, pred = st.median(ms), st.median(predicted[key])
+                rows.append((d, model, key[0], key[1], meas, pred, (pred - meas) / meas))
+    return rows
+
+
+def main():
+    args = [a for a in sys.argv[1:] if a != "--verbose"]
+    if len(args) < 2:
+        sys.exit(__doc__)
+    tandem, dirs = args[0], args[1:]
+    rows = [r for d in dirs for r in rows_of(tandem, d)]
+    if not rows:
+        sys.exit("no stored runs with calibrations found in " + " ".join(dirs))
+    for d in dirs:
+        rs = [r for r in rows if r[0] == d]
+        if rs:
+            print(f"{d}: {sum(abs(r[6]) <= 0.2 for r in rs)} of {len(rs)} within 20 %, "
+                  f"{sum(abs(r[6]) <= 0.1 for r in rs)} within 10 %, mean abs {100 * st.mean(abs(r[6]) for r in rs):.1f} %")
+    print(f"all: {sum(abs(r[6]) <= 0.2 for r in rows)} of {len(rows)} within 20 %, "
+          f"{sum(abs(r[6]) <= 0.1 for r in rows)} within 10 %, mean abs {100 * st.mean(abs(r[6]) for r in rows):.1f} %")
+    shown = sorted(rows, key=lambda r: (r[1], r[3], r[2], r[0])) if "--verbose" in sys.argv else \
+        sorted(rows, key=lambda r: -abs(r[6]))[:10]
+    for r in shown:
+        print(f"  {os.path.basename(r[0]):8s} {r[1]:4s} {r[2]} {r[3]:10s} measured {r[4]:7.1f} predicted {r[5]:7.1f} {100 * r[6]:+5.0f} %")
+
+
+if __name__ == "__main__":
+    main()
