@@ -132,8 +132,10 @@ struct ModelRates {
   // as a training step synchronises): measured at each calibrated world size, including n > cores.
   std::map<int, double> flops_synchronized;
   double overhead_s = 0;      // fixed seconds per step (intercept of time against batch)
+  double overhead_all_s = -1; // the same on all cores, fitted with flops_all (-1: not calibrated)
   double sgd_s_per_param = 0;   // optimizer step seconds per parameter (one thread)
   double adam_s_per_param = 0;
+  double sgd_all_s_per_param = 0, adam_all_s_per_param = 0;  // the same, one process on all cores
   // Per child of the Sequential (ModelSpec::children), one process, one thread: forward+backward
   // time = layer_overhead_s + layer_s_per_sample * batch (the last child with the loss). Pipeline
   // stages and tensor-parallel shards are timed from these (micro-batches are small: the fixed

@@ -218,7 +218,6 @@ void calibrate_compute(Calibration& cal, const std::vector<std::string>& models,
     const double f = 3.0 * forward_flops_per_sample(spec);
     const int64_t b2 = std::max<int64_t>(2, batch), b1 = std::max<int64_t>(1, b2 / 4);
     ModelRates mr;
-    double ovh_all = 0;
     // Three interleaved rounds, median of each point: this guest runs at two speeds for minutes
     // at a time, and a calibration taken in one of them alone misleads.
     std::vector<double> a1, a2, c1, c2;
@@ -231,7 +230,7 @@ void calibrate_compute(Calibration& cal, const std::vector<std::string>& models,
       c2.push_back(time_fwd_bwd(model, name, b2, 2, 7));
     }
     fit_rate(f, b1, median(a1), b2, median(a2), mr.flops_1t, mr.overhead_s);
-    fit_rate(f, b1, median(c1), b2, median(c2), mr.flops_all, ovh_all);
+    fit_rate(f, b1, median(c1), b2, median(c2), mr.flops_all, mr.overhead_all_s);
     // Child by child (one thread), for pipeline stages and tensor-parallel shards: time =
     // overhead + per-sample * batch through the two batch sizes, median of three rounds.
     if (!spec.children.empty() && spec.children.size() == model->size()) {
@@ -260,6 +259,10 @@ void calibrate_compute(Calibration& cal, const std::vector<std::string>& models,
     const double params = static_cast<double>(models::count_parameters(*model));
     mr.sgd_s_per_param = time_optimizer(model, name, b1, "sgd") / params;
     mr.adam_s_per_param = time_optimizer(model, name, b1, "adam") / params;
+    at::set_num_threads(cores);
+    mr.sgd_all_s_per_param = time_optimizer(model, name, b1, "sgd") / params;
+    mr.adam_all_s_per_param = time_optimizer(model, name, b1, "adam") / params;
+    at::set_num_threads(1);
     cal.models[name] = mr;
   }
 }
@@ -575,6 +578,7 @@ std::string calibration_to_json(const Calibration& cal) {
                          {"flops_all", m.flops_all},
                          {"flops_concurrent", m.flops_concurrent},
                          {"overhead_s", m.overhead_s},
+                         {"overhead_all_s", m.overhead_all_s},
                          {"flops_synchronized", [&] {
                             nlohmann::json o = nlohmann::json::object();
                             for (const auto& [n, r] : m.flops_synchronized) o[std::to_string(n)] = r;
@@ -582,6 +586,8 @@ std::string calibration_to_json(const Calibration& cal) {
                           }()},
                          {"sgd_s_per_param", m.sgd_s_per_param},
                          {"adam_s_per_param", m.adam_s_per_param},
+                         {"sgd_all_s_per_param", m.sgd_all_s_per_param},
+                         {"adam_all_s_per_param", m.adam_all_s_per_param},
                          {"flops_while_waiting", [&] {
                             nlohmann::json o = nlohmann::json::object();
                             for (const auto& [n, by_a] : m.flops_while_waiting)
@@ -621,8 +627,11 @@ Calibration calibration_from_json(const std::string& text) {
         r.flops_all = m.value("flops_all", 0.0);
         r.flops_concurrent = m.value("flops_concurrent", 0.0);
         r.overhead_s = m.value("overhead_s", 0.0);
+        r.overhead_all_s = m.value("overhead_all_s", -1.0);  // absent before the twelfth session
         r.sgd_s_per_param = m.value("sgd_s_per_param", 0.0);
         r.adam_s_per_param = m.value("adam_s_per_param", 0.0);
+        r.sgd_all_s_per_param = m.value("sgd_all_s_per_param", 0.0);  // absent before the twelfth session
+        r.adam_all_s_per_param = m.value("adam_all_s_per_param", 0.0);
         r.layer_overhead_s = m.value("layer_overhead_s", std::vector<double>{});
         r.layer_s_per_sample = m.value("layer_s_per_sample", std::vector<double>{});
         if (r.layer_overhead_s.size() != r.layer_s_per_sample.size())
