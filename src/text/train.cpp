@@ -154,6 +154,13 @@ struct Engine {
     // The fp32 masters are taken before the model is converted to the compute dtype.
     opt = std::make_unique<MixedPrecisionOptimizer>(trained, precision, oo, LossScalerOptions{}, dp > 1 ? dp_comm : nullptr);
     if (precision != Precision::kFP32) net->to(compute_dtype(precision));
+    // fp16 on a split model: the overflow check is the norm of the whole model's gradient (shards
+    // summed over tp, stages over pp), so that every shard and stage skips a step together.
+    if (grid && precision == Precision::kFP16) {
+      std::vector<bool> sharded(trained.size(), false);
+      if (cfg.tp > 1) sharded = tp::sharded_parameters(net, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1);
+      opt->set_model_parallel(std::move(sharded), cfg.tp > 1 ? grid->tp() : nullptr, cfg.pp > 1 ? grid->pp() : nullptr);
+    }
     // DDP over the replicas; a pipeline stage's gradients are averaged after its whole step instead.
     if (cfg.strategy == "ddp" && !pipe && (!grid || dp > 1)) {
       ddp = std::make_unique<DistributedDataParallel>(net.ptr(), dp_comm);
@@ -175,7 +182,12 @@ struct Engine {
   template <typename LossFn>
   torch::Tensor forward_backward(const torch::Tensor& x, const torch::Tensor& y, const LossFn& loss_fn) {
     if (pipe) {
-      auto loss = pipe->train_step(x, y, loss_fn);
+      // fp16: the last stage back-propagates the scaled loss; the step's loss is reported unscaled.
+      const double scale = opt && precision == Precision::kFP16 ? opt->scaler().scale() : 1.0;
+      auto loss = scale == 1.0 ? pipe->train_step(x, y, loss_fn)
+                               : pipe->train_step(x, y, [&](const torch::Tensor& out, const torch::Tensor& target) {
+                                   return opt->scale_loss(loss_fn(out, target));
+                                 }) / scale;
       if (!zero && dp > 1) averager->average();  // ZeRO reduces in its hooks
       return loss;
     }
@@ -216,6 +228,21 @@ struct Engine {
       for (const auto& p : st.params) {
         out[p.name] = full[p.bucket].narrow(0, p.offset, p.numel).view(p.shape).clone();
       }
+      return out;
+    }
+    if (opt && precision != Precision::kFP32 && grid) {
+      // This rank's masters are its shards of its stage: put them in the (fp32 for the moment)
+      // split model, gather that into `dense`, then return to the compute dtype (which rounds
+      // the masters to the values the parameters had).
+      const auto& masters = opt->optimizer().param_groups().at(0).params();
+      net->to(torch::kFloat);
+      {
+        torch::NoGradGuard ng;
+        for (size_t i = 0; i < trained.size(); ++i) trained[i].detach().copy_(masters.at(i).detach());
+      }
+      gather_dense();
+      for (auto& p : dense->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU, torch::kFloat).clone();
+      net->to(compute_dtype(precision));
       return out;
     }
     if (opt && precision != Precision::kFP32) {  // one replica's masters, in the order of the parameters
@@ -451,9 +478,9 @@ void validate(const TextTrainConfig& cfg, int world) {
       throw std::invalid_argument(layout + " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
                                   cfg.strategy);
     }
-    if (precision != Precision::kFP32) {
-      throw std::invalid_argument(layout + " trains in fp32 only for now (tandem train takes bf16 too); drop --precision " +
-                                  cfg.precision);
+    if (precision != Precision::kFP32 && cfg.strategy != "ddp") {
+      throw std::invalid_argument(layout + ": --precision " + cfg.precision + " with " + cfg.strategy +
+                                  " is not supported yet; use --strategy ddp (or --precision fp32)");
     }
   } else if (cfg.strategy == "single" && world != 1) {
     throw std::invalid_argument("--strategy single runs one worker; use -n 1, or --strategy ddp for " +
