@@ -153,6 +153,13 @@ class ZeroDataParallel {
   double lr() const;
   // Global gradient norm before clipping, from the last step (-1 when clipping is off).
   double last_grad_norm() const;
+  // A model split over tensor-parallel ranks and/or pipeline stages (ZeRO over the data-parallel
+  // group of one shard / stage): the norm for clipping and fp16's overflow check becomes the
+  // whole model's, summing the parameters flagged in `sharded` (tp::sharded_parameters, in the
+  // module's parameter order) over `tp` and everything over `pp`, so that every shard and
+  // stage clips by one coefficient and skips an overflowed step together. Either may be null.
+  // Collective in step() over both groups.
+  void set_model_parallel(const std::vector<bool>& sharded, CommPtr tp, CommPtr pp);
   const LossScaler& loss_scaler() const;
   Precision precision() const;
   // Stage 3: the number of units (1 for a module that is not a Sequential); 0 otherwise.

@@ -92,17 +92,6 @@ int validate_model_parallel(const TrainConfig& cfg, int world) {
                                 std::string(pp == 1 ? " (zero2 and zero3 too)" : "") + ", not " + cfg.strategy +
                                 (cfg.strategy == "single" ? " (one worker)" : " (not supported yet)"));
   }
-  if (cfg.precision == "fp16" && cfg.strategy != "ddp") {
-    // ZeRO's loss scaler agrees on overflows over its data-parallel shards only.
-    throw std::invalid_argument(layout + ": --precision fp16 with " + cfg.strategy +
-                                " would skip steps on some stages only; use --strategy ddp or --precision bf16 "
-                                "(not supported yet)");
-  }
-  if (cfg.max_grad_norm > 0 && cfg.strategy != "ddp") {
-    // ZeRO's norm covers its data-parallel shards only, not the other stages and tp shards.
-    throw std::invalid_argument(layout + ": --max-grad-norm with " + cfg.strategy +
-                                " would clip each stage and shard by its own norm; use --strategy ddp (not supported yet)");
-  }
   if (pp > 1 && cfg.compress != "none") {
     throw std::invalid_argument("--pp " + std::to_string(pp) +
                                 ": pipeline gradients are averaged in one uncompressed all-reduce; drop --compress");
@@ -318,6 +307,12 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     o.loss_scaler = scaler_options(cfg);
     o.max_grad_norm = cfg.max_grad_norm;
     zero = std::make_unique<ZeroDataParallel>(trained_module, dp_comm, o);
+    // As for the optimizer above: clipping and fp16's overflow check by the whole model's norm.
+    if (grid && (cfg.max_grad_norm > 0 || prec == Precision::kFP16)) {
+      std::vector<bool> sharded(trained.size(), false);
+      if (cfg.tp > 1) sharded = tp::sharded_parameters(model, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1);
+      zero->set_model_parallel(sharded, cfg.tp > 1 ? grid->tp() : nullptr, cfg.pp > 1 ? grid->pp() : nullptr);
+    }
   }
   auto forward = [&](const at::Tensor& x) {
     auto in = prec == Precision::kFP32 ? x : x.to(dtype);
@@ -435,7 +430,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   // so the step's loss is unscaled below).
   auto pipe_loss = [&](const at::Tensor& out, const at::Tensor& target) {
     auto l = torch::nn::functional::cross_entropy(out.to(at::kFloat), target);
-    return optimizer ? optimizer->scale_loss(l) : l;
+    return zero ? zero->scale_loss(l) : optimizer->scale_loss(l);
   };
   model->train();
   // Every communicator the step uses (the grid's groups count their own traffic).
@@ -486,7 +481,8 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       if (pipe) {
         // Every stage gets the batch (stage 0 uses the inputs, the last stage the targets).
         loss = pipe->train_step(prec == Precision::kFP32 ? x : x.to(dtype), y, pipe_loss);
-        if (optimizer && optimizer->scaler().dynamic()) loss = loss / optimizer->scaler().scale();
+        const LossScaler& sc = zero ? zero->loss_scaler() : optimizer->scaler();
+        if (sc.dynamic()) loss = loss / sc.scale();
         if (!zero) averager.average();  // ZeRO reduces in its hooks
         if (step > 0) {
           pipe_step_s += pipe->stats().step_seconds;

@@ -176,6 +176,11 @@ struct ZeroDataParallel::Impl {
   bool owned_summed = false;    // stage 1: the owned chunks hold sums over ranks, not means
   std::deque<size_t> inflight;  // stages 2, 3: launched, scratch still held
   double last_norm = -1.0;
+  // set_model_parallel: per bucket, the ranges of this rank's chunk (chunk-local) that hold
+  // tensor-parallel shards; the groups over which the norm's parts are summed.
+  bool model_parallel = false;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> sharded_ranges;
+  CommPtr mp_tp, mp_pp;
   int64_t scratch_live = 0, scratch_peak = 0;  // bytes of bucket scratch alive
   int64_t gathered_live = 0, gathered_peak = 0;  // stage 3: bytes of gathered units
   SymmetricPool pool;  // stages 2, 3 on CPU: scratch and gathered units
@@ -605,11 +610,29 @@ struct ZeroDataParallel::Impl {
     const bool clipping = opts.max_grad_norm > 0;
     last_norm = -1.0;
     if (clipping || scaler.dynamic()) {
-      auto sq = at::zeros({1}, buckets.empty() ? at::TensorOptions(at::kDouble)
+      // [all of this rank's chunk, its tensor-parallel shards' part]: summed over the
+      // data-parallel ranks, the shards' part then over tp (the rest is the same on every tp
+      // rank), and the whole over the pipeline's stages.
+      auto sq = at::zeros({2}, buckets.empty() ? at::TensorOptions(at::kDouble)
                                                 : buckets[0].master.options().dtype(at::kDouble));
-      for (auto& bk : buckets) sq += bk.master.grad().to(at::kDouble).pow(2).sum();
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        const auto g = buckets[b].master.grad();
+        sq[0] += g.to(at::kDouble).pow(2).sum();
+        if (model_parallel)
+          for (const auto& [from, to] : sharded_ranges[b]) sq[1] += g.narrow(0, from, to - from).to(at::kDouble).pow(2).sum();
+      }
       comm->allreduce(sq, ReduceOp::kSum);
-      double norm = std::sqrt(sq.cpu().item<double>());
+      double total = 0.0;
+      if (model_parallel) {
+        auto sh = sq.narrow(0, 1, 1).clone();
+        if (mp_tp && mp_tp->size() > 1) mp_tp->allreduce(sh, ReduceOp::kSum);
+        auto t = sq.narrow(0, 0, 1) - sq.narrow(0, 1, 1) + sh;
+        if (mp_pp && mp_pp->size() > 1) mp_pp->allreduce(t, ReduceOp::kSum);
+        total = t.cpu().item<double>();
+      } else {
+        total = sq[0].cpu().item<double>();
+      }
+      double norm = std::sqrt(total);
       const bool found_inf = !std::isfinite(norm);
       scaler.update(found_inf);
       if (found_inf) {
@@ -754,6 +777,27 @@ void ZeroDataParallel::set_lr(double lr) {
 double ZeroDataParallel::lr() const { return impl_->optim->param_groups().at(0).options().get_lr(); }
 
 double ZeroDataParallel::last_grad_norm() const { return impl_->last_norm; }
+
+void ZeroDataParallel::set_model_parallel(const std::vector<bool>& sharded, CommPtr tp, CommPtr pp) {
+  auto& I = *impl_;
+  if (sharded.size() != I.params.size()) {
+    throw std::invalid_argument(I.where() + ": set_model_parallel got " + std::to_string(sharded.size()) +
+                                " flags for " + std::to_string(I.params.size()) + " parameters");
+  }
+  I.sharded_ranges.assign(I.buckets.size(), {});
+  for (size_t b = 0; b < I.buckets.size(); ++b) {
+    const auto& bk = I.buckets[b];
+    const int64_t lo = static_cast<int64_t>(I.rank) * bk.chunk, hi = lo + bk.chunk;
+    for (size_t i : bk.params) {
+      if (!sharded[i]) continue;
+      const int64_t from = std::max(lo, I.offset_of[i]), to = std::min(hi, I.offset_of[i] + I.params[i].numel());
+      if (from < to) I.sharded_ranges[b].emplace_back(from - lo, to - lo);
+    }
+  }
+  I.mp_tp = std::move(tp);
+  I.mp_pp = std::move(pp);
+  I.model_parallel = true;
+}
 
 const LossScaler& ZeroDataParallel::loss_scaler() const { return impl_->scaler; }
 
