@@ -148,6 +148,13 @@ struct ModelRates {
   // step's one synchronisation, as ZeRO-3 waits for every unit's gather: a 4 KiB all-gather
   // before each child with parameters and before its backward (the last one's excepted).
   std::map<int, double> sync_point_s;
+  // By world size n, then tensor-parallel degree t (t divides n, t > 1): a t-way shard of the
+  // model (1/t of each column- and row-parallel child, the rest whole) trained at the batch a
+  // replica gets (the calibration's batch * t / n), all n ranks at once with a barrier after
+  // each forward+backward, no tp collectives: {that batch, the slowest rank's seconds}. A
+  // tensor-parallel layout's compute is scaled by it instead of by the whole model's
+  // flops_synchronized, whose larger working set runs slower when ranks share cores.
+  std::map<int, std::map<int, std::pair<double, double>>> tp_synchronized;
 };
 struct Calibration {
   std::string date, host;

@@ -62,6 +62,31 @@ at::Tensor loss_of(const at::Tensor& out, const at::Tensor& y) {
   return torch::nn::functional::cross_entropy(out, y);
 }
 
+// A t-way tensor-parallel shard of `dense` for timing (fresh weights): each child the spec marks
+// "column" keeps 1/t of its outputs, each "row" child 1/t of its inputs; the other children are
+// shared with `dense`. Null when a marked child is not a Linear or its width does not divide.
+torch::nn::Sequential tp_shard_model(torch::nn::Sequential& dense, const ModelSpec& spec, int t) {
+  if (spec.children.size() != dense->size()) return nullptr;
+  torch::nn::Sequential shard;
+  bool any = false;
+  for (size_t i = 0; i < dense->size(); ++i) {
+    const std::string& kind = spec.children[i].tp;
+    if (kind.empty()) {
+      shard->push_back(*(dense->begin() + static_cast<std::ptrdiff_t>(i)));  // shares the module
+      continue;
+    }
+    auto* lin = dense->ptr(i)->as<torch::nn::LinearImpl>();
+    if (!lin) return nullptr;
+    int64_t in = lin->options.in_features(), out = lin->options.out_features();
+    int64_t& cut = kind == "column" ? out : in;
+    if (cut % t != 0) return nullptr;
+    cut /= t;
+    shard->push_back(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(lin->options.bias())));
+    any = true;
+  }
+  return any ? shard : nullptr;
+}
+
 // Median seconds of zero_grad + forward + loss + backward at batch b.
 double time_fwd_bwd(torch::nn::Sequential& model, const std::string& name, int64_t b, int warmup, int iters) {
   auto [x, y] = sample_batch(name, b);
@@ -367,6 +392,31 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         }
       }
       if (plain > 0) cal.models[name].flops_synchronized[n] = f / compute_part(plain);
+      // The same for each tensor-parallel shard of this world size (see tp_synchronized).
+      for (int t = 2; t <= n; ++t) {
+        if (n % t != 0) continue;
+        auto shard = tp_shard_model(model, spec, t);
+        if (!shard) continue;
+        const int64_t bt = std::max<int64_t>(1, batch * t / n);
+        auto [xt, yt] = sample_batch(name, bt);
+        double best = std::numeric_limits<double>::infinity();
+        for (int round = 0; round < 3; ++round) {
+          std::vector<double> ts;
+          comm->barrier();
+          for (int i = 0; i < 9; ++i) {
+            auto t0 = Clock::now();
+            shard->zero_grad(/*set_to_none=*/false);
+            auto loss = loss_of(shard->forward(xt), yt);
+            loss.backward();
+            (void)loss.item<double>();
+            comm->barrier();
+            double dt = slowest(seconds_since(t0));
+            if (i >= 2) ts.push_back(dt);
+          }
+          best = std::min(best, median(ts));
+        }
+        cal.models[name].tp_synchronized[n][t] = {static_cast<double>(bt), best};
+      }
       const int points = std::max(1, 2 * units - 1);
       cal.models[name].sync_point_s[n] = std::max(0.0, (patterned - plain) / points);
     }
@@ -599,6 +649,13 @@ std::string calibration_to_json(const Calibration& cal) {
                             for (const auto& [n, v] : m.sync_point_s) o[std::to_string(n)] = v;
                             return o;
                           }()},
+                         {"tp_synchronized", [&] {
+                            nlohmann::json o = nlohmann::json::object();
+                            for (const auto& [n, by_t] : m.tp_synchronized)
+                              for (const auto& [t, bs] : by_t)
+                                o[std::to_string(n)][std::to_string(t)] = {{"batch", bs.first}, {"seconds", bs.second}};
+                            return o;
+                          }()},
                          {"layer_overhead_s", m.layer_overhead_s},
                          {"layer_s_per_sample", m.layer_s_per_sample}};
   }
@@ -647,6 +704,15 @@ Calibration calibration_from_json(const std::string& text) {
           }
         if (m.contains("flops_synchronized"))
           for (auto& [n, v] : m["flops_synchronized"].items()) r.flops_synchronized[std::stoi(n)] = v.get<double>();
+        if (m.contains("tp_synchronized"))  // absent before the twelfth session
+          for (auto& [n, by_t] : m["tp_synchronized"].items())
+            for (auto& [t, v] : by_t.items()) {
+              const double b = v.at("batch").get<double>(), sec = v.at("seconds").get<double>();
+              if (!(b >= 1) || !(sec > 0))
+                throw std::invalid_argument("models." + name + ".tp_synchronized." + n + "." + t +
+                                            ": batch must be >= 1 and seconds > 0");
+              r.tp_synchronized[std::stoi(n)][std::stoi(t)] = {b, sec};
+            }
         cal.models[name] = r;
       }
     }

@@ -301,9 +301,11 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
   // stages (k * tp * dp workers) computing at once on the shared cores.
   const int cores = c.cpu && o.calibration ? std::max(1, o.calibration->cores) : 1;
   const int threads = std::max(1, cores / used);
+  double tp_speed = 0.0;  // a tensor-parallel layout's own measured rate (see below), 0: none
   auto speed = [&](int active_stages) {
     if (!mr) return 1.0;
     const int n = active_stages * tp * dp;
+    if (n >= used && tp_speed > 0) return tp_speed;
     if (n >= used || threads > 1) return r.flops / mr->flops_1t;  // everyone at once: the world's rate
     // Measured: n of `used` workers computing while the others wait in a receive.
     if (auto w = mr->flops_while_waiting.find(used); w != mr->flops_while_waiting.end()) {
@@ -328,6 +330,30 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
     for (double v : mr->layer_s_per_sample) sum += v;
     const double whole = 3.0 * forward_flops_per_sample(m) / mr->flops_1t;
     if (sum > 0 && whole > 0) per_sample_scale = whole / sum;
+  }
+  // Tensor parallelism alone (one thread per worker): the shard's one-thread time at the batch
+  // the calibration trained it at, over the time it took there with every rank at once
+  // (ModelRates::tp_synchronized). Scaled by the whole model's synchronized rate instead, the
+  // MLP's tp4 steps were priced 17-44 % slow: a quarter of each weight matrix per rank runs
+  // faster four to two cores than the whole one does at a quarter of the batch (4 processes at
+  // once, one thread each, Python: 11.5-14.2 ms against 16.1-16.9 ms, the same FLOPs).
+  // Only where tensor parallelism is the whole layout (dp 1): with replicas, their gradient
+  // all-reduce runs in sub-groups of an oversubscribed world, which the calibration's curves
+  // (taken with the group alone) price 5-15 times low (the MLP's tp 2 x dp 2: 0.44 ms priced,
+  // 6.7 ms exposed measured); the whole model's slower rate offsets that there, and taking the
+  // shard's own rate alone moved those rows from -7..+16 % to -33..-36 %.
+  if (mr && pp == 1 && tp > 1 && dp == 1 && threads == 1) {
+    auto w = mr->tp_synchronized.find(used);
+    if (w != mr->tp_synchronized.end()) {
+      auto t = w->second.find(tp);
+      if (t != w->second.end() && t->second.second > 0) {
+        double alone = 0.0;
+        for (size_t i = 0; i < m.children.size(); ++i)
+          alone += (mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * per_sample_scale * t->second.first) *
+                   tp_share(m.children[i], tp);
+        if (alone > 0) tp_speed = alone / t->second.second;
+      }
+    }
   }
   std::vector<StageTimes> st;
   size_t i = 0;

@@ -438,6 +438,22 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   const double ar = tp::ring_allreduce_seconds(2, 64 * 1000 * 4.0, {10e-6, 1e9});
   EXPECT_NEAR(e.comm_parts.at("tp allreduce"), ar, 1e-12);
   EXPECT_NEAR(e.step_s - e.optimizer_s, compute + ar, 1e-9);
+  // With the shard itself timed on both workers at once (tp_synchronized: at batch 32, 4 ms),
+  // the compute is scaled by that measurement instead: the shard alone at batch 32 takes
+  // (1e-4 + 32e-5) / 2 * 2 + (1e-4 + 32e-5) * 2 = 1.26 ms, so its speed is 1.26 / 4.
+  cal.models["four"].tp_synchronized[2][2] = {32.0, 4e-3};
+  auto et = tp::estimate(m, local, l, lo);
+  const double alone32 = 2 * (1e-4 + 32 * 1e-5) / 2 + 2 * (1e-4 + 32 * 1e-5);
+  const double alone64 = 2 * (1e-4 + 64 * 1e-5) / 2 + 2 * (1e-4 + 64 * 1e-5);
+  EXPECT_NEAR(et.step_s - et.optimizer_s, alone64 / (alone32 / 4e-3) + ar, 1e-9);
+  // It travels in the calibration file; a non-positive time is refused. Other worker counts
+  // and layouts with a pipeline keep the whole model's rate.
+  auto back = tp::calibration_from_json(tp::calibration_to_json(cal));
+  EXPECT_EQ(back.models.at("four").tp_synchronized.at(2).at(2), (std::pair<double, double>{32.0, 4e-3}));
+  auto text = tp::calibration_to_json(cal);
+  text.replace(text.find("0.004"), 5, "-0.004");
+  EXPECT_THROW(tp::calibration_from_json(text), std::invalid_argument);
+  cal.models["four"].tp_synchronized.clear();
 
   // A CPU pipeline sends a stage's output when the stage next stops computing, or after the
   // calibrated send delay. GPipe, two stages, two micro-batches, free transfers, a delay longer

@@ -340,6 +340,7 @@ int cmd_plan(int argc, char** argv) {
         for (auto& [k, v] : r.flops_synchronized) cal.models[name].flops_synchronized[k] = v;
         for (auto& [k, v] : r.flops_while_waiting) cal.models[name].flops_while_waiting[k] = v;
         for (auto& [k, v] : r.sync_point_s) cal.models[name].sync_point_s[k] = v;
+        for (auto& [k, v] : r.tp_synchronized) cal.models[name].tp_synchronized[k] = v;
       }
       std::remove(out.c_str());
     }
