@@ -11,6 +11,7 @@
 #include <iomanip>
 #include <random>
 #include <sstream>
+#include <unordered_map>
 
 #include "tandem/ddp.h"
 #include "tandem/grid.h"
@@ -149,6 +150,7 @@ struct Engine {
       zo.optimizer = oo;
       zo.precision = precision;
       zero = std::make_unique<ZeroDataParallel>(pipe ? pipe->stage_module().ptr() : net.ptr(), dp_comm, zo);
+      if (grid && precision == Precision::kFP16) set_model_parallel(*zero, cfg);
       return;
     }
     // The fp32 masters are taken before the model is converted to the compute dtype.
@@ -156,15 +158,19 @@ struct Engine {
     if (precision != Precision::kFP32) net->to(compute_dtype(precision));
     // fp16 on a split model: the overflow check is the norm of the whole model's gradient (shards
     // summed over tp, stages over pp), so that every shard and stage skips a step together.
-    if (grid && precision == Precision::kFP16) {
-      std::vector<bool> sharded(trained.size(), false);
-      if (cfg.tp > 1) sharded = tp::sharded_parameters(net, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1);
-      opt->set_model_parallel(std::move(sharded), cfg.tp > 1 ? grid->tp() : nullptr, cfg.pp > 1 ? grid->pp() : nullptr);
-    }
+    if (grid && precision == Precision::kFP16) set_model_parallel(*opt, cfg);
     // DDP over the replicas; a pipeline stage's gradients are averaged after its whole step instead.
     if (cfg.strategy == "ddp" && !pipe && (!grid || dp > 1)) {
       ddp = std::make_unique<DistributedDataParallel>(net.ptr(), dp_comm);
     }
+  }
+  // fp16 on a split model: the overflow check is the norm of the whole model's gradient (shards
+  // summed over tp, stages over pp), so that every shard and stage skips a step together.
+  template <typename Opt>
+  void set_model_parallel(Opt& o, const TextTrainConfig& cfg) {
+    std::vector<bool> sharded(trained.size(), false);
+    if (cfg.tp > 1) sharded = tp::sharded_parameters(net, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1);
+    o.set_model_parallel(std::move(sharded), cfg.tp > 1 ? grid->tp() : nullptr, cfg.pp > 1 ? grid->pp() : nullptr);
   }
   torch::Tensor forward(const torch::Tensor& x) { return zero ? zero->forward(x) : net->forward(x); }
   void begin_step() {
@@ -183,10 +189,11 @@ struct Engine {
   torch::Tensor forward_backward(const torch::Tensor& x, const torch::Tensor& y, const LossFn& loss_fn) {
     if (pipe) {
       // fp16: the last stage back-propagates the scaled loss; the step's loss is reported unscaled.
-      const double scale = opt && precision == Precision::kFP16 ? opt->scaler().scale() : 1.0;
+      const double scale = precision != Precision::kFP16 ? 1.0 : zero ? zero->loss_scaler().scale() : opt->scaler().scale();
       auto loss = scale == 1.0 ? pipe->train_step(x, y, loss_fn)
                                : pipe->train_step(x, y, [&](const torch::Tensor& out, const torch::Tensor& target) {
-                                   return opt->scale_loss(loss_fn(out, target));
+                                   auto l = loss_fn(out, target);
+                                   return zero ? zero->scale_loss(l) : opt->scale_loss(l);
                                  }) / scale;
       if (!zero && dp > 1) averager->average();  // ZeRO reduces in its hooks
       return loss;
@@ -216,7 +223,10 @@ struct Engine {
   // ZeRO gather the shards' masters, tensor and pipeline parallelism gather shards and stages).
   std::map<std::string, torch::Tensor> full_parameters() {
     std::map<std::string, torch::Tensor> out;
-    if (zero && (zero->stage() == 3 || precision != Precision::kFP32)) {
+    // ZeRO's masters (fp32, in chunks of its buckets), gathered over the replicas: the full
+    // values of the module ZeRO wraps, by its parameter names.
+    auto zero_masters = [&] {
+      std::map<std::string, torch::Tensor> full_by_name;
       auto st = zero->shard_state();
       std::vector<torch::Tensor> full(st.buckets.size());
       for (size_t b = 0; b < st.buckets.size(); ++b) {
@@ -226,23 +236,42 @@ struct Engine {
         full[b] = whole;
       }
       for (const auto& p : st.params) {
-        out[p.name] = full[p.bucket].narrow(0, p.offset, p.numel).view(p.shape).clone();
+        full_by_name[p.name] = full[p.bucket].narrow(0, p.offset, p.numel).view(p.shape).clone();
       }
-      return out;
-    }
-    if (opt && precision != Precision::kFP32 && grid) {
-      // This rank's masters are its shards of its stage: put them in the (fp32 for the moment)
-      // split model, gather that into `dense`, then return to the compute dtype (which rounds
-      // the masters to the values the parameters had).
-      const auto& masters = opt->optimizer().param_groups().at(0).params();
-      net->to(torch::kFloat);
+      return full_by_name;
+    };
+    if (grid && precision != Precision::kFP32) {
+      // A split model in 16 bits: this rank's fp32 masters are its shards of its stage. They
+      // go into the split model's parameters for the gather (every other parameter as fp32 of
+      // its value), and each parameter gets its own storage back afterwards (ZeRO's parameters
+      // are views of its flat buffers).
+      std::vector<torch::Tensor> params = net->parameters(), saved;
+      for (auto& p : params) saved.push_back(p.data());
+      std::unordered_map<const void*, torch::Tensor> master_of;
+      if (zero) {
+        auto by_name = zero_masters();
+        for (auto& p : (pipe ? pipe->stage_module().ptr() : net.ptr())->named_parameters()) {
+          auto m = by_name.find(p.key());
+          if (m != by_name.end()) master_of[p.value().unsafeGetTensorImpl()] = m->second;
+        }
+      } else {
+        const auto& masters = opt->optimizer().param_groups().at(0).params();
+        for (size_t i = 0; i < trained.size(); ++i) master_of[trained[i].unsafeGetTensorImpl()] = masters.at(i).detach();
+      }
       {
         torch::NoGradGuard ng;
-        for (size_t i = 0; i < trained.size(); ++i) trained[i].detach().copy_(masters.at(i).detach());
+        for (auto& p : params) {
+          auto m = master_of.find(p.unsafeGetTensorImpl());
+          p.set_data(m != master_of.end() ? m->second.to(p.device(), torch::kFloat).clone() : p.detach().to(torch::kFloat));
+        }
       }
       gather_dense();
       for (auto& p : dense->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU, torch::kFloat).clone();
-      net->to(compute_dtype(precision));
+      for (size_t i = 0; i < params.size(); ++i) params[i].set_data(saved[i]);
+      return out;
+    }
+    if (zero && (zero->stage() == 3 || precision != Precision::kFP32)) {
+      for (auto& [name, v] : zero_masters()) out[name] = v;
       return out;
     }
     if (opt && precision != Precision::kFP32) {  // one replica's masters, in the order of the parameters
@@ -251,7 +280,7 @@ struct Engine {
       for (size_t i = 0; i < named.size(); ++i) out[named[i].key()] = masters.at(i).detach().to(torch::kCPU).clone();
       return out;
     }
-    if (grid) gather_dense();
+  if (grid) gather_dense();
     for (auto& p : dense->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU).clone();
     return out;
   }
@@ -477,10 +506,6 @@ void validate(const TextTrainConfig& cfg, int world) {
     if (cfg.strategy != "ddp" && cfg.strategy != "zero1") {
       throw std::invalid_argument(layout + " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
                                   cfg.strategy);
-    }
-    if (precision != Precision::kFP32 && cfg.strategy != "ddp") {
-      throw std::invalid_argument(layout + ": --precision " + cfg.precision + " with " + cfg.strategy +
-                                  " is not supported yet; use --strategy ddp (or --precision fp32)");
     }
   } else if (cfg.strategy == "single" && world != 1) {
     throw std::invalid_argument("--strategy single runs one worker; use -n 1, or --strategy ddp for " +

@@ -3,7 +3,8 @@
 # category task: a short pre-training split over 2 tensor-parallel ranks (its checkpoint is
 # gathered back to the dense layout), then 40 fine-tuning steps from it with fp32 on one worker
 # (the reference), bf16 on one worker, --tp 2 and --pp 2 (2 micro-batches) on 2 workers, each of
-# them also in bf16 / fp16 (and the bf16 one's written model reloaded); then the
+# them also in bf16 / fp16, with DDP and with ZeRO-1 (and the bf16 ones' written models
+# reloaded); then the
 # English category task (labels: the cookie files' names, 150 steps) with single and ddp on 2
 # workers.
 # Checks: each run trains (its loss falls below half of the first step's), its report names the
@@ -34,6 +35,12 @@ run tp2_bf16 "$tandem" finetune -n 2 --strategy ddp --tp 2 --precision bf16 --ou
 run pp2_fp16 "$tandem" finetune -n 2 --strategy ddp --pp 2 --micro-batches 2 --precision fp16 "${ft[@]}"
 run reload_bf16 "$tandem" finetune -n 1 --strategy single --checkpoint "$tmp/ft_tp2_bf16" --steps 1 --lr 1e-9 \
   --warmup-steps 0 --max-per-label 1200 "${common[@]}"
+# The same with ZeRO-1 over 2 replicas (its masters gathered from its chunks over dp first), and
+# fp16 through a 2-stage pipeline with ZeRO-1.
+run tp2_zero1_bf16 "$tandem" finetune -n 4 --strategy zero1 --tp 2 --precision bf16 --out "$tmp/ft_tp2_zero1_bf16" "${ft[@]}"
+run pp2_zero1_fp16 "$tandem" finetune -n 2 --strategy zero1 --pp 2 --micro-batches 2 --precision fp16 "${ft[@]}"
+run reload_zero1_bf16 "$tandem" finetune -n 1 --strategy single --checkpoint "$tmp/ft_tp2_zero1_bf16" --steps 1 --lr 1e-9 \
+  --warmup-steps 0 --max-per-label 1200 "${common[@]}"
 # The category task: English only, one label per cookie file; fine-tuned from the same checkpoint.
 cat_ft=(--checkpoint "$tmp/ckpt" --task category --max-per-label 300 --steps 150 --lr 2e-3 --warmup-steps 5 "${common[@]}")
 run category_single "$tandem" finetune -n 1 --strategy single "${cat_ft[@]}"
@@ -42,14 +49,15 @@ run category_ddp "$tandem" finetune -n 2 --strategy ddp "${cat_ft[@]}"
 a0=$(num "$(field fp32 "test accuracy")")
 echo
 echo "run              precision  layout                 first loss  final loss  test accuracy"
-for r in fp32 bf16 tp2 pp2 tp2_bf16 pp2_fp16 reload_bf16 category_single category_ddp; do
+for r in fp32 bf16 tp2 pp2 tp2_bf16 pp2_fp16 reload_bf16 tp2_zero1_bf16 pp2_zero1_fp16 reload_zero1_bf16 \
+         category_single category_ddp; do
   printf "%-16s %-10s %-22s %10s  %10s  %s %%\n" "$r" "$(grep -m1 '^model ' "$tmp/$r.log" | sed -E 's/.*, //')" \
     "$(grep -m1 '^layout ' "$tmp/$r.log" | sed -E 's/^layout +(dp [0-9]+ x tp [0-9]+ x pp [0-9]+).*/\1/')" \
     "$(first_loss "$r")" "$(field "$r" "final loss")" "$(field "$r" "test accuracy")"
 done
 # Trains: the loss falls below half of the first step's (7 languages), below 85% of it for the
 # 43 categories (a much harder task: about 3.9 -> 2.9 in 150 steps).
-for r in fp32 bf16 tp2 pp2 tp2_bf16 pp2_fp16 category_single category_ddp; do
+for r in fp32 bf16 tp2 pp2 tp2_bf16 pp2_fp16 tp2_zero1_bf16 pp2_zero1_fp16 category_single category_ddp; do
   f=$(num "$(first_loss "$r")"); l=$(num "$(field "$r" "final loss")")
   bound=0.5; [[ $r == category* ]] && bound=0.85
   check "$r trains (loss $f -> $l)" "float('$l') < $bound * float('$f')"
@@ -62,7 +70,7 @@ for r in tp2 pp2; do
   a=$(num "$(field $r "test accuracy")")
   check "$r within 1 point of fp32 ($a vs $a0)" "abs(float('$a') - float('$a0')) <= 1.0"
 done
-for r in bf16 tp2_bf16 pp2_fp16; do
+for r in bf16 tp2_bf16 pp2_fp16 tp2_zero1_bf16 pp2_zero1_fp16; do
   a=$(num "$(field $r "test accuracy")")
   check "$r within 2 points of fp32 ($a vs $a0)" "abs(float('$a') - float('$a0')) <= 2.0"
 done
@@ -70,6 +78,8 @@ check "tp2_bf16 report names its precision" "$(grep -c '^model .*, bf16$' "$tmp/
 check "pp2_fp16 report names its precision" "$(grep -c '^model .*, fp16$' "$tmp/pp2_fp16.log") == 1"
 a=$(num "$(field tp2_bf16 "test accuracy")"); b=$(num "$(field reload_bf16 "test accuracy")")
 check "the tp2 bf16 model reloads in fp32 and scores the same ($b vs $a)" "abs(float('$b') - float('$a')) <= 1.0"
+a=$(num "$(field tp2_zero1_bf16 "test accuracy")"); b=$(num "$(field reload_zero1_bf16 "test accuracy")")
+check "the tp2 x dp2 ZeRO-1 bf16 model reloads in fp32 and scores the same ($b vs $a)" "abs(float('$b') - float('$a')) <= 1.0"
 labels=$(grep -m1 -E '^data .* labels$' "$tmp/category_single.log" | sed -E 's/.* ([0-9]+) labels$/\1/')
 c1=$(num "$(field category_single "test accuracy")"); c2=$(num "$(field category_ddp "test accuracy")")
 echo "category task: $labels labels; single $c1 %, ddp (2 workers) $c2 %"
