@@ -483,6 +483,56 @@ TEST(Zero, Stage2ScratchStaysWithinAFewBuckets) {
   EXPECT_EQ(m.pool_misses, 0) << "every bucket's scratch should come from the pool";
 }
 
+// set_model_parallel: ZeRO over the replicas of a split model clips by the whole model's norm.
+// The world as a grid: replicas (dp) of 2 ranks on 4 ranks (1 on 2), and the other axis (the
+// rest of the model) across them. As pipeline stages, each rank's dp-averaged squares are summed
+// over that axis; as tensor-parallel ranks, only the parameters flagged sharded are (here l1's
+// weight, its 117 elements spread over the chunks of two buckets of 64 bytes each at most), the
+// rest counted once. Stages 1, 2 and 3.
+TEST(Zero, ModelParallelNormSpansTheOtherAxes) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  if (R != 2 && R != 4) GTEST_SKIP() << "needs 2 or 4 ranks";
+  const int dp_color = R == 4 ? me / 2 : me, mp_color = R == 4 ? me % 2 : 0;
+  auto dp = comm->split(dp_color, me), mp = comm->split(mp_color, me);
+  for (int stage : {1, 2, 3}) {
+    for (bool as_tp : {false, true}) {
+      SCOPED_TRACE("stage " + std::to_string(stage) + (as_tp ? ", tp" : ", pp"));
+      auto ref = make_net(60 + dp_color), net = make_net(60 + dp_color);
+      auto [x, y] = global_batch(6, 300 + me);
+      auto loss = torch::nn::functional::cross_entropy(ref->forward(x), y);
+      loss.backward();
+      // The reference: the replicas' average gradient, its squares split as the flags say.
+      double other = 0, sharded = 0;
+      auto rp = ref->parameters();
+      for (size_t i = 0; i < rp.size(); ++i) {
+        auto g = rp[i].grad().to(at::kDouble).contiguous();
+        dp->allreduce(g, ReduceOp::kAvg);
+        (as_tp && i == 0 ? sharded : other) += g.pow(2).sum().item<double>();
+      }
+      auto t = torch::tensor({sharded, other}, torch::kDouble);
+      mp->allreduce(t, ReduceOp::kSum);
+      const double want = as_tp ? std::sqrt(t[0].item<double>() + other) : std::sqrt(t[0].item<double>() + t[1].item<double>());
+      ZeroOptions zo;
+      zo.stage = stage;
+      zo.bucket_cap_bytes = 64;  // several buckets, l1's weight alone in one
+      zo.max_grad_norm = 1e-3;   // clips: the norm is computed every step
+      zo.optimizer = sgd_momentum();
+      ZeroDataParallel zero(net.ptr(), dp, zo);
+      std::vector<bool> flags(net->parameters().size(), false);
+      if (as_tp) flags[0] = true;
+      EXPECT_THROW(zero.set_model_parallel(std::vector<bool>(flags.size() + 1, false), nullptr, nullptr),
+                   std::invalid_argument);
+      zero.set_model_parallel(flags, as_tp ? mp : nullptr, as_tp ? nullptr : mp);
+      zero.prepare_forward();
+      zero.zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+      EXPECT_TRUE(zero.step());
+      EXPECT_NEAR(zero.last_grad_norm(), want, 1e-6 * want);  // float32 gradients
+    }
+  }
+}
+
 TEST(Zero, RejectsBadOptions) {
   auto comm = world();
   auto expect_invalid = [&](ZeroOptions zo, const std::string& what) {
