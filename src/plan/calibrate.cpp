@@ -11,6 +11,7 @@
 #include <limits>
 #include <map>
 #include <cstring>
+#include <functional>
 #include <ctime>
 #include <stdexcept>
 #include <thread>
@@ -375,21 +376,24 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         loss.backward();
         (void)loss.item<double>();
       };
+      // One round: 2 warm-ups and 7 timed runs of `once`, each followed by a barrier; the
+      // slowest rank's median.
+      auto synchronized_round = [&](const std::function<void()>& once) {
+        std::vector<double> ts;
+        comm->barrier();
+        for (int i = 0; i < 9; ++i) {
+          auto t0 = Clock::now();
+          once();
+          comm->barrier();
+          double dt = slowest(seconds_since(t0));
+          if (i >= 2) ts.push_back(dt);
+        }
+        return median(ts);
+      };
       double plain = std::numeric_limits<double>::infinity(), patterned = plain;
       for (int round = 0; round < 3; ++round) {
-        for (int kind = 0; kind < 2; ++kind) {
-          std::vector<double> ts;
-          comm->barrier();
-          for (int i = 0; i < 9; ++i) {
-            auto t0 = Clock::now();
-            if (kind == 0) train_once(); else patterned_once();
-            comm->barrier();
-            double dt = slowest(seconds_since(t0));
-            if (i >= 2) ts.push_back(dt);
-          }
-          double& best = kind == 0 ? plain : patterned;
-          best = std::min(best, median(ts));
-        }
+        plain = std::min(plain, synchronized_round(train_once));
+        patterned = std::min(patterned, synchronized_round(patterned_once));
       }
       if (plain > 0) cal.models[name].flops_synchronized[n] = f / compute_part(plain);
       // The same for each tensor-parallel shard of this world size (see tp_synchronized).
@@ -399,22 +403,14 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         if (!shard) continue;
         const int64_t bt = std::max<int64_t>(1, batch * t / n);
         auto [xt, yt] = sample_batch(name, bt);
+        auto shard_once = [&] {
+          shard->zero_grad(/*set_to_none=*/false);
+          auto loss = loss_of(shard->forward(xt), yt);
+          loss.backward();
+          (void)loss.item<double>();
+        };
         double best = std::numeric_limits<double>::infinity();
-        for (int round = 0; round < 3; ++round) {
-          std::vector<double> ts;
-          comm->barrier();
-          for (int i = 0; i < 9; ++i) {
-            auto t0 = Clock::now();
-            shard->zero_grad(/*set_to_none=*/false);
-            auto loss = loss_of(shard->forward(xt), yt);
-            loss.backward();
-            (void)loss.item<double>();
-            comm->barrier();
-            double dt = slowest(seconds_since(t0));
-            if (i >= 2) ts.push_back(dt);
-          }
-          best = std::min(best, median(ts));
-        }
+        for (int round = 0; round < 3; ++round) best = std::min(best, synchronized_round(shard_once));
         cal.models[name].tp_synchronized[n][t] = {static_cast<double>(bt), best};
       }
       const int points = std::max(1, 2 * units - 1);

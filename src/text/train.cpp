@@ -150,7 +150,7 @@ struct Engine {
       zo.optimizer = oo;
       zo.precision = precision;
       zero = std::make_unique<ZeroDataParallel>(pipe ? pipe->stage_module().ptr() : net.ptr(), dp_comm, zo);
-      if (grid && precision == Precision::kFP16) set_model_parallel(*zero, cfg);
+      if (grid && precision == Precision::kFP16) set_model_parallel(*zero);
       return;
     }
     // The fp32 masters are taken before the model is converted to the compute dtype.
@@ -158,7 +158,7 @@ struct Engine {
     if (precision != Precision::kFP32) net->to(compute_dtype(precision));
     // fp16 on a split model: the overflow check is the norm of the whole model's gradient (shards
     // summed over tp, stages over pp), so that every shard and stage skips a step together.
-    if (grid && precision == Precision::kFP16) set_model_parallel(*opt, cfg);
+    if (grid && precision == Precision::kFP16) set_model_parallel(*opt);
     // DDP over the replicas; a pipeline stage's gradients are averaged after its whole step instead.
     if (cfg.strategy == "ddp" && !pipe && (!grid || dp > 1)) {
       ddp = std::make_unique<DistributedDataParallel>(net.ptr(), dp_comm);
@@ -167,10 +167,9 @@ struct Engine {
   // fp16 on a split model: the overflow check is the norm of the whole model's gradient (shards
   // summed over tp, stages over pp), so that every shard and stage skips a step together.
   template <typename Opt>
-  void set_model_parallel(Opt& o, const TextTrainConfig& cfg) {
-    std::vector<bool> sharded(trained.size(), false);
-    if (cfg.tp > 1) sharded = tp::sharded_parameters(net, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1);
-    o.set_model_parallel(std::move(sharded), cfg.tp > 1 ? grid->tp() : nullptr, cfg.pp > 1 ? grid->pp() : nullptr);
+  void set_model_parallel(Opt& o) {
+    o.set_model_parallel(tp::sharded_parameters(net, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1),
+                         grid->tp(), grid->pp());
   }
   torch::Tensor forward(const torch::Tensor& x) { return zero ? zero->forward(x) : net->forward(x); }
   void begin_step() {

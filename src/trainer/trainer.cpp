@@ -263,24 +263,20 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   // optimizer (with fp32 masters in bf16/fp16) is built over the fp32 model, which is then
   // converted to the compute dtype.
   const bool is_zero = cfg.strategy.rfind("zero", 0) == 0;
+  // A split model clips, and in fp16 checks overflow, by the norm of the whole model's gradient:
+  // the tensor-parallel shards' squares summed over tp (tp::sharded_parameters: all false
+  // without tp), each stage's total over pp (groups of one rank are skipped), so that every
+  // stage and shard clips by one coefficient and skips a step together.
+  const bool whole_model_norm = grid && (cfg.max_grad_norm > 0 || prec == Precision::kFP16);
+  auto shard_flags = [&] {
+    return tp::sharded_parameters(model, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1);
+  };
   std::unique_ptr<MixedPrecisionOptimizer> optimizer;
   if (!is_zero) {
     optimizer = std::make_unique<MixedPrecisionOptimizer>(trained, prec, optimizer_options(cfg), scaler_options(cfg),
                                                           dp > 1 ? dp_comm : nullptr);
     if (prec != Precision::kFP32) model->to(dtype);
-    // Clipping by the norm of the whole model's gradient: shards summed over tp, stages over pp;
-    // in fp16 the same norm is the overflow check, so that every stage and shard skips a step
-    // together.
-    if (grid && (cfg.max_grad_norm > 0 || prec == Precision::kFP16)) {
-      std::vector<bool> sharded;
-      if (cfg.tp > 1) {
-        sharded = tp::sharded_parameters(model, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1);
-      } else {
-        sharded.assign(trained.size(), false);
-      }
-      optimizer->set_model_parallel(std::move(sharded), cfg.tp > 1 ? grid->tp() : nullptr,
-                                    cfg.pp > 1 ? grid->pp() : nullptr);
-    }
+    if (whole_model_norm) optimizer->set_model_parallel(shard_flags(), grid->tp(), grid->pp());
   }
 
   std::unique_ptr<DistributedDataParallel> ddp;
@@ -307,12 +303,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
     o.loss_scaler = scaler_options(cfg);
     o.max_grad_norm = cfg.max_grad_norm;
     zero = std::make_unique<ZeroDataParallel>(trained_module, dp_comm, o);
-    // As for the optimizer above: clipping and fp16's overflow check by the whole model's norm.
-    if (grid && (cfg.max_grad_norm > 0 || prec == Precision::kFP16)) {
-      std::vector<bool> sharded(trained.size(), false);
-      if (cfg.tp > 1) sharded = tp::sharded_parameters(model, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1);
-      zero->set_model_parallel(sharded, cfg.tp > 1 ? grid->tp() : nullptr, cfg.pp > 1 ? grid->pp() : nullptr);
-    }
+    if (whole_model_norm) zero->set_model_parallel(shard_flags(), grid->tp(), grid->pp());
   }
   auto forward = [&](const at::Tensor& x) {
     auto in = prec == Precision::kFP32 ? x : x.to(dtype);
