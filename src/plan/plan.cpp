@@ -320,17 +320,26 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
   };
   PipelineTimes out;
   out.fitted = mr != nullptr;
-  // The children's per-sample times, scaled so that they add up to the whole model's (one
-  // thread, timed whole): timed one by one they vary between calibrations (the CNN's first
-  // convolution at 42-155 us per sample in four calibrations of one evening, the sum 18-23 %
-  // above the whole model's), while the whole model's rate holds within about 15 %.
-  double per_sample_scale = 1.0;
-  if (mr) {
-    double sum = 0.0;
-    for (double v : mr->layer_s_per_sample) sum += v;
-    const double whole = 3.0 * forward_flops_per_sample(m) / mr->flops_1t;
-    if (sum > 0 && whole > 0) per_sample_scale = whole / sum;
-  }
+  // A child's one-thread seconds at batch b: its fit (fixed + per-sample * b), scaled so that the
+  // children add up to the whole model's fit at that batch. Timed one by one, in a loop of their
+  // own, the children vary between calibrations (the CNN's first convolution at 42-155 us per
+  // sample in four calibrations of one evening, their sum 18-23 % above the whole model's; the
+  // MLP's fixed parts 0.54-3.6 times the whole model's intercept in 30 calibrations), while the
+  // whole model's rate holds within about 15 %. So the children give the split of a step between
+  // stages and shards, the whole model its total. Scaling only the per-sample parts left the
+  // MLP's 2-stage pipeline (48-sample micro-batches, fixed parts a third of the time) 13-36 %
+  // slow in 6 of 8 stored runs (docs/BENCHMARKS.md, "Thirteenth session").
+  auto child_seconds = [&](size_t i, double b) {
+    double fixed = 0.0, per = 0.0;
+    for (size_t k = 0; k < mr->layer_s_per_sample.size(); ++k) {
+      fixed += mr->layer_overhead_s[k];
+      per += mr->layer_s_per_sample[k];
+    }
+    const double parts = fixed + per * b;
+    const double whole = mr->overhead_s + 3.0 * forward_flops_per_sample(m) * b / mr->flops_1t;
+    const double own = mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * b;
+    return parts > 0 ? own * whole / parts : whole / static_cast<double>(mr->layer_s_per_sample.size());
+  };
   // Tensor parallelism alone (one thread per worker): the shard's one-thread time at the batch
   // the calibration trained it at, over the time it took there with every rank at once
   // (ModelRates::tp_synchronized). Scaled by the whole model's synchronized rate instead, the
@@ -349,8 +358,7 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
       if (t != w->second.end() && t->second.second > 0) {
         double alone = 0.0;
         for (size_t i = 0; i < m.children.size(); ++i)
-          alone += (mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * per_sample_scale * t->second.first) *
-                   tp_share(m.children[i], tp);
+          alone += child_seconds(i, t->second.first) * tp_share(m.children[i], tp);
         if (alone > 0) tp_speed = alone / t->second.second;
       }
     }
@@ -368,7 +376,7 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
       const double train = layer_train_flops(ly, in_grad);
       // A split child does 1/tp of all of its work: the fixed part of a Linear's time (reading
       // its weights, writing their gradient) is proportional to its weights too.
-      const double secs = mr ? (mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * per_sample_scale * static_cast<double>(mb)) * share
+      const double secs = mr ? child_seconds(i, static_cast<double>(mb)) * share
                              : train * static_cast<double>(mb) * share / r.flops;
       // Forward is its FLOP share of the layer's training work (a third with both gradients).
       const double fshare = train > 0 ? ly.forward_flops / train : 0.5;

@@ -416,6 +416,7 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   cal.cores = 2;
   tp::ModelRates r;
   r.flops_1t = 6e11;  // the whole model's 3 x 8e6 FLOPs per sample in 4e-5 s: the children's sum
+  r.overhead_s = 4e-4;  // and its fixed part, the children's too
   r.flops_synchronized[2] = 3e11;  // two workers at once: each at half one thread's rate
   r.layer_overhead_s = {1e-4, 1e-4, 1e-4, 1e-4};
   r.layer_s_per_sample = {1e-5, 1e-5, 1e-5, 1e-5};
@@ -482,13 +483,26 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   auto part = tp::estimate(m, local, pl, lo);
   EXPECT_GT(part.step_s, overlapped.step_s + 1e-5);
   EXPECT_LT(part.step_s, pe.step_s - 1e-5);
-  // The children's per-sample times are scaled to add up to the whole model's: a whole model
-  // timed twice as fast halves them (fixed parts stay).
+  // The children's times are scaled to add up to the whole model's at the micro-batch: with the
+  // whole model timed at twice the children's per-sample rate and half their fixed part, the
+  // serial step above is the whole model's time at 32 samples for each micro-batch, 2 x 7.4e-4 s
+  // (the children's 4 x 4.2e-4 s each).
   cal.send_delay[2] = {{4096.0, 1.0}};
   cal.models["four"].flops_1t = 1.2e12;
+  cal.models["four"].overhead_s = 2e-4;
   cal.models["four"].flops_synchronized[2] = 1.2e12;
   auto fast = tp::estimate(m, local, pl, lo);
-  EXPECT_NEAR(fast.step_s - fast.optimizer_s, 2 * 4 * (1e-4 + 32 * 0.5e-5), 1e-9);
+  EXPECT_NEAR(fast.step_s - fast.optimizer_s, 2 * (2e-4 + 32 * 3 * 8e6 / 1.2e12), 1e-9);
+  // Each child keeps its own share of the whole: with the last child timed twice as slow as
+  // each of the others, a tp2 worker (half of the first two, the last two whole) computes
+  // (1/2 + 1/2 + 1 + 2) / 5 of the whole model's 1.48 ms at 64 samples.
+  cal.models["four"].layer_overhead_s[3] = 2e-4;
+  cal.models["four"].layer_s_per_sample[3] = 2e-5;
+  m.children[0].tp = "column";
+  m.children[1].tp = "row";
+  auto skew = tp::estimate(m, local, l, lo);
+  ASSERT_TRUE(skew.feasible) << skew.why;
+  EXPECT_NEAR(skew.step_s - skew.optimizer_s, (2e-4 + 64 * 2e-5) * 4.0 / 5.0 + ar, 1e-9);
 }
 
 // A calibrated world size is timed from its measured sizes (log-log between them), not the fit.
