@@ -153,6 +153,10 @@ class ZeroDataParallel {
   double lr() const;
   // Global gradient norm before clipping, from the last step (-1 when clipping is off).
   double last_grad_norm() const;
+  // Stage 3: seconds the calling thread has spent blocked on parameter all-gathers since
+  // construction (forward and backward); 0 for stages 1 and 2. A rank's forward time less
+  // what it waited there is its own compute, which --batch-shares auto compares across ranks.
+  double gather_wait_seconds() const;
   // A model split over tensor-parallel ranks and/or pipeline stages (ZeRO over the data-parallel
   // group of one shard / stage): the norm for clipping and fp16's overflow check becomes the
   // whole model's, summing the parameters flagged in `sharded` (tp::sharded_parameters, in the

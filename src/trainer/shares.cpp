@@ -166,11 +166,6 @@ void validate_batch_shares(const TrainConfig& cfg, int world) {
       throw std::invalid_argument("--calibration-steps must be at least 2 (the first step is a warm-up), got " +
                                   std::to_string(cfg.calibration_steps));
     }
-    if (cfg.strategy == "zero3" && world > 1) {
-      throw std::invalid_argument(
-          "--batch-shares auto times each rank's forward pass, which under zero3 waits for the other ranks' "
-          "parameter all-gathers; give the shares explicitly (e.g. --batch-shares 3,1) or use zero1/zero2/ddp");
-    }
   }
   resolve_batch_shares(spec, cfg.batch, world);
 }

@@ -483,8 +483,13 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
         peak_live = std::max(peak_live, pipe->stats().peak_live_micro_batches);
       } else {
         tf = Clock::now();
+        const double waited = zero ? zero->gather_wait_seconds() : 0.0;
         loss = torch::nn::functional::cross_entropy(forward(x), y);
         forward_s += std::chrono::duration<double>(Clock::now() - tf).count();
+        // ZeRO-3 gathers every unit's parameters in the forward: time spent waiting there for
+        // the other ranks is theirs, not this rank's (a fast rank would otherwise time as slow
+        // as the slowest and --batch-shares auto would see no difference).
+        if (zero) forward_s -= zero->gather_wait_seconds() - waited;
         // Unequal shares: weight W * n_r / N, so the averaged gradient is the global-batch one.
         const at::Tensor weighted =
             shares.active() ? loss * shares.loss_weight(static_cast<int64_t>(idx.size()), step_global) : loss;

@@ -32,6 +32,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <deque>
@@ -183,6 +184,7 @@ struct ZeroDataParallel::Impl {
   CommPtr mp_tp, mp_pp;
   int64_t scratch_live = 0, scratch_peak = 0;  // bytes of bucket scratch alive
   int64_t gathered_live = 0, gathered_peak = 0;  // stage 3: bytes of gathered units
+  double gather_wait_s = 0.0;  // stage 3: seconds the caller blocked on parameter all-gathers
   SymmetricPool pool;  // stages 2, 3 on CPU: scratch and gathered units
 
   std::string where() const { return "rank " + std::to_string(rank) + ": ZeRO-" + std::to_string(opts.stage); }
@@ -375,12 +377,14 @@ struct ZeroDataParallel::Impl {
       auto w = std::move(bk.gather);
       bk.gather.reset();
       bk.state = Gather::kReady;
+      const auto t0 = std::chrono::steady_clock::now();
       try {
         w->wait();
       } catch (...) {
         release(bk);
         throw;
       }
+      gather_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
   }
   void release(Bucket& bk) {
@@ -388,10 +392,12 @@ struct ZeroDataParallel::Impl {
     if (bk.gather) {
       auto w = std::move(bk.gather);
       bk.gather.reset();
+      const auto t0 = std::chrono::steady_clock::now();
       try {
         w->wait();  // the engine must be done writing before the memory goes
       } catch (...) {
       }
+      gather_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     const void* p = bk.full.storage().data();
     compat::free_storage(bk.full);
@@ -777,6 +783,8 @@ void ZeroDataParallel::set_lr(double lr) {
 double ZeroDataParallel::lr() const { return impl_->optim->param_groups().at(0).options().get_lr(); }
 
 double ZeroDataParallel::last_grad_norm() const { return impl_->last_norm; }
+
+double ZeroDataParallel::gather_wait_seconds() const { return impl_->gather_wait_s; }
 
 void ZeroDataParallel::set_model_parallel(const std::vector<bool>& sharded, CommPtr tp, CommPtr pp) {
   auto& I = *impl_;
