@@ -489,7 +489,7 @@ void validate(const TextTrainConfig& cfg, int world) {
   if (std::find(strategies.begin(), strategies.end(), cfg.strategy) == strategies.end()) {
     throw std::invalid_argument("unknown strategy '" + cfg.strategy + "'; use single, ddp, zero1, zero2 or zero3");
   }
-  const auto precision = parse_precision(cfg.precision);  // names the choices
+  (void)parse_precision(cfg.precision);  // throws naming the choices
   if (cfg.tp < 1 || cfg.pp < 1) {
     throw std::invalid_argument("--tp and --pp must be at least 1, got --tp " + std::to_string(cfg.tp) + " --pp " +
                                 std::to_string(cfg.pp));
