@@ -112,8 +112,8 @@ TEST(BatchShares, ValidatesTheConfiguration) {
   cfg.calibration_steps = 1;
   EXPECT_NE(error_of([&] { tandem::validate_config(cfg, 3); }).find("--calibration-steps"), std::string::npos);
   cfg.calibration_steps = 8;
-  cfg.strategy = "zero3";
-  EXPECT_NE(error_of([&] { tandem::validate_config(cfg, 3); }).find("zero3"), std::string::npos);
+  cfg.strategy = "zero3";  // accepted: a rank's forward is timed without its waits for gathers
+  EXPECT_EQ(error_of([&] { tandem::validate_config(cfg, 3); }), "");
   cfg.strategy = "ddp";
   cfg.batch = 128;
   cfg.batch_shares = "3,1";
