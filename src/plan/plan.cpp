@@ -329,13 +329,13 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
   // stages and shards, the whole model its total. Scaling only the per-sample parts left the
   // MLP's 2-stage pipeline (48-sample micro-batches, fixed parts a third of the time) 13-36 %
   // slow in 6 of 8 stored runs (docs/BENCHMARKS.md, "Thirteenth session").
+  double fixed_sum = 0.0, per_sum = 0.0;
+  if (mr) {
+    for (double v : mr->layer_overhead_s) fixed_sum += v;
+    for (double v : mr->layer_s_per_sample) per_sum += v;
+  }
   auto child_seconds = [&](size_t i, double b) {
-    double fixed = 0.0, per = 0.0;
-    for (size_t k = 0; k < mr->layer_s_per_sample.size(); ++k) {
-      fixed += mr->layer_overhead_s[k];
-      per += mr->layer_s_per_sample[k];
-    }
-    const double parts = fixed + per * b;
+    const double parts = fixed_sum + per_sum * b;
     const double whole = mr->overhead_s + 3.0 * forward_flops_per_sample(m) * b / mr->flops_1t;
     const double own = mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * b;
     return parts > 0 ? own * whole / parts : whole / static_cast<double>(mr->layer_s_per_sample.size());
