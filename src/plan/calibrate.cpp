@@ -63,6 +63,15 @@ at::Tensor loss_of(const at::Tensor& out, const at::Tensor& y) {
   return torch::nn::functional::cross_entropy(out, y);
 }
 
+// One training pass without the update, as tandem train runs it: zero_grad (kept storage),
+// forward, loss, backward, and the loss read back (the step's synchronisation with the host).
+void train_pass(torch::nn::Sequential& model, const at::Tensor& x, const at::Tensor& y) {
+  model->zero_grad(/*set_to_none=*/false);
+  auto loss = loss_of(model->forward(x), y);
+  loss.backward();
+  (void)loss.item<double>();
+}
+
 // A t-way tensor-parallel shard of `dense` for timing (fresh weights): each child the spec marks
 // "column" keeps 1/t of its outputs, each "row" child 1/t of its inputs; the other children are
 // shared with `dense`. Null when a marked child is not a Linear or its width does not divide.
@@ -94,10 +103,7 @@ double time_fwd_bwd(torch::nn::Sequential& model, const std::string& name, int64
   std::vector<double> t;
   for (int i = 0; i < warmup + iters; ++i) {
     auto t0 = Clock::now();
-    model->zero_grad(/*set_to_none=*/false);  // as tandem train does
-    auto loss = loss_of(model->forward(x), y);
-    loss.backward();
-    (void)loss.item<double>();
+    train_pass(model, x, y);
     if (i >= warmup) t.push_back(seconds_since(t0));
   }
   return median(t);
@@ -182,10 +188,7 @@ double time_optimizer(torch::nn::Sequential& model, const std::string& name, int
   }
   std::vector<double> t;
   for (int i = 0; i < 13; ++i) {
-    model->zero_grad(/*set_to_none=*/false);
-    auto loss = loss_of(model->forward(x), y);
-    loss.backward();
-    (void)loss.item<double>();
+    train_pass(model, x, y);
     auto t0 = Clock::now();
     opt->step();
     if (i >= 3) t.push_back(seconds_since(t0));
@@ -334,12 +337,7 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
     auto compute_part = [&](double t_all) { return std::max(t_all - ovh, 0.5 * t_all); };
     if (t > 0) cal.models[name].flops_concurrent = f / compute_part(t);
     auto [x, y] = sample_batch(name, b);
-    auto train_once = [&] {
-      model->zero_grad(/*set_to_none=*/false);
-      auto loss = loss_of(model->forward(x), y);
-      loss.backward();
-      (void)loss.item<double>();
-    };
+    auto train_once = [&] { train_pass(model, x, y); };
     // Plain iterations with a barrier after every forward+backward (a step's synchronisation),
     // the slowest rank's median: on more ranks than cores this includes waiting for descheduled
     // peers. Three rounds of 2 warm-ups and 7, the fastest round's median: on 4 ranks over 2
@@ -403,12 +401,7 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         if (!shard) continue;
         const int64_t bt = std::max<int64_t>(1, batch * t / n);
         auto [xt, yt] = sample_batch(name, bt);
-        auto shard_once = [&] {
-          shard->zero_grad(/*set_to_none=*/false);
-          auto loss = loss_of(shard->forward(xt), yt);
-          loss.backward();
-          (void)loss.item<double>();
-        };
+        auto shard_once = [&] { train_pass(shard, xt, yt); };
         double best = std::numeric_limits<double>::infinity();
         for (int round = 0; round < 3; ++round) best = std::min(best, synchronized_round(shard_once));
         cal.models[name].tp_synchronized[n][t] = {static_cast<double>(bt), best};
@@ -446,12 +439,7 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         for (int j = 0; j < 12; ++j) {
           const bool mine = ((comm->rank() - round) % n + n) % n < a;
           auto t0 = Clock::now();
-          if (mine) {
-            model->zero_grad(/*set_to_none=*/false);
-            auto loss = loss_of(model->forward(xm), ym);
-            loss.backward();
-            (void)loss.item<double>();
-          }
+          if (mine) train_pass(model, xm, ym);
           barrier_in_receives(*comm);
           if (j >= 2) tp.push_back(seconds_since(t0));
         }
