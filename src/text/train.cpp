@@ -156,8 +156,6 @@ struct Engine {
     // The fp32 masters are taken before the model is converted to the compute dtype.
     opt = std::make_unique<MixedPrecisionOptimizer>(trained, precision, oo, LossScalerOptions{}, dp > 1 ? dp_comm : nullptr);
     if (precision != Precision::kFP32) net->to(compute_dtype(precision));
-    // fp16 on a split model: the overflow check is the norm of the whole model's gradient (shards
-    // summed over tp, stages over pp), so that every shard and stage skips a step together.
     if (grid && precision == Precision::kFP16) set_model_parallel(*opt);
     // DDP over the replicas; a pipeline stage's gradients are averaged after its whole step instead.
     if (cfg.strategy == "ddp" && !pipe && (!grid || dp > 1)) {
@@ -279,7 +277,7 @@ struct Engine {
       for (size_t i = 0; i < named.size(); ++i) out[named[i].key()] = masters.at(i).detach().to(torch::kCPU).clone();
       return out;
     }
-  if (grid) gather_dense();
+    if (grid) gather_dense();
     for (auto& p : dense->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU).clone();
     return out;
   }
