@@ -141,6 +141,11 @@ struct ModelRates {
   // stages and tensor-parallel shards are timed from these (micro-batches are small: the fixed
   // part matters).
   std::vector<double> layer_overhead_s, layer_s_per_sample;
+  // Per child, the forward's share of its forward+backward time at the calibration's batch
+  // (empty: not calibrated; then the FLOP split). Pooling and activations have no FLOPs but
+  // take time, most of it in the forward for a max-pool (the CNN's: 82 %), and a stage's
+  // forward/backward balance decides how GPipe's phases line up against 1F1B's interleaving.
+  std::vector<double> layer_forward_share;
   // n workers of which a compute while the other n - a wait in a receive (a pipeline's bubble):
   // per computing process, one thread each, by n then a (a < n; a = n is flops_synchronized).
   std::map<int, std::map<int, double>> flops_while_waiting;

@@ -113,9 +113,10 @@ double time_fwd_bwd(torch::nn::Sequential& model, const std::string& name, int64
 // activations (the input requires grad where the model's does: after the first child with
 // parameters), the last child with the loss; one pass of `iters` per child after `warmup`.
 std::vector<double> time_layers(torch::nn::Sequential& model, const std::string& name, int64_t b, int warmup,
-                                int iters) {
+                                int iters, std::vector<double>* forward = nullptr) {
   auto [x, y] = sample_batch(name, b);
   std::vector<double> out;
+  if (forward) forward->clear();
   bool needs_grad = false;
   const size_t n = model->size();
   for (size_t i = 0; i < n; ++i) {
@@ -123,24 +124,30 @@ std::vector<double> time_layers(torch::nn::Sequential& model, const std::string&
     auto params = child.ptr()->parameters();
     at::Tensor xi = x.detach();
     if (needs_grad && at::isFloatingType(xi.scalar_type())) xi.requires_grad_(true);
-    std::vector<double> t;
+    std::vector<double> t, tf;
     at::Tensor yi;
     for (int k = 0; k < warmup + iters; ++k) {
       auto t0 = Clock::now();
       for (auto& p : params)
         if (p.grad().defined()) p.mutable_grad().zero_();
       yi = child.forward(xi);
+      at::Tensor loss;
+      if (i + 1 == n) loss = loss_of(yi, y);
+      const double f = seconds_since(t0);  // CPU kernels run synchronously
       if (i + 1 == n) {
-        auto loss = loss_of(yi, y);
         loss.backward();
         (void)loss.item<double>();
       } else if (yi.requires_grad()) {
         yi.backward(at::ones_like(yi));
       }
       if (xi.requires_grad()) xi.mutable_grad() = at::Tensor();
-      if (k >= warmup) t.push_back(seconds_since(t0));
+      if (k >= warmup) {
+        t.push_back(seconds_since(t0));
+        tf.push_back(f);
+      }
     }
     out.push_back(median(t));
+    if (forward) forward->push_back(median(tf));
     needs_grad = needs_grad || !params.empty();
     x = yi.detach();
   }
@@ -264,13 +271,21 @@ void calibrate_compute(Calibration& cal, const std::vector<std::string>& models,
     // overhead + per-sample * batch through the two batch sizes, median of three rounds.
     if (!spec.children.empty() && spec.children.size() == model->size()) {
       at::set_num_threads(1);
-      std::vector<std::vector<double>> l1(model->size()), l2(model->size());
+      std::vector<std::vector<double>> l1(model->size()), l2(model->size()), f1(model->size()), f2(model->size());
       for (int round = 0; round < 3; ++round) {
-        auto t1 = time_layers(model, name, b1, 2, 7), t2 = time_layers(model, name, b2, 2, 7);
+        std::vector<double> fw1, fw2;
+        auto t1 = time_layers(model, name, b1, 2, 7, &fw1), t2 = time_layers(model, name, b2, 2, 7, &fw2);
         for (size_t i = 0; i < t1.size(); ++i) {
           l1[i].push_back(t1[i]);
           l2[i].push_back(t2[i]);
+          f1[i].push_back(fw1[i]);
+          f2[i].push_back(fw2[i]);
         }
+      }
+      // The forward's share over both batches (a micro-batch lies between them).
+      for (size_t i = 0; i < l1.size(); ++i) {
+        const double all = median(l1[i]) + median(l2[i]);
+        mr.layer_forward_share.push_back(all > 0 ? std::clamp((median(f1[i]) + median(f2[i])) / all, 0.0, 1.0) : 0.5);
       }
       for (size_t i = 0; i < l1.size(); ++i) {
         const double m1 = median(l1[i]), m2 = median(l2[i]);
@@ -641,7 +656,8 @@ std::string calibration_to_json(const Calibration& cal) {
                             return o;
                           }()},
                          {"layer_overhead_s", m.layer_overhead_s},
-                         {"layer_s_per_sample", m.layer_s_per_sample}};
+                         {"layer_s_per_sample", m.layer_s_per_sample},
+                         {"layer_forward_share", m.layer_forward_share}};
   }
   for (const auto& [n, ops] : cal.collectives)
     for (const auto& [op, ab] : ops) j["collectives"][std::to_string(n)][op] = {{"alpha", ab.alpha}, {"bandwidth", ab.bandwidth}};
@@ -677,6 +693,12 @@ Calibration calibration_from_json(const std::string& text) {
         r.layer_s_per_sample = m.value("layer_s_per_sample", std::vector<double>{});
         if (r.layer_overhead_s.size() != r.layer_s_per_sample.size())
           throw std::invalid_argument("models." + name + ": layer_overhead_s and layer_s_per_sample differ in length");
+        r.layer_forward_share = m.value("layer_forward_share", std::vector<double>{});  // absent before the fourteenth session
+        if (!r.layer_forward_share.empty() && r.layer_forward_share.size() != r.layer_s_per_sample.size())
+          throw std::invalid_argument("models." + name + ": layer_forward_share and layer_s_per_sample differ in length");
+        for (double v : r.layer_forward_share)
+          if (!(v >= 0 && v <= 1))
+            throw std::invalid_argument("models." + name + ": layer_forward_share values must lie in [0, 1]");
         if (m.contains("flops_while_waiting"))
           for (auto& [n, by_a] : m["flops_while_waiting"].items())
             for (auto& [a, v] : by_a.items()) r.flops_while_waiting[std::stoi(n)][std::stoi(a)] = v.get<double>();

@@ -503,6 +503,45 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   auto skew = tp::estimate(m, local, l, lo);
   ASSERT_TRUE(skew.feasible) << skew.why;
   EXPECT_NEAR(skew.step_s - skew.optimizer_s, (2e-4 + 64 * 2e-5) * 4.0 / 5.0 + ar, 1e-9);
+
+  // The measured forward share of each child splits a stage's time into its forward and
+  // backward. Four equal children of T = (2e-4 + 16 x 3 x 8e6 / 1.2e12) / 4 = 1.3e-4 s at a
+  // 16-sample micro-batch, two stages, four micro-batches, free transfers sent at once, full
+  // speed with both stages busy. Stage 0 forward-heavy (0.9: F 1.8T, B 0.2T), stage 1
+  // backward-heavy (0.1: F 0.2T, B 1.8T): GPipe runs stage 0's four forwards, stage 1's last
+  // forward, its four backwards, stage 0's last backward, 7.2T + 0.2T + 7.2T + 0.2T = 14.8T;
+  // 1F1B interleaves them in 10T (stage 0: F0 F1, waits 0.2T, B0 F2 B1 F3 B2, waits, B3).
+  cal.models["four"].layer_overhead_s[3] = 1e-4;
+  cal.models["four"].layer_s_per_sample[3] = 1e-5;
+  m.children[0].tp.clear();
+  m.children[1].tp.clear();
+  cal.send_delay[2] = {{4096.0, 0.0}};
+  cal.models["four"].layer_forward_share = {0.9, 0.9, 0.1, 0.1};
+  tp::Layout pl4;
+  pl4.pp = 2; pl4.micro_batch = 16; pl4.micro_batches = 4;
+  const double T = (2e-4 + 16 * 3 * 8e6 / 1.2e12) / 4;
+  lo.pipeline_schedule = "gpipe";
+  auto g = tp::estimate(m, local, pl4, lo);
+  lo.pipeline_schedule = "1f1b";
+  auto f = tp::estimate(m, local, pl4, lo);
+  ASSERT_TRUE(g.feasible && f.feasible) << g.why << f.why;
+  EXPECT_NEAR(g.step_s - g.optimizer_s, 14.8 * T, 1e-9);
+  EXPECT_NEAR(f.step_s - f.optimizer_s, 10.0 * T, 1e-9);
+  // Without the measured shares (FLOP split: the first child half forward, the others a third)
+  // the two schedules are priced closer together.
+  cal.models["four"].layer_forward_share.clear();
+  lo.pipeline_schedule = "gpipe";
+  auto g0 = tp::estimate(m, local, pl4, lo);
+  EXPECT_LT(g0.step_s - g0.optimizer_s, 13.0 * T);
+  // The shares travel in the calibration file; a share outside [0, 1] or a list of the wrong
+  // length is refused.
+  cal.models["four"].layer_forward_share = {0.9, 0.9, 0.1, 0.1};
+  auto back4 = tp::calibration_from_json(tp::calibration_to_json(cal));
+  EXPECT_EQ(back4.models.at("four").layer_forward_share, (std::vector<double>{0.9, 0.9, 0.1, 0.1}));
+  cal.models["four"].layer_forward_share = {0.9, 1.5, 0.1, 0.1};
+  EXPECT_THROW(tp::calibration_from_json(tp::calibration_to_json(cal)), std::invalid_argument);
+  cal.models["four"].layer_forward_share = {0.9, 0.1};
+  EXPECT_THROW(tp::calibration_from_json(tp::calibration_to_json(cal)), std::invalid_argument);
 }
 
 // A calibrated world size is timed from its measured sizes (log-log between them), not the fit.
