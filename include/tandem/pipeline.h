@@ -37,7 +37,8 @@ void validate_partition(const std::vector<int64_t>& layers_per_stage, int64_t la
 std::vector<int64_t> partition_by_parameters(torch::nn::Sequential& model, int stages);
 // Balanced by measured forward+backward time of each layer on `sample_input` (a micro-batch).
 // Collective over `comm`: rank 0 measures, its partition is broadcast so all ranks agree. Runs
-// backward on rank 0's model and then clears its gradients (call it before training).
+// backward on rank 0's model, then clears its gradients and restores its buffers (call it
+// before training).
 std::vector<int64_t> partition_by_time(torch::nn::Sequential& model, const at::Tensor& sample_input, int stages,
                                        Communicator& comm, int reps = 3);
 

@@ -194,6 +194,11 @@ struct PlanOptions {
   int max_tp = 8, max_pp = 64;
   bool activation_checkpointing = false;
   std::string pipeline_schedule = "1f1b";  // 1f1b | gpipe (same makespan with equal stages)
+  // Where a model that lists its children is cut into stages, as `tandem train --pp-partition`:
+  // "params" (balanced parameter counts), "time" (balanced per-child time at the micro-batch:
+  // the calibration's fits on CPU, else FLOPs) or the children per stage, "3,7" (layouts with
+  // another stage count are infeasible).
+  std::string pipeline_partition = "params";
   double memory_headroom = 0.9;    // use at most this fraction of device memory
   const Calibration* calibration = nullptr;
 };

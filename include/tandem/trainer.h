@@ -46,9 +46,13 @@ struct TrainConfig {
   // Model parallelism (tandem/grid.h): each replica spans tp x pp ranks, the other
   // world / (tp * pp) ranks are data parallel (--strategy ddp or zero1 over the dp groups).
   int tp = 1;                              // tensor parallel: Linear pairs column/row-parallel
-  int pp = 1;                              // pipeline stages (the Sequential cut by parameters)
+  int pp = 1;                              // pipeline stages (the Sequential cut by pp_partition)
   int64_t micro_batches = 4;               // per replica and step, when pp > 1
   std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b
+  // Where the stages are cut: "params" (balanced by parameter count, as DeepSpeed's default),
+  // "time" (balanced by each layer's forward+backward time on a micro-batch, measured on rank 0
+  // before training) or the layers per stage, "3,7".
+  std::string pp_partition = "params";
   // Checkpoints (tandem/checkpoint.h): save every N steps (0: never) into checkpoint_dir,
   // keeping the newest checkpoint_keep (0: all); resume continues from the newest one there
   // (parameters, optimizer state, step, data position, RNG), in any strategy and world size.

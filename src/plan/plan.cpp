@@ -674,16 +674,53 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   const DeviceSpec dev = slowest_device(c);
   const int64_t batch = o.global_batch > 0 ? o.global_batch : (m.kind == "transformer" ? 1024 : 256);
 
-  // Layer by layer for models that list their children (pipeline cut by parameter count, as
-  // tandem::partition_by_parameters does; tensor parallelism splitting the Linear pairs).
+  // Layer by layer for models that list their children (pipeline cut as o.pipeline_partition
+  // says, as tandem train does; tensor parallelism splitting the Linear pairs).
   const bool layered = !m.children.empty() && (tp > 1 || pp > 1);
   const int64_t n_layers = m.children.empty() ? m.layers : static_cast<int64_t>(m.children.size());
   std::vector<int64_t> partition;
   std::vector<double> stage_params;
   if (layered && pp <= n_layers) {  // else infeasible below
-    std::vector<double> costs;
-    for (const auto& l : m.children) costs.push_back(std::max(1.0, l.parameters));
-    partition = balance_partition(costs, pp);
+    if (o.pipeline_partition == "params" || o.pipeline_partition == "time") {
+      std::vector<double> costs;
+      const ModelRates* mr = nullptr;
+      if (c.cpu && o.calibration) {
+        auto it = o.calibration->models.find(m.name);
+        if (it != o.calibration->models.end() && it->second.layer_s_per_sample.size() == m.children.size() &&
+            it->second.layer_overhead_s.size() == m.children.size())
+          mr = &it->second;
+      }
+      const std::vector<bool> need = input_grad_needed(m);
+      const double mb = static_cast<double>(std::max<int64_t>(1, l.micro_batch));
+      for (size_t i = 0; i < m.children.size(); ++i) {
+        const LayerSpec& ly = m.children[i];
+        if (o.pipeline_partition == "params") {
+          costs.push_back(std::max(1.0, ly.parameters));
+        } else if (mr) {  // the dense child's time, as tandem train measures it before the tp split
+          costs.push_back(mr->layer_overhead_s[i] + mr->layer_s_per_sample[i] * mb);
+        } else {
+          costs.push_back(layer_train_flops(ly, need[i]) * mb);
+        }
+      }
+      partition = balance_partition(costs, pp);
+    } else {
+      for (size_t pos = 0; pos <= o.pipeline_partition.size();) {
+        const size_t end = std::min(o.pipeline_partition.find(',', pos), o.pipeline_partition.size());
+        const std::string item = o.pipeline_partition.substr(pos, end - pos);
+        if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos || item.size() > 9)
+          throw std::invalid_argument("pipeline partition '" + o.pipeline_partition +
+                                      "': use params, time, or the layers per stage, e.g. 3,7");
+        partition.push_back(std::stoll(item));
+        pos = end + 1;
+      }
+      int64_t sum = 0;
+      for (int64_t k : partition) sum += k;
+      if (static_cast<int>(partition.size()) != pp || sum != n_layers ||
+          *std::min_element(partition.begin(), partition.end()) < 1) {
+        return infeasible("the pipeline partition " + o.pipeline_partition + " does not cut the " +
+                          std::to_string(n_layers) + " layers into " + std::to_string(pp) + " non-empty stages");
+      }
+    }
     e.partition = partition;
     size_t i = 0;
     for (int64_t k : partition) {

@@ -235,6 +235,19 @@ TEST(Pipeline, PartitionByTimeIsTheSameOnEveryRank) {
   comm->allgather(all, mine);
   for (int r = 0; r < comm->size(); ++r) EXPECT_TRUE(all[r].equal(mine)) << "rank " << r << " disagrees";
   for (auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+
+  // Timing runs the layers in training mode; batch norm's running statistics must come out as
+  // they went in (rank 0 times, the others do not: they would start from other buffers).
+  torch::manual_seed(3);
+  torch::nn::Sequential bn_net(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::ReLU(),
+                               torch::nn::Linear(8, 2));
+  std::vector<at::Tensor> before;
+  for (auto& b : bn_net->buffers()) before.push_back(b.clone());
+  auto bn_parts = partition_by_time(bn_net, torch::randn({16, 8}) * 3 + 1, 2, *comm);
+  EXPECT_NO_THROW(validate_partition(bn_parts, 4, 2));
+  auto after = bn_net->buffers();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t k = 0; k < after.size(); ++k) EXPECT_TRUE(after[k].equal(before[k])) << "buffer " << k << " changed";
 }
 
 template <typename F>

@@ -7,7 +7,8 @@
 # --max-grad-norm tp 2 x dp 2 (DDP, ZeRO-1, ZeRO-2), pp 2, pp 2 x dp 2 (ZeRO-1) and tp 2 x pp 2 one
 # clipping worker; in fp16 from a loss scale that overflows tp 2, pp 2 and tp 2 x pp 2 skip the
 # same steps as one fp16 worker (pp 2 with ZeRO-1 too), and ZeRO-1 over tp 2 x dp 2 as DDP there. The report
-# and the metrics name the layout and the pipeline's bubble next to (pp-1)/m. Bad
+# and the metrics name the layout and the pipeline's bubble next to (pp-1)/m. The CNN cut by
+# --pp-partition time and by a list follows one worker too. Bad
 # input fails at start, non-zero, with a message naming the problem.
 # usage: train_model_parallel.sh TANDEM
 set -uo pipefail
@@ -218,6 +219,43 @@ for name in ("clip_tp2_dp2", "clip_pp2", "clip_tp2_pp2", "clip_tp2_dp2_zero1", "
 sys.exit(0 if ok else 1)
 PY
 
+# --pp-partition: the CNN cut where its time balances (measured on rank 0 before training) and
+# by an explicit list, against one worker; the report names the cut. The cut by parameter count
+# puts every convolution in stage 0 (7/3); a cut by time must not. (Not cnn_bn: batch norm over
+# a micro-batch normalises with other statistics than over the batch.)
+# (The runs below are the last: `common` is the CNN's from here.)
+common=(--model cnn --batch 32 --lr 0.02 --schedule constant --seed 5 --max-steps 6 --no-eval --no-baseline
+        --no-progress --threads 1)
+run cnn_single -n 1 --strategy single
+run cnn_pp2_time -n 2 --pp 2 --micro-batches 2 --pp-partition time
+run cnn_pp2_list -n 2 --pp 2 --micro-batches 2 --pp-partition 3,7
+python3 - "$out" <<'PY' || fails=$((fails + 1))
+import json, os, sys
+out = sys.argv[1]
+runs = {}
+for name in ("cnn_single", "cnn_pp2_time", "cnn_pp2_list"):
+    path = f"{out}/{name}.jsonl"
+    if os.path.exists(path):
+        rows = [json.loads(l) for l in open(path)]
+        runs[name] = ([d["loss"] for d in rows if not d.get("report")], [d for d in rows if d.get("report")])
+ref = runs.get("cnn_single", ([], []))[0]
+if len(ref) != 6:
+    print("FAIL: the cnn single-worker reference did not run"); sys.exit(1)
+ok = True
+for name, want in (("cnn_pp2_time", None), ("cnn_pp2_list", [3, 7])):
+    l, reports = runs.get(name, ([], []))
+    if len(l) != 6 or not reports:
+        print(f"FAIL {name}: did not log 6 steps"); ok = False; continue
+    worst = max(abs(a - b) / abs(b) for a, b in zip(l, ref))
+    cut = reports[0]["partition"]
+    print(f"{name}: partition {cut}; worst relative loss difference from one worker {worst:.2e}")
+    if worst > 1e-4 or (want and cut != want) or (not want and (sum(cut) != 10 or cut[0] >= 7)):
+        print(f"FAIL {name}"); ok = False
+sys.exit(0 if ok else 1)
+PY
+grep -qE -- '^pipeline +2 stages, layers per stage 3/7,' "$out/cnn_pp2_list.log" ||
+  { echo "FAIL report: cnn_pp2_list does not name the cut 3/7"; fails=$((fails + 1)); }
+
 expect() {  # expect NAME PATTERN -- command...: non-zero exit, quickly, with a line matching PATTERN
   local name=$1 pattern=$2; shift 3
   local start=$SECONDS
@@ -248,6 +286,14 @@ expect zero3-with-pp "composes with --strategy ddp or zero1 .* not zero3" -- \
 expect single-with-tp "strategy single runs one worker" -- "$tandem" train -n 2 --tp 2 --strategy single "${bad[@]}"
 expect bad-schedule "unknown pipeline schedule 'zigzag'; use gpipe or 1f1b" -- \
   "$tandem" train -n 2 --pp 2 --pipeline-schedule zigzag "${bad[@]}"
+expect bad-partition-word "--pp-partition 'layers': use params, time, or the layers of each of the 2 stages" -- \
+  "$tandem" train -n 2 --pp 2 --pp-partition layers "${bad[@]}"
+expect bad-partition-count "it lists 3 stage\(s\) for --pp 2" -- \
+  "$tandem" train -n 2 --pp 2 --pp-partition 1,2,3 "${bad[@]}"
+expect bad-partition-zero "every stage needs at least one layer" -- \
+  "$tandem" train -n 2 --pp 2 --pp-partition 0,6 "${bad[@]}"
+expect bad-partition-sum "the partition covers 5 layers but the model has 6" -- \
+  "$tandem" train -n 2 --pp 2 --pp-partition 2,3 "${bad[@]}"
 
 if [ $fails -ne 0 ]; then echo "model-parallel train: $fails failure(s)"; exit 1; fi
 echo "model-parallel train ok"

@@ -606,3 +606,47 @@ TEST(Plan, CalibratedCollectivesInterpolateMeasuredSizes) {
   EXPECT_GT(e3c.comm_parts.at("dp allgather (fwd+bwd)"), e3.comm_parts.at("dp allgather (fwd+bwd)"));
   EXPECT_NEAR(e2c.comm_parts.at("dp allgather"), tp::collective_seconds(c, lo, "allgather_shm", 2, grads), 1e-9);
 }
+
+// --pp-partition: the cut by parameter count (tandem's default), by time (the calibrated per-child
+// fits on CPU, FLOPs elsewhere) or an explicit list; a list that does not fit is infeasible.
+TEST(Plan, PipelinePartitionFollowsTheOption) {
+  const tp::ModelSpec m = tp::builtin_model("cnn");
+  ASSERT_EQ(m.children.size(), 10u);
+  const auto gpu = tp::cluster_preset("h100x8");
+  tp::PlanOptions o;
+  o.global_batch = 64;
+  tp::Layout l;
+  l.pp = 2; l.micro_batch = 16; l.micro_batches = 4;
+  // Parameters: the first Linear (401k of 421k) alone outweighs everything before it.
+  EXPECT_EQ(tp::estimate(m, gpu, l, o).partition, (std::vector<int64_t>{7, 3}));
+  // FLOPs: the second convolution is 90 % of the training work; it ends stage 0.
+  o.pipeline_partition = "time";
+  EXPECT_EQ(tp::estimate(m, gpu, l, o).partition, (std::vector<int64_t>{4, 6}));
+  // Calibrated on CPU: the fits, which give the pooling layers their time (here the first max-pool
+  // is the slowest child), so the cut falls after it.
+  tp::Calibration cal;
+  cal.cores = 2;
+  tp::ModelRates r;
+  r.flops_1t = 1e10;
+  r.layer_overhead_s.assign(10, 0.0);
+  r.layer_s_per_sample = {1e-5, 1e-5, 8e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5};
+  cal.models["cnn"] = r;
+  cal.p2p[2] = {1e-5, 1e9};
+  auto local = tp::cluster_preset("local");
+  tp::PlanOptions lo = o;
+  lo.precision = "fp32"; lo.optimizer = "sgd"; lo.calibration = &cal;
+  EXPECT_EQ(tp::estimate(m, local, l, lo).partition, (std::vector<int64_t>{3, 7}));
+  lo.pipeline_partition = "params";
+  EXPECT_EQ(tp::estimate(m, local, l, lo).partition, (std::vector<int64_t>{7, 3}));
+  // A list: used as given where it has pp stages covering every layer, else infeasible.
+  o.pipeline_partition = "5,5";
+  EXPECT_EQ(tp::estimate(m, gpu, l, o).partition, (std::vector<int64_t>{5, 5}));
+  o.pipeline_partition = "5,4";
+  auto bad = tp::estimate(m, gpu, l, o);
+  EXPECT_FALSE(bad.feasible);
+  EXPECT_NE(bad.why.find("does not cut the 10 layers into 2 non-empty stages"), std::string::npos) << bad.why;
+  o.pipeline_partition = "0,10";
+  EXPECT_FALSE(tp::estimate(m, gpu, l, o).feasible);
+  o.pipeline_partition = "5,x";
+  EXPECT_THROW(tp::estimate(m, gpu, l, o), std::invalid_argument);
+}

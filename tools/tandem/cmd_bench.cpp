@@ -146,6 +146,7 @@ int cmd_bench(int argc, char** argv) {
   int64_t batch = 0, steps = 30, eval_limit = 2000, epoch_samples = 60000;
   int reps = 1, threads = 0;
   int64_t micro_batches = 4;
+  std::string pp_partition = "params";
   bool accuracy = false, no_plot = false;
   std::string calibration = "tandem-calibration.json";
   double timeout_s = 600;
@@ -159,6 +160,9 @@ int cmd_bench(int argc, char** argv) {
   app.add_option("--batch", batch, "global batch (0: the multiple of every worker count nearest 128)")->capture_default_str();
   app.add_option("--steps", steps, "training steps per run (the median step time is reported)")->capture_default_str();
   app.add_option("--micro-batches", micro_batches, "pipeline micro-batches per step (layouts with pp)")
+      ->capture_default_str();
+  app.add_option("--pp-partition", pp_partition,
+                 "where pipelines are cut (tandem train --pp-partition): params | time | the layers per stage")
       ->capture_default_str();
   app.add_option("--reps", reps, "repetitions of every run, interleaved (median)")->capture_default_str();
   app.add_flag("--accuracy", accuracy, "evaluate test accuracy after the step budget");
@@ -229,6 +233,13 @@ int cmd_bench(int argc, char** argv) {
       if (r.layout.pp > 1 && (batch / dp) % micro_batches != 0)
         throw std::invalid_argument("--batch " + std::to_string(batch) + " over " + std::to_string(dp) +
                                     " replica(s) does not split into --micro-batches " + std::to_string(micro_batches));
+      if (r.layout.pp > 1 && pp_partition != "params" && pp_partition != "time") {
+        const bool digits = pp_partition.find_first_not_of("0123456789,") == std::string::npos;
+        if (!digits || std::count(pp_partition.begin(), pp_partition.end(), ',') + 1 != r.layout.pp)
+          throw std::invalid_argument("--pp-partition '" + pp_partition + "' for the " + std::to_string(r.layout.pp) +
+                                      "-stage layout " + s + ": use params, time, or " + std::to_string(r.layout.pp) +
+                                      " comma-separated layer counts (every pipelined layout must have that many stages)");
+      }
       rows.push_back(r);
     }
   }
@@ -253,6 +264,7 @@ int cmd_bench(int argc, char** argv) {
       l.micro_batches = l.pp > 1 ? micro_batches : 1;
       l.micro_batch = batch / l.dp / l.micro_batches;
       o.pipeline_schedule = r.layout.schedule;
+      o.pipeline_partition = pp_partition;
       plan::Estimate e = plan::estimate(m, c, l, o);
       r.predicted_ms = e.feasible ? e.step_s * 1e3 : 0.0;
     }
@@ -345,7 +357,7 @@ int cmd_bench(int argc, char** argv) {
       if (r.layout.tp > 1) args.insert(args.end(), {"--tp", std::to_string(r.layout.tp)});
       if (r.layout.pp > 1) {
         args.insert(args.end(), {"--pp", std::to_string(r.layout.pp), "--micro-batches", std::to_string(micro_batches),
-                                 "--pipeline-schedule", r.layout.schedule});
+                                 "--pipeline-schedule", r.layout.schedule, "--pp-partition", pp_partition});
       }
       if (accuracy) {
         args.insert(args.end(), {"--eval-limit", std::to_string(eval_limit)});

@@ -170,6 +170,13 @@ int cmd_plan(int argc, char** argv) {
   app.add_option("--devices", o.devices, "use this many devices (default: all)");
   app.add_option("--max-tp", o.max_tp, "largest tensor-parallel degree")->capture_default_str();
   app.add_option("--max-pp", o.max_pp, "largest pipeline depth")->capture_default_str();
+  app.add_option("--pipeline-schedule", o.pipeline_schedule, "1f1b | gpipe (layouts with pp > 1)")
+      ->check(CLI::IsMember({"1f1b", "gpipe"}))
+      ->capture_default_str();
+  app.add_option("--pp-partition", o.pipeline_partition,
+                 "where pipelines are cut, as tandem train --pp-partition: params | time (balanced per-layer time "
+                 "at the micro-batch) | the layers per stage, e.g. 3,7")
+      ->capture_default_str();
   app.add_flag("--checkpointing", o.activation_checkpointing, "activation checkpointing (recompute in backward)");
   app.add_option("--headroom", o.memory_headroom, "use at most this fraction of device memory")->capture_default_str();
   app.add_option("--top", top, "feasible layouts to show")->capture_default_str();

@@ -69,7 +69,11 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--timeout", timeout_s, "seconds any communication may block before failing")->capture_default_str();
   app.add_option("--tp", cfg.tp, "tensor-parallel ranks per replica (Megatron column/row-parallel Linear pairs)")
       ->capture_default_str();
-  app.add_option("--pp", cfg.pp, "pipeline stages per replica (the model cut by parameter count)")->capture_default_str();
+  app.add_option("--pp", cfg.pp, "pipeline stages per replica (the model cut as --pp-partition says)")->capture_default_str();
+  app.add_option("--pp-partition", cfg.pp_partition,
+                 "where the stages are cut: params (balanced parameter counts) | time (balanced forward+backward "
+                 "time of a micro-batch, measured before training) | the layers per stage, e.g. 3,7")
+      ->capture_default_str();
   app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per step and replica (with --pp)")
       ->capture_default_str();
   app.add_option("--pipeline-schedule", cfg.pipeline_schedule, "gpipe | 1f1b (with --pp)")->capture_default_str();

@@ -83,6 +83,13 @@ std::vector<int64_t> partition_by_time(torch::nn::Sequential& model, const at::T
   if (stages > n) validate_partition({}, n, stages);
   std::vector<int64_t> parts(stages, 0);
   if (comm.rank() == 0) {
+    // Timing runs the model in training mode: keep its buffers (batch norm's running statistics)
+    // as they were, so that rank 0 does not start from different ones than the others.
+    std::vector<at::Tensor> buffers, saved;
+    for (auto& b : model->buffers()) {
+      buffers.push_back(b);
+      saved.push_back(b.clone());
+    }
     std::vector<double> costs;
     at::Tensor x = sample_input;
     for (int64_t i = 0; i < n; ++i) {
@@ -102,6 +109,10 @@ std::vector<int64_t> partition_by_time(torch::nn::Sequential& model, const at::T
       x = y.detach();
     }
     for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+    {
+      at::NoGradGuard ng;
+      for (size_t k = 0; k < buffers.size(); ++k) buffers[k].copy_(saved[k]);
+    }
     parts = balance_partition(costs, stages);
   }
   if (comm.size() > 1) {
