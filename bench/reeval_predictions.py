@@ -21,9 +21,10 @@ import sys
 STRATEGIES = "ddp,zero1,zero2,zero3,tp2,pp2,pp2-gpipe,tp2pp2,tp4,pp4"
 
 
-def predictions(tandem, model, calibration, batch):
+def predictions(tandem, model, calibration, batch, partition):
     out = subprocess.run([tandem, "bench", "--model", model, "--workers", "1,2,3,4", "--strategies", STRATEGIES,
-                          "--batch", str(batch), "--predict-only", "--calibration", calibration],
+                          "--batch", str(batch), "--predict-only", "--calibration", calibration,
+                          "--pp-partition", partition],
                          capture_output=True, text=True, check=True).stdout
     got = {}
     for line in out.splitlines():
@@ -39,12 +40,19 @@ def rows_of(tandem, d):
         model = re.search(r"bench_(\w+)\.log$", log).group(1)
         text = open(log).read()
         batch = int(re.search(r"global batch (\d+)", text).group(1))
+        # Pipelines cut other than by parameters: named in the header line (since the fourteenth
+        # session), or for earlier runs in a bench_args.txt beside the log.
+        cut = re.search(r"pipelines cut by (\S+)", text.splitlines()[0])
+        args_file = os.path.join(d, "bench_args.txt")
+        if not cut and os.path.exists(args_file):
+            cut = re.search(r"--pp-partition (\S+)", open(args_file).read())
+        partition = cut.group(1) if cut else "params"
         measured = {}
         for m in re.finditer(r"\[(\d+)/\d+\] (\d+) worker\(s\), (\S+)\.\.\. ([0-9.]+) ms/step", text):
             measured.setdefault((int(m.group(2)), m.group(3)), []).append(float(m.group(4)))
         predicted = {}
         for cal in sorted(glob.glob(log[:-4] + ".calibration-*.json")):
-            for key, v in predictions(tandem, model, cal, batch).items():
+            for key, v in predictions(tandem, model, cal, batch, partition).items():
                 predicted.setdefault(key, []).append(v)
         for key, ms in measured.items():
             if key in predicted:

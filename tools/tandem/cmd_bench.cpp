@@ -307,7 +307,8 @@ int cmd_bench(int argc, char** argv) {
     ::rmdir(tmp.c_str());
   };
   std::cout << "tandem bench: " << model << ", global batch " << batch << ", " << steps << " steps per run, " << reps
-            << " repetition(s), " << rows.size() << " configurations" << std::endl;
+            << " repetition(s), " << rows.size() << " configurations"
+            << (pp_partition == "params" ? "" : ", pipelines cut by " + pp_partition) << std::endl;
   std::string cal_workers;
   for (int n : workers)
     if (n > 1) cal_workers += (cal_workers.empty() ? "" : ",") + std::to_string(n);
