@@ -197,7 +197,8 @@ struct PlanOptions {
   // Where a model that lists its children is cut into stages, as `tandem train --pp-partition`:
   // "params" (balanced parameter counts), "time" (balanced per-child time at the micro-batch:
   // the calibration's fits on CPU, else FLOPs) or the children per stage, "3,7" (layouts with
-  // another stage count are infeasible).
+  // another stage count are infeasible); "auto": the faster of params and time (Estimate::partition
+  // says which cut, to pass to tandem train as a list).
   std::string pipeline_partition = "params";
   double memory_headroom = 0.9;    // use at most this fraction of device memory
   const Calibration* calibration = nullptr;

@@ -668,6 +668,15 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   };
   const int dp = l.dp, tp = l.tp, pp = l.pp;
   if (dp < 1 || tp < 1 || pp < 1) throw std::invalid_argument("dp, tp and pp must be at least 1");
+  if (o.pipeline_partition == "auto") {  // both cuts, the faster (parameters on a tie)
+    PlanOptions by = o;
+    by.pipeline_partition = "params";
+    Estimate a = estimate(m, c, l, by);
+    if (pp == 1 || m.children.empty()) return a;
+    by.pipeline_partition = "time";
+    Estimate b = estimate(m, c, l, by);
+    return b.feasible && (!a.feasible || b.step_s < a.step_s * 0.999) ? b : a;
+  }
   const int used = dp * tp * pp;
   const int dpn = devices_per_node(c);
   const StateBytes sb = state_bytes(o.precision, o.optimizer);
@@ -959,7 +968,9 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
       std::vector<int64_t> mbs;
       if (batch % dp != 0 || per_replica < 1) {
         mbs.push_back(1);
-      } else if (pp == 1 && !o.dp_only_workers.empty()) {
+      } else if (pp == 1 && (!o.dp_only_workers.empty() || c.cpu)) {
+        // No gradient accumulation: tandem train has none, and on the local cluster the plan
+        // lists what it runs (it picked the CNN's tp2 at 96 micro-batches of 2).
         mbs.push_back(per_replica);
       } else {
         for (int64_t d : divisors(per_replica))

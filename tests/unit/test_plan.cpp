@@ -5,6 +5,9 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 
 #include "tandem/models.h"
 #include "tandem/pipeline.h"
@@ -607,6 +610,20 @@ TEST(Plan, CalibratedCollectivesInterpolateMeasuredSizes) {
   EXPECT_NEAR(e2c.comm_parts.at("dp allgather"), tp::collective_seconds(c, lo, "allgather_shm", 2, grads), 1e-9);
 }
 
+// A calibration of the CNN on 2 cores whose first max-pool is its slowest child (8 of 17 units
+// per sample, the other children 1 each).
+static tp::Calibration slow_pool_cnn_calibration() {
+  tp::Calibration cal;
+  cal.cores = 2;
+  tp::ModelRates r;
+  r.flops_1t = 1e10;
+  r.layer_overhead_s.assign(10, 0.0);
+  r.layer_s_per_sample = {1e-5, 1e-5, 8e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5};
+  cal.models["cnn"] = r;
+  cal.p2p[2] = {1e-5, 1e9};
+  return cal;
+}
+
 // --pp-partition: the cut by parameter count (tandem's default), by time (the calibrated per-child
 // fits on CPU, FLOPs elsewhere) or an explicit list; a list that does not fit is infeasible.
 TEST(Plan, PipelinePartitionFollowsTheOption) {
@@ -624,14 +641,7 @@ TEST(Plan, PipelinePartitionFollowsTheOption) {
   EXPECT_EQ(tp::estimate(m, gpu, l, o).partition, (std::vector<int64_t>{4, 6}));
   // Calibrated on CPU: the fits, which give the pooling layers their time (here the first max-pool
   // is the slowest child), so the cut falls after it.
-  tp::Calibration cal;
-  cal.cores = 2;
-  tp::ModelRates r;
-  r.flops_1t = 1e10;
-  r.layer_overhead_s.assign(10, 0.0);
-  r.layer_s_per_sample = {1e-5, 1e-5, 8e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5, 1e-5};
-  cal.models["cnn"] = r;
-  cal.p2p[2] = {1e-5, 1e9};
+  const tp::Calibration cal = slow_pool_cnn_calibration();
   auto local = tp::cluster_preset("local");
   tp::PlanOptions lo = o;
   lo.precision = "fp32"; lo.optimizer = "sgd"; lo.calibration = &cal;
@@ -649,4 +659,71 @@ TEST(Plan, PipelinePartitionFollowsTheOption) {
   EXPECT_FALSE(tp::estimate(m, gpu, l, o).feasible);
   o.pipeline_partition = "5,x";
   EXPECT_THROW(tp::estimate(m, gpu, l, o), std::invalid_argument);
+}
+
+// tandem plan's default: the faster of the two cuts, named in Estimate::partition.
+TEST(Plan, PipelinePartitionAutoTakesTheFasterCut) {
+  const tp::ModelSpec m = tp::builtin_model("cnn");
+  const tp::Calibration cal = slow_pool_cnn_calibration();
+  const auto local = tp::cluster_preset("local");
+  tp::PlanOptions o;
+  o.global_batch = 64; o.precision = "fp32"; o.optimizer = "sgd"; o.calibration = &cal;
+  tp::Layout l;
+  l.pp = 2; l.micro_batch = 16; l.micro_batches = 4;
+  o.pipeline_partition = "params";
+  const auto by_params = tp::estimate(m, local, l, o);
+  o.pipeline_partition = "time";
+  const auto by_time = tp::estimate(m, local, l, o);
+  ASSERT_TRUE(by_params.feasible && by_time.feasible);
+  ASSERT_LT(by_time.step_s, by_params.step_s);  // 10 of 17 units in the slower stage, not 16
+  o.pipeline_partition = "auto";
+  const auto a = tp::estimate(m, local, l, o);
+  EXPECT_EQ(a.partition, (std::vector<int64_t>{3, 7}));
+  EXPECT_DOUBLE_EQ(a.step_s, by_time.step_s);
+  // Without a pipeline there is nothing to choose.
+  tp::Layout dp2;
+  dp2.dp = 2; dp2.micro_batch = 32;
+  o.pipeline_partition = "auto";
+  const auto d = tp::estimate(m, local, dp2, o);
+  o.pipeline_partition = "params";
+  EXPECT_DOUBLE_EQ(d.step_s, tp::estimate(m, local, dp2, o).step_s);
+  // The local search lists what tandem train runs: the pipeline's cut, and no gradient
+  // accumulation without a pipeline.
+  o.pipeline_partition = "auto";
+  o.devices = 2;
+  o.global_batch = 192;
+  bool saw_pipeline = false;
+  for (const auto& e : tp::plan(m, local, o)) {
+    if (!e.feasible) continue;
+    if (e.layout.pp == 1) {
+      EXPECT_EQ(e.layout.micro_batches, 1) << e.layout.strategy_name();
+    } else {
+      saw_pipeline = true;
+      EXPECT_EQ(e.partition, (std::vector<int64_t>{3, 7}));
+    }
+  }
+  EXPECT_TRUE(saw_pipeline);
+}
+
+// On the local cluster the search lists only what tandem train runs: no gradient accumulation
+// without a pipeline. With a stored calibration of this machine (bench/protocol-runs), the CNN's
+// tp2 was listed at 96 micro-batches of 2.
+TEST(Plan, LocalSearchHasNoGradientAccumulation) {
+  const char* src = std::getenv("TANDEM_SOURCE_DIR");
+  if (!src) GTEST_SKIP() << "TANDEM_SOURCE_DIR unset (ctest sets it)";
+  std::ifstream f(std::string(src) + "/bench/protocol-runs/pptime-20261202/bench_cnn.calibration-1.json");
+  ASSERT_TRUE(f) << "the stored calibration is missing";
+  std::stringstream text;
+  text << f.rdbuf();
+  const tp::Calibration cal = tp::calibration_from_json(text.str());
+  tp::PlanOptions o;
+  o.global_batch = 192; o.precision = "fp32"; o.optimizer = "sgd"; o.calibration = &cal; o.devices = 2;
+  bool saw_tp = false;
+  for (const auto& e : tp::plan(tp::builtin_model("cnn"), tp::cluster_preset("local"), o)) {
+    if (!e.feasible || e.layout.pp > 1) continue;
+    saw_tp = saw_tp || e.layout.tp == 2;
+    EXPECT_EQ(e.layout.micro_batches, 1) << e.layout.strategy_name();
+    EXPECT_EQ(e.layout.micro_batch, 192 / e.layout.dp) << e.layout.strategy_name();
+  }
+  EXPECT_TRUE(saw_tp);
 }

@@ -71,8 +71,19 @@ std::vector<NodeGroup> parse_groups(const std::string& text, int default_per_nod
   return groups;
 }
 
+// The layout, and for a pipeline the cut (layers per stage) to give tandem train --pp-partition.
+std::string layout_label(const Estimate& e) {
+  std::string s = e.layout.strategy_name();
+  if (e.layout.pp > 1 && !e.partition.empty()) {
+    s += " cut ";
+    for (size_t i = 0; i < e.partition.size(); ++i) s += (i ? "/" : "") + std::to_string(e.partition[i]);
+  }
+  return s;
+}
+
 nlohmann::json to_json(const Estimate& e) {
   nlohmann::json j = {{"layout", e.layout.strategy_name()},
+                      {"partition", e.partition},
                       {"dp", e.layout.dp},
                       {"tp", e.layout.tp},
                       {"pp", e.layout.pp},
@@ -173,9 +184,11 @@ int cmd_plan(int argc, char** argv) {
   app.add_option("--pipeline-schedule", o.pipeline_schedule, "1f1b | gpipe (layouts with pp > 1)")
       ->check(CLI::IsMember({"1f1b", "gpipe"}))
       ->capture_default_str();
+  o.pipeline_partition = "auto";
   app.add_option("--pp-partition", o.pipeline_partition,
-                 "where pipelines are cut, as tandem train --pp-partition: params | time (balanced per-layer time "
-                 "at the micro-batch) | the layers per stage, e.g. 3,7")
+                 "where pipelines are cut: auto (the faster of params and time; the table names the cut) | params "
+                 "(balanced parameter counts, tandem train's default) | time (balanced per-layer time at the "
+                 "micro-batch) | the layers per stage, e.g. 3,7 (tandem train --pp-partition takes each)")
       ->capture_default_str();
   app.add_flag("--checkpointing", o.activation_checkpointing, "activation checkpointing (recompute in backward)");
   app.add_option("--headroom", o.memory_headroom, "use at most this fraction of device memory")->capture_default_str();
@@ -421,7 +434,7 @@ int cmd_plan(int argc, char** argv) {
   std::cout << "options  global batch " << (o.global_batch > 0 ? o.global_batch : (m.kind == "transformer" ? 1024 : 256))
             << ", " << o.optimizer << ", " << o.precision << (o.activation_checkpointing ? ", checkpointing" : "") << "\n\n";
 
-  std::cout << std::left << std::setw(5) << "rank" << std::setw(22) << "layout" << std::right << std::setw(9)
+  std::cout << std::left << std::setw(5) << "rank" << std::setw(30) << "layout" << std::right << std::setw(9)
             << "micro-b" << std::setw(8) << "bucket" << std::setw(11) << "step ms" << std::setw(12) << "samples/s"
             << std::setw(8) << "eff." << std::setw(11) << "memory" << std::setw(11) << "comm ms" << std::setw(10)
             << "exposed" << "   memory: params/grads/optimizer/activations\n";
@@ -430,7 +443,7 @@ int cmd_plan(int argc, char** argv) {
     if (!e.feasible || shown >= top) continue;
     ++shown;
     const auto& l = e.layout;
-    std::cout << std::left << std::setw(5) << shown << std::setw(22) << l.strategy_name() << std::right << std::setw(9)
+    std::cout << std::left << std::setw(5) << shown << std::setw(30) << layout_label(e) << std::right << std::setw(9)
               << (std::to_string(l.micro_batch) + "x" + std::to_string(l.micro_batches)) << std::setw(8)
               << fixed(l.bucket_bytes / 1048576.0, 0) << std::setw(11) << fixed(e.step_s * 1e3, e.step_s < 1 ? 1 : 0)
               << std::setw(12) << fixed(e.samples_per_s, e.samples_per_s < 100 ? 1 : 0) << std::setw(7)
@@ -450,7 +463,7 @@ int cmd_plan(int argc, char** argv) {
         std::cout << "  ... " << infeasible - show_infeasible << " more\n";
         break;
       }
-      std::cout << "  " << std::left << std::setw(22) << e.layout.strategy_name() << e.why << "\n";
+      std::cout << "  " << std::left << std::setw(30) << layout_label(e) << e.why << "\n";
     }
   }
   if (feasible == 0) {
