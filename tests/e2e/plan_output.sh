@@ -34,3 +34,19 @@ for k, z in by.items():
     assert vals == sorted(vals, reverse=True), (k, z)
 print("plan JSON ok:", len(feas), "feasible,", len(bad), "infeasible")
 PY
+# A layered model's pipeline names its cut (the default --pp-partition auto keeps the faster of
+# the cuts by parameters and by FLOPs), in the table and the JSON; a list is used as given.
+"$tandem" plan --model cnn --cluster h100x8 --devices 2 --top 20 --json cnn.json >/dev/null
+"$tandem" plan --model cnn --cluster h100x8 --devices 2 --top 20 | tee cnn.txt >/dev/null
+grep -qE 'dp1 tp1 pp2 cut [0-9]+/[0-9]+ ' cnn.txt || { echo "the pp2 layout names no cut"; cat cnn.txt; exit 1; }
+"$tandem" plan --model cnn --cluster h100x8 --devices 2 --top 20 --pp-partition 5,5 --json cnn55.json >/dev/null
+python3 - cnn.json cnn55.json <<'PY'
+import json, sys
+for path, want in ((sys.argv[1], None), (sys.argv[2], [5, 5])):
+    pp = [l for l in json.load(open(path))["layouts"] if l["pp"] == 2 and l["feasible"]]
+    assert pp, f"{path}: no feasible pp2 layout"
+    for l in pp:
+        assert len(l["partition"]) == 2 and sum(l["partition"]) == 10, l
+        assert want is None or l["partition"] == want, l
+print("plan pipeline cuts ok")
+PY
