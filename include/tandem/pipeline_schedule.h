@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -18,5 +19,11 @@ std::vector<int64_t> balance_partition(const std::vector<double>& costs, int sta
 // (PipeDream-Flush): p - s - 1 warm-up forwards, then one forward and one backward, then the rest
 // of the backwards.
 std::vector<std::pair<bool, int64_t>> pipeline_order(bool gpipe, int stage, int stages, int64_t m);
+
+// The --pp-partition option of tandem train, pretrain and finetune: "params" and "time" give an
+// empty list (the caller cuts), otherwise one positive layer count per stage, comma-separated
+// ("3,7"). Throws std::invalid_argument naming the option otherwise. Whether the counts add up to
+// the model's layers is tandem::Pipeline's check.
+std::vector<int64_t> parse_partition_option(const std::string& text, int stages);
 
 }  // namespace tandem

@@ -165,6 +165,7 @@ struct TextTrainConfig {
   std::string precision = "fp32";   // fp32 | bf16 | fp16 (compute; fp32 masters, loss scaling for fp16)
   int tp = 1, pp = 1;               // tensor / pipeline parallel ranks per replica (ddp or zero1 over the replicas)
   int64_t micro_batches = 1;        // pipeline micro-batches per replica batch (pp > 1)
+  std::string pp_partition = "params";  // params | time | layers per stage "2,3" (tandem/pipeline_schedule.h)
   int64_t batch = 32;               // global batch, split evenly over the ranks
   int64_t steps = 200;
   double lr = 1e-3;                 // AdamW, linear warmup then cosine decay to 10%
@@ -184,6 +185,7 @@ struct TextReport {
   int world_size = 1;
   std::string precision = "fp32";
   int dp = 1, tp = 1, pp = 1;  // the layout: data x tensor x pipeline parallel
+  std::vector<int64_t> partition;  // layers per pipeline stage (pp > 1)
   int64_t parameters = 0;
   int64_t steps = 0, samples = 0;
   double wall_seconds = 0.0, samples_per_second = 0.0, step_ms_median = 0.0;

@@ -713,19 +713,12 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
       }
       partition = balance_partition(costs, pp);
     } else {
-      for (size_t pos = 0; pos <= o.pipeline_partition.size();) {
-        const size_t end = std::min(o.pipeline_partition.find(',', pos), o.pipeline_partition.size());
-        const std::string item = o.pipeline_partition.substr(pos, end - pos);
-        if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos || item.size() > 9)
-          throw std::invalid_argument("pipeline partition '" + o.pipeline_partition +
-                                      "': use params, time, or the layers per stage, e.g. 3,7");
-        partition.push_back(std::stoll(item));
-        pos = end + 1;
-      }
+      // Malformed (or an empty stage): thrown, as tandem train refuses it.
+      const auto stages = 1 + std::count(o.pipeline_partition.begin(), o.pipeline_partition.end(), ',');
+      partition = parse_partition_option(o.pipeline_partition, static_cast<int>(stages));
       int64_t sum = 0;
       for (int64_t k : partition) sum += k;
-      if (static_cast<int>(partition.size()) != pp || sum != n_layers ||
-          *std::min_element(partition.begin(), partition.end()) < 1) {
+      if (static_cast<int>(partition.size()) != pp || sum != n_layers) {
         return infeasible("the pipeline partition " + o.pipeline_partition + " does not cut the " +
                           std::to_string(n_layers) + " layers into " + std::to_string(pp) + " non-empty stages");
       }

@@ -124,16 +124,27 @@ struct Engine {
   Precision precision;
   int dp = 1, dp_rank = 0;
 
-  Engine(torch::nn::Sequential n, Runtime& rt, const TextTrainConfig& cfg)
+  // `ids`: the training documents' token ids; with --pp-partition time the first micro-batch of
+  // them is timed layer by layer (on rank 0, the dense model) to cut the pipeline.
+  Engine(torch::nn::Sequential n, Runtime& rt, const TextTrainConfig& cfg, const at::Tensor& ids)
       : dense(std::move(n)), comm(rt.world()), precision(parse_precision(cfg.precision)) {
     dense->to(rt.device());
     if (cfg.tp * cfg.pp > 1) grid = std::make_unique<ProcessGrid>(comm, cfg.tp, cfg.pp);
     dp_comm = grid ? grid->dp() : comm;
     dp = dp_comm->size();
     dp_rank = dp_comm->rank();
+    std::vector<int64_t> cut;
+    if (cfg.pp > 1) {
+      cut = parse_partition_option(cfg.pp_partition, cfg.pp);
+      if (cfg.pp_partition == "time") {
+        const int64_t mb = std::max<int64_t>(1, std::min<int64_t>(cfg.batch / dp / cfg.micro_batches, ids.size(0)));
+        cut = partition_by_time(dense, ids.narrow(0, 0, mb).to(rt.device()), cfg.pp, *comm);
+      }
+    }
     net = cfg.tp > 1 ? tp::tensor_parallel(dense, grid->tp()) : dense;
     if (cfg.pp > 1) {
       PipelineOptions po;
+      po.partition = cut;
       po.micro_batches = cfg.micro_batches;
       po.device = rt.device();
       pipe = std::make_unique<Pipeline>(net, grid->pp(), po);
@@ -455,6 +466,7 @@ void describe_layout(const Engine& eng, const TextTrainConfig& cfg, TextReport& 
   rep.dp = eng.dp;
   rep.tp = cfg.tp;
   rep.pp = cfg.pp;
+  if (eng.pipe) rep.partition = eng.pipe->partition();
 }
 
 void fill_corpus_counts(const Corpus& c, TextReport& rep) {
@@ -493,6 +505,7 @@ void validate(const TextTrainConfig& cfg, int world) {
                                 std::to_string(cfg.pp));
   }
   if (cfg.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
+  if (cfg.pp > 1) (void)parse_partition_option(cfg.pp_partition, cfg.pp);
   const int split = cfg.tp * cfg.pp;
   const std::string layout = "--tp " + std::to_string(cfg.tp) + " x --pp " + std::to_string(cfg.pp);
   if (split > 1) {
@@ -572,7 +585,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   rep.parameters = models::count_parameters(*net);
   rep.labels = corpus.labels;
   fill_corpus_counts(corpus, rep);
-  Engine eng(net, rt, cfg);
+  Engine eng(net, rt, cfg, train.ids);
   describe_layout(eng, cfg, rep);
   const auto device = rt.device();
   // Next-token cross-entropy over the real tokens (mean, or the sum for the validation loss).
@@ -684,7 +697,7 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
     }
     rep.initialised_from_checkpoint = true;
   }
-  Engine eng(net, rt, cfg);
+  Engine eng(net, rt, cfg, train_x);
   describe_layout(eng, cfg, rep);
   const auto device = rt.device();
   train_loop(
@@ -737,7 +750,10 @@ std::string format_report(const TextTrainConfig& cfg, const TextReport& r) {
      << r.shape.seq << ", vocabulary " << r.shape.vocab << " (" << r.parameters << " parameters), strategy "
      << cfg.strategy << ", " << r.world_size << " worker(s), " << r.precision << "\n";
   os << "layout           dp " << r.dp << " x tp " << r.tp << " x pp " << r.pp << " (data x tensor x pipeline parallel)";
-  if (r.pp > 1) os << ", " << cfg.micro_batches << " micro-batches";
+  if (r.pp > 1) {
+    os << ", " << cfg.micro_batches << " micro-batches, layers per stage";
+    for (size_t i = 0; i < r.partition.size(); ++i) os << (i ? "/" : " ") << r.partition[i];
+  }
   os << "\n";
   os << "data             " << r.train_documents << " train / " << r.valid_documents << " validation / "
      << r.test_documents << " test documents, " << r.labels.size() << " labels\n";

@@ -68,28 +68,6 @@ double wire_bytes(const std::map<std::string, OpStats>& st, int n) {
          (n > 1 ? get("broadcast") : 0.0) + get("send");  // send: pipeline activations and gradients
 }
 
-// --pp-partition: "params" or "time" (empty result), else one layer count per stage.
-std::vector<int64_t> parse_pp_partition(const std::string& text, int pp) {
-  if (text == "params" || text == "time") return {};
-  const std::string use = "--pp-partition '" + text + "': use params, time, or the layers of each of the " +
-                          std::to_string(pp) + " stages, comma-separated (e.g. 3,7 for --pp 2)";
-  std::vector<int64_t> parts;
-  size_t pos = 0;
-  while (pos <= text.size()) {
-    const size_t end = std::min(text.find(',', pos), text.size());
-    const std::string item = text.substr(pos, end - pos);
-    if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos || item.size() > 9)
-      throw std::invalid_argument(use);
-    parts.push_back(std::stoll(item));
-    if (parts.back() < 1) throw std::invalid_argument(use + "; every stage needs at least one layer");
-    pos = end + 1;
-  }
-  if (static_cast<int>(parts.size()) != pp)
-    throw std::invalid_argument(use + "; it lists " + std::to_string(parts.size()) + " stage(s) for --pp " +
-                                std::to_string(pp));
-  return parts;
-}
-
 // Model-parallel flags: --tp, --pp, --micro-batches, --pipeline-schedule. Returns the number of
 // data-parallel replicas, world / (tp * pp).
 int validate_model_parallel(const TrainConfig& cfg, int world) {
@@ -100,7 +78,7 @@ int validate_model_parallel(const TrainConfig& cfg, int world) {
   parse_pipeline_schedule(cfg.pipeline_schedule);  // names gpipe and 1f1b
   if (cfg.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
   const int tp = cfg.tp, pp = cfg.pp;
-  if (pp > 1) (void)parse_pp_partition(cfg.pp_partition, pp);
+  if (pp > 1) (void)parse_partition_option(cfg.pp_partition, pp);
   if (tp * pp == 1) return world;
   const std::string layout = "--tp " + std::to_string(tp) + " x --pp " + std::to_string(pp);
   if (world % (tp * pp) != 0) {
@@ -270,7 +248,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   // collectives on rank 0 alone), on one micro-batch of training images, before any step.
   std::vector<int64_t> cut;
   if (cfg.pp > 1) {
-    cut = parse_pp_partition(cfg.pp_partition, cfg.pp);
+    cut = parse_partition_option(cfg.pp_partition, cfg.pp);
     if (cfg.pp_partition == "time") {
       const int64_t mb = std::max<int64_t>(1, std::min<int64_t>(cfg.batch / dp / cfg.micro_batches, train_set.size()));
       cut = partition_by_time(model, train_set.images.narrow(0, 0, mb), cfg.pp, *comm);

@@ -64,5 +64,9 @@ expect label-set "labels of .*\{de,ru\}.* differ from those of checkpoint .*\{de
   "$tandem" finetune -n 1 --strategy single --data "$tmp/fewer" --checkpoint "$tmp/ckpt" "${small[@]}"
 expect no-checkpoint "has no manifest.json" -- "$tandem" finetune -n 1 --strategy single --data "$tmp/good" --checkpoint "$tmp/empty" "${small[@]}"
 expect single-with-many "strategy single runs one worker" -- "$tandem" finetune -n 2 --strategy single --data "$tmp/good" --checkpoint "$tmp/ckpt"
+expect bad-pp-partition "--pp-partition '2,x': use params, time, or the layers of each of the 2 stages" -- \
+  "$tandem" finetune -n 2 --strategy ddp --pp 2 --pp-partition 2,x --data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}"
+expect short-pp-partition "the partition covers 3 layers but the model has" -- \
+  "$tandem" finetune -n 2 --strategy ddp --pp 2 --pp-partition 1,2 --data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}"
 [ $fails -eq 0 ] && echo "all bad-input cases rejected" || echo "$fails case(s) not rejected as expected"
 exit $((fails > 0))

@@ -29,10 +29,10 @@ run tp2 "$tandem" finetune -n 2 --strategy ddp --tp 2 "${ft[@]}"
 run pp2 "$tandem" finetune -n 2 --strategy ddp --pp 2 --micro-batches 2 "${ft[@]}"
 # Mixed precision on split models: bf16 over 2 tensor-parallel ranks (its fp32 masters gathered
 # into the dense model it writes), fp16 through a 2-stage pipeline (loss scaling, the overflow
-# check over both stages); then the bf16 model's output reloaded on one worker in fp32 for one
+# check over both stages; its stages cut by measured time); then the bf16 model's output reloaded on one worker in fp32 for one
 # step at a negligible learning rate: it must score as the run that wrote it.
 run tp2_bf16 "$tandem" finetune -n 2 --strategy ddp --tp 2 --precision bf16 --out "$tmp/ft_tp2_bf16" "${ft[@]}"
-run pp2_fp16 "$tandem" finetune -n 2 --strategy ddp --pp 2 --micro-batches 2 --precision fp16 "${ft[@]}"
+run pp2_fp16 "$tandem" finetune -n 2 --strategy ddp --pp 2 --micro-batches 2 --precision fp16 --pp-partition time "${ft[@]}"
 run reload_bf16 "$tandem" finetune -n 1 --strategy single --checkpoint "$tmp/ft_tp2_bf16" --steps 1 --lr 1e-9 \
   --warmup-steps 0 --max-per-label 1200 "${common[@]}"
 # The same with ZeRO-1 over 2 replicas (its masters gathered from its chunks over dp first), and
@@ -64,7 +64,8 @@ for r in fp32 bf16 tp2 pp2 tp2_bf16 pp2_fp16 tp2_zero1_bf16 pp2_zero1_fp16 categ
 done
 check "bf16 report names its precision" "$(grep -c '^model .*, bf16$' "$tmp/bf16.log") == 1"
 check "tp2 report names its layout" "$(grep -c '^layout  *dp 1 x tp 2 x pp 1' "$tmp/tp2.log") == 1"
-check "pp2 report names its layout" "$(grep -c '^layout  *dp 1 x tp 1 x pp 2 .*, 2 micro-batches' "$tmp/pp2.log") == 1"
+check "pp2 report names its layout" "$(grep -cE '^layout  *dp 1 x tp 1 x pp 2 .*, 2 micro-batches, layers per stage [0-9]+/[0-9]+$' "$tmp/pp2.log") == 1"
+check "pp2_fp16 (cut by time) names its cut" "$(grep -cE '^layout  *dp 1 x tp 1 x pp 2 .*, layers per stage [0-9]+/[0-9]+$' "$tmp/pp2_fp16.log") == 1"
 check "fp32 well above chance (1/7): $a0" "float('$a0') >= 70"
 for r in tp2 pp2; do
   a=$(num "$(field $r "test accuracy")")

@@ -656,7 +656,7 @@ TEST(Plan, PipelinePartitionFollowsTheOption) {
   EXPECT_FALSE(bad.feasible);
   EXPECT_NE(bad.why.find("does not cut the 10 layers into 2 non-empty stages"), std::string::npos) << bad.why;
   o.pipeline_partition = "0,10";
-  EXPECT_FALSE(tp::estimate(m, gpu, l, o).feasible);
+  EXPECT_THROW(tp::estimate(m, gpu, l, o), std::invalid_argument);
   o.pipeline_partition = "5,x";
   EXPECT_THROW(tp::estimate(m, gpu, l, o), std::invalid_argument);
 }

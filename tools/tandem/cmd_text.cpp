@@ -52,6 +52,10 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   app.add_option("--tp", cfg.tp, "tensor-parallel ranks per replica (Megatron blocks; with ddp or zero1)")
       ->capture_default_str();
   app.add_option("--pp", cfg.pp, "pipeline stages per replica (with ddp or zero1)")->capture_default_str();
+  app.add_option("--pp-partition", cfg.pp_partition,
+                 "where the stages are cut: params (balanced parameter counts) | time (balanced forward+backward "
+                 "time of a micro-batch, measured before training) | the layers per stage, e.g. 2,3")
+      ->capture_default_str();
   app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per replica batch (--pp > 1)")
       ->capture_default_str();
   app.add_option("--batch", cfg.batch, "global batch size (split across workers)")->capture_default_str();

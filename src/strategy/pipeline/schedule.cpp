@@ -60,4 +60,25 @@ std::vector<std::pair<bool, int64_t>> pipeline_order(bool gpipe, int stage, int 
   return ops;
 }
 
+std::vector<int64_t> parse_partition_option(const std::string& text, int pp) {
+  if (text == "params" || text == "time") return {};
+  const std::string use = "--pp-partition '" + text + "': use params, time, or the layers of each of the " +
+                          std::to_string(pp) + " stages, comma-separated (e.g. 3,7 for --pp 2)";
+  std::vector<int64_t> parts;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const size_t end = std::min(text.find(',', pos), text.size());
+    const std::string item = text.substr(pos, end - pos);
+    if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos || item.size() > 9)
+      throw std::invalid_argument(use);
+    parts.push_back(std::stoll(item));
+    if (parts.back() < 1) throw std::invalid_argument(use + "; every stage needs at least one layer");
+    pos = end + 1;
+  }
+  if (static_cast<int>(parts.size()) != pp)
+    throw std::invalid_argument(use + "; it lists " + std::to_string(parts.size()) + " stage(s) for --pp " +
+                                std::to_string(pp));
+  return parts;
+}
+
 }  // namespace tandem
