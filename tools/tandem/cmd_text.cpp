@@ -173,8 +173,10 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
     }
   } catch (const std::exception& e) {
     auto* ce = dynamic_cast<const c10::Error*>(&e);
-    std::cerr << cmd << ": rank " << rt->rank() << ": " << (ce ? ce->what_without_backtrace() : e.what())
-              << std::endl;
+    // One write: cerr is unbuffered, and every rank may fail at once (the lines interleaved).
+    std::cerr << std::string(cmd) + ": rank " + std::to_string(rt->rank()) + ": " +
+                     (ce ? ce->what_without_backtrace() : e.what()) + "\n"
+              << std::flush;
     if (rt->world_size() > 1) std::cerr << rt->unreachable_peers() << std::flush;  // names a lost host
     if (rt->world_size() > 1) rt->abort(1);
     return 1;

@@ -218,8 +218,10 @@ int cmd_train(int argc, char** argv) {
     if (rt->rank() == 0) std::cout << format_report(cfg, report) << std::flush;
   } catch (const std::exception& e) {
     auto* ce = dynamic_cast<const c10::Error*>(&e);
-    std::cerr << "tandem train: rank " << rt->rank() << ": " << (ce ? ce->what_without_backtrace() : e.what())
-              << std::endl;
+    // One write: cerr is unbuffered, and every rank may fail at once (the lines interleaved).
+    std::cerr << "tandem train: rank " + std::to_string(rt->rank()) + ": " +
+                     (ce ? ce->what_without_backtrace() : e.what()) + "\n"
+              << std::flush;
     if (rt->world_size() > 1) std::cerr << rt->unreachable_peers() << std::flush;  // names a lost host
     if (rt->world_size() > 1) rt->abort(1);  // stop the peers at once instead of letting them time out
     return 1;
