@@ -41,6 +41,12 @@ std::vector<int64_t> partition_by_parameters(torch::nn::Sequential& model, int s
 // before training).
 std::vector<int64_t> partition_by_time(torch::nn::Sequential& model, const at::Tensor& sample_input, int stages,
                                        Communicator& comm, int reps = 3);
+// The cut a --pp-partition option names (parse_partition_option): a list as given; "time":
+// partition_by_time on the first `micro_batch` rows of `samples`, moved to `device` (collective
+// over `comm`); "params": empty, for Pipeline's cut by parameter count.
+std::vector<int64_t> partition_for_option(const std::string& option, torch::nn::Sequential& model,
+                                          const at::Tensor& samples, int64_t micro_batch, c10::Device device,
+                                          int stages, Communicator& comm);
 
 // loss_fn(output of the model for a micro-batch, its targets) -> scalar mean loss of the micro-batch.
 using PipelineLossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;

@@ -282,13 +282,11 @@ void calibrate_compute(Calibration& cal, const std::vector<std::string>& models,
           f2[i].push_back(fw2[i]);
         }
       }
-      // The forward's share over both batches (a micro-batch lies between them).
-      for (size_t i = 0; i < l1.size(); ++i) {
-        const double all = median(l1[i]) + median(l2[i]);
-        mr.layer_forward_share.push_back(all > 0 ? std::clamp((median(f1[i]) + median(f2[i])) / all, 0.0, 1.0) : 0.5);
-      }
       for (size_t i = 0; i < l1.size(); ++i) {
         const double m1 = median(l1[i]), m2 = median(l2[i]);
+        // The forward's share over both batches (a micro-batch lies between them).
+        mr.layer_forward_share.push_back(m1 + m2 > 0 ? std::clamp((median(f1[i]) + median(f2[i])) / (m1 + m2), 0.0, 1.0)
+                                                     : 0.5);
         double per = std::max(0.0, (m2 - m1) / static_cast<double>(b2 - b1));
         double fixed = m1 - per * static_cast<double>(b1);
         if (fixed < 0) {

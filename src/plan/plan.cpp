@@ -282,6 +282,17 @@ struct PipelineTimes {
   bool fitted = false;  // from the calibration's per-child fits
 };
 
+// The calibration's per-child fits of model m on a CPU cluster, or null (not calibrated, or not
+// child by child).
+const ModelRates* layer_fits(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o) {
+  if (!c.cpu || !o.calibration) return nullptr;
+  auto it = o.calibration->models.find(m.name);
+  if (it == o.calibration->models.end() || it->second.layer_s_per_sample.size() != m.children.size() ||
+      it->second.layer_overhead_s.size() != m.children.size() || !(it->second.flops_1t > 0))
+    return nullptr;
+  return &it->second;
+}
+
 PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o, const Rates& r,
                             const std::vector<int64_t>& partition, int dp, int tp, int64_t mb, int64_t mcount,
                             double act_elem) {
@@ -290,13 +301,7 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
   // Per child: forward+backward seconds per micro-batch on one worker of this layout. With a
   // per-layer calibration: its fixed + per-sample fit (one thread); otherwise FLOPs at the worker rate.
   const std::vector<bool> need = input_grad_needed(m);
-  const ModelRates* mr = nullptr;
-  if (c.cpu && o.calibration) {
-    auto it = o.calibration->models.find(m.name);
-    if (it != o.calibration->models.end() && it->second.layer_s_per_sample.size() == m.children.size() &&
-        it->second.layer_overhead_s.size() == m.children.size() && it->second.flops_1t > 0)
-      mr = &it->second;
-  }
+  const ModelRates* mr = layer_fits(m, c, o);
   // With the per-layer fits, stage times are one thread's alone; speed(k) scales them to k
   // stages (k * tp * dp workers) computing at once on the shared cores.
   const int cores = c.cpu && o.calibration ? std::max(1, o.calibration->cores) : 1;
@@ -692,13 +697,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   if (layered && pp <= n_layers) {  // else infeasible below
     if (o.pipeline_partition == "params" || o.pipeline_partition == "time") {
       std::vector<double> costs;
-      const ModelRates* mr = nullptr;
-      if (c.cpu && o.calibration) {
-        auto it = o.calibration->models.find(m.name);
-        if (it != o.calibration->models.end() && it->second.layer_s_per_sample.size() == m.children.size() &&
-            it->second.layer_overhead_s.size() == m.children.size())
-          mr = &it->second;
-      }
+      const ModelRates* mr = layer_fits(m, c, o);
       const std::vector<bool> need = input_grad_needed(m);
       const double mb = static_cast<double>(std::max<int64_t>(1, l.micro_batch));
       for (size_t i = 0; i < m.children.size(); ++i) {

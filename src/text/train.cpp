@@ -133,14 +133,10 @@ struct Engine {
     dp_comm = grid ? grid->dp() : comm;
     dp = dp_comm->size();
     dp_rank = dp_comm->rank();
-    std::vector<int64_t> cut;
-    if (cfg.pp > 1) {
-      cut = parse_partition_option(cfg.pp_partition, cfg.pp);
-      if (cfg.pp_partition == "time") {
-        const int64_t mb = std::max<int64_t>(1, std::min<int64_t>(cfg.batch / dp / cfg.micro_batches, ids.size(0)));
-        cut = partition_by_time(dense, ids.narrow(0, 0, mb).to(rt.device()), cfg.pp, *comm);
-      }
-    }
+    const std::vector<int64_t> cut =
+        cfg.pp > 1 ? partition_for_option(cfg.pp_partition, dense, ids, cfg.batch / dp / cfg.micro_batches,
+                                          rt.device(), cfg.pp, *comm)
+                   : std::vector<int64_t>{};
     net = cfg.tp > 1 ? tp::tensor_parallel(dense, grid->tp()) : dense;
     if (cfg.pp > 1) {
       PipelineOptions po;

@@ -246,14 +246,10 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
   // gathering the logits, so the loss below is unchanged). Pipeline: this rank keeps its stage.
   // A cut by time is measured on the dense model (the tensor-parallel one would run its
   // collectives on rank 0 alone), on one micro-batch of training images, before any step.
-  std::vector<int64_t> cut;
-  if (cfg.pp > 1) {
-    cut = parse_partition_option(cfg.pp_partition, cfg.pp);
-    if (cfg.pp_partition == "time") {
-      const int64_t mb = std::max<int64_t>(1, std::min<int64_t>(cfg.batch / dp / cfg.micro_batches, train_set.size()));
-      cut = partition_by_time(model, train_set.images.narrow(0, 0, mb), cfg.pp, *comm);
-    }
-  }
+  const std::vector<int64_t> cut =
+      cfg.pp > 1 ? partition_for_option(cfg.pp_partition, model, train_set.images, cfg.batch / dp / cfg.micro_batches,
+                                        dev, cfg.pp, *comm)
+                 : std::vector<int64_t>{};
   if (cfg.tp > 1) model = tp::tensor_parallel(model, grid->tp());
   std::unique_ptr<Pipeline> pipe;
   if (cfg.pp > 1) {

@@ -24,6 +24,7 @@
 
 #include "commands.h"
 #include "tandem/launcher.h"
+#include "tandem/pipeline_schedule.h"
 #include "tandem/plan.h"
 
 namespace tandem::cli {
@@ -233,13 +234,7 @@ int cmd_bench(int argc, char** argv) {
       if (r.layout.pp > 1 && (batch / dp) % micro_batches != 0)
         throw std::invalid_argument("--batch " + std::to_string(batch) + " over " + std::to_string(dp) +
                                     " replica(s) does not split into --micro-batches " + std::to_string(micro_batches));
-      if (r.layout.pp > 1 && pp_partition != "params" && pp_partition != "time") {
-        const bool digits = pp_partition.find_first_not_of("0123456789,") == std::string::npos;
-        if (!digits || std::count(pp_partition.begin(), pp_partition.end(), ',') + 1 != r.layout.pp)
-          throw std::invalid_argument("--pp-partition '" + pp_partition + "' for the " + std::to_string(r.layout.pp) +
-                                      "-stage layout " + s + ": use params, time, or " + std::to_string(r.layout.pp) +
-                                      " comma-separated layer counts (every pipelined layout must have that many stages)");
-      }
+      if (r.layout.pp > 1) (void)parse_partition_option(pp_partition, r.layout.pp);  // as tandem train would refuse it
       rows.push_back(r);
     }
   }

@@ -124,6 +124,14 @@ std::vector<int64_t> partition_by_time(torch::nn::Sequential& model, const at::T
   return parts;
 }
 
+std::vector<int64_t> partition_for_option(const std::string& option, torch::nn::Sequential& model,
+                                          const at::Tensor& samples, int64_t micro_batch, c10::Device device,
+                                          int stages, Communicator& comm) {
+  if (option != "time") return parse_partition_option(option, stages);
+  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(micro_batch, samples.size(0)));
+  return partition_by_time(model, samples.narrow(0, 0, rows).to(device), stages, comm);
+}
+
 // ---------------------------------------------------------------- memory meter
 
 namespace {
