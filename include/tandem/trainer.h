@@ -48,6 +48,9 @@ struct TrainConfig {
   int tp = 1;                              // tensor parallel: Linear pairs column/row-parallel
   int pp = 1;                              // pipeline stages (the Sequential cut by pp_partition)
   int64_t micro_batches = 4;               // per replica and step, when pp > 1
+  // Gradient accumulation without a pipeline: each replica's batch (global batch / dp) runs
+  // as this many micro-batches before one optimizer step (DDP communicates once per step).
+  int64_t grad_accum = 1;
   std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b
   // Where the stages are cut: "params" (balanced by parameter count, as DeepSpeed's default),
   // "time" (balanced by each layer's forward+backward time on a micro-batch, measured on rank 0

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "tandem/checkpoint.h"
@@ -79,6 +80,15 @@ int validate_model_parallel(const TrainConfig& cfg, int world) {
   if (cfg.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
   const int tp = cfg.tp, pp = cfg.pp;
   if (pp > 1) (void)parse_partition_option(cfg.pp_partition, pp);
+  if (cfg.grad_accum < 1) throw std::invalid_argument("--grad-accum must be at least 1");
+  if (cfg.grad_accum > 1 && pp > 1) {
+    throw std::invalid_argument("--grad-accum with --pp: the pipeline already accumulates over its micro-batches; use "
+                                "--micro-batches " + std::to_string(cfg.micro_batches * cfg.grad_accum) + " instead");
+  }
+  if (cfg.grad_accum > 1 && !cfg.batch_shares.empty()) {
+    throw std::invalid_argument("--grad-accum with --batch-shares is not supported yet (every rank must run the same "
+                                "number of micro-batches); drop one of them");
+  }
   if (tp * pp == 1) return world;
   const std::string layout = "--tp " + std::to_string(tp) + " x --pp " + std::to_string(pp);
   if (world % (tp * pp) != 0) {
@@ -136,6 +146,12 @@ void validate(const TrainConfig& cfg, int world) {
   }
   if (cfg.epochs < 1) throw std::invalid_argument("--epochs must be at least 1");
   if (cfg.batch < 1) throw std::invalid_argument("--batch must be at least 1");
+  if (cfg.batch / dp < cfg.grad_accum) {
+    throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " gives each of the " + std::to_string(dp) +
+                                " data-parallel replicas " + std::to_string(cfg.batch / dp) + " samples, fewer than the " +
+                                std::to_string(cfg.grad_accum) + " micro-batches of --grad-accum; use a --batch of at least " +
+                                std::to_string(dp * cfg.grad_accum));
+  }
   if (dp == world && cfg.batch % world != 0 && cfg.batch_shares.empty()) {
     throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " (global) does not split evenly over " +
                                 std::to_string(world) + " workers; use a multiple of " + std::to_string(world));
@@ -490,18 +506,44 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
         }
         peak_live = std::max(peak_live, pipe->stats().peak_live_micro_batches);
       } else {
-        tf = Clock::now();
-        const double waited = zero ? zero->gather_wait_seconds() : 0.0;
-        loss = torch::nn::functional::cross_entropy(forward(x), y);
-        forward_s += std::chrono::duration<double>(Clock::now() - tf).count();
-        // ZeRO-3 gathers every unit's parameters in the forward: time spent waiting there for
-        // the other ranks is theirs, not this rank's (a fast rank would otherwise time as slow
-        // as the slowest and --batch-shares auto would see no difference).
-        if (zero) forward_s -= zero->gather_wait_seconds() - waited;
-        // Unequal shares: weight W * n_r / N, so the averaged gradient is the global-batch one.
-        const at::Tensor weighted =
-            shares.active() ? loss * shares.loss_weight(static_cast<int64_t>(idx.size()), step_global) : loss;
-        (zero ? zero->scale_loss(weighted) : optimizer->scale_loss(weighted)).backward();
+        // Gradient accumulation (--grad-accum K): the rank's batch in K micro-batches, each
+        // loss weighted by its part of the batch, so that the accumulated gradient is the whole
+        // batch's. DDP communicates in the last backward only (no_sync before it); ZeRO
+        // reduce-scatters after every backward (as DeepSpeed's ZeRO-2 does). The same number
+        // of micro-batches on every rank: equal shares give every rank the same batch size.
+        const int64_t n = x.size(0);
+        const int64_t parts = std::min<int64_t>(cfg.grad_accum, n);
+        for (int64_t p = 0, off = 0; p < parts; ++p) {
+          const int64_t m = n / parts + (p < n % parts ? 1 : 0);
+          const at::Tensor xp = parts == 1 ? x : x.narrow(0, off, m), yp = parts == 1 ? y : y.narrow(0, off, m);
+          off += m;
+          if (p > 0) {
+            if (ddp) ddp->prepare_forward();
+            if (zero) zero->prepare_forward();
+          }
+          tf = Clock::now();
+          const double waited = zero ? zero->gather_wait_seconds() : 0.0;
+          at::Tensor part_loss = torch::nn::functional::cross_entropy(forward(xp), yp);
+          forward_s += std::chrono::duration<double>(Clock::now() - tf).count();
+          // ZeRO-3 gathers every unit's parameters in the forward: time spent waiting there for
+          // the other ranks is theirs, not this rank's (a fast rank would otherwise time as slow
+          // as the slowest and --batch-shares auto would see no difference).
+          if (zero) forward_s -= zero->gather_wait_seconds() - waited;
+          // Unequal shares: weight W * n_r / N, so the averaged gradient is the global-batch one.
+          at::Tensor weighted =
+              shares.active() ? part_loss * shares.loss_weight(static_cast<int64_t>(idx.size()), step_global) : part_loss;
+          if (parts > 1) {
+            const double w = static_cast<double>(m) / static_cast<double>(n);
+            weighted = weighted * w;
+            part_loss = part_loss.detach() * w;
+            loss = p == 0 ? part_loss : loss + part_loss;
+          } else {
+            loss = part_loss;
+          }
+          std::optional<DistributedDataParallel::NoSyncGuard> quiet;
+          if (ddp && p + 1 < parts) quiet.emplace(ddp->no_sync());
+          (zero ? zero->scale_loss(weighted) : optimizer->scale_loss(weighted)).backward();
+        }
       }
       shares.slow_down(static_cast<int64_t>(idx.size()), BatchSharePlan::kBackwardFraction);
       if (zero) {
@@ -739,6 +781,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       r["rank_samples_per_second"] = rep.rank_samples_per_second;
       r["rank_forward_samples_per_second"] = rep.rank_forward_samples_per_second;
     }
+    r["grad_accum"] = cfg.grad_accum;
     if (rep.pp > 1) {
       r["micro_batches"] = cfg.micro_batches;
       r["pipeline_schedule"] = cfg.pipeline_schedule;
@@ -774,7 +817,12 @@ std::string format_report(const TrainConfig& cfg, const TrainReport& r) {
     for (size_t s = 0; s < r.peak_live_micro_batches.size(); ++s) os << (s ? "," : "") << " " << r.peak_live_micro_batches[s];
     os << "\n";
   }
-  os << "steps            " << r.steps << " (global batch " << cfg.batch << ", " << r.samples << " samples)\n";
+  os << "steps            " << r.steps << " (global batch " << cfg.batch << ", " << r.samples << " samples";
+  if (cfg.grad_accum > 1) {
+    os << "; gradient accumulation: " << cfg.grad_accum << " micro-batches of about " << cfg.batch / r.dp / cfg.grad_accum
+       << " per replica and step";
+  }
+  os << ")\n";
   os << "wall time        " << std::setprecision(1) << r.wall_seconds << " s (training loop)\n";
   os << "throughput       " << std::setprecision(0) << r.samples_per_second << " samples/s, median step "
      << std::setprecision(1) << r.step_ms_median << " ms\n";

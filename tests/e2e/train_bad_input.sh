@@ -27,6 +27,13 @@ expect unknown-strategy "unknown strategy 'zero9'" -- "$tandem" train -n 1 --str
 expect single-with-many "strategy single runs one worker" -- "$tandem" train -n 2 --strategy single
 expect unknown-flag "--frobnicate|not expected|extras" -- "$tandem" train --frobnicate
 expect bad-lr "lr must be a positive number" -- "$tandem" train -n 1 --lr -1 --max-steps 1
+expect grad-accum-zero "grad-accum must be at least 1" -- "$tandem" train -n 1 --grad-accum 0 --max-steps 1
+expect grad-accum-pp "grad-accum with --pp: the pipeline already accumulates.*--micro-batches 8" -- \
+  "$tandem" train -n 2 --pp 2 --grad-accum 2 --no-baseline --max-steps 1
+expect grad-accum-shares "grad-accum with --batch-shares is not supported" -- \
+  "$tandem" train -n 2 --batch-shares 3,1 --grad-accum 2 --no-baseline --max-steps 1
+expect grad-accum-batch "gives each of the 2 data-parallel replicas 4 samples, fewer than the 8 micro-batches" -- \
+  "$tandem" train -n 2 --batch 8 --grad-accum 8 --no-baseline --max-steps 1
 
 # A corrupt dataset: truncated image file, on 2 workers (the error must stop both, not hang).
 mkdir -p "$tmp/corrupt"
