@@ -8,7 +8,12 @@ taken before repetition K). For every row, every calibration is re-predicted wit
 median measured step, so a change to the time model can be tried on every stored row in a minute
 without running anything (docs/BENCHMARKS.md, "Eleventh session").
 
-usage: bench/reeval_predictions.py TANDEM DIR... [--verbose]
+With --by-config, one line per configuration (model, workers, layout) over all the runs given:
+the median of the runs' errors, how many runs are within 20 %, and the range. A configuration
+whose error changes sign from run to run misses by noise; one whose median is outside 20 % is
+priced wrong.
+
+usage: bench/reeval_predictions.py TANDEM DIR... [--verbose | --by-config]
   e.g. bench/reeval_predictions.py build/tandem bench/protocol-runs/run3*
 """
 import glob
@@ -21,10 +26,10 @@ import sys
 STRATEGIES = "ddp,zero1,zero2,zero3,tp2,pp2,pp2-gpipe,tp2pp2,tp4,pp4"
 
 
-def predictions(tandem, model, calibration, batch, partition):
+def predictions(tandem, model, calibration, batch, partition, grad_accum):
     out = subprocess.run([tandem, "bench", "--model", model, "--workers", "1,2,3,4", "--strategies", STRATEGIES,
                           "--batch", str(batch), "--predict-only", "--calibration", calibration,
-                          "--pp-partition", partition],
+                          "--pp-partition", partition, "--grad-accum", str(grad_accum)],
                          capture_output=True, text=True, check=True).stdout
     got = {}
     for line in out.splitlines():
@@ -47,12 +52,15 @@ def rows_of(tandem, d):
         if not cut and os.path.exists(args_file):
             cut = re.search(r"--pp-partition (\S+)", open(args_file).read())
         partition = cut.group(1) if cut else "params"
+        # Gradient accumulation (since the fifteenth session), named in the header line.
+        accum = re.search(r"gradient accumulation (\d+)", text.splitlines()[0])
+        grad_accum = int(accum.group(1)) if accum else 1
         measured = {}
         for m in re.finditer(r"\[(\d+)/\d+\] (\d+) worker\(s\), (\S+)\.\.\. ([0-9.]+) ms/step", text):
             measured.setdefault((int(m.group(2)), m.group(3)), []).append(float(m.group(4)))
         predicted = {}
         for cal in sorted(glob.glob(log[:-4] + ".calibration-*.json")):
-            for key, v in predictions(tandem, model, cal, batch, partition).items():
+            for key, v in predictions(tandem, model, cal, batch, partition, grad_accum).items():
                 predicted.setdefault(key, []).append(v)
         for key, ms in measured.items():
             if key in predicted:
@@ -62,7 +70,7 @@ def rows_of(tandem, d):
 
 
 def main():
-    args = [a for a in sys.argv[1:] if a != "--verbose"]
+    args = [a for a in sys.argv[1:] if a not in ("--verbose", "--by-config")]
     if len(args) < 2:
         sys.exit(__doc__)
     tandem, dirs = args[0], args[1:]
@@ -76,6 +84,20 @@ def main():
                   f"{sum(abs(r[6]) <= 0.1 for r in rs)} within 10 %, mean abs {100 * st.mean(abs(r[6]) for r in rs):.1f} %")
     print(f"all: {sum(abs(r[6]) <= 0.2 for r in rows)} of {len(rows)} within 20 %, "
           f"{sum(abs(r[6]) <= 0.1 for r in rows)} within 10 %, mean abs {100 * st.mean(abs(r[6]) for r in rows):.1f} %")
+    if "--by-config" in sys.argv:
+        by = {}
+        for r in rows:
+            by.setdefault((r[1], r[2], r[3]), []).append(r[6])
+        outside = 0
+        for k in sorted(by):
+            e = by[k]
+            med = st.median(e)
+            outside += abs(med) > 0.2
+            print(f"  {k[0]:4s} {k[1]} {k[2]:10s} runs {len(e):2d}  median error {100 * med:+4.0f} %  "
+                  f"within 20 %: {sum(abs(x) <= 0.2 for x in e)} of {len(e)}  range {100 * min(e):+.0f}..{100 * max(e):+.0f} %"
+                  + ("  <- median outside 20 %" if abs(med) > 0.2 else ""))
+        print(f"{len(by)} configurations, {len(by) - outside} with the median error within 20 %")
+        return
     shown = sorted(rows, key=lambda r: (r[1], r[3], r[2], r[0])) if "--verbose" in sys.argv else \
         sorted(rows, key=lambda r: -abs(r[6]))[:10]
     for r in shown:

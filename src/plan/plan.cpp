@@ -864,8 +864,13 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     // slot of its block, which copies this rank's part too.
     const char* gather_op = l.zero == 3 ? "allgather_copy_shm" : "allgather_shm";
     std::vector<double> grads = per_bucket(grad_op, grad_bytes);
-    e.comm_parts[l.zero >= 1 ? "dp reduce_scatter" : "dp allreduce"] = sum(grads);
-    exposed += overlapped(grads, window);
+    // ZeRO reduce-scatters in its backward hooks, after the backward of every micro-batch
+    // (gradient accumulation, or a pipeline's micro-batches), as DeepSpeed's ZeRO-2 does; DDP
+    // all-reduces once per step (no_sync before the last micro-batch; a pipeline's averager
+    // after the step).
+    const double grad_rounds = l.zero >= 1 ? static_cast<double>(mcount) : 1.0;
+    e.comm_parts[l.zero >= 1 ? "dp reduce_scatter" : "dp allreduce"] = sum(grads) * grad_rounds;
+    exposed += grad_rounds * overlapped(grads, window);
     if (l.zero == 1 || l.zero == 2) {
       // After the step every rank gathers the updated parameters (not overlapped).
       std::vector<double> ag = per_bucket(gather_op, param_bytes);
@@ -907,7 +912,11 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     const double bytes_per_param = sb.param + sb.grad + 2.0 * sb.optimizer;  // read/write state, read grad, write param
     e.optimizer_s = params_updated * bytes_per_param / dev.memory_bandwidth;
   }
-  e.step_s = pipeline_s + exposed + e.optimizer_s + (fitted ? 0.0 : r.overhead);
+  // The calibrated intercept is that of one forward+backward pass (it holds zeroing and adding
+  // into the gradients, a pass over the parameters each): once per micro-batch. Counted once per
+  // step, --grad-accum 4 on the MLP was priced 21-44 % fast (docs/BENCHMARKS.md, fifteenth
+  // session). Per-layer fits (pipelines, tensor parallelism) hold it per micro-batch already.
+  e.step_s = pipeline_s + exposed + e.optimizer_s + (fitted ? 0.0 : r.overhead * mcount);
   e.samples_per_s = batch / e.step_s;
 
   // Efficiency: one device running the whole batch with no communication (memory permitting
@@ -961,8 +970,11 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
       if (batch % dp != 0 || per_replica < 1) {
         mbs.push_back(1);
       } else if (pp == 1 && (!o.dp_only_workers.empty() || c.cpu)) {
-        // No gradient accumulation: tandem train has none, and on the local cluster the plan
-        // lists what it runs (it picked the CNN's tp2 at 96 micro-batches of 2).
+        // No gradient accumulation searched here: memory never asks for it on this machine,
+        // and the calibration's fits (batches 32 and 128) do not reach tiny micro-batches. The
+        // search picked the CNN's tp2 at 96 micro-batches of 2 (priced 110 ms against 118 for
+        // one batch of 192); tandem train --grad-accum 96 measured 297-352 ms against 144-159
+        // (docs/BENCHMARKS.md, fifteenth session). tandem bench --grad-accum K prices a chosen K.
         mbs.push_back(per_replica);
       } else {
         for (int64_t d : divisors(per_replica))

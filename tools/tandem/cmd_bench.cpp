@@ -146,7 +146,7 @@ int cmd_bench(int argc, char** argv) {
   std::vector<int> workers = {1, 2, 4};
   int64_t batch = 0, steps = 30, eval_limit = 2000, epoch_samples = 60000;
   int reps = 1, threads = 0;
-  int64_t micro_batches = 4;
+  int64_t micro_batches = 4, grad_accum = 1;
   std::string pp_partition = "params";
   bool accuracy = false, no_plot = false;
   std::string calibration = "tandem-calibration.json";
@@ -161,6 +161,10 @@ int cmd_bench(int argc, char** argv) {
   app.add_option("--batch", batch, "global batch (0: the multiple of every worker count nearest 128)")->capture_default_str();
   app.add_option("--steps", steps, "training steps per run (the median step time is reported)")->capture_default_str();
   app.add_option("--micro-batches", micro_batches, "pipeline micro-batches per step (layouts with pp)")
+      ->capture_default_str();
+  app.add_option("--grad-accum", grad_accum,
+                 "gradient accumulation of the layouts without a pipeline, the single worker's too (tandem train "
+                 "--grad-accum): micro-batches per step and replica")
       ->capture_default_str();
   app.add_option("--pp-partition", pp_partition,
                  "where pipelines are cut (tandem train --pp-partition): params | time | the layers per stage")
@@ -216,6 +220,10 @@ int cmd_bench(int argc, char** argv) {
                                 std::to_string(step_multiple));
 
   if (micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
+  if (grad_accum < 1) throw std::invalid_argument("--grad-accum must be at least 1");
+  if (batch % grad_accum != 0)
+    throw std::invalid_argument("--batch " + std::to_string(batch) + " does not split into --grad-accum " +
+                                std::to_string(grad_accum) + " micro-batches on one worker");
   // The runs: one worker with `single` (always: the reference), then every strategy for n > 1;
   // a model-parallel layout where tp*pp divides n (and leaves replicas to shard for ZeRO).
   std::vector<Row> rows;
@@ -235,6 +243,9 @@ int cmd_bench(int argc, char** argv) {
         throw std::invalid_argument("--batch " + std::to_string(batch) + " over " + std::to_string(dp) +
                                     " replica(s) does not split into --micro-batches " + std::to_string(micro_batches));
       if (r.layout.pp > 1) (void)parse_partition_option(pp_partition, r.layout.pp);  // as tandem train would refuse it
+      if (r.layout.pp == 1 && (batch / dp) % grad_accum != 0)
+        throw std::invalid_argument("--batch " + std::to_string(batch) + " over " + std::to_string(dp) +
+                                    " replica(s) does not split into --grad-accum " + std::to_string(grad_accum));
       rows.push_back(r);
     }
   }
@@ -256,7 +267,7 @@ int cmd_bench(int argc, char** argv) {
       l.pp = r.layout.pp;
       l.dp = r.workers / (l.tp * l.pp);
       l.zero = r.layout.base.rfind("zero", 0) == 0 ? std::atoi(r.layout.base.c_str() + 4) : 0;
-      l.micro_batches = l.pp > 1 ? micro_batches : 1;
+      l.micro_batches = l.pp > 1 ? micro_batches : grad_accum;
       l.micro_batch = batch / l.dp / l.micro_batches;
       o.pipeline_schedule = r.layout.schedule;
       o.pipeline_partition = pp_partition;
@@ -303,7 +314,8 @@ int cmd_bench(int argc, char** argv) {
   };
   std::cout << "tandem bench: " << model << ", global batch " << batch << ", " << steps << " steps per run, " << reps
             << " repetition(s), " << rows.size() << " configurations"
-            << (pp_partition == "params" ? "" : ", pipelines cut by " + pp_partition) << std::endl;
+            << (pp_partition == "params" ? "" : ", pipelines cut by " + pp_partition)
+            << (grad_accum > 1 ? ", gradient accumulation " + std::to_string(grad_accum) : "") << std::endl;
   std::string cal_workers;
   for (int n : workers)
     if (n > 1) cal_workers += (cal_workers.empty() ? "" : ",") + std::to_string(n);
@@ -351,6 +363,7 @@ int cmd_bench(int argc, char** argv) {
                                        "--data", data, "--timeout", fixed(timeout_s, 0), "--schedule", "constant"};
       if (threads > 0) args.insert(args.end(), {"--threads", std::to_string(threads)});
       if (r.layout.tp > 1) args.insert(args.end(), {"--tp", std::to_string(r.layout.tp)});
+      if (r.layout.pp == 1 && grad_accum > 1) args.insert(args.end(), {"--grad-accum", std::to_string(grad_accum)});
       if (r.layout.pp > 1) {
         args.insert(args.end(), {"--pp", std::to_string(r.layout.pp), "--micro-batches", std::to_string(micro_batches),
                                  "--pipeline-schedule", r.layout.schedule, "--pp-partition", pp_partition});
