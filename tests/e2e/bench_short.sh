@@ -66,6 +66,27 @@ for p, r in zip(pred, rows):
     assert abs(float(p[2]) - float(r["predicted_ms"])) <= 0.051, (p, r)
 print("predict-only ok")
 PY
+# --grad-accum K: the layouts without a pipeline and the single worker run K micro-batches (each
+# pass's intercept once per micro-batch), a pipeline keeps --micro-batches; the header names it.
+for k in 1 2; do
+  "$tandem" bench --model mlp --workers 1,2 --strategies ddp,zero1,pp2 --micro-batches 2 --batch 64 --grad-accum $k \
+    --calibration cal.json --predict-only --data /nonexistent > "ga$k.txt"
+done
+python3 - ga1.txt ga2.txt <<'PY'
+import sys
+one, two = ({tuple(l.split()[:2]): float(l.split()[2]) for l in open(f).read().splitlines()[1:]} for f in sys.argv[1:])
+for key in (("1", "single"), ("2", "ddp"), ("2", "zero1")):
+    assert two[key] > one[key], (key, one[key], two[key])
+assert two[("2", "pp2")] == one[("2", "pp2")], (one, two)
+print("grad-accum predictions ok")
+PY
+"$tandem" bench --model mlp --workers 1,2 --strategies ddp --steps 3 --batch 64 --grad-accum 2 --csv g.csv --no-plot \
+  --calibration cal.json | tee out4.txt
+grep -q "gradient accumulation 2" out4.txt || { echo "the header does not name the accumulation"; exit 1; }
+if "$tandem" bench --model mlp --workers 1,2 --batch 64 --grad-accum 3 --predict-only --calibration cal.json > ga3.txt 2>&1; then
+  echo "--grad-accum 3 with --batch 64 succeeded"; exit 1
+fi
+grep -q "does not split into --grad-accum 3" ga3.txt || { cat ga3.txt; exit 1; }
 if "$tandem" bench --model mlp --workers 1,2 --calibration missing.json --predict-only > np.txt 2>&1; then
   echo "--predict-only without a calibration succeeded"; exit 1
 fi
