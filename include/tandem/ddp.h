@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "tandem/no_sync.h"
+
 #include "tandem/comm.h"
 
 namespace tandem {
@@ -79,17 +81,8 @@ class DistributedDataParallel {
 
   // Gradient accumulation: while the guard lives, backward accumulates local gradients and
   // communicates nothing; the first backward after it ends averages everything accumulated.
-  class NoSyncGuard {
-   public:
-    explicit NoSyncGuard(DistributedDataParallel& d);
-    ~NoSyncGuard();
-    NoSyncGuard(NoSyncGuard&& other) noexcept;
-    NoSyncGuard(const NoSyncGuard&) = delete;
-
-   private:
-    DistributedDataParallel* ddp_;
-  };
-  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+  using NoSyncGuard = tandem::NoSyncGuard;
+  NoSyncGuard no_sync();
 
   // Names of the buckets' parameters in the current plan (for tests and reports).
   std::vector<std::vector<std::string>> bucket_plan() const;

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "tandem/comm.h"
+#include "tandem/no_sync.h"
 #include "tandem/optim.h"
 #include "tandem/precision.h"
 
@@ -142,6 +143,12 @@ class ZeroDataParallel {
   at::Tensor scale_loss(const at::Tensor& loss) const;
   // Zeroes the gradients (stage 1: the full flat buffer; stages 2, 3: this rank's shard).
   void zero_grad();
+  // Stage 1, gradient accumulation: while the guard lives, backward adds into the full-size
+  // local gradients and reduce-scatters nothing; the first backward after it ends
+  // reduce-scatters everything accumulated (DeepSpeed's ZeRO-1 reduces at the accumulation
+  // boundary too). Stages 2 and 3 keep no full-size gradient to accumulate into, so they
+  // reduce-scatter after every backward; no_sync() throws std::invalid_argument for them.
+  NoSyncGuard no_sync();
   // After one or more backward passes (gradients accumulate over them; call zero_grad()
   // before the first backward of every step): unscales
   // (fp16), checks for inf/NaN, clips (when max_grad_norm > 0), steps the owned shard, and

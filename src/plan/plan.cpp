@@ -864,11 +864,12 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     // slot of its block, which copies this rank's part too.
     const char* gather_op = l.zero == 3 ? "allgather_copy_shm" : "allgather_shm";
     std::vector<double> grads = per_bucket(grad_op, grad_bytes);
-    // ZeRO reduce-scatters in its backward hooks, after the backward of every micro-batch
-    // (gradient accumulation, or a pipeline's micro-batches), as DeepSpeed's ZeRO-2 does; DDP
-    // all-reduces once per step (no_sync before the last micro-batch; a pipeline's averager
-    // after the step).
-    const double grad_rounds = l.zero >= 1 ? static_cast<double>(mcount) : 1.0;
+    // ZeRO-2 and 3 reduce-scatter in their backward hooks after every micro-batch's backward
+    // (gradient accumulation, or a pipeline's micro-batches), as DeepSpeed's do; so does ZeRO-1
+    // in a pipeline. DDP, and ZeRO-1 accumulating without a pipeline, communicate once per
+    // step (no_sync before the last micro-batch; a pipeline's averager after the step).
+    const bool per_micro_batch = l.zero >= 2 || (l.zero == 1 && pp > 1);
+    const double grad_rounds = per_micro_batch ? static_cast<double>(mcount) : 1.0;
     e.comm_parts[l.zero >= 1 ? "dp reduce_scatter" : "dp allreduce"] = sum(grads) * grad_rounds;
     exposed += grad_rounds * overlapped(grads, window);
     if (l.zero == 1 || l.zero == 2) {

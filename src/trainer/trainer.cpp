@@ -508,9 +508,10 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
       } else {
         // Gradient accumulation (--grad-accum K): the rank's batch in K micro-batches, each
         // loss weighted by its part of the batch, so that the accumulated gradient is the whole
-        // batch's. DDP communicates in the last backward only (no_sync before it); ZeRO
-        // reduce-scatters after every backward (as DeepSpeed's ZeRO-2 does). The same number
-        // of micro-batches on every rank: equal shares give every rank the same batch size.
+        // batch's. DDP and ZeRO-1 communicate in the last backward only (no_sync before it);
+        // ZeRO-2 and 3, which keep no full-size gradient, reduce-scatter after every backward
+        // (as DeepSpeed's do). The same number of micro-batches on every rank: equal shares
+        // give every rank the same batch size.
         const int64_t n = x.size(0);
         const int64_t parts = std::min<int64_t>(cfg.grad_accum, n);
         for (int64_t p = 0, off = 0; p < parts; ++p) {
@@ -540,8 +541,9 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
           } else {
             loss = part_loss;
           }
-          std::optional<DistributedDataParallel::NoSyncGuard> quiet;
+          std::optional<NoSyncGuard> quiet;
           if (ddp && p + 1 < parts) quiet.emplace(ddp->no_sync());
+          if (zero && zero->stage() == 1 && p + 1 < parts) quiet.emplace(zero->no_sync());
           (zero ? zero->scale_loss(weighted) : optimizer->scale_loss(weighted)).backward();
         }
       }

@@ -231,6 +231,54 @@ TEST(Zero, GradientAccumulationMatchesOneBigBatch) {
   }
 }
 
+// Stage 1 under no_sync(): the first half-batch's backward only accumulates (no
+// reduce-scatter), the second reduce-scatters both; the same model as one batch, half the
+// collectives. Stages 2 and 3 cannot defer and say so.
+TEST(Zero, StageOneNoSyncReducesOnceAndMatchesOneBigBatch) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  auto big = make_seq(7), acc = make_seq(7);
+  ZeroOptions zo;
+  zo.stage = 1;
+  zo.bucket_cap_bytes = 200;
+  zo.optimizer = adamw();
+  ZeroDataParallel zbig(big.ptr(), comm, zo), zacc(acc.ptr(), comm, zo);
+  auto calls = [&] {
+    auto st = comm->stats();
+    auto it = st.find("reduce_scatter");
+    return it == st.end() ? int64_t{0} : it->second.calls;
+  };
+  for (int step = 0; step < 4; ++step) {
+    auto [x, y] = global_batch(8 * R, 400 + step);
+    auto xs = slice_for_rank(x, me, R), ys = slice_for_rank(y, me, R);
+    zbig.zero_grad();
+    const int64_t c0 = calls();
+    torch::nn::functional::cross_entropy(zbig.forward(xs), ys).backward();
+    const int64_t per_backward = calls() - c0;
+    zbig.step();
+    zacc.zero_grad();
+    const int64_t c1 = calls();
+    {
+      auto quiet = zacc.no_sync();
+      (torch::nn::functional::cross_entropy(zacc.forward(xs.narrow(0, 0, 4)), ys.narrow(0, 0, 4)) / 2).backward();
+    }
+    EXPECT_EQ(calls(), c1) << "a backward under no_sync() communicated";
+    (torch::nn::functional::cross_entropy(zacc.forward(xs.narrow(0, 4, 4)), ys.narrow(0, 4, 4)) / 2).backward();
+    EXPECT_EQ(calls() - c1, per_backward);
+    zacc.step();
+  }
+  auto [x, y] = global_batch(4, 98);
+  torch::NoGradGuard ng;
+  EXPECT_LT(rel_err(zacc.forward(x), zbig.forward(x)), 1e-5);
+  for (int stage : {2, 3}) {
+    auto m = make_seq(7);
+    ZeroOptions o2 = zo;
+    o2.stage = stage;
+    ZeroDataParallel z(m.ptr(), comm, o2);
+    EXPECT_THROW(z.no_sync(), std::invalid_argument) << "stage " << stage;
+  }
+}
+
 // Eight Linear(31, 31)-Tanh layers: eight stage-3 units, or eight buckets of kLayer elements.
 constexpr int64_t kLayer = 31 * 31 + 31;
 torch::nn::Sequential eight_layers() {

@@ -10,6 +10,6 @@ set_tests_properties(e2e_train_bad_input PROPERTIES TIMEOUT 600 PROCESSORS 2)
 add_test(NAME e2e_train_precision COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_precision.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_train_precision PROPERTIES TIMEOUT 900 PROCESSORS 2)
 # Gradient accumulation: --grad-accum K follows one batch of the same size (one worker, DDP,
-# ZeRO-1/3, tensor parallel); DDP all-reduces once per step, ZeRO reduce-scatters per micro-batch.
+# ZeRO-1/3, tensor parallel); DDP and ZeRO-1 communicate once per step, ZeRO-3 per micro-batch.
 add_test(NAME e2e_train_grad_accum COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_grad_accum.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_train_grad_accum PROPERTIES TIMEOUT 600 PROCESSORS 2)

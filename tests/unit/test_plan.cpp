@@ -307,8 +307,8 @@ TEST(Plan, LocalCalibratedModel) {
   EXPECT_DOUBLE_EQ(legacy.models.at("cnn").sgd_all_s_per_param, 0.0);
 }
 
-// Gradient accumulation (tandem train --grad-accum): DDP all-reduces once per step (no_sync
-// before the last micro-batch), ZeRO reduce-scatters after every micro-batch's backward.
+// Gradient accumulation (tandem train --grad-accum): DDP and ZeRO-1 communicate once per step
+// (no_sync before the last micro-batch), ZeRO-2/3 reduce-scatter after every micro-batch's backward.
 TEST(Plan, GradientAccumulationCommunicatesAsTandemDoes) {
   tp::Calibration cal = cnn_calibration_with_collectives();
   const auto c = two_core_local();
@@ -323,8 +323,10 @@ TEST(Plan, GradientAccumulationCommunicatesAsTandemDoes) {
   EXPECT_NEAR(d4.step_s - d1.step_s, 3 * 1e-3, 1e-9);
   for (int z : {1, 2, 3}) {
     const auto z1 = est(z, 1), z4 = est(z, 4);
-    EXPECT_NEAR(z4.comm_parts.at("dp reduce_scatter"), 4 * z1.comm_parts.at("dp reduce_scatter"), 1e-12) << "ZeRO-" << z;
-    EXPECT_GT(z4.exposed_comm_s, z1.exposed_comm_s) << "ZeRO-" << z;
+    const double rounds = z == 1 ? 1.0 : 4.0;  // ZeRO-1 accumulates under no_sync as DDP does
+    EXPECT_NEAR(z4.comm_parts.at("dp reduce_scatter"), rounds * z1.comm_parts.at("dp reduce_scatter"), 1e-12)
+        << "ZeRO-" << z;
+    if (z > 1) EXPECT_GT(z4.exposed_comm_s, z1.exposed_comm_s) << "ZeRO-" << z;
   }
 }
 

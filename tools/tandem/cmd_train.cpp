@@ -79,7 +79,7 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--pipeline-schedule", cfg.pipeline_schedule, "gpipe | 1f1b (with --pp)")->capture_default_str();
   app.add_option("--grad-accum", cfg.grad_accum,
                  "gradient accumulation without --pp: each replica's share of --batch runs as K micro-batches before "
-                 "one optimizer step (DDP all-reduces once per step, ZeRO reduce-scatters per micro-batch)")
+                 "one optimizer step (DDP and ZeRO-1 communicate once per step, ZeRO-2/3 reduce-scatter per micro-batch)")
       ->capture_default_str();
   app.add_option("--checkpoint-dir", cfg.checkpoint_dir, "directory of sharded checkpoints (step-N/ inside)");
   app.add_option("--checkpoint-every", cfg.checkpoint_every, "save a checkpoint every N steps (0: never)")

@@ -327,13 +327,7 @@ void DistributedDataParallel::zero_grad() {
   }
 }
 
-DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& d) : ddp_(&d) { d.impl_->no_sync = true; }
-DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
-  if (ddp_) ddp_->impl_->no_sync = false;
-}
-DistributedDataParallel::NoSyncGuard::NoSyncGuard(NoSyncGuard&& other) noexcept : ddp_(other.ddp_) {
-  other.ddp_ = nullptr;
-}
+NoSyncGuard DistributedDataParallel::no_sync() { return NoSyncGuard(&impl_->no_sync); }
 
 std::vector<std::vector<std::string>> DistributedDataParallel::bucket_plan() const {
   std::vector<std::vector<std::string>> out;

@@ -174,6 +174,7 @@ struct ZeroDataParallel::Impl {
   size_t next_bucket = 0;
   bool callback_queued = false;
   bool grads_fresh = true;      // no backward since zero_grad(): reduce-scatter overwrites
+  bool no_sync = false;         // stage 1 under no_sync(): backward only accumulates locally
   bool owned_summed = false;    // stage 1: the owned chunks hold sums over ranks, not means
   std::deque<size_t> inflight;  // stages 2, 3: launched, scratch still held
   double last_norm = -1.0;
@@ -458,6 +459,9 @@ struct ZeroDataParallel::Impl {
   }
 
   void on_grad_ready(size_t i) {
+    // Autograd adds into the parameter's .grad (a view of the flat buffer after the first
+    // synced backward; before it, a tensor of its own that take_gradient() copies in).
+    if (no_sync) return;
     arm_final_callback();
     if (ready[i]) return;
     ready[i] = 1;
@@ -772,6 +776,15 @@ void ZeroDataParallel::zero_grad() {
     I.grad_shard.zero_();
     for (auto& p : I.params) p.mutable_grad() = at::Tensor();
   }
+}
+
+NoSyncGuard ZeroDataParallel::no_sync() {
+  auto& I = *impl_;
+  if (I.opts.stage != 1) {
+    throw std::invalid_argument(I.where() + ": no_sync() needs stage 1 (stage " + std::to_string(I.opts.stage) +
+                                " keeps no full-size gradient to accumulate into; it reduce-scatters every backward)");
+  }
+  return NoSyncGuard(&I.no_sync);
 }
 
 bool ZeroDataParallel::step() { return impl_->step(); }
