@@ -68,5 +68,9 @@ expect bad-pp-partition "--pp-partition '2,x': use params, time, or the layers o
   "$tandem" finetune -n 2 --strategy ddp --pp 2 --pp-partition 2,x --data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}"
 expect short-pp-partition "the partition covers 3 layers but the model has" -- \
   "$tandem" finetune -n 2 --strategy ddp --pp 2 --pp-partition 1,2 --data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}"
+expect grad-accum-pp "--grad-accum with --pp: the pipeline already accumulates" -- \
+  "$tandem" finetune -n 2 --strategy ddp --pp 2 --grad-accum 2 --data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}"
+expect grad-accum-batch "fewer than --grad-accum 64" -- \
+  "$tandem" finetune -n 2 --strategy ddp --grad-accum 64 --data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}"
 [ $fails -eq 0 ] && echo "all bad-input cases rejected" || echo "$fails case(s) not rejected as expected"
 exit $((fails > 0))

@@ -58,6 +58,9 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per replica batch (--pp > 1)")
       ->capture_default_str();
+  app.add_option("--grad-accum", cfg.grad_accum,
+                 "gradient accumulation without --pp: each replica's batch as K micro-batches per optimizer step")
+      ->capture_default_str();
   app.add_option("--batch", cfg.batch, "global batch size (split across workers)")->capture_default_str();
   app.add_option("--steps", cfg.steps, "optimizer steps")->capture_default_str();
   app.add_option("--lr", cfg.lr, "peak learning rate (AdamW, linear warmup, cosine to 10%)")->capture_default_str();
