@@ -9,11 +9,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
-#include <optional>
 #include <random>
 #include <sstream>
 #include <unordered_map>
 
+#include "tandem/accumulate.h"
 #include "tandem/ddp.h"
 #include "tandem/grid.h"
 #include "tandem/models.h"
@@ -204,28 +204,16 @@ struct Engine {
       if (!zero && dp > 1) averager->average();  // ZeRO reduces in its hooks
       return loss;
     }
-    // Gradient accumulation (--grad-accum K): K micro-batches, each mean loss weighted by its
-    // share of the rank's samples, as DDP weights the ranks' mean losses (equally: with padding
-    // the token-level mean differs a little from one pass's, on several ranks as here). DDP and
-    // ZeRO-1 communicate in the last backward only; ZeRO-2/3 after each (tandem train's rule).
-    const int64_t n = x.size(0), parts = std::min<int64_t>(grad_accum, n);
-    torch::Tensor total;
-    for (int64_t p = 0, off = 0; p < parts; ++p) {
-      const int64_t m = n / parts + (p < n % parts ? 1 : 0);
-      if (p > 0) {
-        if (ddp) ddp->prepare_forward();
-        if (zero) zero->prepare_forward();
-      }
-      auto loss = parts == 1 ? loss_fn(forward(x), y) : loss_fn(forward(x.narrow(0, off, m)), y.narrow(0, off, m));
-      off += m;
-      std::optional<NoSyncGuard> quiet;
-      if (p + 1 < parts && ddp) quiet.emplace(ddp->no_sync());
-      if (p + 1 < parts && zero && zero->stage() == 1) quiet.emplace(zero->no_sync());
-      if (parts > 1) loss = loss * (static_cast<double>(m) / static_cast<double>(n));
-      (zero ? zero->scale_loss(loss) : opt->scale_loss(loss)).backward();
-      total = p == 0 ? loss.detach() : total + loss.detach();
-    }
-    return total;
+    // --grad-accum K (tandem/accumulate.h): each micro-batch's mean loss weighted by its share
+    // of the rank's samples, as DDP weights the ranks' means (equally: with padding the
+    // token-level mean differs a little from one pass's, on several ranks as here).
+    return accumulate_gradients(x, y, grad_accum, ddp.get(), zero.get(),
+                                [&](const torch::Tensor& xp, const torch::Tensor& yp, double w) {
+                                  auto loss = loss_fn(forward(xp), yp);
+                                  auto weighted = w == 1.0 ? loss : loss * w;
+                                  (zero ? zero->scale_loss(weighted) : opt->scale_loss(weighted)).backward();
+                                  return loss;
+                                });
   }
   void end_step() {
     if (zero) {
@@ -549,17 +537,7 @@ void validate(const TextTrainConfig& cfg, int world) {
                                 std::to_string(cfg.micro_batches) + " micro-batches; use a --batch multiple of " +
                                 std::to_string(dp * cfg.micro_batches));
   }
-  if (cfg.grad_accum < 1) throw std::invalid_argument("--grad-accum must be at least 1");
-  if (cfg.grad_accum > 1 && cfg.pp > 1) {
-    throw std::invalid_argument("--grad-accum with --pp: the pipeline already accumulates over its micro-batches; use "
-                                "--micro-batches " + std::to_string(cfg.micro_batches * cfg.grad_accum) + " instead");
-  }
-  if (cfg.batch / dp < cfg.grad_accum) {
-    throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " gives each data-parallel replica " +
-                                std::to_string(cfg.batch / dp) + " samples, fewer than --grad-accum " +
-                                std::to_string(cfg.grad_accum) + "; use a --batch of at least " +
-                                std::to_string(dp * cfg.grad_accum));
-  }
+  validate_grad_accum(cfg.grad_accum, cfg.pp, cfg.micro_batches, cfg.batch, dp);
   if (cfg.steps < 1) throw std::invalid_argument("--steps must be >= 1");
   if (cfg.lr <= 0) throw std::invalid_argument("--lr must be > 0");
   if (cfg.warmup_steps < 0) throw std::invalid_argument("--warmup-steps must be >= 0");

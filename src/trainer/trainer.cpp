@@ -12,9 +12,9 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <optional>
 #include <sstream>
 
+#include "tandem/accumulate.h"
 #include "tandem/checkpoint.h"
 #include "tandem/data.h"
 #include "tandem/ddp.h"
@@ -80,11 +80,6 @@ int validate_model_parallel(const TrainConfig& cfg, int world) {
   if (cfg.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
   const int tp = cfg.tp, pp = cfg.pp;
   if (pp > 1) (void)parse_partition_option(cfg.pp_partition, pp);
-  if (cfg.grad_accum < 1) throw std::invalid_argument("--grad-accum must be at least 1");
-  if (cfg.grad_accum > 1 && pp > 1) {
-    throw std::invalid_argument("--grad-accum with --pp: the pipeline already accumulates over its micro-batches; use "
-                                "--micro-batches " + std::to_string(cfg.micro_batches * cfg.grad_accum) + " instead");
-  }
   if (cfg.grad_accum > 1 && !cfg.batch_shares.empty()) {
     throw std::invalid_argument("--grad-accum with --batch-shares is not supported yet (every rank must run the same "
                                 "number of micro-batches); drop one of them");
@@ -146,12 +141,7 @@ void validate(const TrainConfig& cfg, int world) {
   }
   if (cfg.epochs < 1) throw std::invalid_argument("--epochs must be at least 1");
   if (cfg.batch < 1) throw std::invalid_argument("--batch must be at least 1");
-  if (cfg.batch / dp < cfg.grad_accum) {
-    throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " gives each of the " + std::to_string(dp) +
-                                " data-parallel replicas " + std::to_string(cfg.batch / dp) + " samples, fewer than the " +
-                                std::to_string(cfg.grad_accum) + " micro-batches of --grad-accum; use a --batch of at least " +
-                                std::to_string(dp * cfg.grad_accum));
-  }
+  validate_grad_accum(cfg.grad_accum, cfg.pp, cfg.micro_batches, cfg.batch, dp);
   if (dp == world && cfg.batch % world != 0 && cfg.batch_shares.empty()) {
     throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " (global) does not split evenly over " +
                                 std::to_string(world) + " workers; use a multiple of " + std::to_string(world));
@@ -506,22 +496,10 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
         }
         peak_live = std::max(peak_live, pipe->stats().peak_live_micro_batches);
       } else {
-        // Gradient accumulation (--grad-accum K): the rank's batch in K micro-batches, each
-        // loss weighted by its part of the batch, so that the accumulated gradient is the whole
-        // batch's. DDP and ZeRO-1 communicate in the last backward only (no_sync before it);
-        // ZeRO-2 and 3, which keep no full-size gradient, reduce-scatter after every backward
-        // (as DeepSpeed's do). The same number of micro-batches on every rank: equal shares
-        // give every rank the same batch size.
-        const int64_t n = x.size(0);
-        const int64_t parts = std::min<int64_t>(cfg.grad_accum, n);
-        for (int64_t p = 0, off = 0; p < parts; ++p) {
-          const int64_t m = n / parts + (p < n % parts ? 1 : 0);
-          const at::Tensor xp = parts == 1 ? x : x.narrow(0, off, m), yp = parts == 1 ? y : y.narrow(0, off, m);
-          off += m;
-          if (p > 0) {
-            if (ddp) ddp->prepare_forward();
-            if (zero) zero->prepare_forward();
-          }
+        // --grad-accum K: K micro-batches, DDP and ZeRO-1 communicating once (tandem/accumulate.h).
+        // The same number of micro-batches on every rank: equal shares give every rank the same batch.
+        loss = accumulate_gradients(x, y, cfg.grad_accum, ddp.get(), zero.get(), [&](const at::Tensor& xp,
+                                                                                      const at::Tensor& yp, double w) {
           tf = Clock::now();
           const double waited = zero ? zero->gather_wait_seconds() : 0.0;
           at::Tensor part_loss = torch::nn::functional::cross_entropy(forward(xp), yp);
@@ -533,19 +511,10 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
           // Unequal shares: weight W * n_r / N, so the averaged gradient is the global-batch one.
           at::Tensor weighted =
               shares.active() ? part_loss * shares.loss_weight(static_cast<int64_t>(idx.size()), step_global) : part_loss;
-          if (parts > 1) {
-            const double w = static_cast<double>(m) / static_cast<double>(n);
-            weighted = weighted * w;
-            part_loss = part_loss.detach() * w;
-            loss = p == 0 ? part_loss : loss + part_loss;
-          } else {
-            loss = part_loss;
-          }
-          std::optional<NoSyncGuard> quiet;
-          if (ddp && p + 1 < parts) quiet.emplace(ddp->no_sync());
-          if (zero && zero->stage() == 1 && p + 1 < parts) quiet.emplace(zero->no_sync());
+          if (w != 1.0) weighted = weighted * w;
           (zero ? zero->scale_loss(weighted) : optimizer->scale_loss(weighted)).backward();
-        }
+          return part_loss;
+        });
       }
       shares.slow_down(static_cast<int64_t>(idx.size()), BatchSharePlan::kBackwardFraction);
       if (zero) {

@@ -32,7 +32,7 @@ expect grad-accum-pp "grad-accum with --pp: the pipeline already accumulates.*--
   "$tandem" train -n 2 --pp 2 --grad-accum 2 --no-baseline --max-steps 1
 expect grad-accum-shares "grad-accum with --batch-shares is not supported" -- \
   "$tandem" train -n 2 --batch-shares 3,1 --grad-accum 2 --no-baseline --max-steps 1
-expect grad-accum-batch "gives each of the 2 data-parallel replicas 4 samples, fewer than the 8 micro-batches" -- \
+expect grad-accum-batch "gives each of the 2 data-parallel replicas 4 samples, fewer than --grad-accum 8" -- \
   "$tandem" train -n 2 --batch 8 --grad-accum 8 --no-baseline --max-steps 1
 
 # A corrupt dataset: truncated image file, on 2 workers (the error must stop both, not hang).
