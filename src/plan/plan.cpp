@@ -39,7 +39,8 @@ double activation_scale(const ModelSpec& m, const std::string& precision) {
 
 struct Rates {
   double flops = 0;       // FLOP/s of forward+backward per worker
-  double overhead = 0;    // s per step
+  double overhead = 0;    // s per step (--overhead-ms), or per forward+backward pass (calibrated)
+  bool overhead_per_pass = false;  // the calibration's intercept: paid by every micro-batch
   double opt_per_param = 0;  // s per parameter updated (CPU calibration); 0: from bandwidth
   double slice = 1;       // time-sharing factor (CPU workers beyond the cores)
 };
@@ -75,6 +76,7 @@ Rates worker_rates(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& 
     r.flops = (threads == 1 ? conc : conc * threads * thread_eff) / r.slice;
   }
   r.overhead = mr.overhead_s * r.slice;
+  r.overhead_per_pass = true;
   // One worker on all cores: the intercept fitted with flops_all, so that the two reproduce the
   // all-core times they were fitted to (with the one-thread intercept they did not).
   if (n == 1 && threads >= cores && mr.flops_all > 0 && mr.overhead_all_s >= 0) r.overhead = mr.overhead_all_s;
@@ -916,8 +918,10 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   // The calibrated intercept is that of one forward+backward pass (it holds zeroing and adding
   // into the gradients, a pass over the parameters each): once per micro-batch. Counted once per
   // step, --grad-accum 4 on the MLP was priced 21-44 % fast (docs/BENCHMARKS.md, fifteenth
-  // session). Per-layer fits (pipelines, tensor parallelism) hold it per micro-batch already.
-  e.step_s = pipeline_s + exposed + e.optimizer_s + (fitted ? 0.0 : r.overhead * mcount);
+  // session). Per-layer fits (pipelines, tensor parallelism) hold it per micro-batch already;
+  // a cluster's --overhead-ms is per step.
+  const double overhead = r.overhead * (r.overhead_per_pass ? static_cast<double>(mcount) : 1.0);
+  e.step_s = pipeline_s + exposed + e.optimizer_s + (fitted ? 0.0 : overhead);
   e.samples_per_s = batch / e.step_s;
 
   // Efficiency: one device running the whole batch with no communication (memory permitting

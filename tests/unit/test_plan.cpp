@@ -321,6 +321,12 @@ TEST(Plan, GradientAccumulationCommunicatesAsTandemDoes) {
   // once per micro-batch.
   EXPECT_NEAR(d4.compute_s, d1.compute_s, 1e-12);
   EXPECT_NEAR(d4.step_s - d1.step_s, 3 * 1e-3, 1e-9);
+  // A cluster's fixed overhead (--overhead-ms, no calibration) is per step, not per micro-batch.
+  auto fixed = c;
+  fixed.framework_overhead_s = 5e-3;
+  tp::PlanOptions plain = fp32_sgd_options(nullptr);
+  const auto u1 = data_parallel_estimate(m, fixed, plain, 2, 0, 1), u4 = data_parallel_estimate(m, fixed, plain, 2, 0, 4);
+  EXPECT_NEAR(u4.step_s, u1.step_s, 1e-9);
   for (int z : {1, 2, 3}) {
     const auto z1 = est(z, 1), z4 = est(z, 4);
     const double rounds = z == 1 ? 1.0 : 4.0;  // ZeRO-1 accumulates under no_sync as DDP does
