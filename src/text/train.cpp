@@ -124,12 +124,15 @@ struct Engine {
   CommPtr comm, dp_comm;
   Precision precision;
   int dp = 1, dp_rank = 0;
-  int64_t grad_accum = 1;  // micro-batches per step without a pipeline
+  int64_t grad_accum = 1;     // micro-batches per step without a pipeline
+  int64_t micro_batches = 1;  // a pipeline's per step and replica
 
   // `ids`: the training documents' token ids; with --pp-partition time the first micro-batch of
   // them is timed layer by layer (on rank 0, the dense model) to cut the pipeline.
   Engine(torch::nn::Sequential n, Runtime& rt, const TextTrainConfig& cfg, const at::Tensor& ids)
-      : dense(std::move(n)), comm(rt.world()), precision(parse_precision(cfg.precision)), grad_accum(cfg.grad_accum) {
+      : dense(std::move(n)), comm(rt.world()), precision(parse_precision(cfg.precision)),
+        grad_accum(cfg.grad_accum),
+        micro_batches(cfg.micro_batches) {
     dense->to(rt.device());
     if (cfg.tp * cfg.pp > 1) grid = std::make_unique<ProcessGrid>(comm, cfg.tp, cfg.pp);
     dp_comm = grid ? grid->dp() : comm;
@@ -190,29 +193,40 @@ struct Engine {
       opt->zero_grad();
     }
   }
-  // The step's loss: forward and backward on this rank's slice (through the pipeline when there is one).
+  // The step's loss: forward and backward on this rank's slice (through the pipeline when there
+  // is one). `loss_sum_fn(out, target)` sums the loss over a micro-batch's loss terms (its real
+  // tokens, or its samples); `terms` counts them over the whole global batch. Every backward takes
+  // its sum times dp / terms, so that after DDP's (or ZeRO's) average over the replicas and the
+  // sum over micro-batches the gradient is that of the mean over every term of the global batch,
+  // as one pass over it on one worker gives, whatever the worker count, --grad-accum or pipeline
+  // micro-batches (Megatron's calculate_per_token_loss; Hugging Face's num_items_in_batch).
+  // Weighting each micro-batch's and rank's own mean instead (as DDP weights ranks) moved the
+  // validation loss by up to 1.3e-3 after 12 steps with padded documents (docs/BENCHMARKS.md).
+  // Returns this replica's share of that mean: averaged over the replicas, the step's loss.
   template <typename LossFn>
-  torch::Tensor forward_backward(const torch::Tensor& x, const torch::Tensor& y, const LossFn& loss_fn) {
+  torch::Tensor forward_backward(const torch::Tensor& x, const torch::Tensor& y, const LossFn& loss_sum_fn,
+                                 double terms) {
+    const double norm = static_cast<double>(dp) / std::max(1.0, terms);
     if (pipe) {
-      // fp16: the last stage back-propagates the scaled loss; the step's loss is reported unscaled.
+      // The pipeline back-propagates each micro-batch's loss / m and returns their mean: the
+      // micro-batch's normalised sum times m makes both the step's sum. fp16: the last stage
+      // back-propagates the scaled loss; the step's loss is reported unscaled.
+      const double m = static_cast<double>(micro_batches);
       const double scale = precision != Precision::kFP16 ? 1.0 : zero ? zero->loss_scaler().scale() : opt->scaler().scale();
-      auto loss = scale == 1.0 ? pipe->train_step(x, y, loss_fn)
-                               : pipe->train_step(x, y, [&](const torch::Tensor& out, const torch::Tensor& target) {
-                                   auto l = loss_fn(out, target);
-                                   return zero ? zero->scale_loss(l) : opt->scale_loss(l);
-                                 }) / scale;
+      auto loss = pipe->train_step(x, y, [&](const torch::Tensor& out, const torch::Tensor& target) {
+                    auto l = loss_sum_fn(out, target) * (norm * m);
+                    if (scale == 1.0) return l;
+                    return zero ? zero->scale_loss(l) : opt->scale_loss(l);
+                  }) / scale;
       if (!zero && dp > 1) averager->average();  // ZeRO reduces in its hooks
       return loss;
     }
-    // --grad-accum K (tandem/accumulate.h): each micro-batch's mean loss weighted by its share
-    // of the rank's samples, as DDP weights the ranks' means (equally: with padding the
-    // token-level mean differs a little from one pass's, on several ranks as here).
+    // --grad-accum K (tandem/accumulate.h): it sums the returned losses times their row shares.
     return accumulate_gradients(x, y, grad_accum, ddp.get(), zero.get(),
                                 [&](const torch::Tensor& xp, const torch::Tensor& yp, double w) {
-                                  auto loss = loss_fn(forward(xp), yp);
-                                  auto weighted = w == 1.0 ? loss : loss * w;
-                                  (zero ? zero->scale_loss(weighted) : opt->scale_loss(weighted)).backward();
-                                  return loss;
+                                  auto loss = loss_sum_fn(forward(xp), yp) * norm;
+                                  (zero ? zero->scale_loss(loss) : opt->scale_loss(loss)).backward();
+                                  return w == 1.0 ? loss : loss / w;
                                 });
   }
   void end_step() {
@@ -378,10 +392,12 @@ void gather_memory(Runtime& rt, TextReport& rep) {
 }
 
 // The common loop: `batch_of(global_indices, from, to)` gives the inputs and targets of this
-// replica's slice [from, to) of the global batch; `loss_fn(outputs, targets)` their mean loss.
-template <typename BatchFn, typename LossFn>
-void train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of, LossFn loss_fn,
-                TextReport& rep) {
+// replica's slice [from, to) of the global batch; `loss_sum_fn(outputs, targets)` their summed
+// loss; `terms_of(global_indices, from, to)` how many loss terms a slice holds (its real tokens,
+// its samples). Every rank counts the whole global batch's itself: no communication.
+template <typename BatchFn, typename LossFn, typename TermsFn>
+void train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of,
+                LossFn loss_sum_fn, TermsFn terms_of, TextReport& rep) {
   const int rank = rt.rank(), world = rt.world_size();
   const int64_t per = cfg.batch / eng.dp;
   Batches batches(n, cfg.seed + 1);
@@ -395,7 +411,7 @@ void train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n,
     eng.set_lr(lr_at(cfg, step));
     eng.begin_step();
     auto [x, y] = batch_of(idx, eng.dp_rank * per, (eng.dp_rank + 1) * per);
-    torch::Tensor loss = eng.forward_backward(x, y, loss_fn);
+    torch::Tensor loss = eng.forward_backward(x, y, loss_sum_fn, terms_of(idx, 0, eng.dp * per));
     eng.end_step();
     torch::Tensor l = loss.detach().reshape({1}).to(torch::kFloat).clone();
     if (world > 1) eng.comm->allreduce(l, ReduceOp::kAvg);
@@ -603,14 +619,21 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
     if (sum) o.reduction(torch::kSum);
     return torch::nn::functional::cross_entropy(pred, target, o);
   };
-  auto lm_loss = [&](const torch::Tensor& logits, const torch::Tensor& ids) { return lm_loss_sum(logits, ids, false); };
+  // The loss terms of documents: their predicted tokens that are not padding.
+  auto real_tokens = [&](const torch::Tensor& ids) {
+    return ids.narrow(1, 1, ids.size(1) - 1).ne(tok.pad_id()).sum().item<int64_t>();
+  };
   train_loop(
       rt, cfg, eng, train.ids.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
         auto ids = rows(train.ids, idx, from, to).to(device);
-        return std::make_pair(ids, ids);  // the targets: the inputs, shifted by lm_loss
+        return std::make_pair(ids, ids);  // the targets: the inputs, shifted by lm_loss_sum
       },
-      lm_loss, rep);
+      [&](const torch::Tensor& logits, const torch::Tensor& ids) { return lm_loss_sum(logits, ids, true); },
+      [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
+        return static_cast<double>(real_tokens(rows(train.ids, idx, from, to)));
+      },
+      rep);
   if (cfg.evaluate) {
     // Validation loss per predicted token, summed over ranks.
     const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, valid.ids.size(0)) : valid.ids.size(0);
@@ -619,7 +642,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
     evaluate_rounds(rt, eng, valid.ids, n, [&](const torch::Tensor& logits, int64_t from, int64_t to) {
       auto ids = valid.ids.narrow(0, from, to - from).to(device);
       sum += lm_loss_sum(logits, ids, true).item<double>();
-      tokens += ids.narrow(1, 1, ids.size(1) - 1).ne(tok.pad_id()).sum().item<int64_t>();
+      tokens += real_tokens(ids);
     });
     auto t = torch::tensor({sum, static_cast<double>(tokens)}, torch::kDouble).to(device);
     rt.world()->allreduce(t, ReduceOp::kSum);
@@ -712,8 +735,10 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
         return std::make_pair(rows(train_x, idx, from, to).to(device), rows(train_y, idx, from, to).to(device));
       },
       [](const torch::Tensor& out, const torch::Tensor& y) {
-        return torch::nn::functional::cross_entropy(out.to(torch::kFloat), y);
+        return torch::nn::functional::cross_entropy(
+            out.to(torch::kFloat), y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
       },
+      [](const std::vector<int64_t>&, int64_t from, int64_t to) { return static_cast<double>(to - from); },
       rep);
   if (cfg.evaluate) {
     const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, test_x.size(0)) : test_x.size(0);
@@ -777,9 +802,9 @@ std::string format_report(const TextTrainConfig& cfg, const TextReport& r) {
     os << "speedup          " << std::setprecision(2) << r.speedup << "x against one worker (" << std::setprecision(0)
        << cfg.baseline_samples_per_second << " samples/s), efficiency " << 100.0 * r.speedup / r.world_size << "%\n";
   }
-  os << "final loss       " << std::setprecision(4) << r.final_loss << "\n";
+  os << "final loss       " << std::setprecision(6) << r.final_loss << "\n";
   if (r.eval_loss >= 0) {
-    os << "validation loss  " << std::setprecision(4) << r.eval_loss << " per token (perplexity "
+    os << "validation loss  " << std::setprecision(6) << r.eval_loss << " per token (perplexity "
        << std::setprecision(1) << std::exp(r.eval_loss) << ")\n";
   }
   if (r.test_accuracy >= 0) {
