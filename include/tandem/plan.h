@@ -160,6 +160,9 @@ struct ModelRates {
   // tensor-parallel layout's compute is scaled by it instead of by the whole model's
   // flops_synchronized, whose larger working set runs slower when ranks share cores.
   std::map<int, std::map<int, std::pair<double, double>>> tp_synchronized;
+  // The two batches the fits above were timed at (0: not recorded, calibrations before the
+  // sixteenth session). Far outside them the fits extrapolate (Estimate::caveat).
+  int64_t fit_batch_lo = 0, fit_batch_hi = 0;
 };
 struct Calibration {
   std::string date, host;
@@ -231,6 +234,9 @@ struct Estimate {
   Layout layout;
   bool feasible = true;
   std::string why;             // when infeasible
+  // Feasible, but priced where the calibration does not reach: a pass over fewer than half the
+  // smaller, or more than twice the larger, of the batches its compute fits were timed at.
+  std::string caveat;
   MemoryBreakdown memory;      // per device
   double compute_s = 0;        // forward+backward of this device's share
   double optimizer_s = 0;

@@ -254,6 +254,8 @@ void calibrate_compute(Calibration& cal, const std::vector<std::string>& models,
     const double f = 3.0 * forward_flops_per_sample(spec);
     const int64_t b2 = std::max<int64_t>(2, batch), b1 = std::max<int64_t>(1, b2 / 4);
     ModelRates mr;
+    mr.fit_batch_lo = b1;
+    mr.fit_batch_hi = b2;
     // Three interleaved rounds, median of each point: this guest runs at two speeds for minutes
     // at a time, and a calibration taken in one of them alone misleads.
     std::vector<double> a1, a2, c1, c2;
@@ -626,6 +628,7 @@ std::string calibration_to_json(const Calibration& cal) {
                          {"flops_concurrent", m.flops_concurrent},
                          {"overhead_s", m.overhead_s},
                          {"overhead_all_s", m.overhead_all_s},
+                         {"fit_batches", {m.fit_batch_lo, m.fit_batch_hi}},
                          {"flops_synchronized", [&] {
                             nlohmann::json o = nlohmann::json::object();
                             for (const auto& [n, r] : m.flops_synchronized) o[std::to_string(n)] = r;
@@ -683,6 +686,13 @@ Calibration calibration_from_json(const std::string& text) {
         r.flops_concurrent = m.value("flops_concurrent", 0.0);
         r.overhead_s = m.value("overhead_s", 0.0);
         r.overhead_all_s = m.value("overhead_all_s", -1.0);  // absent before the twelfth session
+        if (m.contains("fit_batches")) {  // absent before the sixteenth session
+          const auto fb = m["fit_batches"].get<std::vector<int64_t>>();
+          if (fb.size() != 2 || fb[0] < 0 || fb[1] < fb[0])
+            throw std::invalid_argument("models." + name + ": fit_batches must be [smaller, larger] batch");
+          r.fit_batch_lo = fb[0];
+          r.fit_batch_hi = fb[1];
+        }
         r.sgd_s_per_param = m.value("sgd_s_per_param", 0.0);
         r.adam_s_per_param = m.value("adam_s_per_param", 0.0);
         r.sgd_all_s_per_param = m.value("sgd_all_s_per_param", 0.0);  // absent before the twelfth session

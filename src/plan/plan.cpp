@@ -931,6 +931,22 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   t1 += r1.opt_per_param > 0 ? m.parameters * r1.opt_per_param
                              : m.parameters * (sb.param + sb.grad + 2.0 * sb.optimizer) / dev.memory_bandwidth;
   e.efficiency = t1 / (used * e.step_s);
+
+  // A pass far outside the calibrated batches: the linear fits extrapolate. The CNN's tp2 at 96
+  // micro-batches of 2 (fits at 32 and 128) was priced 110 ms and measured 297-352 ms
+  // (docs/BENCHMARKS.md, fifteenth session).
+  if (c.cpu && o.calibration) {
+    auto it = o.calibration->models.find(m.name);
+    if (it != o.calibration->models.end() && it->second.fit_batch_lo > 0) {
+      const int64_t lo = it->second.fit_batch_lo, hi = it->second.fit_batch_hi;
+      if (2 * mb < lo || mb > 2 * hi) {
+        e.caveat = "passes of " + std::to_string(mb) + " samples, far from the " + std::to_string(lo) + " and " +
+                   std::to_string(hi) + " its compute was calibrated at: extrapolated (a calibration at batch " +
+                   std::to_string(2 * mb) + " covers it: tandem plan --calibrate --calibrate-batch " +
+                   std::to_string(2 * mb) + ")";
+      }
+    }
+  }
   return e;
 }
 

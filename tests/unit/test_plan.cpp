@@ -336,6 +336,36 @@ TEST(Plan, GradientAccumulationCommunicatesAsTandemDoes) {
   }
 }
 
+// A pass far outside the batches the compute fits were timed at is flagged: priced, with a caveat
+// that names the batch a calibration would need. Calibrations that do not record them flag nothing.
+TEST(Plan, PassesOutsideTheCalibratedBatchesCarryACaveat) {
+  tp::Calibration cal = cnn_calibration_with_collectives();
+  cal.models["cnn"].fit_batch_lo = 32;
+  cal.models["cnn"].fit_batch_hi = 128;
+  const auto c = two_core_local();
+  tp::PlanOptions o = fp32_sgd_options(&cal);
+  auto m = tp::builtin_model("cnn");
+  EXPECT_EQ(data_parallel_estimate(m, c, o, 2, 0, 1).caveat, "");  // 96 per pass
+  EXPECT_EQ(data_parallel_estimate(m, c, o, 2, 0, 6).caveat, "");  // 16, half the smaller
+  const auto low = data_parallel_estimate(m, c, o, 2, 0, 48);   // passes of 2
+  EXPECT_NE(low.caveat.find("passes of 2 samples"), std::string::npos) << low.caveat;
+  EXPECT_NE(low.caveat.find("--calibrate-batch 4"), std::string::npos) << low.caveat;
+  o.global_batch = 1024;
+  EXPECT_NE(data_parallel_estimate(m, c, o, 2, 0, 1).caveat, "");  // 512, over twice 128
+  // Round trip; files without fit_batches read as not recorded; a malformed pair is refused.
+  auto back = tp::calibration_from_json(tp::calibration_to_json(cal));
+  EXPECT_EQ(back.models.at("cnn").fit_batch_lo, 32);
+  EXPECT_EQ(back.models.at("cnn").fit_batch_hi, 128);
+  auto j = nlohmann::json::parse(tp::calibration_to_json(cal));
+  j["models"]["cnn"].erase("fit_batches");
+  auto legacy = tp::calibration_from_json(j.dump());
+  EXPECT_EQ(legacy.models.at("cnn").fit_batch_lo, 0);
+  o.calibration = &legacy;
+  EXPECT_EQ(data_parallel_estimate(m, c, o, 2, 0, 1).caveat, "");
+  j["models"]["cnn"]["fit_batches"] = {128, 32};
+  EXPECT_THROW(tp::calibration_from_json(j.dump()), std::invalid_argument);
+}
+
 // ZeRO-3 waits for each unit's gather before its forward and its backward (the last unit's
 // excepted): 2U - 1 rendezvous, each priced at the calibrated sync_point_s beyond the 4 KiB
 // collective's own time; without the measurement, nothing is added.

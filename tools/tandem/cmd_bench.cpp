@@ -114,6 +114,7 @@ struct Row {
   std::vector<double> step_ms, exposed_share, peak_mib, accuracy;
   double predicted_ms = 0;
   std::vector<double> predicted_rounds;  // --calibrate: one prediction per repetition
+  std::string caveat;                    // the plan's, when the prediction extrapolates
 };
 
 int64_t lcm(int64_t a, int64_t b) {
@@ -273,6 +274,7 @@ int cmd_bench(int argc, char** argv) {
       o.pipeline_partition = pp_partition;
       plan::Estimate e = plan::estimate(m, c, l, o);
       r.predicted_ms = e.feasible ? e.step_s * 1e3 : 0.0;
+      r.caveat = e.caveat;
     }
   };
   auto read_calibration = [](const std::string& path) {
@@ -473,6 +475,12 @@ int cmd_bench(int argc, char** argv) {
                 << (have_cal ? " and prediction" : "") << " carries noise of that order; the CSV's step_ms_per_rep "
                 << "lists each repetition\n";
     }
+  }
+  if (have_cal) {
+    for (const auto& r : rows)
+      if (!r.caveat.empty())
+        std::cout << "note: the prediction of " << r.strategy << " on " << r.workers << " worker(s) has " << r.caveat
+                  << "\n";
   }
   std::cout << "(speedup and efficiency against 1 worker, median step times; comm: exposed communication share of "
                "the loop, DDP only)\nCSV written to "

@@ -108,6 +108,7 @@ nlohmann::json to_json(const Estimate& e) {
     j["exposed_comm_seconds"] = e.exposed_comm_s;
     j["bubble_seconds"] = e.bubble_s;
     j["comm_parts"] = e.comm_parts;
+    if (!e.caveat.empty()) j["caveat"] = e.caveat;
   } else {
     j["why"] = e.why;
   }
@@ -451,6 +452,14 @@ int cmd_plan(int argc, char** argv) {
               << fixed(e.comm_s * 1e3, 1) << std::setw(10) << fixed(e.exposed_comm_s * 1e3, 1) << "   "
               << human_bytes(e.memory.parameters) << " / " << human_bytes(e.memory.gradients) << " / "
               << human_bytes(e.memory.optimizer) << " / " << human_bytes(e.memory.activations) << "\n";
+  }
+  {
+    int k = 0;
+    for (const auto& e : results) {
+      if (!e.feasible || k >= shown) continue;
+      ++k;
+      if (!e.caveat.empty()) std::cout << "note: " << k << " (" << layout_label(e) << ") has " << e.caveat << "\n";
+    }
   }
   if (feasible > shown) std::cout << "(" << feasible - shown << " more feasible layouts; --top N shows them)\n";
   int infeasible = static_cast<int>(results.size()) - feasible;
