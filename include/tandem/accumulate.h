@@ -15,11 +15,12 @@ class ZeroDataParallel;
 
 // Splits x and y (first dimension) into min(k, rows) micro-batches of near-equal size (the first
 // rows % parts one row longer) and calls pass(x_part, y_part, weight) for each, weight = its rows
-// / all rows; `pass` runs the forward and the backward of its loss times `weight` and returns the
-// unweighted loss. Before every micro-batch after the first it calls prepare_forward() of `ddp`
-// and `zero` (either may be null). Every backward but the last runs under no_sync() of DDP and of
-// ZeRO stage 1, so they communicate once per step; ZeRO-2/3 reduce-scatter after each backward.
-// Returns the loss of the whole batch: pass's own with one part, else the weighted sum (detached).
+// / all rows; `pass` runs the forward and the backward of its part of the step's loss (its mean
+// loss times `weight`, or a loss it normalises itself) and returns that part. Before every
+// micro-batch after the first it calls prepare_forward() of `ddp` and `zero` (either may be
+// null). Every backward but the last runs under no_sync() of DDP and of ZeRO stage 1, so they
+// communicate once per step; ZeRO-2/3 reduce-scatter after each backward. Returns the step's
+// loss: the sum of the parts (detached), pass's own with one part.
 using MicroBatchPass = std::function<at::Tensor(const at::Tensor& x, const at::Tensor& y, double weight)>;
 at::Tensor accumulate_gradients(const at::Tensor& x, const at::Tensor& y, int64_t k, DistributedDataParallel* ddp,
                                 ZeroDataParallel* zero, const MicroBatchPass& pass);

@@ -221,12 +221,13 @@ struct Engine {
       if (!zero && dp > 1) averager->average();  // ZeRO reduces in its hooks
       return loss;
     }
-    // --grad-accum K (tandem/accumulate.h): it sums the returned losses times their row shares.
+    // --grad-accum K (tandem/accumulate.h): each part is normalised by the global batch's terms
+    // already, so the row share goes unused and the parts add up to the step's loss.
     return accumulate_gradients(x, y, grad_accum, ddp.get(), zero.get(),
-                                [&](const torch::Tensor& xp, const torch::Tensor& yp, double w) {
+                                [&](const torch::Tensor& xp, const torch::Tensor& yp, double) {
                                   auto loss = loss_sum_fn(forward(xp), yp) * norm;
                                   (zero ? zero->scale_loss(loss) : opt->scale_loss(loss)).backward();
-                                  return w == 1.0 ? loss : loss / w;
+                                  return loss;
                                 });
   }
   void end_step() {

@@ -513,7 +513,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg) {
               shares.active() ? part_loss * shares.loss_weight(static_cast<int64_t>(idx.size()), step_global) : part_loss;
           if (w != 1.0) weighted = weighted * w;
           (zero ? zero->scale_loss(weighted) : optimizer->scale_loss(weighted)).backward();
-          return part_loss;
+          return w == 1.0 ? part_loss : part_loss * w;
         });
       }
       shares.slow_down(static_cast<int64_t>(idx.size()), BatchSharePlan::kBackwardFraction);
