@@ -38,11 +38,37 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
   "$py" -m venv .venv
 fi
+# Free space (GiB, one decimal) on the filesystem holding $1 (or its nearest existing parent).
+free_gib() {
+  local d=$1
+  while [ ! -e "$d" ]; do d=$(dirname "$d"); done
+  df -Pk "$d" | awk 'NR==2 { printf "%.1f", $4 / 1048576 }'
+}
+# Stops with what is short, where, and what to do, instead of pip's or the compiler's
+# "No space left on device" halfway through (a CI machine was once seen with 287 MB free).
+need_space() {  # need_space DIR GIB WHAT
+  local have
+  have=$(free_gib "$1")
+  if awk -v h="$have" -v n="$2" 'BEGIN { exit !(h < n) }'; then
+    printf '\033[1m[setup]\033[0m error: %s GiB free on the disk holding %s; %s needs about %s GiB.\n' "$have" "$1" "$3" "$2" >&2
+    printf '        Free space there (e.g. remove old build/ or .venv/ directories, `pip cache purge`, `ccache -C`),\n' >&2
+    printf '        or point TMPDIR, PIP_CACHE_DIR and TANDEM_BUILD_DIR at a larger disk, then run this again.\n' >&2
+    exit 1
+  fi
+}
+
 want=${torch_req#torch==}
 have=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
 if [ "$have" != "$want" ]; then
   log "installing $torch_req into .venv (about 4.7 GB with its CUDA libraries; cached in ~/.cache/pip)"
-  .venv/bin/pip install -q --disable-pip-version-check "$torch_req" numpy
+  # Installed: 4.7 GB; while installing, the downloaded wheels (about 3.5 GB) sit beside it.
+  need_space "$root/.venv" 6 "installing torch with its CUDA libraries into .venv"
+  need_space "${TMPDIR:-/tmp}" 1 "pip's unpacking (TMPDIR)"
+  if ! .venv/bin/pip install -q --disable-pip-version-check "$torch_req" numpy; then
+    log "error: pip could not install $torch_req into .venv ($(free_gib "$root/.venv") GiB free there now)." >&2
+    log "       If pip said \"No space left on device\", free disk space and run this again; otherwise see its message above." >&2
+    exit 1
+  fi
 else
   log "torch $have present"
 fi
@@ -52,6 +78,9 @@ fi
 # ---- build
 export CCACHE_BASEDIR="$root" CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
 export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-5G}
+# A clean build takes 0.7 GB, and ccache up to CCACHE_MAXSIZE beside it.
+case "$build_dir" in /*) build_path=$build_dir ;; *) build_path=$root/$build_dir ;; esac
+need_space "$build_path" 1.5 "building Tandem"
 if [ ! -f "$build_dir/build.ninja" ]; then
   log "configuring $build_dir"
   cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
