@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <limits>
 #include <map>
@@ -97,14 +98,32 @@ torch::nn::Sequential tp_shard_model(torch::nn::Sequential& dense, const ModelSp
   return any ? shard : nullptr;
 }
 
-// Median seconds of zero_grad + forward + loss + backward at batch b.
+// Every timed point of the compute calibration spans at least this long. This guest's speed
+// wanders per core with about a second's memory: a one-thread GEMM timed back to back for 150 s
+// on each core varied with sd 7-8 % between 0.25 s windows, correlated 0.48 one second apart and
+// 0.24 two seconds apart, and not at all between the two cores (docs/BENCHMARKS.md, seventeenth
+// session). Seven passes of the MLP (about 0.1 s) sampled one moment of that, and two of its
+// calibrations minutes apart priced the same 2-worker step 12 and 17 ms.
+constexpr double kPointSeconds = 0.3;
+
+// Timed passes for a point whose first pass took `first_s`: at least `min_iters`, and enough to
+// span kPointSeconds, at most 100.
+int iters_to_span(double first_s, int min_iters) {
+  if (!(first_s > 0)) return min_iters;
+  return std::clamp(static_cast<int>(std::ceil(kPointSeconds / first_s)), min_iters, std::max(min_iters, 100));
+}
+
+// Median seconds of zero_grad + forward + loss + backward at batch b, over at least `iters`
+// passes after `warmup`, and at least kPointSeconds of them.
 double time_fwd_bwd(torch::nn::Sequential& model, const std::string& name, int64_t b, int warmup, int iters) {
   auto [x, y] = sample_batch(name, b);
   std::vector<double> t;
-  for (int i = 0; i < warmup + iters; ++i) {
+  for (int i = 0, total = warmup + iters; i < total; ++i) {
     auto t0 = Clock::now();
     train_pass(model, x, y);
-    if (i >= warmup) t.push_back(seconds_since(t0));
+    const double dt = seconds_since(t0);
+    if (i == warmup) total = warmup + iters_to_span(dt, iters);
+    if (i >= warmup) t.push_back(dt);
   }
   return median(t);
 }
@@ -389,16 +408,18 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         loss.backward();
         (void)loss.item<double>();
       };
-      // One round: 2 warm-ups and 7 timed runs of `once`, each followed by a barrier; the
-      // slowest rank's median.
+      // One round: 2 warm-ups and at least 7 timed runs of `once` (kPointSeconds in all), each
+      // followed by a barrier; the slowest rank's median. The count follows from the second
+      // warm-up's slowest time, which every rank has, so that all run the same number.
       auto synchronized_round = [&](const std::function<void()>& once) {
         std::vector<double> ts;
         comm->barrier();
-        for (int i = 0; i < 9; ++i) {
+        for (int i = 0, total = 9; i < total; ++i) {
           auto t0 = Clock::now();
           once();
           comm->barrier();
           double dt = slowest(seconds_since(t0));
+          if (i == 1) total = 2 + iters_to_span(dt, 7);
           if (i >= 2) ts.push_back(dt);
         }
         return median(ts);
@@ -451,12 +472,16 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
       for (int round = 0; round < 3; ++round) {
         std::vector<double> tp;
         comm->barrier();
-        for (int j = 0; j < 12; ++j) {
+        for (int j = 0, total = 12; j < total; ++j) {
           const bool mine = ((comm->rank() - round) % n + n) % n < a;
           auto t0 = Clock::now();
           if (mine) train_pass(model, xm, ym);
           barrier_in_receives(*comm);
-          if (j >= 2) tp.push_back(seconds_since(t0));
+          const double dt = seconds_since(t0);
+          // At least 10 timed phases and kPointSeconds, counted from the second warm-up's
+          // slowest phase (one value on every rank).
+          if (j == 1) total = 2 + iters_to_span(slowest(dt), 10);
+          if (j >= 2) tp.push_back(dt);
         }
         rounds.push_back(slowest(median(tp)));
       }
