@@ -56,7 +56,7 @@ def rows_of(tandem, d):
         accum = re.search(r"gradient accumulation (\d+)", text.splitlines()[0])
         grad_accum = int(accum.group(1)) if accum else 1
         measured = {}
-        for m in re.finditer(r"\[(\d+)/\d+\] (\d+) worker\(s\), (\S+)\.\.\. ([0-9.]+) ms/step", text):
+        for m in re.finditer(r"\[\+?(\d+)/\d+\] (\d+) worker\(s\), (\S+)\.\.\. ([0-9.]+) ms/step", text):
             measured.setdefault((int(m.group(2)), m.group(3)), []).append(float(m.group(4)))
         predicted = {}
         for cal in sorted(glob.glob(log[:-4] + ".calibration-*.json")):

@@ -120,4 +120,32 @@ if "$tandem" bench --model mlp --workers 1 --steps 1 --drift-warn -5 > dw.txt 2>
   echo "a negative --drift-warn was accepted"; exit 1
 fi
 grep -q "drift-warn" dw.txt || { echo "the refusal does not name --drift-warn"; cat dw.txt; exit 1; }
+# --remeasure: rows whose median step sits --drift-warn % or more above their fastest measurement
+# are measured again after the repetitions. At --drift-warn 0 every row qualifies (one more round
+# each, every measurement kept in the median, the rows marked unsteady); at 1000 none does.
+for dw in 0 1000; do
+  [ $dw = 0 ] && w=1,2 || w=1
+  "$tandem" bench --model mlp --workers $w --strategies ddp --steps 3 --batch 64 --reps 3 --remeasure 1 \
+    --drift-warn $dw --csv r$dw.csv --no-plot --calibration none.json | tee r$dw.txt
+done
+python3 - r0.csv r1000.csv <<'PY'
+import csv, statistics, sys
+for path, n, names in ((sys.argv[1], 4, ["single", "ddp"]), (sys.argv[2], 3, ["single"])):
+    rows = list(csv.DictReader(open(path)))
+    assert [r["strategy"] for r in rows] == names, rows
+    for r in rows:
+        steps = [float(x) for x in r["step_ms_per_rep"].split(";")]
+        assert int(r["measurements"]) == n == len(steps), (path, r)
+        assert abs(statistics.median(steps) - float(r["step_ms"])) <= 0.002, r
+        assert abs(statistics.median(steps) / min(steps) - 1 - float(r["spread"])) <= 0.0002, r
+        assert r["steal_share"] == "" or 0 <= float(r["steal_share"]) <= 1, r
+print("remeasure ok")
+PY
+[ "$(grep -c '\[+1/1\]' r0.txt)" -eq 2 ] || { echo "expected both rows measured again at --drift-warn 0"; exit 1; }
+grep -q "note: unsteady (\*)" r0.txt || { echo "no note of the unsteady rows"; exit 1; }
+if grep -q '\[+1/1\]\|note: unsteady' r1000.txt; then echo "rows measured again at --drift-warn 1000"; exit 1; fi
+if "$tandem" bench --model mlp --workers 1 --steps 3 --remeasure -1 > rm.txt 2>&1; then
+  echo "a negative --remeasure was accepted"; exit 1
+fi
+grep -q "remeasure" rm.txt || { echo "the refusal does not name --remeasure"; cat rm.txt; exit 1; }
 echo "bench ok"

@@ -112,10 +112,48 @@ struct Row {
   std::string strategy;
   Layout layout;
   std::vector<double> step_ms, exposed_share, peak_mib, accuracy;
+  std::vector<double> steal;  // per measurement: the hypervisor's share of the CPU time (-1: unknown)
   double predicted_ms = 0;
   std::vector<double> predicted_rounds;  // --calibrate: one prediction per repetition
   std::string caveat;                    // the plan's, when the prediction extrapolates
 };
+
+// How far the median measurement sits above the fastest one (0.15: 15 % slower). Small when the
+// machine ran at one speed through the repetitions, or slowed down for one of them (the median
+// absorbs that); large when it ran slow for most of them, so the median measured the slowdown.
+double unsteadiness(const std::vector<double>& v) {
+  if (v.size() < 3) return 0.0;
+  const double lo = *std::min_element(v.begin(), v.end());
+  return lo > 0 ? median(v) / lo - 1.0 : 0.0;
+}
+
+// All CPUs' time from /proc/stat's first line, and the part of it that the hypervisor gave to
+// other guests ("steal", its 8th value): on a shared virtual machine, the plainest sign that a
+// measurement ran on less machine than the calibration saw.
+struct CpuClock {
+  double total = 0, steal = 0;
+  bool ok = false;
+};
+
+CpuClock read_cpu_clock() {
+  CpuClock c;
+  std::ifstream f("/proc/stat");
+  std::string tag;
+  if (!(f >> tag) || tag != "cpu") return c;
+  double v[8];
+  for (double& x : v)
+    if (!(f >> x)) return c;
+  for (double x : v) c.total += x;
+  c.steal = v[7];
+  c.ok = true;
+  return c;
+}
+
+// The stolen share of the CPU time between two readings; -1 where it cannot be told.
+double stolen_between(const CpuClock& a, const CpuClock& b) {
+  if (!a.ok || !b.ok || b.total <= a.total) return -1.0;
+  return std::max(0.0, (b.steal - a.steal) / (b.total - a.total));
+}
 
 int64_t lcm(int64_t a, int64_t b) {
   int64_t x = a, y = b;
@@ -186,6 +224,14 @@ int cmd_bench(int argc, char** argv) {
   app.add_option("--drift-warn", drift_warn,
                  "with --reps >= 2: warn when the single worker's step varies by this many percent or more "
                  "between repetitions (the machine changed speed during the bench)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  int remeasure = 2;
+  app.add_option("--remeasure", remeasure,
+                 "with --reps >= 3: a row whose median step is --drift-warn percent or more above its fastest "
+                 "repetition (the machine ran slow through most of them) is measured again, one round of all such "
+                 "rows at a time, at most this many rounds; every measurement counts in the median, none is dropped "
+                 "(0: report such rows as they are)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   bool predict_only = false, calibrate = false;
@@ -321,6 +367,66 @@ int cmd_bench(int argc, char** argv) {
   std::string cal_workers;
   for (int n : workers)
     if (n > 1) cal_workers += (cal_workers.empty() ? "" : ",") + std::to_string(n);
+  // One measurement of a row: a `tandem train` run; false (after cleaning up) when it failed.
+  auto measure = [&](Row& r, const std::string& label) -> bool {
+    const std::string metrics = (tmp / "metrics.jsonl").string(), log = (tmp / "log.txt").string();
+    std::vector<std::string> args = {self, "train", "--model", model, "--strategy", r.layout.base, "-n",
+                                     std::to_string(r.workers), "--batch", std::to_string(batch), "--max-steps",
+                                     std::to_string(steps), "--no-baseline", "--no-progress", "--metrics", metrics,
+                                     "--data", data, "--timeout", fixed(timeout_s, 0), "--schedule", "constant"};
+    if (threads > 0) args.insert(args.end(), {"--threads", std::to_string(threads)});
+    if (r.layout.tp > 1) args.insert(args.end(), {"--tp", std::to_string(r.layout.tp)});
+    if (r.layout.pp == 1 && grad_accum > 1) args.insert(args.end(), {"--grad-accum", std::to_string(grad_accum)});
+    if (r.layout.pp > 1) {
+      args.insert(args.end(), {"--pp", std::to_string(r.layout.pp), "--micro-batches", std::to_string(micro_batches),
+                               "--pipeline-schedule", r.layout.schedule, "--pp-partition", pp_partition});
+    }
+    if (accuracy) {
+      args.insert(args.end(), {"--eval-limit", std::to_string(eval_limit)});
+    } else {
+      args.push_back("--no-eval");
+    }
+    std::cout << "  [" << label << "] " << r.workers << " worker(s), " << r.strategy << "... " << std::flush;
+    ::unlink(metrics.c_str());
+    const CpuClock c0 = read_cpu_clock();
+    int rc = run_logged(args, log);
+    const CpuClock c1 = read_cpu_clock();
+    if (rc != 0) {
+      std::cout << "failed\n";
+      std::cerr << "tandem bench: `tandem train` with " << r.workers << " worker(s), strategy " << r.strategy
+                << " exited with " << rc << "; its last lines:\n"
+                << tail_of(log, 15);
+      cleanup();
+      return false;
+    }
+    nlohmann::json rep_json;
+    std::ifstream mf(metrics);
+    for (std::string line; std::getline(mf, line);) {
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (!j.is_discarded() && j.value("report", false)) rep_json = j;
+    }
+    if (rep_json.is_null()) {
+      std::cerr << "tandem bench: no report in " << metrics << "\n";
+      cleanup();
+      return false;
+    }
+    const double ms = rep_json.value("step_ms_median", 0.0);
+    r.step_ms.push_back(ms);
+    const double wall = rep_json.value("wall_seconds", 0.0);
+    const double exposed = rep_json.value("exposed_comm_seconds", 0.0);
+    const bool has_comm = rep_json.value("comm_bytes", int64_t{0}) > 0;
+    r.exposed_share.push_back(has_comm && wall > 0 ? exposed / wall : -1.0);
+    double peak = 0;
+    for (auto& b : rep_json["peak_rss_bytes"]) peak = std::max(peak, b.get<double>());
+    r.peak_mib.push_back(peak / 1048576.0);
+    if (accuracy) r.accuracy.push_back(rep_json.value("test_accuracy", -1.0));
+    const double stolen = stolen_between(c0, c1);
+    r.steal.push_back(stolen);
+    std::cout << fixed(ms, 1) << " ms/step";
+    if (stolen >= 0.01) std::cout << " (" << fixed(stolen * 100, 0) << " % of the CPU time stolen)";
+    std::cout << std::endl;
+    return true;
+  };
   for (int rep = 0; rep < reps; ++rep) {
     if (calibrate) {
       // Minutes, not hours, between a calibration and the runs it predicts: this guest's speed
@@ -333,7 +439,9 @@ int cmd_bench(int argc, char** argv) {
       if (!cal_workers.empty()) args.insert(args.end(), {"--calibrate-workers", cal_workers});
       std::cout << "  [" << rep + 1 << "/" << reps << "] calibrating... " << std::flush;
       const auto t0 = std::chrono::steady_clock::now();
+      const CpuClock c0 = read_cpu_clock();
       int rc = run_logged(args, log);
+      const double cal_stolen = stolen_between(c0, read_cpu_clock());
       if (rc != 0) {
         std::cout << "failed\n";
         std::cerr << "tandem bench: `tandem plan --calibrate` exited with " << rc << "; its last lines:\n"
@@ -355,60 +463,28 @@ int cmd_bench(int argc, char** argv) {
         }
       }
       std::cout << fixed(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0)
-                << " s, kept in " << keep.string() << std::endl;
+                << " s, kept in " << keep.string();
+      if (cal_stolen >= 0.01) std::cout << " (" << fixed(cal_stolen * 100, 0) << " % of the CPU time stolen)";
+      std::cout << std::endl;
     }
-    for (auto& r : rows) {
-      const std::string metrics = (tmp / "metrics.jsonl").string(), log = (tmp / "log.txt").string();
-      std::vector<std::string> args = {self, "train", "--model", model, "--strategy", r.layout.base, "-n",
-                                       std::to_string(r.workers), "--batch", std::to_string(batch), "--max-steps",
-                                       std::to_string(steps), "--no-baseline", "--no-progress", "--metrics", metrics,
-                                       "--data", data, "--timeout", fixed(timeout_s, 0), "--schedule", "constant"};
-      if (threads > 0) args.insert(args.end(), {"--threads", std::to_string(threads)});
-      if (r.layout.tp > 1) args.insert(args.end(), {"--tp", std::to_string(r.layout.tp)});
-      if (r.layout.pp == 1 && grad_accum > 1) args.insert(args.end(), {"--grad-accum", std::to_string(grad_accum)});
-      if (r.layout.pp > 1) {
-        args.insert(args.end(), {"--pp", std::to_string(r.layout.pp), "--micro-batches", std::to_string(micro_batches),
-                                 "--pipeline-schedule", r.layout.schedule, "--pp-partition", pp_partition});
-      }
-      if (accuracy) {
-        args.insert(args.end(), {"--eval-limit", std::to_string(eval_limit)});
-      } else {
-        args.push_back("--no-eval");
-      }
-      std::cout << "  [" << rep + 1 << "/" << reps << "] " << r.workers << " worker(s), " << r.strategy << "... "
-                << std::flush;
-      ::unlink(metrics.c_str());
-      int rc = run_logged(args, log);
-      if (rc != 0) {
-        std::cout << "failed\n";
-        std::cerr << "tandem bench: `tandem train` with " << r.workers << " worker(s), strategy " << r.strategy
-                  << " exited with " << rc << "; its last lines:\n"
-                  << tail_of(log, 15);
-        cleanup();
-        return 1;
-      }
-      nlohmann::json rep_json;
-      std::ifstream mf(metrics);
-      for (std::string line; std::getline(mf, line);) {
-        auto j = nlohmann::json::parse(line, nullptr, false);
-        if (!j.is_discarded() && j.value("report", false)) rep_json = j;
-      }
-      if (rep_json.is_null()) {
-        std::cerr << "tandem bench: no report in " << metrics << "\n";
-        cleanup();
-        return 1;
-      }
-      const double ms = rep_json.value("step_ms_median", 0.0);
-      r.step_ms.push_back(ms);
-      const double wall = rep_json.value("wall_seconds", 0.0);
-      const double exposed = rep_json.value("exposed_comm_seconds", 0.0);
-      const bool has_comm = rep_json.value("comm_bytes", int64_t{0}) > 0;
-      r.exposed_share.push_back(has_comm && wall > 0 ? exposed / wall : -1.0);
-      double peak = 0;
-      for (auto& b : rep_json["peak_rss_bytes"]) peak = std::max(peak, b.get<double>());
-      r.peak_mib.push_back(peak / 1048576.0);
-      if (accuracy) r.accuracy.push_back(rep_json.value("test_accuracy", -1.0));
-      std::cout << fixed(ms, 1) << " ms/step" << std::endl;
+    for (auto& r : rows)
+      if (!measure(r, std::to_string(rep + 1) + "/" + std::to_string(reps))) return 1;
+  }
+  // Rows measured while the machine ran slow through most repetitions: measured again, a round
+  // of all of them at a time (minutes apart from the first measurements, not back to back), and
+  // every measurement kept. A machine that stays slow leaves them unsteady, and the table says so.
+  if (reps >= 3) {
+    for (int round = 1; round <= remeasure; ++round) {
+      std::vector<Row*> unsteady;
+      for (auto& r : rows)
+        if (unsteadiness(r.step_ms) * 100.0 >= drift_warn) unsteady.push_back(&r);
+      if (unsteady.empty()) break;
+      if (round == 1)
+        std::cout << "  " << unsteady.size() << " row(s) with a median step " << fixed(drift_warn, 0)
+                  << " % or more above their fastest repetition: measured again (--remeasure " << remeasure << ")"
+                  << std::endl;
+      for (Row* r : unsteady)
+        if (!measure(*r, "+" + std::to_string(round) + "/" + std::to_string(remeasure))) return 1;
     }
   }
   cleanup();
@@ -423,10 +499,13 @@ int cmd_bench(int argc, char** argv) {
   std::ofstream out(csv);
   if (!out) throw std::runtime_error("cannot write '" + csv + "'");
   out << "model,workers,strategy,global_batch,steps,reps,step_ms,samples_per_s,epoch_s,speedup,efficiency,"
-         "comm_share,peak_mib,accuracy,predicted_ms,prediction_error,predicted_ms_per_rep,step_ms_per_rep\n";
+         "comm_share,peak_mib,accuracy,predicted_ms,prediction_error,predicted_ms_per_rep,step_ms_per_rep,"
+         "measurements,spread,steal_share\n";
   std::cout << "\n" << std::right << std::setw(7) << "workers" << std::setw(13) << "strategy" << std::setw(10)
             << "samples/s" << std::setw(9) << "step ms" << std::setw(9) << "epoch s" << std::setw(9) << "speedup"
             << std::setw(7) << "eff." << std::setw(7) << "comm" << std::setw(10) << "peak MiB";
+  const bool show_spread = reps >= 3;
+  if (show_spread) std::cout << std::setw(8) << "spread";
   if (accuracy) std::cout << std::setw(9) << "accuracy";
   if (have_cal) std::cout << std::setw(11) << "predicted" << std::setw(7) << "error";
   std::cout << "\n";
@@ -443,6 +522,8 @@ int cmd_bench(int argc, char** argv) {
               << std::setw(9) << fixed(ms, 1) << std::setw(9) << fixed(epoch_samples / sps, 1) << std::setw(8)
               << fixed(speedup, 2) << "x" << std::setw(6) << fixed(eff * 100, 0) << "%" << std::setw(7)
               << (share >= 0 ? fixed(share * 100, 0) + "%" : std::string("-")) << std::setw(10) << fixed(peak, 0);
+    const double spread = unsteadiness(r.step_ms);
+    if (show_spread) std::cout << std::setw(7) << fixed(spread * 100, 0) << (spread * 100 >= drift_warn ? "%*" : "% ");
     if (accuracy) std::cout << std::setw(8) << (acc >= 0 ? fixed(acc * 100, 2) : std::string("-")) << "%";
     if (have_cal) {
       std::cout << std::setw(11) << (r.predicted_ms > 0 ? fixed(r.predicted_ms, 1) : std::string("-")) << std::setw(6)
@@ -458,7 +539,8 @@ int cmd_bench(int argc, char** argv) {
       out << (k ? ";" : "") << (r.predicted_rounds[k] > 0 ? fixed(r.predicted_rounds[k], 3) : "");
     out << ",";
     for (size_t k = 0; k < r.step_ms.size(); ++k) out << (k ? ";" : "") << fixed(r.step_ms[k], 3);
-    out << "\n";
+    const double stolen = median(r.steal);
+    out << "," << r.step_ms.size() << "," << fixed(spread, 4) << "," << (stolen >= 0 ? fixed(stolen, 4) : "") << "\n";
   }
   out.close();
   // The same single-worker run, repeated: on a machine that changes speed (a shared guest, a
@@ -468,13 +550,40 @@ int cmd_bench(int argc, char** argv) {
     const auto [lo, hi] = std::minmax_element(single.begin(), single.end());
     const double spread = *lo > 0 ? (*hi / *lo - 1.0) * 100.0 : 0.0;
     if (spread >= drift_warn) {
-      std::cout << "note: the single worker's step varied by " << fixed(spread, 0) << " % over the " << reps
-                << " repetitions (";
+      std::cout << "note: the single worker's step varied by " << fixed(spread, 0) << " % over the " << single.size()
+                << (static_cast<int>(single.size()) > reps ? " measurements (" : " repetitions (");
       for (size_t k = 0; k < single.size(); ++k) std::cout << (k ? ", " : "") << fixed(single[k], 1);
       std::cout << " ms): this machine changed speed during the bench, and every row's median"
                 << (have_cal ? " and prediction" : "") << " carries noise of that order; the CSV's step_ms_per_rep "
                 << "lists each repetition\n";
     }
+  }
+  // Rows the machine did not measure steadily, and CPU time the hypervisor took.
+  if (show_spread) {
+    std::string list;
+    for (const auto& r : rows)
+      if (unsteadiness(r.step_ms) * 100.0 >= drift_warn)
+        list += (list.empty() ? "" : ", ") + r.strategy + " on " + std::to_string(r.workers) + " (" +
+                std::to_string(r.step_ms.size()) + " measurements)";
+    if (!list.empty())
+      std::cout << "note: unsteady (*): the median step stayed " << fixed(drift_warn, 0)
+                << " % or more above the fastest measurement for " << list
+                << ": the machine ran slower than it can through most of them, so these medians measured the "
+                   "machine's slowdown as much as the configuration; rerun them on a quiet machine"
+                << (remeasure > 0 ? "" : " or with --remeasure") << "\n";
+  }
+  {
+    std::string list;
+    for (const auto& r : rows) {
+      const double stolen = median(r.steal);
+      if (stolen >= 0.01)
+        list += (list.empty() ? "" : ", ") + r.strategy + " on " + std::to_string(r.workers) + " " +
+                fixed(stolen * 100, 0) + " %";
+    }
+    if (!list.empty())
+      std::cout << "note: the hypervisor gave part of this machine's CPU time to other guests (steal in /proc/stat, "
+                   "median over the measurements): "
+                << list << "\n";
   }
   if (have_cal) {
     for (const auto& r : rows)
@@ -483,7 +592,8 @@ int cmd_bench(int argc, char** argv) {
                   << "\n";
   }
   std::cout << "(speedup and efficiency against 1 worker, median step times; comm: exposed communication share of "
-               "the loop, DDP only)\nCSV written to "
+               "the loop, DDP only"
+            << (show_spread ? "; spread: the median step above the fastest measurement" : "") << ")\nCSV written to "
             << csv << "\n";
 
   // The plot: speedup against workers, one line per strategy, and the ideal line.
