@@ -11,6 +11,7 @@
 #include <chrono>
 #include <limits>
 #include <map>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <ctime>
@@ -104,17 +105,34 @@ torch::nn::Sequential tp_shard_model(torch::nn::Sequential& dense, const ModelSp
 // 0.24 two seconds apart, and not at all between the two cores (docs/BENCHMARKS.md, seventeenth
 // session). Seven passes of the MLP (about 0.1 s) sampled one moment of that, and two of its
 // calibrations minutes apart priced the same 2-worker step 12 and 17 ms.
+// TANDEM_CALIBRATE_POINT_S sets another span (0 to 10 s): shorter for a quick look or a test
+// of the calibration's plumbing, longer on a machine noisier still.
 constexpr double kPointSeconds = 0.3;
 
+double point_seconds() {
+  static const double s = [] {
+    const char* e = std::getenv("TANDEM_CALIBRATE_POINT_S");
+    if (!e || !*e) return kPointSeconds;
+    char* end = nullptr;
+    const double v = std::strtod(e, &end);
+    if (end == e || *end != '\0' || !(v >= 0.0 && v <= 10.0))
+      throw std::invalid_argument("TANDEM_CALIBRATE_POINT_S='" + std::string(e) +
+                                  "' is not a span in seconds from 0 to 10: it sets how long each calibration "
+                                  "point is timed (unset: 0.3)");
+    return v;
+  }();
+  return s;
+}
+
 // Timed passes for a point whose first pass took `first_s`: at least `min_iters`, and enough to
-// span kPointSeconds, at most 100.
+// span point_seconds(), at most 100.
 int iters_to_span(double first_s, int min_iters) {
   if (!(first_s > 0)) return min_iters;
-  return std::clamp(static_cast<int>(std::ceil(kPointSeconds / first_s)), min_iters, std::max(min_iters, 100));
+  return std::clamp(static_cast<int>(std::ceil(point_seconds() / first_s)), min_iters, std::max(min_iters, 100));
 }
 
 // Median seconds of zero_grad + forward + loss + backward at batch b, over at least `iters`
-// passes after `warmup`, and at least kPointSeconds of them.
+// passes after `warmup`, and at least point_seconds() of them.
 double time_fwd_bwd(torch::nn::Sequential& model, const std::string& name, int64_t b, int warmup, int iters) {
   auto [x, y] = sample_batch(name, b);
   std::vector<double> t;
@@ -408,7 +426,7 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         loss.backward();
         (void)loss.item<double>();
       };
-      // One round: 2 warm-ups and at least 7 timed runs of `once` (kPointSeconds in all), each
+      // One round: 2 warm-ups and at least 7 timed runs of `once` (point_seconds() in all), each
       // followed by a barrier; the slowest rank's median. The count follows from the second
       // warm-up's slowest time, which every rank has, so that all run the same number.
       auto synchronized_round = [&](const std::function<void()>& once) {
@@ -478,7 +496,7 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
           if (mine) train_pass(model, xm, ym);
           barrier_in_receives(*comm);
           const double dt = seconds_since(t0);
-          // At least 10 timed phases and kPointSeconds, counted from the second warm-up's
+          // At least 10 timed phases and point_seconds(), counted from the second warm-up's
           // slowest phase (one value on every rank).
           if (j == 1) total = 2 + iters_to_span(slowest(dt), 10);
           if (j >= 2) tp.push_back(dt);

@@ -41,6 +41,9 @@ expect bench-uneven "does not split evenly over every worker count" -- "$tandem"
 expect bench-no-data "dataset directory '/nonexistent' not found" -- "$tandem" bench --data /nonexistent
 expect bench-bad-layout "unknown entry 'tp2x'" -- "$tandem" bench --strategies ddp,tp2x
 expect bench-micro-batches "does not split into --micro-batches 5" -- "$tandem" bench --workers 1,2 --batch 64 --strategies pp2 --micro-batches 5
+expect calibrate-point-span "TANDEM_CALIBRATE_POINT_S='abc' is not a span in seconds" -- \
+  env TANDEM_CALIBRATE_POINT_S=abc "$tandem" plan --cluster local --calibrate --calibrate-models mlp --model mlp \
+  --calibration "$tmp/never.json"
 expect calibrate-bad-model "--calibrate-models: 'resnet50' is not a model the calibration can run" -- "$tandem" plan --cluster local --calibrate --calibrate-models mlp,resnet50
 expect bench-calibrate-predict "--predict-only predicts from an existing calibration" -- "$tandem" bench --calibrate --predict-only
 expect bench-calibrate-model "--calibrate: the calibration runs the built-in models" -- "$tandem" bench --model transformer_tiny --calibrate

@@ -196,7 +196,9 @@ int cmd_plan(int argc, char** argv) {
   app.add_option("--top", top, "feasible layouts to show")->capture_default_str();
   app.add_option("--show-infeasible", show_infeasible, "infeasible layouts to show")->capture_default_str();
   app.add_option("--json", json_path, "also write the result as JSON to FILE ('-': stdout, instead of the table)");
-  app.add_flag("--calibrate", calibrate, "measure this machine (compute, optimizer, collectives on 2..N workers) first");
+  app.add_flag("--calibrate", calibrate,
+               "measure this machine (compute, optimizer, collectives on 2..N workers) first; each compute point is "
+               "timed for at least 0.3 s (TANDEM_CALIBRATE_POINT_S sets another span)");
   app.add_option("--calibration", calibration_path, "calibration file written by --calibrate and read on the local cluster")
       ->capture_default_str();
   app.add_option("--calibrate-workers", calib_workers, "world sizes for the collective calibration (default 2..max(4, cores))")
