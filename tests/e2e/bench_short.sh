@@ -110,6 +110,7 @@ for r in rows:
     steps = [float(x) for x in r["step_ms_per_rep"].split(";")]
     assert len(steps) == 2 and all(t > 0 for t in steps), r
     assert abs(statistics.median(steps) - float(r["step_ms"])) <= 0.002, r
+    assert r["measurements"] == "2" and r["spread"] == "", r  # no spread from two measurements
 for k in (1, 2):
     c = json.load(open(f"k.calibration-{k}.json"))
     assert list(c["models"]) == ["mlp"], list(c["models"])  # this model only

@@ -540,7 +540,7 @@ int cmd_bench(int argc, char** argv) {
     out << ",";
     for (size_t k = 0; k < r.step_ms.size(); ++k) out << (k ? ";" : "") << fixed(r.step_ms[k], 3);
     const double stolen = median(r.steal);
-    out << "," << r.step_ms.size() << "," << fixed(spread, 4) << "," << (stolen >= 0 ? fixed(stolen, 4) : "") << "\n";
+    out << "," << r.step_ms.size() << "," << (r.step_ms.size() >= 3 ? fixed(spread, 4) : "") << "," << (stolen >= 0 ? fixed(stolen, 4) : "") << "\n";
   }
   out.close();
   // The same single-worker run, repeated: on a machine that changes speed (a shared guest, a
