@@ -470,6 +470,7 @@ int cmd_bench(int argc, char** argv) {
     for (auto& r : rows)
       if (!measure(r, std::to_string(rep + 1) + "/" + std::to_string(reps))) return 1;
   }
+  auto unsteady_row = [&](const Row& r) { return unsteadiness(r.step_ms) * 100.0 >= drift_warn; };
   // Rows measured while the machine ran slow through most repetitions: measured again, a round
   // of all of them at a time (minutes apart from the first measurements, not back to back), and
   // every measurement kept. A machine that stays slow leaves them unsteady, and the table says so.
@@ -477,7 +478,7 @@ int cmd_bench(int argc, char** argv) {
     for (int round = 1; round <= remeasure; ++round) {
       std::vector<Row*> unsteady;
       for (auto& r : rows)
-        if (unsteadiness(r.step_ms) * 100.0 >= drift_warn) unsteady.push_back(&r);
+        if (unsteady_row(r)) unsteady.push_back(&r);
       if (unsteady.empty()) break;
       if (round == 1)
         std::cout << "  " << unsteady.size() << " row(s) with a median step " << fixed(drift_warn, 0)
@@ -523,7 +524,7 @@ int cmd_bench(int argc, char** argv) {
               << fixed(speedup, 2) << "x" << std::setw(6) << fixed(eff * 100, 0) << "%" << std::setw(7)
               << (share >= 0 ? fixed(share * 100, 0) + "%" : std::string("-")) << std::setw(10) << fixed(peak, 0);
     const double spread = unsteadiness(r.step_ms);
-    if (show_spread) std::cout << std::setw(7) << fixed(spread * 100, 0) << (spread * 100 >= drift_warn ? "%*" : "% ");
+    if (show_spread) std::cout << std::setw(7) << fixed(spread * 100, 0) << (unsteady_row(r) ? "%*" : "% ");
     if (accuracy) std::cout << std::setw(8) << (acc >= 0 ? fixed(acc * 100, 2) : std::string("-")) << "%";
     if (have_cal) {
       std::cout << std::setw(11) << (r.predicted_ms > 0 ? fixed(r.predicted_ms, 1) : std::string("-")) << std::setw(6)
@@ -540,7 +541,8 @@ int cmd_bench(int argc, char** argv) {
     out << ",";
     for (size_t k = 0; k < r.step_ms.size(); ++k) out << (k ? ";" : "") << fixed(r.step_ms[k], 3);
     const double stolen = median(r.steal);
-    out << "," << r.step_ms.size() << "," << (r.step_ms.size() >= 3 ? fixed(spread, 4) : "") << "," << (stolen >= 0 ? fixed(stolen, 4) : "") << "\n";
+    out << "," << r.step_ms.size() << "," << (r.step_ms.size() >= 3 ? fixed(spread, 4) : "") << ","
+        << (stolen >= 0 ? fixed(stolen, 4) : "") << "\n";
   }
   out.close();
   // The same single-worker run, repeated: on a machine that changes speed (a shared guest, a
@@ -562,7 +564,7 @@ int cmd_bench(int argc, char** argv) {
   if (show_spread) {
     std::string list;
     for (const auto& r : rows)
-      if (unsteadiness(r.step_ms) * 100.0 >= drift_warn)
+      if (unsteady_row(r))
         list += (list.empty() ? "" : ", ") + r.strategy + " on " + std::to_string(r.workers) + " (" +
                 std::to_string(r.step_ms.size()) + " measurements)";
     if (!list.empty())
