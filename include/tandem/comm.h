@@ -129,4 +129,13 @@ using CommPtr = std::shared_ptr<Communicator>;
 bool has_mpi_backend();
 bool has_nccl_backend();
 
+// Memory for a 1-D tensor that every rank of `comm` allocates at the same point of the program
+// with the same size (a collective call, like the communicator's operations). On the MPI
+// backend, when all ranks share a node, it lives in an MPI-3 shared-memory window, and an
+// all-reduce (sum or average) of a contiguous range of it, a reduce-scatter whose input and an
+// all-gather whose output is such a range read and write the peers' memory directly instead of
+// copying through MPI (DDP's buckets and ZeRO's flat buffers use it). Otherwise plain memory.
+// TANDEM_MPI_SHM=0 turns the shared-memory path off.
+at::Tensor symmetric_empty(Communicator& comm, int64_t numel, const at::TensorOptions& opts);
+
 }  // namespace tandem

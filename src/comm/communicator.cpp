@@ -47,14 +47,14 @@ bool has_mpi_backend() { return false; }
 bool has_nccl_backend() { return false; }
 #endif
 
-namespace detail {
-
 at::Tensor symmetric_empty(Communicator& comm, int64_t numel, const at::TensorOptions& opts) {
 #ifdef TANDEM_WITH_MPI
-  if (auto t = mpi_symmetric_empty(comm, numel, opts); t.defined()) return t;
+  if (auto t = detail::mpi_symmetric_empty(comm, numel, opts); t.defined()) return t;
 #endif
   return at::empty({numel}, opts);
 }
+
+namespace detail {
 
 std::string describe(int rank, const std::string& op, const at::Tensor& t) {
   std::ostringstream os;
@@ -138,7 +138,7 @@ class SelfCommunicator : public Communicator {
 
 WorkPtr completed_work(std::exception_ptr error) { return std::make_shared<CompletedWork>(std::move(error)); }
 
-CommPtr make_self_communicator(const CommOptions& opts) { return std::make_shared<SelfCommunicator>(opts); }
-
 }  // namespace detail
+
+CommPtr make_self_communicator(const CommOptions& opts) { return std::make_shared<detail::SelfCommunicator>(opts); }
 }  // namespace tandem

@@ -18,7 +18,6 @@
 #include <stdexcept>
 #include <thread>
 
-#include "comm/backends.h"
 #include "tandem/data.h"
 #include "tandem/models.h"
 #include "tandem/plan.h"
@@ -404,7 +403,7 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
     // the CNN's 4-7 ms on 3-4, where the curves priced 0.4-0.5 ms.
     {
       const int64_t tiny = std::max<int64_t>(n, (1024 / n) * n);
-      auto full = detail::symmetric_empty(*comm, tiny, torch::kFloat).fill_(1.0f);
+      auto full = symmetric_empty(*comm, tiny, torch::kFloat).fill_(1.0f);
       auto part = full.narrow(0, comm->rank() * (tiny / n), tiny / n);
       auto rendezvous = [&] { comm->allgather_async(full, part)->wait(); };
       int units = 0;
@@ -533,9 +532,9 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
       for (size_t k = 0; k < sizes.size(); ++k) {
         const int64_t numel = std::max<int64_t>(n, (sizes[k] / 4 / n) * n);
         // All-reduce in the memory DDP's buckets use (shared memory on one node, see
-        // comm/backends.h), so that the constants are those of training.
+        // symmetric_empty in tandem/comm.h), so that the constants are those of training.
         const bool symmetric = op == "allreduce" || is_shm_op(op);
-        auto full = symmetric ? detail::symmetric_empty(*comm, numel, torch::kFloat).fill_(1.0f) : torch::ones({numel});
+        auto full = symmetric ? symmetric_empty(*comm, numel, torch::kFloat).fill_(1.0f) : torch::ones({numel});
         auto part = symmetric && op != "allgather_copy_shm" ? full.narrow(0, comm->rank() * (numel / n), numel / n)
                                                              : torch::ones({numel / n});
         for (int i = 0; i < 8; ++i) {

@@ -13,7 +13,7 @@
 #include <sstream>
 #include <thread>
 
-#include "comm/backends.h"
+#include "tandem/backends.h"
 #include "runtime/peer_probe.h"
 
 namespace tandem {
@@ -144,15 +144,15 @@ Runtime::Runtime(const RuntimeOptions& opts) : info_(detect_process_info()) {
   bool want_mpi = has_mpi_backend() && backend != "self" && (info_.world_size > 1 || info_.launcher == "mpirun" || backend == "mpi");
   if (want_mpi) {
 #ifdef TANDEM_WITH_MPI
-    mpi_initialized_here_ = detail::mpi_init_if_needed();
+    mpi_initialized_here_ = mpi_init_if_needed();
     CommOptions co = opts.comm;
     if (co.wait_sleep_us < 0) co.wait_sleep_us = default_wait_sleep_us(info_.local_size, threads_, cores);
-    cpu_world_ = detail::make_mpi_world(co);
+    cpu_world_ = make_mpi_world(co);
 #endif
   } else if (backend == "mpi") {
     throw std::runtime_error("the MPI backend was asked for, but this build has none (rebuild with OpenMPI installed)");
   } else if (info_.world_size == 1) {
-    cpu_world_ = detail::make_self_communicator(opts.comm);
+    cpu_world_ = make_self_communicator(opts.comm);
   }
 
   bool use_nccl = device_.is_cuda() && (backend == "auto" || backend == "nccl") && info_.world_size > 1;
@@ -161,24 +161,24 @@ Runtime::Runtime(const RuntimeOptions& opts) : info_(detect_process_info()) {
   }
   if (use_nccl || backend == "nccl") {
 #ifdef TANDEM_WITH_NCCL
-    std::unique_ptr<detail::Bootstrap> boot;
+    std::unique_ptr<Bootstrap> boot;
     std::string dir = opts.store_dir;
     if (dir.empty() && std::getenv("TANDEM_STORE_DIR")) dir = std::getenv("TANDEM_STORE_DIR");
     if (cpu_world_ && cpu_world_->size() == info_.world_size) {
-      boot = detail::make_comm_bootstrap(cpu_world_);
+      boot = make_comm_bootstrap(cpu_world_);
     } else if (!dir.empty() || info_.world_size == 1) {
-      boot = detail::make_file_bootstrap(dir.empty() ? "/tmp" : dir, info_.rank, info_.world_size, opts.comm.timeout);
+      boot = make_file_bootstrap(dir.empty() ? "/tmp" : dir, info_.rank, info_.world_size, opts.comm.timeout);
     } else {
       throw std::runtime_error("rank " + std::to_string(info_.rank) +
                                ": NCCL needs a bootstrap: run under mpirun or set TANDEM_STORE_DIR to a directory "
                                "shared by all ranks");
     }
-    world_ = detail::make_nccl_communicator(device_.index(), *boot, opts.comm);
+    world_ = make_nccl_communicator(device_.index(), *boot, opts.comm);
 #else
     throw std::runtime_error("this build of Tandem has no NCCL backend (CUDA/NCCL were not found at build time)");
 #endif
   } else if (device_.is_cuda() && info_.world_size == 1) {
-    world_ = detail::make_self_communicator(opts.comm);
+    world_ = make_self_communicator(opts.comm);
   } else {
     world_ = cpu_world_;
   }
@@ -288,7 +288,7 @@ Runtime::~Runtime() {
   world_.reset();
   cpu_world_.reset();
 #ifdef TANDEM_WITH_MPI
-  if (mpi_initialized_here_) detail::mpi_finalize();
+  if (mpi_initialized_here_) mpi_finalize();
 #endif
 }
 
@@ -296,7 +296,7 @@ void Runtime::abort(int code) const {
   std::cout.flush();
   std::cerr.flush();
 #ifdef TANDEM_WITH_MPI
-  detail::mpi_abort(code);
+  mpi_abort(code);
 #else
   std::_Exit(code);
 #endif

@@ -18,7 +18,7 @@
 #include <fstream>
 
 #include "checkpoint/shard_io.h"
-#include "comm/backends.h"
+#include "tandem/backends.h"
 #include "tandem/checkpoint.h"
 #include "tandem/ddp.h"
 #include "tandem/optim.h"
@@ -483,7 +483,7 @@ TEST(CheckpointReshard, TensorParallelTransformer) {
 class CheckpointErrors : public ::testing::Test {
  protected:
   void SetUp() override {
-    comm_ = tandem::detail::make_self_communicator(CommOptions{});
+    comm_ = tandem::make_self_communicator(CommOptions{});
     root_ = shared_dir(*comm_, "errors");
     model_ = make_seq(7);
     opt_ = make_optimizer(model_->parameters(), adamw());
@@ -600,7 +600,7 @@ TEST_F(CheckpointErrors, KillDuringSaveKeepsThePrevious) {
         if (s == stage) ::raise(SIGKILL);
       };
       try {
-        save_checkpoint(root_, meta_at(7, "single"), *model_, *opt_, *tandem::detail::make_self_communicator(CommOptions{}), so);
+        save_checkpoint(root_, meta_at(7, "single"), *model_, *opt_, *tandem::make_self_communicator(CommOptions{}), so);
       } catch (...) {
       }
       ::_exit(0);  // not reached when the hook killed it

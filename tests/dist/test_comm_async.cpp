@@ -9,7 +9,7 @@
 #include <numeric>
 #include <thread>
 
-#include "comm/backends.h"
+#include "tandem/backends.h"
 #include "tests/dist/comm_test_util.h"
 #include "tests/dist/dist_env.h"
 
@@ -96,7 +96,7 @@ TEST(Async, BlockedRankSleepsBetweenPollsWhenAsked) {
     CommOptions o;
     o.timeout = kTestTimeout;
     o.wait_sleep_us = sleep_us;
-    auto comm = detail::make_mpi_world(o);  // collective on every rank
+    auto comm = make_mpi_world(o);  // collective on every rank
     auto x = at::zeros({16}, at::kFloat);
     comm->barrier();
     if (me == 0) {

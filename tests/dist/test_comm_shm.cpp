@@ -1,4 +1,4 @@
-// The MPI backend's shared-memory all-reduce, reduce-scatter and all-gather: tensors from detail::symmetric_empty live in an
+// The MPI backend's shared-memory all-reduce, reduce-scatter and all-gather: tensors from symmetric_empty live in an
 // MPI-3 shared-memory window when all ranks share a node, and an all-reduce of such a tensor (or
 // of a contiguous range of it) sums straight from the peers' memory. Checked against the same
 // all-reduce of ordinary memory (the MPI path), on every rank, bit for bit: both sum the ranks'
@@ -9,7 +9,6 @@
 #include <fstream>
 #include <string>
 
-#include "comm/backends.h"
 #include "tests/dist/comm_test_util.h"
 #include "tests/dist/dist_env.h"
 
@@ -37,7 +36,7 @@ TEST(SharedMemoryAllreduce, MatchesTheMpiPathForSizesAndOps) {
     for (int64_t n : {1, 7, 4095, 4097, 1000003}) {
       for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
         auto input = rank_input(me, n, dt, n + 31 * static_cast<int64_t>(op));
-        auto shm = detail::symmetric_empty(*comm, n, at::TensorOptions().dtype(dt));
+        auto shm = symmetric_empty(*comm, n, at::TensorOptions().dtype(dt));
         ASSERT_EQ(shm.numel(), n);
         ASSERT_NE(mapped_file(shm.data_ptr()), "") << "float tensors on one node must be in shared memory";
         shm.copy_(input);
@@ -64,7 +63,7 @@ TEST(SharedMemoryAllreduce, RangeOfABufferAndReuse) {
   const int64_t n = 10000;
   for (int round = 0; round < 3; ++round) {
     // Released buffers are reused by later allocations of the same or smaller size.
-    auto buf = detail::symmetric_empty(*comm, n, at::TensorOptions().dtype(at::kFloat));
+    auto buf = symmetric_empty(*comm, n, at::TensorOptions().dtype(at::kFloat));
     buf.fill_(static_cast<float>(me + 1));
     auto mid = buf.narrow(0, 1000, 5000);  // a bucket's range: only it changes
     comm->allreduce_async(mid, ReduceOp::kSum)->wait();
@@ -78,12 +77,12 @@ TEST(SharedMemoryAllreduce, RangeOfABufferAndReuse) {
 TEST(SharedMemoryAllreduce, PlainMemoryWhereItDoesNotApply) {
   auto comm = world();
   // Integer tensors and max take the MPI path (memory is plain, results still right).
-  auto ints = detail::symmetric_empty(*comm, 5, at::TensorOptions().dtype(at::kLong));
+  auto ints = symmetric_empty(*comm, 5, at::TensorOptions().dtype(at::kLong));
   EXPECT_EQ(mapped_file(ints.data_ptr()), "") << "integer tensors are plain memory";
   ints.fill_(comm->rank());
   comm->allreduce_async(ints, ReduceOp::kMax)->wait();
   EXPECT_TRUE(ints.eq(comm->size() - 1).all().item<bool>());
-  auto f = detail::symmetric_empty(*comm, 5, at::TensorOptions().dtype(at::kFloat));
+  auto f = symmetric_empty(*comm, 5, at::TensorOptions().dtype(at::kFloat));
   f.fill_(static_cast<float>(comm->rank()));
   comm->allreduce_async(f, ReduceOp::kMax)->wait();
   EXPECT_TRUE(f.eq(static_cast<float>(comm->size() - 1)).all().item<bool>());
@@ -105,7 +104,7 @@ TEST(SharedMemoryReduceScatter, MatchesTheMpiPathInPlaceAndNot) {
         auto plain_in = input.clone();
         auto plain_out = at::empty({chunk}, input.options());
         comm->reduce_scatter_async(plain_out, plain_in, op)->wait();
-        auto shm = detail::symmetric_empty(*comm, n, at::TensorOptions().dtype(dt));
+        auto shm = symmetric_empty(*comm, n, at::TensorOptions().dtype(dt));
         ASSERT_NE(mapped_file(shm.data_ptr()), "");
         shm.copy_(input);
         auto out = at::empty({chunk}, input.options());
@@ -129,7 +128,7 @@ TEST(SharedMemoryAllgather, InPlaceAndFromASeparateInput) {
   const int R = comm->size(), me = comm->rank();
   for (int64_t chunk : {1, 4097, 250001}) {
     auto want = all_inputs(R, chunk, at::kFloat, chunk).to(at::kFloat).reshape({R * chunk});
-    auto out = detail::symmetric_empty(*comm, R * chunk, at::TensorOptions().dtype(at::kFloat));
+    auto out = symmetric_empty(*comm, R * chunk, at::TensorOptions().dtype(at::kFloat));
     ASSERT_NE(mapped_file(out.data_ptr()), "");
     out.fill_(-1.0f);
     out.narrow(0, me * chunk, chunk).copy_(rank_input(me, chunk, at::kFloat, chunk));
@@ -144,7 +143,7 @@ TEST(SharedMemoryAllgather, InPlaceAndFromASeparateInput) {
 TEST(SharedMemoryAllreduce, CountedAsAllreduceTraffic) {
   auto comm = world();
   auto before = comm->stats();
-  auto buf = detail::symmetric_empty(*comm, 256, at::TensorOptions().dtype(at::kFloat));
+  auto buf = symmetric_empty(*comm, 256, at::TensorOptions().dtype(at::kFloat));
   buf.fill_(1.0f);
   comm->allreduce_async(buf, ReduceOp::kAvg)->wait();
   auto after = comm->stats();

@@ -846,13 +846,20 @@ class MpiCommunicator : public Communicator {
 
 }  // namespace
 
+at::Tensor mpi_symmetric_empty(Communicator& comm, int64_t numel, const at::TensorOptions& opts) {
+  auto* mpi = dynamic_cast<MpiCommunicator*>(&comm);
+  return mpi ? mpi->symmetric_empty(numel, opts) : at::Tensor();
+}
+
+}  // namespace detail
+
 bool mpi_init_if_needed() {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (initialized) return false;
   int provided = 0;
   int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-  if (rc != MPI_SUCCESS) throw CommError("MPI_Init_thread failed: " + mpi_error_string(rc));
+  if (rc != MPI_SUCCESS) throw CommError("MPI_Init_thread failed: " + detail::mpi_error_string(rc));
   if (provided < MPI_THREAD_MULTIPLE) {
     throw CommError("this MPI library does not provide MPI_THREAD_MULTIPLE (got level " + std::to_string(provided) +
                     "); Tandem's MPI backend needs it for its progress threads");
@@ -874,16 +881,10 @@ void mpi_abort(int code) {
   std::_Exit(code);
 }
 
-at::Tensor mpi_symmetric_empty(Communicator& comm, int64_t numel, const at::TensorOptions& opts) {
-  auto* mpi = dynamic_cast<MpiCommunicator*>(&comm);
-  return mpi ? mpi->symmetric_empty(numel, opts) : at::Tensor();
-}
-
 CommPtr make_mpi_world(const CommOptions& opts) {
   MPI_Comm dup;
   MPI_Comm_dup(MPI_COMM_WORLD, &dup);
-  return std::make_shared<MpiCommunicator>(dup, opts);
+  return std::make_shared<detail::MpiCommunicator>(dup, opts);
 }
 
-}  // namespace detail
 }  // namespace tandem

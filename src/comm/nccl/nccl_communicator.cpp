@@ -1013,16 +1013,19 @@ class FileBootstrap : public Bootstrap {
 };
 
 }  // namespace
+}  // namespace detail
 
 std::unique_ptr<Bootstrap> make_comm_bootstrap(CommPtr cpu_comm) {
-  return std::make_unique<CommBootstrap>(std::move(cpu_comm));
+  return std::make_unique<detail::CommBootstrap>(std::move(cpu_comm));
 }
 
-std::unique_ptr<Bootstrap> make_file_bootstrap(const std::string& dir, int rank, int size, milliseconds timeout) {
-  return std::make_unique<FileBootstrap>(dir, rank, size, timeout);
+std::unique_ptr<Bootstrap> make_file_bootstrap(const std::string& dir, int rank, int size,
+                                               std::chrono::milliseconds timeout) {
+  return std::make_unique<detail::FileBootstrap>(dir, rank, size, timeout);
 }
 
 CommPtr make_nccl_communicator(int device_index, Bootstrap& bootstrap, const CommOptions& opts) {
+  using namespace detail;
   const int rank = bootstrap.rank(), size = bootstrap.size();
   const std::string where = "rank " + std::to_string(rank) + ": NCCL initialization (world size " +
                             std::to_string(size) + ", cuda:" + std::to_string(device_index) + ")";
@@ -1078,5 +1081,4 @@ CommPtr make_nccl_communicator(int device_index, Bootstrap& bootstrap, const Com
   return std::make_shared<NcclCommunicator>(comm, static_cast<c10::DeviceIndex>(device_index), blocking, opts);
 }
 
-}  // namespace detail
 }  // namespace tandem

@@ -10,7 +10,6 @@
 #include <chrono>
 #include <sstream>
 
-#include "comm/backends.h"
 #include "strategy/autograd_hooks.h"
 #include "strategy/model_sync.h"
 
@@ -118,7 +117,7 @@ struct DistributedDataParallel::Impl {
       }
       const auto& p0 = params[bk.params[0]];
       // Symmetric memory: on one node, the MPI backend all-reduces it in place through shared memory.
-      bk.flat = detail::symmetric_empty(*comm, total, p0.options().requires_grad(false));
+      bk.flat = symmetric_empty(*comm, total, p0.options().requires_grad(false));
       bk.flat.zero_();
       bk.pending = bk.params.size();
     }

@@ -1,7 +1,6 @@
 // ProcessGrid: three Communicator::split calls; gradient averaging and parameter broadcast helpers.
 #include "tandem/grid.h"
 
-#include "comm/backends.h"
 
 #include <torch/torch.h>
 
@@ -117,7 +116,7 @@ void GradientAverager::average() {
     if (first) {
       int64_t total = 0;
       for (const auto& f : flat) total += f.numel();
-      buffers_.push_back(detail::symmetric_empty(*comm_, total, flat.front().options()));
+      buffers_.push_back(symmetric_empty(*comm_, total, flat.front().options()));
     }
     at::cat_out(buffers_[k], flat);
     comm_->allreduce(buffers_[k], ReduceOp::kAvg);

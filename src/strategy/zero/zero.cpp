@@ -41,7 +41,6 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "comm/backends.h"
 #include "compat/torch_compat.h"
 #include "strategy/autograd_hooks.h"
 #include "strategy/model_sync.h"
@@ -77,7 +76,7 @@ bool same_view(const at::Tensor& g, const at::Tensor& v) {
 
 int64_t nbytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
 
-// A fixed block of symmetric memory (detail::symmetric_empty: an MPI-3 shared window on one
+// A fixed block of symmetric memory (symmetric_empty: an MPI-3 shared window on one
 // node) from which the buffers that ZeRO allocates during a step are carved: stage 2-3 gradient
 // scratch and stage 3 gathered units. The MPI backend reduce-scatters and all-gathers buffers
 // that lie in a window through shared memory (one copy) instead of MPI's fifos. Carving is
@@ -89,7 +88,7 @@ class SymmetricPool {
  public:
   SymmetricPool() = default;
   SymmetricPool(Communicator& comm, int64_t numel, const at::TensorOptions& opts)
-      : base_(detail::symmetric_empty(comm, std::max<int64_t>(numel, 1), opts)) {
+      : base_(symmetric_empty(comm, std::max<int64_t>(numel, 1), opts)) {
     free_[0] = base_.numel();
   }
   at::Tensor take(int64_t numel) {
@@ -306,7 +305,7 @@ struct ZeroDataParallel::Impl {
     const auto copts = at::TensorOptions().dtype(compute).device(device);
     // Symmetric memory (on one node, float32/64 on CPU: MPI-3 shared windows): the MPI backend
     // reduce-scatters and all-gathers buckets of it in place through shared memory.
-    if (opts.stage < 3) flat = detail::symmetric_empty(*comm, std::max<int64_t>(off, 1), copts).zero_();
+    if (opts.stage < 3) flat = symmetric_empty(*comm, std::max<int64_t>(off, 1), copts).zero_();
     for (auto& bk : buckets) {
       auto values = at::zeros({bk.padded}, at::TensorOptions().dtype(dtype).device(device));
       for (size_t i : bk.params) param_view(values, i).copy_(params[i].detach());
@@ -324,7 +323,7 @@ struct ZeroDataParallel::Impl {
       }
     }
     if (opts.stage == 1) {
-      grad_flat = detail::symmetric_empty(*comm, flat.numel(), copts).zero_();
+      grad_flat = symmetric_empty(*comm, flat.numel(), copts).zero_();
     } else {
       grad_shard = at::zeros({std::max<int64_t>(shard_off, 1)}, copts);
     }
