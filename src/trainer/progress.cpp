@@ -1,4 +1,4 @@
-#include "trainer/progress.h"
+#include "tandem/progress.h"
 
 #include <unistd.h>
 
