@@ -106,9 +106,12 @@ torch::nn::Sequential transformer(const TransformerConfig& config);
 // 2 layers, seq 64, LM head.
 TransformerConfig transformer_tiny_config();
 
-// Registry: "mlp", "cnn", "cnn_bn", "transformer_tiny". Throws std::invalid_argument listing
-// the known names for anything else.
+// A registered model by name (tandem/registry.h: the built-ins "mlp", "cnn", "cnn_bn",
+// "transformer_tiny", then those of the program and of loaded plugins), as a Sequential.
+// Throws std::invalid_argument listing the known names for an unknown one, and for a model
+// whose factory returns another kind of module (tandem::make_registered_model builds those).
 torch::nn::Sequential make_model(const std::string& name);
+// Every registered model's name, the built-ins first.
 std::vector<std::string> model_names();
 
 // Number of scalar parameters (not buffers) in the module and its children.
