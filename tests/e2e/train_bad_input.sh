@@ -26,6 +26,12 @@ expect unknown-model "unknown model .resnet9000. \\(known: mlp" -- "$tandem" tra
 expect unknown-strategy "unknown strategy 'zero9'" -- "$tandem" train -n 1 --strategy zero9 --max-steps 1
 expect single-with-many "strategy single runs one worker" -- "$tandem" train -n 2 --strategy single
 expect unknown-flag "--frobnicate|not expected|extras" -- "$tandem" train --frobnicate
+# Numbers out of range: the flag and the allowed range in plain words.
+expect nprocs-zero "nprocs: must be between 1 and 4096, got 0$" -- "$tandem" train -n 0
+expect nprocs-negative "nprocs: must be between 1 and 4096, got -3$" -- "$tandem" train -n -3
+expect nprocs-not-a-number "nprocs: must be a whole number between 1 and 4096, got 'two'" -- "$tandem" train -n two
+expect epochs-zero "epochs: must be between 1 and 10000, got 0$" -- "$tandem" train --epochs 0
+expect batch-zero "batch: must be between 1 and 16777216, got 0$" -- "$tandem" train --batch 0
 expect bad-lr "lr must be a positive number" -- "$tandem" train -n 1 --lr -1 --max-steps 1
 expect grad-accum-zero "grad-accum must be at least 1" -- "$tandem" train -n 1 --grad-accum 0 --max-steps 1
 expect grad-accum-pp "grad-accum with --pp: the pipeline already accumulates.*--micro-batches 8" -- \

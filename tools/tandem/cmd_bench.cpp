@@ -22,10 +22,12 @@
 #include <regex>
 #include <sstream>
 
+#include "checks.h"
 #include "commands.h"
 #include "tandem/launcher.h"
 #include "tandem/pipeline_schedule.h"
 #include "tandem/plan.h"
+#include "tandem/registry.h"
 
 namespace tandem::cli {
 namespace {
@@ -190,14 +192,21 @@ int cmd_bench(int argc, char** argv) {
   bool accuracy = false, no_plot = false;
   std::string calibration = "tandem-calibration.json";
   double timeout_s = 600;
-  app.add_option("--model", model, "built-in model: mlp | cnn | cnn_bn")->capture_default_str();
+  std::string dataset;
+  app.add_option("--model", model,
+                 "mlp | cnn | cnn_bn, another registered model, or a plugin (path/to/libplugin.so[:NAME]), as for "
+                 "tandem train")
+      ->capture_default_str();
+  app.add_option("--dataset", dataset, "registered dataset (default: the model's own, else fashion-mnist)");
   app.add_option("--strategies", strategies,
                  "strategies for more than one worker: ddp, zero1, zero2, zero3, and model-parallel layouts tpK, ppK, "
                  "tpKppK (optionally -gpipe, -zeroN); layouts run where they divide the worker count")
       ->delimiter(',')->capture_default_str();
   app.add_option("-n,--workers", workers, "worker counts (1 runs --strategy single: the speedup reference)")
-      ->delimiter(',')->capture_default_str();
-  app.add_option("--batch", batch, "global batch (0: the multiple of every worker count nearest 128)")->capture_default_str();
+      ->delimiter(',')->check(whole_between(1, kMaxWorkers))->capture_default_str();
+  app.add_option("--batch", batch, "global batch (0: the multiple of every worker count nearest 128)")
+      ->check(whole_between(0, 1 << 24))
+      ->capture_default_str();
   app.add_option("--steps", steps, "training steps per run (the median step time is reported)")->capture_default_str();
   app.add_option("--micro-batches", micro_batches, "pipeline micro-batches per step (layouts with pp)")
       ->capture_default_str();
@@ -224,7 +233,7 @@ int cmd_bench(int argc, char** argv) {
   app.add_option("--drift-warn", drift_warn,
                  "with --reps >= 2: warn when the single worker's step varies by this many percent or more "
                  "between repetitions (the machine changed speed during the bench)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(number_between(0, 1000))
       ->capture_default_str();
   int remeasure = 2;
   app.add_option("--remeasure", remeasure,
@@ -232,7 +241,7 @@ int cmd_bench(int argc, char** argv) {
                  "repetition (the machine ran slow through most of them) is measured again, one round of all such "
                  "rows at a time, at most this many rounds; every measurement counts in the median, none is dropped "
                  "(0: report such rows as they are)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(whole_between(0, 100))
       ->capture_default_str();
   bool predict_only = false, calibrate = false;
   app.add_flag("--predict-only", predict_only,
@@ -246,6 +255,11 @@ int cmd_bench(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  // `model` becomes the registered name; the runs get the option as given, and load the plugin.
+  const std::string model_option = model;
+  load_plugins_from_model_option(model);
+  if (dataset.empty()) dataset = default_dataset_for(model);
+  (void)dataset_info(dataset);
   std::sort(workers.begin(), workers.end());
   workers.erase(std::unique(workers.begin(), workers.end()), workers.end());
   if (workers.empty() || workers.front() < 1) throw std::invalid_argument("--workers must be positive counts");
@@ -257,7 +271,7 @@ int cmd_bench(int argc, char** argv) {
   if (calibrate && model != "mlp" && model != "cnn" && model != "cnn_bn")
     throw std::invalid_argument("--calibrate: the calibration runs the built-in models mlp, cnn and cnn_bn, not '" +
                                 model + "'");
-  if (!predict_only && !fs::is_directory(data))
+  if (!predict_only && dataset == "fashion-mnist" && !fs::is_directory(data))
     throw std::invalid_argument("dataset directory '" + data + "' not found; install dataset-fashion-mnist or pass --data DIR");
   int64_t step_multiple = 1;
   for (int n : workers) step_multiple = lcm(step_multiple, n);
@@ -330,12 +344,17 @@ int cmd_bench(int argc, char** argv) {
     return plan::calibration_from_json(ss.str());
   };
   bool have_cal = calibrate;
-  if (!calibrate && std::ifstream(calibration)) {
+  const auto planned = plan::builtin_model_names();
+  const bool plannable = std::find(planned.begin(), planned.end(), model) != planned.end();
+  if (!calibrate && plannable && std::ifstream(calibration)) {
     predict(read_calibration(calibration));
     have_cal = true;
   }
 
   if (predict_only) {
+    if (!plannable)
+      throw std::invalid_argument("--predict-only: the planner describes its built-in models (" +
+                                  std::to_string(planned.size()) + " of them, see tandem plan), not '" + model + "'");
     if (!have_cal)
       throw std::invalid_argument("--predict-only needs a calibration: run tandem plan --calibrate or pass --calibration FILE");
     std::cout << std::setw(7) << "workers" << std::setw(13) << "strategy" << std::setw(11) << "predicted" << "\n";
@@ -370,7 +389,7 @@ int cmd_bench(int argc, char** argv) {
   // One measurement of a row: a `tandem train` run; false (after cleaning up) when it failed.
   auto measure = [&](Row& r, const std::string& label) -> bool {
     const std::string metrics = (tmp / "metrics.jsonl").string(), log = (tmp / "log.txt").string();
-    std::vector<std::string> args = {self, "train", "--model", model, "--strategy", r.layout.base, "-n",
+    std::vector<std::string> args = {self, "train", "--model", model_option, "--dataset", dataset, "--strategy", r.layout.base, "-n",
                                      std::to_string(r.workers), "--batch", std::to_string(batch), "--max-steps",
                                      std::to_string(steps), "--no-baseline", "--no-progress", "--metrics", metrics,
                                      "--data", data, "--timeout", fixed(timeout_s, 0), "--schedule", "constant"};

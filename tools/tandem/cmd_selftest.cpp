@@ -5,6 +5,7 @@
 
 #include <iostream>
 
+#include "checks.h"
 #include "commands.h"
 #include "tandem/launcher.h"
 #include "tandem/runtime.h"
@@ -27,7 +28,7 @@ int cmd_selftest(int argc, char** argv) {
   CLI::App app{"Check every collective across the workers against a local reference.", "tandem selftest"};
   int n = 2;
   std::string device = "cpu";
-  app.add_option("-n,--nprocs", n, "workers to launch when not already running under a launcher")->check(CLI::PositiveNumber);
+  app.add_option("-n,--nprocs", n, "workers to launch when not already running under a launcher")->check(whole_between(1, kMaxWorkers));
   app.add_option("--device", device, "cpu, cuda or auto");
   try {
     app.parse(argc, argv);

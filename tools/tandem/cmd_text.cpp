@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 
+#include "checks.h"
 #include "commands.h"
 #include "host_options.h"
 #include "tandem/launcher.h"
@@ -45,7 +46,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-per-label", cfg.corpus.max_per_label, "documents kept per label at most (-1: all)")
       ->capture_default_str();
-  app.add_option("-n,--nprocs", nprocs, "workers to launch")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("-n,--nprocs", nprocs, "workers to launch")->check(whole_between(1, kMaxWorkers))->capture_default_str();
   app.add_option("--strategy", cfg.strategy, "single | ddp | zero1 | zero2 | zero3")->capture_default_str();
   app.add_option("--precision", cfg.precision, "fp32 | bf16 | fp16 (mixed precision: fp32 master weights)")
       ->capture_default_str();

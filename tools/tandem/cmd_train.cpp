@@ -1,5 +1,6 @@
 // `tandem train`: parses flags; when not already a worker, measures one worker briefly (for
 // the speedup figure) and launches N workers of itself; each worker runs tandem::train().
+// --model may name a plugin (.so): every process, the launcher and each worker, loads it itself.
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 #include <unistd.h>
@@ -8,9 +9,11 @@
 #include <filesystem>
 #include <iostream>
 
+#include "checks.h"
 #include "commands.h"
 #include "host_options.h"
 #include "tandem/launcher.h"
+#include "tandem/registry.h"
 #include "tandem/runtime.h"
 #include "tandem/trainer.h"
 
@@ -27,8 +30,15 @@ int cmd_train(int argc, char** argv) {
   bool no_baseline = false, no_eval = false, no_progress = false, no_overlap = false;
   int64_t baseline_steps = 30;
   int max_restarts = 0;
-  app.add_option("--model", cfg.model, "mlp | cnn | cnn_bn")->capture_default_str();
-  app.add_option("--data", cfg.data, "directory with the IDX files (Fashion-MNIST layout)")->capture_default_str();
+  std::string dataset;  // "": the model's default (tandem::default_dataset_for)
+  app.add_option("--model", cfg.model,
+                 "mlp | cnn | cnn_bn, another registered model, or a plugin: path/to/libplugin.so (the model it "
+                 "registers; path/to/libplugin.so:NAME when it registers several)")
+      ->capture_default_str();
+  app.add_option("--dataset", dataset,
+                 "registered dataset: fashion-mnist, or one a plugin registers (default: the model's own, else "
+                 "fashion-mnist)");
+  app.add_option("--data", cfg.data, "directory the dataset reads (fashion-mnist: the IDX files)")->capture_default_str();
   app.add_option("--strategy", cfg.strategy,
                  "single | ddp | zero1 | zero2 | zero3 (ZeRO: optimizer state, +gradients, +parameters sharded)")
       ->capture_default_str();
@@ -38,11 +48,13 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--max-grad-norm", cfg.max_grad_norm, "clip the global gradient norm (0: off)")->capture_default_str();
   app.add_option("--initial-loss-scale", cfg.initial_loss_scale,
                  "fp16: the dynamic loss scale to start from (halved on every overflow, doubled after 1000 clean steps)")
-      ->check(CLI::PositiveNumber)
+      ->check(number_between(0, 4294967296.0, /*above_lo=*/true))
       ->capture_default_str();
-  app.add_option("-n,--nprocs", nprocs, "workers to launch")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--epochs", cfg.epochs, "epochs")->capture_default_str();
-  app.add_option("--batch", cfg.batch, "global batch size (split across workers)")->capture_default_str();
+  app.add_option("-n,--nprocs", nprocs, "workers to launch")->check(whole_between(1, kMaxWorkers))->capture_default_str();
+  app.add_option("--epochs", cfg.epochs, "epochs")->check(whole_between(1, 10000))->capture_default_str();
+  app.add_option("--batch", cfg.batch, "global batch size (split across workers)")
+      ->check(whole_between(1, 1 << 24))
+      ->capture_default_str();
   app.add_option("--optimizer", cfg.optimizer, "sgd | adam | adamw")->capture_default_str();
   app.add_option("--lr", cfg.lr, "learning rate")->capture_default_str();
   app.add_option("--momentum", cfg.momentum, "SGD momentum")->capture_default_str();
@@ -87,7 +99,7 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--keep", cfg.checkpoint_keep, "keep the newest K checkpoints (0: all)")->capture_default_str();
   app.add_option("--max-restarts", max_restarts,
                  "after a failed run of the workers, relaunch up to K times from the newest checkpoint")
-      ->check(CLI::NonNegativeNumber)
+      ->check(whole_between(0, 100))
       ->capture_default_str();
   app.add_flag("--resume", cfg.resume,
                "continue from the newest checkpoint in --checkpoint-dir (any strategy / worker count)");
@@ -120,8 +132,18 @@ int cmd_train(int argc, char** argv) {
   ro.comm.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
 
   const bool is_worker = detect_process_info().launcher != "none";
+  // The plugin and the dataset, in every process: workers parse the same arguments.
+  try {
+    load_plugins_from_model_option(cfg.model);
+    (void)model_info(cfg.model);  // an unknown model or dataset fails here, before anything starts
+    if (dataset.empty()) dataset = default_dataset_for(cfg.model);
+    (void)dataset_info(dataset);
+  } catch (const std::exception& e) {
+    std::cerr << "tandem train: " << e.what() << "\n";
+    return 2;
+  }
   if (!is_worker) {
-    if (!std::filesystem::is_directory(cfg.data)) {
+    if (dataset == "fashion-mnist" && !std::filesystem::is_directory(cfg.data)) {
       std::cerr << "tandem train: dataset directory '" << cfg.data
                 << "' not found; install Fashion-MNIST (apt-get install dataset-fashion-mnist) or pass --data DIR\n";
       return 2;
