@@ -39,3 +39,8 @@ tandem_add_dist_test(dist_comm_check_np3 3 "CollectiveCheck.*" TIMEOUT 120)
 foreach(np 2 3 4)
   tandem_add_dist_test(dist_comm_shm_np${np} ${np} "SharedMemory*" TIMEOUT 120)
 endforeach()
+# tandem::Engine with a nested user model: ddp and zero1-3 against one process, the low-level
+# calls against step(), checkpoints resumed under other strategies, refused configurations.
+foreach(np 2 3)
+  tandem_add_dist_test(dist_engine_np${np} ${np} "*Engine*" TIMEOUT 300)
+endforeach()

@@ -1,0 +1,253 @@
+// tandem::Engine: the one entry point for training a model under any layout. Give it a model
+// (any torch::nn::Module; a torch::nn::Sequential when it is cut into pipeline stages or
+// converted to tensor parallelism by the built-in conversion), an optimizer description and a
+// typed ParallelConfig; it builds the dp x tp x pp grid, the tensor-parallel form, the pipeline
+// stage, DDP or ZeRO over the data-parallel ranks and mixed precision, and then runs steps,
+// saves and loads resharding checkpoints, and reports communication, memory and the bubble.
+// Every rank constructs it with the same arguments (collective). The configuration is checked
+// once, at construction, and a conflict throws std::invalid_argument naming the settings.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/checkpoint.h"
+#include "tandem/comm.h"
+#include "tandem/optim.h"
+#include "tandem/pipeline.h"
+#include "tandem/precision.h"
+#include "tandem/runtime.h"
+
+namespace tandem {
+
+class ProcessGrid;
+
+// How the data-parallel ranks share the work: one worker, replicas averaging gradients (DDP),
+// or ZeRO stage 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters).
+enum class Strategy { kSingle, kDDP, kZero1, kZero2, kZero3 };
+// "single" | "ddp" | "zero1" | "zero2" | "zero3"; anything else throws std::invalid_argument
+// listing the choices. The one place strategy names are read.
+Strategy parse_strategy(const std::string& name);
+const char* to_string(Strategy s);
+// The ZeRO stage (1-3), 0 for single and ddp.
+int zero_stage(Strategy s);
+inline bool is_single(Strategy s) { return s == Strategy::kSingle; }
+inline bool is_ddp(Strategy s) { return s == Strategy::kDDP; }
+
+// DDP's gradients on the wire: as they are, or rounded to bf16 / fp16.
+enum class Compression { kNone, kBF16, kFP16 };
+Compression parse_compression(const std::string& name);  // "none" | "bf16" | "fp16"
+const char* to_string(Compression c);
+
+// Where a pipeline's stages are cut: balanced parameter counts (DeepSpeed's default), balanced
+// measured forward+backward time of each layer on one micro-batch, or the layers per stage.
+enum class PartitionMethod { kParameters, kTime, kLayers };
+struct Partition {
+  PartitionMethod method = PartitionMethod::kParameters;
+  std::vector<int64_t> layers;  // kLayers: one positive count per stage
+};
+// "params" | "time" | "3,7" (one count per stage); throws std::invalid_argument otherwise.
+Partition parse_partition(const std::string& text, int stages);
+std::string to_string(const Partition& p);
+
+struct ParallelConfig {
+  Strategy strategy = Strategy::kDDP;
+  Precision precision = Precision::kFP32;  // compute precision; fp32 masters for bf16/fp16
+  LossScalerOptions loss_scaler;          // fp16's dynamic loss scaling
+  // Layout: each replica spans tp x pp ranks; the world size / (tp * pp) replicas are data parallel.
+  int tp = 1;  // tensor-parallel ranks (Megatron column/row-parallel layers)
+  int pp = 1;  // pipeline stages
+  int64_t micro_batches = 1;  // per replica and step, when pp > 1
+  PipelineSchedule schedule = PipelineSchedule::k1F1B;
+  Partition partition;
+  // Without a pipeline: each replica's batch runs as this many micro-batches before one
+  // optimizer step (DDP and ZeRO-1 communicate once per step, ZeRO-2/3 after each backward).
+  int64_t grad_accum = 1;
+  double max_grad_norm = 0.0;  // clip the global gradient norm (whole model, across shards); 0: off
+  // DDP
+  Compression compress = Compression::kNone;
+  int64_t bucket_mb = 0;       // gradient buckets (DDP, ZeRO-1/2); 0: the strategy's default (DDP 25, ZeRO 8)
+  bool find_unused = false;    // DDP: parameters without a gradient count as zero instead of failing
+  bool overlap = true;         // DDP: all-reduce buckets during backward
+  bool communicate = true;     // DDP: false only to measure the compute-only ceiling
+};
+
+// Checks a configuration for `world` ranks, and a global batch when `global_batch` > 0 (it
+// must split over the replicas and, with a pipeline, into micro-batches). Throws
+// std::invalid_argument naming the conflicting settings and what to use instead.
+void validate(const ParallelConfig& c, int world, int64_t global_batch = 0);
+// The data-parallel replicas of a valid configuration: world / (tp * pp).
+int data_parallel_size(const ParallelConfig& c, int world);
+
+// The learning rate of every step (0-based) of a run of total_steps: a linear warmup over
+// warmup_steps from warmup_start to peak, then a cosine decay to min_ratio * peak at the last
+// step, or the peak kept (cosine = false). One schedule for every loop.
+struct LrSchedule {
+  double peak = 1e-3;
+  double warmup_start = 0.0;
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 1;
+  bool cosine = true;
+  double min_ratio = 0.0;
+  double at(int64_t step) const;
+};
+
+// loss_fn(model output of a micro-batch, its targets) -> a scalar loss (see LossReduction).
+using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+
+enum class LossReduction {
+  // loss_fn returns the mean over its micro-batch; micro-batches are weighted by their rows and
+  // the replicas averaged (DDP's convention: exact when every replica has as many rows).
+  kMean,
+  // loss_fn returns the sum over its loss terms (tokens, samples) and StepOptions::terms counts
+  // them over the whole global batch: the gradient is that of the mean over every term of the
+  // global batch, whatever the layout (Megatron's per-token loss).
+  kSum,
+};
+
+struct StepOptions {
+  LossReduction reduction = LossReduction::kMean;
+  double terms = 0.0;        // kSum: loss terms in the global batch (every rank passes the same)
+  double loss_weight = 1.0;  // this rank's loss is multiplied by it (unequal batch shares)
+};
+
+struct EngineOptions {
+  // Tensor parallelism: converts the dense Sequential into its tensor-parallel form over the tp
+  // group (collective). Default: tp::tensor_parallel (Linear pairs, Tandem's transformer).
+  std::function<torch::nn::Sequential(torch::nn::Sequential dense, CommPtr tp)> tensor_parallel;
+  // Tensor-parallel checkpoints go through a dense model of the same shape used as scratch;
+  // this makes one (same names and shapes). Without it save/load throw for tp > 1.
+  std::function<torch::nn::Sequential()> make_dense;
+  // PartitionMethod::kTime: a batch of inputs whose first micro-batch is timed layer by layer.
+  at::Tensor partition_sample;
+  // The model's name, recorded in checkpoints; load() refuses a checkpoint of another name.
+  std::string model_name = "model";
+};
+
+// Communication, memory and pipeline figures of this rank since construction or reset_stats().
+struct EngineStats {
+  int64_t steps = 0;
+  // Every communicator the engine uses (world and the grid's groups): payload per operation.
+  std::map<std::string, OpStats> comm;
+  double comm_seconds = 0.0;      // seconds on the communication engine, all operations
+  double wire_bytes = 0.0;        // bytes a ring algorithm puts on the wire for that payload
+  // DDP only: its all-reduces, the part not hidden behind backward, and the hidden share.
+  double ddp_comm_seconds = 0.0, ddp_exposed_seconds = 0.0, hidden_fraction = 0.0;
+  int64_t ddp_bytes = 0;
+  // Bytes held now: parameters, gradients, optimizer state (fp32 masters included).
+  int64_t parameter_bytes = 0, gradient_bytes = 0, optimizer_state_bytes = 0;
+  int64_t peak_gathered_bytes = 0;  // ZeRO-3: most gathered parameters alive at once
+  int64_t zero_pool_bytes = 0, zero_pool_misses = 0;
+  int64_t peak_rss_bytes = 0;       // this process's resident peak
+  // Pipeline: this stage's mean step and compute milliseconds over the steps after the first,
+  // idle over compute (theory (pp - 1) / m), and the most micro-batches held at once.
+  double pipeline_step_ms = 0.0, pipeline_compute_ms = 0.0, bubble = 0.0;
+  int64_t peak_live_micro_batches = 0;
+  double loss_scale = 1.0;
+  int64_t skipped_steps = 0;
+};
+
+// The model's forward on one input: [B, ...] -> output.
+using ForwardFn = std::function<at::Tensor(const at::Tensor&)>;
+
+class Engine {
+ public:
+  // Collective over rt.world(). The model is moved to rt.device(); parameters are broadcast so
+  // every replica starts equal. `forward` runs the model (the engine calls it instead of a
+  // Sequential's forward; null for a Sequential). Throws std::invalid_argument for an invalid
+  // configuration, or a model that cannot take it (tp or pp > 1 need a Sequential).
+  Engine(Runtime& rt, std::shared_ptr<torch::nn::Module> model, ForwardFn forward, OptimizerOptions optimizer,
+         ParallelConfig config, EngineOptions options = {});
+  // Any module holder whose forward takes and returns one tensor (a Sequential, or a user
+  // module made with TORCH_MODULE): its forward is called.
+  template <typename M>
+  Engine(Runtime& rt, torch::nn::ModuleHolder<M> model, OptimizerOptions optimizer, ParallelConfig config,
+         EngineOptions options = {})
+      : Engine(rt, std::shared_ptr<torch::nn::Module>(model.ptr()),
+               [m = model.ptr()](const at::Tensor& x) -> at::Tensor { return m->forward(x); }, std::move(optimizer),
+               std::move(config), std::move(options)) {}
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // One training step over this replica's share of the global batch (every tp and pp rank of
+  // a replica passes the same batch): zero the gradients, forward and backward over the
+  // micro-batches (the pipeline's schedule, or gradient accumulation), loss scaling, clipping
+  // and the optimizer step. Returns this replica's loss for the step (a detached scalar; the
+  // average over the replicas is the global batch's loss). An fp16 overflow skips the update.
+  at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss_fn,
+                  const StepOptions& options = {});
+
+  // The same step in parts, for custom loops (no pipeline: pp must be 1):
+  //   engine.zero_grad(); auto out = engine.forward(x); engine.backward(loss_fn(out, y));
+  //   engine.optimizer_step();
+  // Several forward/backward pairs between zero_grad() and optimizer_step() accumulate.
+  void zero_grad();
+  at::Tensor forward(const at::Tensor& inputs);
+  void backward(const at::Tensor& loss);  // scales the loss (fp16) and back-propagates
+  bool optimizer_step();                  // false when an fp16 overflow skipped it
+  // forward + backward over this replica's batch, as step() runs them, without zero_grad and
+  // optimizer_step; returns the replica's loss.
+  at::Tensor forward_backward(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss_fn,
+                              const StepOptions& options = {});
+
+  // Inference forward without autograd on every rank (ZeRO-3 gathers, tp ranks compute
+  // together, a pipeline runs its stages): the output where is_output_rank(), undefined on
+  // the other stages of a pipeline.
+  at::Tensor predict(const at::Tensor& inputs);
+  // One rank per replica holds the replica's output to count: tp rank 0 of the last stage.
+  bool is_output_rank() const;
+  void train(bool on = true);  // training or evaluation mode of the model
+
+  void set_lr(double lr);
+  double lr() const;
+
+  // Checkpoints (tandem/checkpoint.h's format and guarantees: atomic, sharded, loadable under any
+  // strategy, layout and world size). save(): collective; writes root/step-N (meta.step) and
+  // returns that directory; the engine fills the layout, strategy, precision, loss scaler and
+  // model name. load(): a checkpoint directory, or a root whose newest complete checkpoint is
+  // taken (throws std::runtime_error naming the root when it holds none); restores parameters,
+  // optimizer state, loss scaler and this rank's RNG, and returns the saved meta. Collective.
+  std::string save(const std::string& root, CheckpointMeta meta = {}, const CheckpointSaveOptions& options = {});
+  CheckpointMeta load(const std::string& dir_or_root, CheckpointLoadOptions options = {});
+  // The whole model's fp32 values by the dense model's parameter names, on the CPU, on every
+  // rank (collective: shards, stages and ZeRO's masters are gathered).
+  std::map<std::string, at::Tensor> full_parameters();
+
+  EngineStats stats() const;
+  void reset_stats();
+
+  // Layout and parts, for reports and custom loops.
+  const ParallelConfig& config() const;
+  int world_size() const;
+  int dp_size() const;
+  int dp_rank() const;
+  CommPtr world() const;
+  CommPtr dp_group() const;
+  const ProcessGrid* grid() const;              // null when tp * pp == 1
+  const Pipeline* pipeline() const;             // null when pp == 1
+  std::vector<int64_t> partition() const;       // layers per stage (pp > 1)
+  torch::nn::Module& module();                  // what runs on this rank (its stage, its shards)
+  std::vector<at::Tensor> trained_parameters() const;  // this rank's (stage's, shard's) parameters
+  const LossScaler& loss_scaler() const;
+  int64_t parameters() const;                   // scalar parameters of the whole dense model
+  // Seconds of the last step's forward passes and losses on this rank, less what ZeRO-3 waited
+  // for other ranks' parameters: this rank's own forward compute (for batch-share calibration).
+  double last_forward_seconds() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tandem

@@ -1,0 +1,176 @@
+// The Engine's typed configuration: the one place where strategy, compression and partition
+// names are read, and the checks of a layout against the world size and the global batch.
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "tandem/accumulate.h"
+#include "tandem/engine.h"
+#include "tandem/pipeline_schedule.h"
+
+namespace tandem {
+
+Strategy parse_strategy(const std::string& name) {
+  static const std::pair<const char*, Strategy> kNames[] = {{"single", Strategy::kSingle},
+                                                            {"ddp", Strategy::kDDP},
+                                                            {"zero1", Strategy::kZero1},
+                                                            {"zero2", Strategy::kZero2},
+                                                            {"zero3", Strategy::kZero3}};
+  for (const auto& [n, s] : kNames) {
+    if (name == n) return s;
+  }
+  throw std::invalid_argument("unknown strategy '" + name +
+                              "' (this build supports: single, ddp, zero1, zero2, zero3)");
+}
+
+const char* to_string(Strategy s) {
+  switch (s) {
+    case Strategy::kSingle: return "single";
+    case Strategy::kDDP: return "ddp";
+    case Strategy::kZero1: return "zero1";
+    case Strategy::kZero2: return "zero2";
+    case Strategy::kZero3: return "zero3";
+  }
+  return "?";
+}
+
+int zero_stage(Strategy s) {
+  switch (s) {
+    case Strategy::kZero1: return 1;
+    case Strategy::kZero2: return 2;
+    case Strategy::kZero3: return 3;
+    default: return 0;
+  }
+}
+
+Compression parse_compression(const std::string& name) {
+  if (name == "none") return Compression::kNone;
+  if (name == "bf16") return Compression::kBF16;
+  if (name == "fp16") return Compression::kFP16;
+  throw std::invalid_argument("--compress must be none, bf16 or fp16, not '" + name + "'");
+}
+
+const char* to_string(Compression c) {
+  switch (c) {
+    case Compression::kNone: return "none";
+    case Compression::kBF16: return "bf16";
+    case Compression::kFP16: return "fp16";
+  }
+  return "?";
+}
+
+Partition parse_partition(const std::string& text, int stages) {
+  Partition p;
+  if (text == "params") return p;
+  if (text == "time") {
+    p.method = PartitionMethod::kTime;
+    return p;
+  }
+  p.method = PartitionMethod::kLayers;
+  p.layers = parse_partition_option(text, stages);  // throws naming the option
+  return p;
+}
+
+std::string to_string(const Partition& p) {
+  switch (p.method) {
+    case PartitionMethod::kParameters: return "params";
+    case PartitionMethod::kTime: return "time";
+    case PartitionMethod::kLayers: break;
+  }
+  std::string s;
+  for (auto n : p.layers) s += (s.empty() ? "" : ",") + std::to_string(n);
+  return s;
+}
+
+double LrSchedule::at(int64_t step) const {
+  if (warmup_steps > 0 && step < warmup_steps) {
+    return warmup_start + (peak - warmup_start) * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+  }
+  if (!cosine) return peak;
+  const double span = static_cast<double>(std::max<int64_t>(1, total_steps - warmup_steps));
+  const double t = std::min(1.0, static_cast<double>(step - warmup_steps) / span);
+  const double c = 0.5 * (1.0 + std::cos(M_PI * t));
+  return min_ratio == 0.0 ? peak * c : peak * (min_ratio + (1.0 - min_ratio) * c);
+}
+
+int data_parallel_size(const ParallelConfig& c, int world) { return world / std::max(1, c.tp * c.pp); }
+
+namespace {
+
+// The model-parallel part: the grid against the world size and what composes with it.
+void validate_layout(const ParallelConfig& c, int world) {
+  if (c.tp < 1 || c.pp < 1) {
+    throw std::invalid_argument("--tp and --pp must be at least 1, got --tp " + std::to_string(c.tp) + " --pp " +
+                                std::to_string(c.pp));
+  }
+  if (c.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
+  if (c.partition.method == PartitionMethod::kLayers && static_cast<int>(c.partition.layers.size()) != c.pp) {
+    throw std::invalid_argument("--pp-partition lists " + std::to_string(c.partition.layers.size()) +
+                                " stage(s) for --pp " + std::to_string(c.pp));
+  }
+  if (is_single(c.strategy) && world != 1) {
+    throw std::invalid_argument("--strategy single runs one worker, but " + std::to_string(world) +
+                                " were launched; use -n 1 or --strategy ddp");
+  }
+  if (c.tp * c.pp == 1) return;
+  const std::string layout = "--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp);
+  if (world % (c.tp * c.pp) != 0) {
+    throw std::invalid_argument(layout + " = " + std::to_string(c.tp * c.pp) + " ranks per replica does not divide the " +
+                                std::to_string(world) + " workers; use -n a multiple of " + std::to_string(c.tp * c.pp));
+  }
+  // ZeRO-2 and 3 reduce-scatter gradients in backward hooks: a pipeline's backward runs once per
+  // micro-batch, so they compose with tensor parallelism only (as in DeepSpeed).
+  const int stage = zero_stage(c.strategy);
+  const bool ok = is_ddp(c.strategy) || (stage > 0 && (c.pp == 1 || stage == 1));
+  if (!ok) {
+    throw std::invalid_argument(layout + " composes with --strategy ddp or zero1 over the data-parallel ranks" +
+                                std::string(c.pp == 1 ? " (zero2 and zero3 too)" : "") + ", not " +
+                                to_string(c.strategy) +
+                                (is_single(c.strategy) ? " (one worker)" : " (not supported yet)"));
+  }
+  if (c.pp > 1 && c.compress != Compression::kNone) {
+    throw std::invalid_argument("--pp " + std::to_string(c.pp) +
+                                ": pipeline gradients are averaged in one uncompressed all-reduce; drop --compress");
+  }
+}
+
+void validate_batch(const ParallelConfig& c, int world, int64_t batch) {
+  const int dp = data_parallel_size(c, world);
+  if (c.tp * c.pp > 1 && batch % dp != 0) {
+    throw std::invalid_argument("--batch " + std::to_string(batch) + " (global) does not split evenly over " +
+                                std::to_string(dp) + " data-parallel replicas (" + std::to_string(world) +
+                                " workers / (--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp) +
+                                ")); use a multiple of " + std::to_string(dp));
+  }
+  if (c.pp > 1 && (batch / dp) % c.micro_batches != 0) {
+    throw std::invalid_argument("--batch " + std::to_string(batch) + " gives each of the " + std::to_string(dp) +
+                                " data-parallel replicas " + std::to_string(batch / dp) +
+                                " samples, not divisible into " + std::to_string(c.micro_batches) +
+                                " micro-batches; use a --batch multiple of " + std::to_string(dp * c.micro_batches));
+  }
+  validate_grad_accum(c.grad_accum, c.pp, c.micro_batches, batch, dp);
+}
+
+}  // namespace
+
+void validate(const ParallelConfig& c, int world, int64_t global_batch) {
+  if (world < 1) throw std::invalid_argument("the world size must be at least 1");
+  validate_layout(c, world);
+  if (c.grad_accum < 1) throw std::invalid_argument("--grad-accum must be at least 1");
+  if (c.grad_accum > 1 && c.pp > 1) validate_grad_accum(c.grad_accum, c.pp, c.micro_batches, c.grad_accum, 1);
+  if (c.max_grad_norm < 0) throw std::invalid_argument("--max-grad-norm must be >= 0 (0: no clipping)");
+  if (c.compress != Compression::kNone && c.precision != Precision::kFP32) {
+    throw std::invalid_argument(std::string("--compress ") + to_string(c.compress) +
+                                " compresses fp32 gradients; with --precision " + precision_name(c.precision) +
+                                " they already travel in " + precision_name(c.precision) + " (drop --compress)");
+  }
+  if (!is_ddp(c.strategy) && c.compress != Compression::kNone) {
+    throw std::invalid_argument("--compress applies to --strategy ddp only");
+  }
+  if (c.bucket_mb < 0) throw std::invalid_argument("--bucket-mb must be at least 1 (0 in the library: the default)");
+  validate(c.loss_scaler);
+  if (global_batch > 0) validate_batch(c, world, global_batch);
+}
+
+}  // namespace tandem

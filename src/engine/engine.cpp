@@ -1,0 +1,453 @@
+// tandem::Engine (tandem/engine.h): builds the layout once, then runs every step, checkpoint and
+// report through the one Updater interface (updater.h) and, for pp > 1, the pipeline.
+#include "tandem/engine.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <unordered_map>
+
+#include "engine/updater.h"
+#include "tandem/accumulate.h"
+#include "tandem/ddp.h"
+#include "tandem/grid.h"
+#include "tandem/models.h"
+#include "tandem/tensor_parallel.h"
+#include "tandem/zero.h"
+
+namespace tandem {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+int64_t peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      std::istringstream is(line.substr(6));
+      int64_t kb = 0;
+      is >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+// The bytes a ring algorithm puts on the wire per rank for the payloads the Communicator
+// counted: all-reduce 2(N-1)/N S; reduce-scatter (N-1)/N S (S: its full-size input);
+// all-gather (N-1) s (s: its per-rank input); broadcast S (a pipelined chain); sends as they are.
+double wire_bytes(const std::map<std::string, OpStats>& st, int n) {
+  auto get = [&](const char* k) {
+    auto it = st.find(k);
+    return it == st.end() ? 0.0 : static_cast<double>(it->second.bytes);
+  };
+  const double f = n > 1 ? static_cast<double>(n - 1) / n : 0.0;
+  return 2 * f * get("allreduce") + f * get("reduce_scatter") + (n - 1) * get("allgather") +
+         (n > 1 ? get("broadcast") : 0.0) + get("send");
+}
+
+}  // namespace
+
+struct Engine::Impl {
+  engine::Layout L;
+  std::unique_ptr<engine::Updater> up;
+  int64_t parameters = 0;
+  std::unique_ptr<Pipeline> eval_pipe;  // forward only: one micro-batch of any size
+  bool fresh_step = false;              // zero_grad() ran and no forward since
+  double forward_s = 0.0;
+  // Statistics since reset_stats().
+  std::vector<CommPtr> comms;
+  std::vector<std::map<std::string, OpStats>> comm_before;
+  int64_t steps = 0, pipe_steps = 0, peak_live = 0;
+  double pipe_step_s = 0.0, pipe_compute_s = 0.0;
+
+  at::Tensor cast_input(const at::Tensor& x) const {
+    if (L.cfg.precision == Precision::kFP32 || !x.is_floating_point()) return x;
+    return x.to(compute_dtype(L.cfg.precision));
+  }
+  void build(std::shared_ptr<torch::nn::Module> model, ForwardFn forward, const OptimizerOptions& oo);
+  at::Tensor pipeline_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn, const StepOptions& so);
+  at::Tensor accumulate_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn, const StepOptions& so);
+  void gather_dense();
+};
+
+void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn forward, const OptimizerOptions& oo) {
+  auto& cfg = L.cfg;
+  const int world = L.world->size();
+  validate(cfg, world);
+  validate(oo);
+  if (!model) throw std::invalid_argument("tandem::Engine: the model is null");
+  const bool sequential = static_cast<bool>(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model));
+  if (!sequential && cfg.tp * cfg.pp > 1) {
+    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " x --pp " + std::to_string(cfg.pp) +
+                                " cuts the model between children or converts its layers, which needs a "
+                                "torch::nn::Sequential; this model is not one (use --tp 1 --pp 1, or build it as "
+                                "a Sequential)");
+  }
+  if (!sequential && !forward) {
+    throw std::invalid_argument("tandem::Engine: a model that is not a torch::nn::Sequential needs its forward "
+                                "function (pass the module holder, or a ForwardFn)");
+  }
+  L.dense = model;
+  L.dense->to(L.rt->device());
+  parameters = models::count_parameters(*L.dense);
+  if (cfg.tp * cfg.pp > 1) L.grid = std::make_unique<ProcessGrid>(L.world, cfg.tp, cfg.pp);
+  L.dp = L.grid ? L.grid->dp() : L.world;
+  // Where the stages are cut: measured on the dense model (the tensor-parallel one would run its
+  // collectives on rank 0 alone), before any step.
+  std::vector<int64_t> cut;
+  if (cfg.pp > 1 && cfg.partition.method == PartitionMethod::kLayers) cut = cfg.partition.layers;
+  if (cfg.pp > 1 && cfg.partition.method == PartitionMethod::kTime) {
+    if (!L.opts.partition_sample.defined()) {
+      throw std::invalid_argument("--pp-partition time needs a micro-batch of inputs to time "
+                                  "(EngineOptions::partition_sample)");
+    }
+    auto dense = L.dense_sequential();
+    cut = partition_by_time(dense, L.opts.partition_sample.to(L.rt->device()), cfg.pp, *L.world);
+  }
+  L.net = L.dense;
+  if (cfg.tp > 1) {
+    auto convert = L.opts.tensor_parallel
+                       ? L.opts.tensor_parallel
+                       : [](torch::nn::Sequential d, CommPtr tp) { return tp::tensor_parallel(std::move(d), tp); };
+    L.net = convert(L.dense_sequential(), L.grid->tp()).ptr();
+  }
+  if (cfg.pp > 1) {
+    PipelineOptions po;
+    po.partition = cut;
+    po.micro_batches = cfg.micro_batches;
+    po.schedule = cfg.schedule;
+    po.device = L.rt->device();
+    L.pipe = std::make_unique<Pipeline>(L.net_sequential(), L.grid->pp(), po);
+  }
+  L.trained_module = L.pipe ? L.pipe->stage_module().ptr() : L.net;
+  L.trained = L.trained_module->parameters();
+  ForwardFn run = forward;
+  if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L.net)) {
+    run = [seq](const at::Tensor& x) -> at::Tensor { return seq->forward(x); };
+  }
+  up = engine::make_updater(L, oo, run);
+  comms = {L.world};
+  if (L.grid) comms.insert(comms.end(), {L.grid->tp(), L.grid->pp(), L.grid->dp()});
+}
+
+Engine::Engine(Runtime& rt, std::shared_ptr<torch::nn::Module> model, ForwardFn forward, OptimizerOptions optimizer,
+               ParallelConfig config, EngineOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->L.rt = &rt;
+  impl_->L.cfg = std::move(config);
+  impl_->L.opts = std::move(options);
+  impl_->L.world = rt.world();
+  impl_->build(std::move(model), std::move(forward), optimizer);
+  reset_stats();
+}
+
+Engine::~Engine() = default;
+
+// ---- steps
+
+at::Tensor Engine::step(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss_fn,
+                        const StepOptions& options) {
+  zero_grad();
+  auto loss = forward_backward(inputs, targets, loss_fn, options);
+  optimizer_step();
+  return loss;
+}
+
+void Engine::zero_grad() {
+  impl_->up->begin_step();
+  impl_->fresh_step = true;
+  impl_->forward_s = 0.0;
+}
+
+at::Tensor Engine::forward(const at::Tensor& inputs) {
+  auto& I = *impl_;
+  if (I.L.pipe) throw std::logic_error("Engine::forward: with --pp the pipeline runs the step; call step()");
+  if (!I.fresh_step) I.up->prepare_forward();
+  I.fresh_step = false;
+  return I.up->forward(I.cast_input(inputs));
+}
+
+void Engine::backward(const at::Tensor& loss) { impl_->up->scale_loss(loss).backward(); }
+
+bool Engine::optimizer_step() {
+  ++impl_->steps;
+  return impl_->up->step();
+}
+
+at::Tensor Engine::forward_backward(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss_fn,
+                                    const StepOptions& options) {
+  if (options.reduction == LossReduction::kSum && !(options.terms > 0)) {
+    throw std::invalid_argument("Engine: LossReduction::kSum needs StepOptions::terms, the loss terms of the global batch");
+  }
+  auto& I = *impl_;
+  I.fresh_step = false;
+  auto x = I.cast_input(inputs);
+  return I.L.pipe ? I.pipeline_pass(x, targets, loss_fn, options) : I.accumulate_pass(x, targets, loss_fn, options);
+}
+
+// The pipeline back-propagates each micro-batch's loss / m and returns their mean. kSum: the
+// micro-batch's sum normalised by the global batch's terms (times dp, undone by the replicas'
+// average) and times m makes both the step's. fp16: the last stage back-propagates the scaled
+// loss; the step's loss is reported unscaled.
+at::Tensor Engine::Impl::pipeline_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn,
+                                       const StepOptions& so) {
+  const double norm = static_cast<double>(L.dp_size()) / std::max(1.0, so.terms);
+  const double m = static_cast<double>(L.cfg.micro_batches);
+  const auto t0 = Clock::now();
+  auto loss = L.pipe->train_step(x, y, [&](const at::Tensor& out, const at::Tensor& target) {
+    at::Tensor l = loss_fn(out, target);
+    if (so.reduction == LossReduction::kSum) {
+      l = l * (norm * m);
+    } else if (so.loss_weight != 1.0) {
+      l = l * so.loss_weight;
+    }
+    return up->scale_loss(l);
+  });
+  forward_s += seconds_since(t0);
+  const LossScaler& sc = up->scaler();
+  if (sc.dynamic()) loss = loss / sc.scale();
+  up->after_pipeline_backward();
+  if (steps > 0) {  // the first step also agrees shapes
+    pipe_step_s += L.pipe->stats().step_seconds;
+    pipe_compute_s += L.pipe->stats().compute_seconds;
+    ++pipe_steps;
+  }
+  peak_live = std::max(peak_live, L.pipe->stats().peak_live_micro_batches);
+  return loss;
+}
+
+// --grad-accum K (tandem/accumulate.h): DDP and ZeRO-1 communicate once per step. kMean weights
+// each micro-batch's mean loss by its rows; kSum normalises every part by the global batch's
+// terms already, so the parts add up to the step's loss.
+at::Tensor Engine::Impl::accumulate_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn,
+                                         const StepOptions& so) {
+  const double norm = static_cast<double>(L.dp_size()) / std::max(1.0, so.terms);
+  return accumulate_gradients(x, y, L.cfg.grad_accum, up->ddp(), up->zero(),
+                              [&](const at::Tensor& xp, const at::Tensor& yp, double w) {
+                                const auto t0 = Clock::now();
+                                const double waited = up->gather_wait_seconds();
+                                at::Tensor part = loss_fn(up->forward(xp), yp);
+                                // Time spent waiting for other ranks' parameters is theirs.
+                                forward_s += seconds_since(t0) - (up->gather_wait_seconds() - waited);
+                                if (so.reduction == LossReduction::kSum) {
+                                  at::Tensor l = part * norm;
+                                  up->scale_loss(l).backward();
+                                  return l;
+                                }
+                                at::Tensor weighted = so.loss_weight != 1.0 ? part * so.loss_weight : part;
+                                if (w != 1.0) weighted = weighted * w;
+                                up->scale_loss(weighted).backward();
+                                return w == 1.0 ? part : part * w;
+                              });
+}
+
+at::Tensor Engine::predict(const at::Tensor& inputs) {
+  auto& I = *impl_;
+  torch::NoGradGuard ng;
+  I.up->prepare_predict();
+  auto x = I.cast_input(inputs);
+  if (!I.L.pipe) return I.up->forward(x);
+  if (!I.eval_pipe) {
+    PipelineOptions po = I.L.pipe->options();
+    po.micro_batches = 1;
+    po.partition = I.L.pipe->partition();
+    I.eval_pipe = std::make_unique<Pipeline>(I.L.net_sequential(), I.L.grid->pp(), po);
+  }
+  return I.eval_pipe->forward(x);
+}
+
+bool Engine::is_output_rank() const {
+  const auto* g = impl_->L.grid.get();
+  return !g || (g->tp_rank() == 0 && g->pp_rank() == g->pp_size() - 1);
+}
+
+void Engine::train(bool on) { impl_->L.net->train(on); }
+
+void Engine::set_lr(double lr) { impl_->up->set_lr(lr); }
+double Engine::lr() const { return impl_->up->lr(); }
+
+// ---- checkpoints
+
+std::string Engine::save(const std::string& root, CheckpointMeta meta, const CheckpointSaveOptions& options) {
+  auto& I = *impl_;
+  const auto& cfg = I.L.cfg;
+  if (meta.model.empty()) meta.model = I.L.opts.model_name;
+  if (meta.model_description.empty()) {
+    meta.model_description = meta.model + " (" + std::to_string(I.parameters) + " parameters)";
+  }
+  if (meta.strategy.empty()) {
+    meta.strategy = std::string(to_string(cfg.strategy)) + (cfg.pp > 1 ? " x pp" + std::to_string(cfg.pp) : "");
+  }
+  meta.precision = precision_name(cfg.precision);
+  const LossScaler& sc = I.up->scaler();
+  meta.loss_scale = sc.scale();
+  meta.loss_scale_good_steps = sc.overflow_free_steps();
+  meta.skipped_steps = sc.skipped_steps();
+  return I.up->save(root, meta, options);
+}
+
+CheckpointMeta Engine::load(const std::string& dir_or_root, CheckpointLoadOptions options) {
+  namespace fs = std::filesystem;
+  std::string dir = dir_or_root;
+  if (!fs::exists(fs::path(dir) / "manifest.json")) {
+    dir = latest_checkpoint(dir_or_root);
+    if (dir.empty()) {
+      throw std::runtime_error("no complete checkpoint in '" + dir_or_root +
+                               "' (neither a checkpoint directory nor a root holding step-N checkpoints)");
+    }
+  }
+  if (options.expect_model.empty()) options.expect_model = impl_->L.opts.model_name;
+  return impl_->up->load(dir, impl_->L.world->rank(), options);
+}
+
+// Makes `dense` hold the trained values on every rank: each stage gathers its tensor-parallel
+// shards, then each layer is broadcast from the stage that owns it.
+void Engine::Impl::gather_dense() {
+  auto dense = L.dense_sequential();
+  const int64_t n = static_cast<int64_t>(dense->size());
+  if (L.grid->tp_size() > 1) {
+    tp::gather_to_dense(L.net_sequential(), dense, L.grid->tp(), L.pipe ? L.pipe->first_layer() : 0,
+                        L.pipe ? L.pipe->end_layer() : n);
+  }
+  if (!L.pipe) return;
+  std::vector<int64_t> owner(n, 0);
+  int64_t i = 0;
+  for (size_t s = 0; s < L.pipe->partition().size(); ++s) {
+    for (int64_t k = 0; k < L.pipe->partition()[s]; ++k) owner[i++] = static_cast<int64_t>(s);
+  }
+  torch::NoGradGuard ng;
+  for (int64_t l = 0; l < n; ++l) {
+    for (auto& p : dense->ptr(l)->parameters()) {
+      auto buf = p.detach().contiguous();
+      L.grid->pp()->broadcast(buf, static_cast<int>(owner[l]));
+      if (!buf.is_same(p)) p.detach().copy_(buf);
+    }
+  }
+}
+
+std::map<std::string, at::Tensor> Engine::full_parameters() {
+  auto& I = *impl_;
+  std::map<std::string, at::Tensor> out;
+  auto masters = I.up->masters();
+  if (!I.L.grid) {
+    if (!masters.empty()) return masters;
+    for (auto& p : I.L.dense->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU).clone();
+    return out;
+  }
+  // A split model whose values live in masters (mixed precision, ZeRO's shards): they go into
+  // the split model's parameters for the gather (every other parameter as fp32 of its value),
+  // and each parameter gets its own storage back afterwards (ZeRO's parameters are views of
+  // its flat buffers).
+  std::vector<at::Tensor> params = I.L.net->parameters(), saved;
+  if (!masters.empty()) {
+    std::unordered_map<const void*, at::Tensor> master_of;
+    for (auto& p : I.L.trained_module->named_parameters()) {
+      auto m = masters.find(p.key());
+      if (m != masters.end()) master_of[p.value().unsafeGetTensorImpl()] = m->second;
+    }
+    torch::NoGradGuard ng;
+    for (auto& p : params) {
+      saved.push_back(p.data());
+      auto m = master_of.find(p.unsafeGetTensorImpl());
+      p.set_data(m != master_of.end() ? m->second.to(p.device(), torch::kFloat).clone()
+                                      : p.detach().to(torch::kFloat));
+    }
+  }
+  I.gather_dense();
+  for (auto& p : I.L.dense->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU, torch::kFloat).clone();
+  for (size_t i = 0; i < saved.size(); ++i) params[i].set_data(saved[i]);
+  return out;
+}
+
+// ---- statistics
+
+EngineStats Engine::stats() const {
+  const auto& I = *impl_;
+  EngineStats s;
+  s.steps = I.steps;
+  for (size_t c = 0; c < I.comms.size(); ++c) {
+    std::map<std::string, OpStats> delta;
+    for (auto& [op, st] : I.comms[c]->stats()) {
+      OpStats d = st;
+      auto it = I.comm_before[c].find(op);
+      if (it != I.comm_before[c].end()) {
+        d.calls -= it->second.calls;
+        d.bytes -= it->second.bytes;
+        d.seconds -= it->second.seconds;
+      }
+      if (d.calls <= 0) continue;
+      delta[op] = d;
+      auto& sum = s.comm[op];
+      sum.calls += d.calls;
+      sum.bytes += d.bytes;
+      sum.seconds += d.seconds;
+      s.comm_seconds += d.seconds;
+    }
+    s.wire_bytes += wire_bytes(delta, I.comms[c]->size());
+  }
+  if (auto* ddp = I.up->ddp()) {
+    auto d = ddp->stats();
+    s.ddp_comm_seconds = d.comm_seconds;
+    s.ddp_exposed_seconds = d.exposed_seconds;
+    s.hidden_fraction = d.hidden_fraction();
+    s.ddp_bytes = d.bytes;
+  }
+  I.up->memory(s);
+  s.peak_rss_bytes = peak_rss_bytes();
+  if (I.L.pipe) {
+    double step_s = I.pipe_step_s, compute_s = I.pipe_compute_s;
+    int64_t n = I.pipe_steps;
+    if (compute_s <= 0.0) {  // one step only: that one
+      step_s = I.L.pipe->stats().step_seconds;
+      compute_s = I.L.pipe->stats().compute_seconds;
+      n = 1;
+    }
+    s.bubble = compute_s > 0 ? std::max(0.0, step_s - compute_s) / compute_s : 0.0;
+    s.pipeline_step_ms = step_s * 1e3 / static_cast<double>(std::max<int64_t>(1, n));
+    s.pipeline_compute_ms = compute_s * 1e3 / static_cast<double>(std::max<int64_t>(1, n));
+    s.peak_live_micro_batches = I.peak_live;
+  }
+  s.loss_scale = I.up->scaler().scale();
+  s.skipped_steps = I.up->scaler().skipped_steps();
+  return s;
+}
+
+void Engine::reset_stats() {
+  auto& I = *impl_;
+  I.comm_before.clear();
+  for (auto& c : I.comms) I.comm_before.push_back(c->stats());
+  I.steps = 0;
+  I.pipe_steps = 0;
+  I.pipe_step_s = I.pipe_compute_s = 0.0;
+  I.peak_live = 0;
+  if (auto* ddp = I.up->ddp()) ddp->reset_stats();
+}
+
+// ---- layout
+
+const ParallelConfig& Engine::config() const { return impl_->L.cfg; }
+int Engine::world_size() const { return impl_->L.world->size(); }
+int Engine::dp_size() const { return impl_->L.dp_size(); }
+int Engine::dp_rank() const { return impl_->L.dp->rank(); }
+CommPtr Engine::world() const { return impl_->L.world; }
+CommPtr Engine::dp_group() const { return impl_->L.dp; }
+const ProcessGrid* Engine::grid() const { return impl_->L.grid.get(); }
+const Pipeline* Engine::pipeline() const { return impl_->L.pipe.get(); }
+std::vector<int64_t> Engine::partition() const {
+  return impl_->L.pipe ? impl_->L.pipe->partition() : std::vector<int64_t>{};
+}
+torch::nn::Module& Engine::module() { return *impl_->L.trained_module; }
+std::vector<at::Tensor> Engine::trained_parameters() const { return impl_->L.trained; }
+const LossScaler& Engine::loss_scaler() const { return impl_->up->scaler(); }
+int64_t Engine::parameters() const { return impl_->parameters; }
+double Engine::last_forward_seconds() const { return impl_->forward_s; }
+
+}  // namespace tandem
