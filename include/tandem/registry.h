@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tandem/data.h"
@@ -40,9 +41,16 @@ struct ModelInfo {
 };
 
 namespace detail {
+// A holder of another module becomes the only child of a Sequential (its parameters named
+// "0.<name>"): the Sequential knows how to call its forward, so the engine and the CLI can run
+// it under single, DDP and ZeRO (a pipeline cannot cut a single child).
 template <typename T>
 std::shared_ptr<torch::nn::Module> as_module(const torch::nn::ModuleHolder<T>& m) {
-  return m.ptr();
+  if constexpr (std::is_same_v<T, torch::nn::SequentialImpl>) {
+    return m.ptr();
+  } else {
+    return torch::nn::Sequential(m).ptr();
+  }
 }
 template <typename T>
 std::shared_ptr<torch::nn::Module> as_module(const std::shared_ptr<T>& m) {

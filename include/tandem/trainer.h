@@ -8,12 +8,17 @@
 #include <string>
 #include <vector>
 
+#include "tandem/engine.h"
 #include "tandem/runtime.h"
 
 namespace tandem {
 
 struct TrainConfig {
   std::string model = "cnn";
+  // A registered model (tandem/registry.h: built in, or a plugin's; a path to a plugin's .so, or
+  // PATH:NAME, loads it first) and dataset ("" = the model's default, else fashion-mnist), read
+  // from the directory `data` when it needs files.
+  std::string dataset;
   std::string data = "/usr/share/datasets/fashion-mnist";
   std::string strategy = "ddp";  // single | ddp | zero1 | zero2 | zero3 (ZeRO stages 1-3)
   std::string precision = "fp32";  // fp32 | bf16 | fp16 (fp32 master weights, fp16 with loss scaling)
@@ -138,6 +143,10 @@ struct TrainReport {
 // before starting workers; train() calls it too). Throws std::invalid_argument naming the
 // problem and what to do.
 void validate_config(const TrainConfig& cfg, int world);
+
+// The typed layout of a configuration: its strategy, precision, schedule, partition and
+// compression names parsed (std::invalid_argument naming a bad one).
+ParallelConfig parallel_config(const TrainConfig& cfg);
 
 // Runs the whole job on this rank. Every rank must call it with the same config.
 // Throws std::invalid_argument / std::runtime_error with a message naming the bad input.

@@ -18,6 +18,8 @@
 
 #include "tandem/k8s.h"
 
+#include "tandem/engine.h"
+
 namespace tandem::k8s {
 namespace {
 
@@ -290,11 +292,13 @@ Layout validate(const JobSpec& s) {
         "' would exceed 63 characters; use a shorter name");
   }
 
-  const std::set<std::string> strategies = {"single", "ddp", "zero1", "zero2", "zero3"};
-  if (!strategies.count(s.strategy)) {
+  bool single = false;
+  try {
+    single = is_single(parse_strategy(s.strategy));
+  } catch (const std::invalid_argument&) {
     bad("--strategy '" + s.strategy + "': unknown; use single, ddp, zero1, zero2 or zero3");
   }
-  if (s.strategy == "single" && l.ranks() != 1) {
+  if (single && l.ranks() != 1) {
     bad("--strategy single runs one rank, but the layout has " + std::to_string(l.ranks()) +
         "; use --strategy ddp (or zero1/2/3), or one node with one slot");
   }

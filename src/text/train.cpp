@@ -13,17 +13,10 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "tandem/accumulate.h"
-#include "tandem/ddp.h"
-#include "tandem/grid.h"
+#include "tandem/engine.h"
 #include "tandem/models.h"
-#include "tandem/optim.h"
-#include "tandem/pipeline.h"
-#include "tandem/precision.h"
-#include "tandem/tensor_parallel.h"
 #include "tandem/text.h"
-#include "tandem/zero.h"
-#include "trainer/progress.h"
+#include "tandem/progress.h"
 
 namespace tandem::text {
 
@@ -108,243 +101,43 @@ std::string join(const std::vector<std::string>& v) {
   return s;
 }
 
-// One model under one strategy and layout: the dp x tp x pp grid (when the model is split), the
-// tensor-parallel form, the pipeline stage, DDP / ZeRO over the data-parallel ranks, mixed
-// precision, a step's bracket and the learning rate.
-struct Engine {
-  torch::nn::Sequential dense;  // the model as built (the checkpoint's layout)
-  torch::nn::Sequential net;    // what runs: `dense`, or its tensor-parallel form (sharing the replicated children)
-  std::unique_ptr<ProcessGrid> grid;
-  std::unique_ptr<Pipeline> pipe;
-  std::unique_ptr<DistributedDataParallel> ddp;
-  std::unique_ptr<ZeroDataParallel> zero;
-  std::unique_ptr<MixedPrecisionOptimizer> opt;
-  std::vector<at::Tensor> trained;  // this rank's parameters (its stage's, its shards)
-  std::unique_ptr<GradientAverager> averager;  // a pipeline's replicas, after the whole step
-  CommPtr comm, dp_comm;
-  Precision precision;
-  int dp = 1, dp_rank = 0;
-  int64_t grad_accum = 1;     // micro-batches per step without a pipeline
-  int64_t micro_batches = 1;  // a pipeline's per step and replica
+ParallelConfig parallel_config(const TextTrainConfig& cfg) {
+  ParallelConfig pc;
+  pc.strategy = parse_strategy(cfg.strategy);
+  pc.precision = parse_precision(cfg.precision);
+  pc.tp = cfg.tp;
+  pc.pp = cfg.pp;
+  pc.micro_batches = cfg.micro_batches;
+  if (cfg.pp > 1) pc.partition = parse_partition(cfg.pp_partition, cfg.pp);
+  pc.grad_accum = cfg.grad_accum;
+  return pc;
+}
 
-  // `ids`: the training documents' token ids; with --pp-partition time the first micro-batch of
-  // them is timed layer by layer (on rank 0, the dense model) to cut the pipeline.
-  Engine(torch::nn::Sequential n, Runtime& rt, const TextTrainConfig& cfg, const at::Tensor& ids)
-      : dense(std::move(n)), comm(rt.world()), precision(parse_precision(cfg.precision)),
-        grad_accum(cfg.grad_accum),
-        micro_batches(cfg.micro_batches) {
-    dense->to(rt.device());
-    if (cfg.tp * cfg.pp > 1) grid = std::make_unique<ProcessGrid>(comm, cfg.tp, cfg.pp);
-    dp_comm = grid ? grid->dp() : comm;
-    dp = dp_comm->size();
-    dp_rank = dp_comm->rank();
-    const std::vector<int64_t> cut =
-        cfg.pp > 1 ? partition_for_option(cfg.pp_partition, dense, ids, cfg.batch / dp / cfg.micro_batches,
-                                          rt.device(), cfg.pp, *comm)
-                   : std::vector<int64_t>{};
-    net = cfg.tp > 1 ? tp::tensor_parallel(dense, grid->tp()) : dense;
-    if (cfg.pp > 1) {
-      PipelineOptions po;
-      po.partition = cut;
-      po.micro_batches = cfg.micro_batches;
-      po.device = rt.device();
-      pipe = std::make_unique<Pipeline>(net, grid->pp(), po);
-    }
-    trained = pipe ? pipe->parameters() : net->parameters();
-    averager = std::make_unique<GradientAverager>(trained, dp_comm);
-    OptimizerOptions oo;
-    oo.kind = "adamw";
-    oo.lr = cfg.lr;
-    oo.weight_decay = cfg.weight_decay;
-    if (cfg.strategy.rfind("zero", 0) == 0) {
-      ZeroOptions zo;
-      zo.stage = cfg.strategy.back() - '0';
-      zo.optimizer = oo;
-      zo.precision = precision;
-      zero = std::make_unique<ZeroDataParallel>(pipe ? pipe->stage_module().ptr() : net.ptr(), dp_comm, zo);
-      if (grid && precision == Precision::kFP16) set_model_parallel(*zero);
-      return;
-    }
-    // The fp32 masters are taken before the model is converted to the compute dtype.
-    opt = std::make_unique<MixedPrecisionOptimizer>(trained, precision, oo, LossScalerOptions{}, dp > 1 ? dp_comm : nullptr);
-    if (precision != Precision::kFP32) net->to(compute_dtype(precision));
-    if (grid && precision == Precision::kFP16) set_model_parallel(*opt);
-    // DDP over the replicas; a pipeline stage's gradients are averaged after its whole step instead.
-    if (cfg.strategy == "ddp" && !pipe && (!grid || dp > 1)) {
-      ddp = std::make_unique<DistributedDataParallel>(net.ptr(), dp_comm);
-    }
+// The model under the configured layout, trained with AdamW. `ids`: the training documents'
+// token ids; with --pp-partition time their first micro-batch is timed layer by layer.
+std::unique_ptr<Engine> make_engine(Runtime& rt, const TextTrainConfig& cfg, torch::nn::Sequential net,
+                                    const at::Tensor& ids) {
+  const ParallelConfig pc = parallel_config(cfg);
+  OptimizerOptions oo;
+  oo.kind = "adamw";
+  oo.lr = cfg.lr;
+  oo.weight_decay = cfg.weight_decay;
+  EngineOptions eo;
+  eo.model_name = "transformer";
+  if (pc.pp > 1 && pc.partition.method == PartitionMethod::kTime) {
+    const int64_t micro = cfg.batch / data_parallel_size(pc, rt.world_size()) / cfg.micro_batches;
+    eo.partition_sample = ids.narrow(0, 0, std::max<int64_t>(1, std::min<int64_t>(micro, ids.size(0))));
   }
-  // fp16 on a split model: the overflow check is the norm of the whole model's gradient (shards
-  // summed over tp, stages over pp), so that every shard and stage skips a step together.
-  template <typename Opt>
-  void set_model_parallel(Opt& o) {
-    o.set_model_parallel(tp::sharded_parameters(net, pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : -1),
-                         grid->tp(), grid->pp());
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return zero ? zero->forward(x) : net->forward(x); }
-  void begin_step() {
-    if (ddp) ddp->prepare_forward();
-    if (zero) {
-      zero->prepare_forward();
-      zero->zero_grad();
-    } else if (ddp) {
-      ddp->zero_grad();
-    } else {
-      opt->zero_grad();
-    }
-  }
-  // The step's loss: forward and backward on this rank's slice (through the pipeline when there
-  // is one). `loss_sum_fn(out, target)` sums the loss over a micro-batch's loss terms (its real
-  // tokens, or its samples); `terms` counts them over the whole global batch. Every backward takes
-  // its sum times dp / terms, so that after DDP's (or ZeRO's) average over the replicas and the
-  // sum over micro-batches the gradient is that of the mean over every term of the global batch,
-  // as one pass over it on one worker gives, whatever the worker count, --grad-accum or pipeline
-  // micro-batches (Megatron's calculate_per_token_loss; Hugging Face's num_items_in_batch).
-  // Weighting each micro-batch's and rank's own mean instead (as DDP weights ranks) moved the
-  // validation loss by up to 1.3e-3 after 12 steps with padded documents (docs/BENCHMARKS.md).
-  // Returns this replica's share of that mean: averaged over the replicas, the step's loss.
-  template <typename LossFn>
-  torch::Tensor forward_backward(const torch::Tensor& x, const torch::Tensor& y, const LossFn& loss_sum_fn,
-                                 double terms) {
-    const double norm = static_cast<double>(dp) / std::max(1.0, terms);
-    if (pipe) {
-      // The pipeline back-propagates each micro-batch's loss / m and returns their mean: the
-      // micro-batch's normalised sum times m makes both the step's sum. fp16: the last stage
-      // back-propagates the scaled loss; the step's loss is reported unscaled.
-      const double m = static_cast<double>(micro_batches);
-      const double scale = precision != Precision::kFP16 ? 1.0 : zero ? zero->loss_scaler().scale() : opt->scaler().scale();
-      auto loss = pipe->train_step(x, y, [&](const torch::Tensor& out, const torch::Tensor& target) {
-                    auto l = loss_sum_fn(out, target) * (norm * m);
-                    if (scale == 1.0) return l;
-                    return zero ? zero->scale_loss(l) : opt->scale_loss(l);
-                  }) / scale;
-      if (!zero && dp > 1) averager->average();  // ZeRO reduces in its hooks
-      return loss;
-    }
-    // --grad-accum K (tandem/accumulate.h): each part is normalised by the global batch's terms
-    // already, so the row share goes unused and the parts add up to the step's loss.
-    return accumulate_gradients(x, y, grad_accum, ddp.get(), zero.get(),
-                                [&](const torch::Tensor& xp, const torch::Tensor& yp, double) {
-                                  auto loss = loss_sum_fn(forward(xp), yp) * norm;
-                                  (zero ? zero->scale_loss(loss) : opt->scale_loss(loss)).backward();
-                                  return loss;
-                                });
-  }
-  void end_step() {
-    if (zero) {
-      zero->step();
-    } else {
-      opt->step();
-    }
-  }
-  void set_lr(double lr) {
-    if (zero) {
-      zero->set_lr(lr);
-    } else {
-      opt->set_lr(lr);
-    }
-  }
-  // Whether this rank's outputs are counted in an evaluation (one rank per replica: tp rank 0 of
-  // the last stage).
-  bool counts() const { return !grid || (grid->tp_rank() == 0 && grid->pp_rank() == grid->pp_size() - 1); }
-  // Full fp32 parameter values by the dense model's names (collective: ZeRO-3 and mixed-precision
-  // ZeRO gather the shards' masters, tensor and pipeline parallelism gather shards and stages).
-  std::map<std::string, torch::Tensor> full_parameters() {
-    std::map<std::string, torch::Tensor> out;
-    // ZeRO's masters (fp32, in chunks of its buckets), gathered over the replicas: the full
-    // values of the module ZeRO wraps, by its parameter names.
-    auto zero_masters = [&] {
-      std::map<std::string, torch::Tensor> full_by_name;
-      auto st = zero->shard_state();
-      std::vector<torch::Tensor> full(st.buckets.size());
-      for (size_t b = 0; b < st.buckets.size(); ++b) {
-        auto chunk = st.buckets[b].slots.at("param").to(torch::kFloat).contiguous();
-        auto whole = torch::empty({st.buckets[b].chunk * st.world_size}, chunk.options());
-        dp_comm->allgather(whole, chunk);
-        full[b] = whole;
-      }
-      for (const auto& p : st.params) {
-        full_by_name[p.name] = full[p.bucket].narrow(0, p.offset, p.numel).view(p.shape).clone();
-      }
-      return full_by_name;
-    };
-    if (grid && precision != Precision::kFP32) {
-      // A split model in 16 bits: this rank's fp32 masters are its shards of its stage. They
-      // go into the split model's parameters for the gather (every other parameter as fp32 of
-      // its value), and each parameter gets its own storage back afterwards (ZeRO's parameters
-      // are views of its flat buffers).
-      std::vector<torch::Tensor> params = net->parameters(), saved;
-      for (auto& p : params) saved.push_back(p.data());
-      std::unordered_map<const void*, torch::Tensor> master_of;
-      if (zero) {
-        auto by_name = zero_masters();
-        for (auto& p : (pipe ? pipe->stage_module().ptr() : net.ptr())->named_parameters()) {
-          auto m = by_name.find(p.key());
-          if (m != by_name.end()) master_of[p.value().unsafeGetTensorImpl()] = m->second;
-        }
-      } else {
-        const auto& masters = opt->optimizer().param_groups().at(0).params();
-        for (size_t i = 0; i < trained.size(); ++i) master_of[trained[i].unsafeGetTensorImpl()] = masters.at(i).detach();
-      }
-      {
-        torch::NoGradGuard ng;
-        for (auto& p : params) {
-          auto m = master_of.find(p.unsafeGetTensorImpl());
-          p.set_data(m != master_of.end() ? m->second.to(p.device(), torch::kFloat).clone() : p.detach().to(torch::kFloat));
-        }
-      }
-      gather_dense();
-      for (auto& p : dense->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU, torch::kFloat).clone();
-      for (size_t i = 0; i < params.size(); ++i) params[i].set_data(saved[i]);
-      return out;
-    }
-    if (zero && (zero->stage() == 3 || precision != Precision::kFP32)) {
-      for (auto& [name, v] : zero_masters()) out[name] = v;
-      return out;
-    }
-    if (opt && precision != Precision::kFP32) {  // one replica's masters, in the order of the parameters
-      const auto& masters = opt->optimizer().param_groups().at(0).params();
-      auto named = net->named_parameters();
-      for (size_t i = 0; i < named.size(); ++i) out[named[i].key()] = masters.at(i).detach().to(torch::kCPU).clone();
-      return out;
-    }
-    if (grid) gather_dense();
-    for (auto& p : dense->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU).clone();
-    return out;
-  }
+  return std::make_unique<Engine>(rt, net, oo, pc, eo);
+}
 
- private:
-  // Makes `dense` hold the trained values on every rank: each stage gathers its tensor-parallel
-  // shards, then each layer is broadcast from the stage that owns it.
-  void gather_dense() {
-    const int64_t n = static_cast<int64_t>(dense->size());
-    std::vector<int64_t> owner(n, 0);
-    if (pipe) {
-      int64_t i = 0;
-      for (size_t s = 0; s < pipe->partition().size(); ++s) {
-        for (int64_t k = 0; k < pipe->partition()[s]; ++k) owner[i++] = static_cast<int64_t>(s);
-      }
-    }
-    if (grid->tp_size() > 1) {
-      tp::gather_to_dense(net, dense, grid->tp(), pipe ? pipe->first_layer() : 0, pipe ? pipe->end_layer() : n);
-    }
-    if (!pipe) return;
-    torch::NoGradGuard ng;
-    for (int64_t i = 0; i < n; ++i) {
-      for (auto& p : dense->ptr(i)->parameters()) {
-        auto buf = p.detach().contiguous();
-        grid->pp()->broadcast(buf, static_cast<int>(owner[i]));
-        if (!buf.is_same(p)) p.detach().copy_(buf);
-      }
-    }
-  }
-};
-
-double lr_at(const TextTrainConfig& cfg, int64_t step) {
-  if (step < cfg.warmup_steps) return cfg.lr * static_cast<double>(step + 1) / static_cast<double>(cfg.warmup_steps);
-  const double span = std::max<int64_t>(1, cfg.steps - cfg.warmup_steps);
-  const double p = std::min(1.0, static_cast<double>(step - cfg.warmup_steps) / span);
-  return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * p)));
+LrSchedule lr_schedule(const TextTrainConfig& cfg) {  // warmup from 0, cosine decay to 10%
+  LrSchedule s;
+  s.peak = cfg.lr;
+  s.warmup_steps = cfg.warmup_steps;
+  s.total_steps = cfg.steps;
+  s.min_ratio = 0.1;
+  return s;
 }
 
 std::vector<std::string> texts_of(const std::vector<Document>& docs) {
@@ -396,11 +189,13 @@ void gather_memory(Runtime& rt, TextReport& rep) {
 // replica's slice [from, to) of the global batch; `loss_sum_fn(outputs, targets)` their summed
 // loss; `terms_of(global_indices, from, to)` how many loss terms a slice holds (its real tokens,
 // its samples). Every rank counts the whole global batch's itself: no communication.
-template <typename BatchFn, typename LossFn, typename TermsFn>
-void train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of,
-                LossFn loss_sum_fn, TermsFn terms_of, TextReport& rep) {
-  const int rank = rt.rank(), world = rt.world_size();
-  const int64_t per = cfg.batch / eng.dp;
+template <typename BatchFn, typename TermsFn>
+void train_loop(const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of, const LossFn& loss_sum_fn,
+                TermsFn terms_of, TextReport& rep) {
+  const int rank = eng.world()->rank(), world = eng.world_size();
+  const int dp = eng.dp_size(), dp_rank = eng.dp_rank();
+  const int64_t per = cfg.batch / dp;
+  const LrSchedule schedule = lr_schedule(cfg);
   Batches batches(n, cfg.seed + 1);
   Progress progress(rank == 0 && cfg.progress, cfg.steps, cfg.log_every);
   std::vector<double> step_ms;
@@ -409,13 +204,14 @@ void train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n,
   for (int64_t step = 0; step < cfg.steps; ++step) {
     auto t0 = Clock::now();
     auto idx = batches.next(cfg.batch);
-    eng.set_lr(lr_at(cfg, step));
-    eng.begin_step();
-    auto [x, y] = batch_of(idx, eng.dp_rank * per, (eng.dp_rank + 1) * per);
-    torch::Tensor loss = eng.forward_backward(x, y, loss_sum_fn, terms_of(idx, 0, eng.dp * per));
-    eng.end_step();
+    eng.set_lr(schedule.at(step));
+    auto [x, y] = batch_of(idx, dp_rank * per, (dp_rank + 1) * per);
+    StepOptions so;
+    so.reduction = LossReduction::kSum;
+    so.terms = terms_of(idx, 0, dp * per);
+    torch::Tensor loss = eng.step(x, y, loss_sum_fn, so);
     torch::Tensor l = loss.detach().reshape({1}).to(torch::kFloat).clone();
-    if (world > 1) eng.comm->allreduce(l, ReduceOp::kAvg);
+    if (world > 1) eng.world()->allreduce(l, ReduceOp::kAvg);
     last = l.item<double>();
     if (!std::isfinite(last)) {
       throw std::runtime_error("loss is " + std::to_string(last) + " at step " + std::to_string(step) +
@@ -444,29 +240,21 @@ void train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n,
 
 // Every rank runs the same number of forwards (ZeRO-3 gathers inside them, tensor and pipeline
 // parallel ranks of a replica compute together); replica r scores rows r*e.., (R+r)*e.., ...
-// and one rank of each (Engine::counts) calls `score(out, from, to)`.
+// and one rank of each (Engine::is_output_rank) calls `score(out, from, to)`.
 template <typename ScoreFn>
-void evaluate_rounds(Runtime& rt, Engine& eng, const torch::Tensor& ids, int64_t n, ScoreFn score) {
+void evaluate_rounds(Engine& eng, const torch::Tensor& ids, int64_t n, const c10::Device& device, ScoreFn score) {
   const int64_t e = 256;
-  const int64_t rounds = (n + e * eng.dp - 1) / (e * eng.dp);
-  std::unique_ptr<Pipeline> pipe;
-  if (eng.pipe) {  // forward only: one micro-batch of any size
-    PipelineOptions po = eng.pipe->options();
-    po.micro_batches = 1;
-    po.partition = eng.pipe->partition();
-    pipe = std::make_unique<Pipeline>(eng.net, eng.grid->pp(), po);
-  }
-  eng.net->eval();
-  torch::NoGradGuard ng;
+  const int dp = eng.dp_size(), dp_rank = eng.dp_rank();
+  const int64_t rounds = (n + e * dp - 1) / (e * dp);
+  eng.train(false);
   for (int64_t k = 0; k < rounds; ++k) {
-    const int64_t from = std::min(n, (k * eng.dp + eng.dp_rank) * e), to = std::min(n, from + e);
-    if (eng.zero) eng.zero->prepare_forward();
+    const int64_t from = std::min(n, (k * dp + dp_rank) * e), to = std::min(n, from + e);
     // An empty slice still runs one row, which keeps ZeRO-3's gathers in step.
-    auto x = (from < to ? ids.narrow(0, from, to - from) : ids.narrow(0, 0, 1)).to(rt.device());
-    auto out = pipe ? pipe->forward(x) : eng.forward(x);
-    if (from < to && eng.counts()) score(out, from, to);
+    auto x = (from < to ? ids.narrow(0, from, to - from) : ids.narrow(0, 0, 1)).to(device);
+    auto out = eng.predict(x);
+    if (from < to && eng.is_output_rank()) score(out, from, to);
   }
-  eng.net->train();
+  eng.train(true);
 }
 
 Tokenizer load_checked_tokenizer(const TextTrainConfig& cfg, const Manifest* m, const std::string& path) {
@@ -484,11 +272,11 @@ Tokenizer load_checked_tokenizer(const TextTrainConfig& cfg, const Manifest* m, 
 }
 
 void describe_layout(const Engine& eng, const TextTrainConfig& cfg, TextReport& rep) {
-  rep.precision = precision_name(eng.precision);
-  rep.dp = eng.dp;
+  rep.precision = precision_name(eng.config().precision);
+  rep.dp = eng.dp_size();
   rep.tp = cfg.tp;
   rep.pp = cfg.pp;
-  if (eng.pipe) rep.partition = eng.pipe->partition();
+  rep.partition = eng.partition();
 }
 
 void fill_corpus_counts(const Corpus& c, TextReport& rep) {
@@ -517,44 +305,22 @@ void save_model(const fs::path& dir, const char* kind, const std::map<std::strin
 }  // namespace
 
 void validate(const TextTrainConfig& cfg, int world) {
-  static const std::vector<std::string> strategies = {"single", "ddp", "zero1", "zero2", "zero3"};
-  if (std::find(strategies.begin(), strategies.end(), cfg.strategy) == strategies.end()) {
-    throw std::invalid_argument("unknown strategy '" + cfg.strategy + "'; use single, ddp, zero1, zero2 or zero3");
-  }
-  (void)parse_precision(cfg.precision);  // throws naming the choices
-  if (cfg.tp < 1 || cfg.pp < 1) {
-    throw std::invalid_argument("--tp and --pp must be at least 1, got --tp " + std::to_string(cfg.tp) + " --pp " +
-                                std::to_string(cfg.pp));
-  }
-  if (cfg.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
-  if (cfg.pp > 1) (void)parse_partition_option(cfg.pp_partition, cfg.pp);
+  const ParallelConfig pc = parallel_config(cfg);  // throws naming a bad strategy, precision or partition
   const int split = cfg.tp * cfg.pp;
-  const std::string layout = "--tp " + std::to_string(cfg.tp) + " x --pp " + std::to_string(cfg.pp);
-  if (split > 1) {
-    if (world % split != 0) {
-      throw std::invalid_argument(layout + " = " + std::to_string(split) + " ranks per replica does not divide the " +
-                                  std::to_string(world) + " workers; use -n a multiple of " + std::to_string(split));
-    }
-    if (cfg.strategy != "ddp" && cfg.strategy != "zero1") {
-      throw std::invalid_argument(layout + " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
-                                  cfg.strategy);
-    }
-  } else if (cfg.strategy == "single" && world != 1) {
-    throw std::invalid_argument("--strategy single runs one worker; use -n 1, or --strategy ddp for " +
-                                std::to_string(world) + " workers");
+  // ZeRO-2/3 reduce-scatter in backward hooks, which the transformer's tensor-parallel blocks
+  // and a pipeline's micro-batches do not compose with yet.
+  if (split > 1 && zero_stage(pc.strategy) > 1) {
+    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " x --pp " + std::to_string(cfg.pp) +
+                                " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
+                                cfg.strategy);
   }
-  const int dp = world / split;
+  tandem::validate(pc, world);
+  const int dp = data_parallel_size(pc, world);
   if (cfg.batch < 1 || cfg.batch % dp != 0) {
     throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " (global) does not split evenly over " +
                                 std::to_string(dp) + " data-parallel replicas; use a multiple of " + std::to_string(dp));
   }
-  if (cfg.pp > 1 && (cfg.batch / dp) % cfg.micro_batches != 0) {
-    throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " gives each data-parallel replica " +
-                                std::to_string(cfg.batch / dp) + " samples, not divisible into " +
-                                std::to_string(cfg.micro_batches) + " micro-batches; use a --batch multiple of " +
-                                std::to_string(dp * cfg.micro_batches));
-  }
-  validate_grad_accum(cfg.grad_accum, cfg.pp, cfg.micro_batches, cfg.batch, dp);
+  tandem::validate(pc, world, cfg.batch);
   if (cfg.steps < 1) throw std::invalid_argument("--steps must be >= 1");
   if (cfg.lr <= 0) throw std::invalid_argument("--lr must be > 0");
   if (cfg.warmup_steps < 0) throw std::invalid_argument("--warmup-steps must be >= 0");
@@ -608,7 +374,8 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   rep.parameters = models::count_parameters(*net);
   rep.labels = corpus.labels;
   fill_corpus_counts(corpus, rep);
-  Engine eng(net, rt, cfg, train.ids);
+  auto engine = make_engine(rt, cfg, net, train.ids);
+  Engine& eng = *engine;
   describe_layout(eng, cfg, rep);
   const auto device = rt.device();
   // Next-token cross-entropy over the real tokens (mean, or the sum for the validation loss).
@@ -625,7 +392,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
     return ids.narrow(1, 1, ids.size(1) - 1).ne(tok.pad_id()).sum().item<int64_t>();
   };
   train_loop(
-      rt, cfg, eng, train.ids.size(0),
+      cfg, eng, train.ids.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
         auto ids = rows(train.ids, idx, from, to).to(device);
         return std::make_pair(ids, ids);  // the targets: the inputs, shifted by lm_loss_sum
@@ -640,7 +407,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
     const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, valid.ids.size(0)) : valid.ids.size(0);
     double sum = 0.0;
     int64_t tokens = 0;
-    evaluate_rounds(rt, eng, valid.ids, n, [&](const torch::Tensor& logits, int64_t from, int64_t to) {
+    evaluate_rounds(eng, valid.ids, n, device, [&](const torch::Tensor& logits, int64_t from, int64_t to) {
       auto ids = valid.ids.narrow(0, from, to - from).to(device);
       sum += lm_loss_sum(logits, ids, true).item<double>();
       tokens += real_tokens(ids);
@@ -727,11 +494,12 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
     }
     rep.initialised_from_checkpoint = true;
   }
-  Engine eng(net, rt, cfg, train_x);
+  auto engine = make_engine(rt, cfg, net, train_x);
+  Engine& eng = *engine;
   describe_layout(eng, cfg, rep);
   const auto device = rt.device();
   train_loop(
-      rt, cfg, eng, train_x.size(0),
+      cfg, eng, train_x.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
         return std::make_pair(rows(train_x, idx, from, to).to(device), rows(train_y, idx, from, to).to(device));
       },
@@ -744,7 +512,7 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
   if (cfg.evaluate) {
     const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, test_x.size(0)) : test_x.size(0);
     auto conf = torch::zeros({k, k}, torch::kLong);
-    evaluate_rounds(rt, eng, test_x, n, [&](const torch::Tensor& out, int64_t from, int64_t to) {
+    evaluate_rounds(eng, test_x, n, device, [&](const torch::Tensor& out, int64_t from, int64_t to) {
       auto pred = out.argmax(1).cpu();
       auto y = test_y.narrow(0, from, to - from);
       conf.view({-1}).index_add_(0, y * k + pred, torch::ones_like(y));

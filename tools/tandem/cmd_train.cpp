@@ -30,12 +30,11 @@ int cmd_train(int argc, char** argv) {
   bool no_baseline = false, no_eval = false, no_progress = false, no_overlap = false;
   int64_t baseline_steps = 30;
   int max_restarts = 0;
-  std::string dataset;  // "": the model's default (tandem::default_dataset_for)
   app.add_option("--model", cfg.model,
                  "mlp | cnn | cnn_bn, another registered model, or a plugin: path/to/libplugin.so (the model it "
                  "registers; path/to/libplugin.so:NAME when it registers several)")
       ->capture_default_str();
-  app.add_option("--dataset", dataset,
+  app.add_option("--dataset", cfg.dataset,
                  "registered dataset: fashion-mnist, or one a plugin registers (default: the model's own, else "
                  "fashion-mnist)");
   app.add_option("--data", cfg.data, "directory the dataset reads (fashion-mnist: the IDX files)")->capture_default_str();
@@ -136,14 +135,14 @@ int cmd_train(int argc, char** argv) {
   try {
     load_plugins_from_model_option(cfg.model);
     (void)model_info(cfg.model);  // an unknown model or dataset fails here, before anything starts
-    if (dataset.empty()) dataset = default_dataset_for(cfg.model);
-    (void)dataset_info(dataset);
+    if (cfg.dataset.empty()) cfg.dataset = default_dataset_for(cfg.model);
+    (void)dataset_info(cfg.dataset);
   } catch (const std::exception& e) {
     std::cerr << "tandem train: " << e.what() << "\n";
     return 2;
   }
   if (!is_worker) {
-    if (dataset == "fashion-mnist" && !std::filesystem::is_directory(cfg.data)) {
+    if (cfg.dataset == "fashion-mnist" && !std::filesystem::is_directory(cfg.data)) {
       std::cerr << "tandem train: dataset directory '" << cfg.data
                 << "' not found; install Fashion-MNIST (apt-get install dataset-fashion-mnist) or pass --data DIR\n";
       return 2;
