@@ -1,4 +1,6 @@
-// Sharded checkpoints that reshard on load. A checkpoint is a directory `step-NNNNNNNN` under a
+// Sharded checkpoints that reshard on load. tandem::Engine::save and load (tandem/engine.h) are
+// the one API for every layout; a loop of its own over a replicated model (one worker, DDP)
+// uses save_checkpoint/load_checkpoint below. A checkpoint is a directory `step-NNNNNNNN` under a
 // root: manifest.json (model, strategy, world size, progress, RNG, precision, loss scale,
 // optimizer, the layout of each rank's shard, and each shard file's size and checksum) and
 // one shard file per rank with what that rank owns (DDP: rank 0 holds everything; pipeline:
@@ -54,26 +56,6 @@ struct CheckpointLoadOptions {
 // rank's write failed (disk full, permissions); the previous checkpoints stay.
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, torch::nn::Module& model,
                             torch::optim::Optimizer& opt, Communicator& comm, const CheckpointSaveOptions& o = {});
-// From a pipeline stage (tandem/pipeline.h; data-parallel replicas of a stage hold the same
-// values): `opt` is the optimizer over pipe.parameters() (or their masters). The ranks with
-// `writer` set, exactly one per stage (e.g. those of replica 0), write their stage's parameters,
-// buffers and optimizer state; the manifest records where each is and pipe.partition().
-// Loading reassembles the whole model, so it resumes under any strategy and world size.
-// Throws std::invalid_argument on every rank when a stage has no writer or two.
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
-                            torch::optim::Optimizer& opt, bool writer, Communicator& comm,
-                            const CheckpointSaveOptions& o = {});
-// From ZeRO (any stage) over the data-parallel replicas of a pipeline stage (`zero` built over
-// pipe.stage_module() and `dp`): the stage's chunks are gathered over `dp` (collective) and the
-// replica with dp rank 0 writes the stage whole, as the other overload's writer does: the
-// checkpoint loads under any strategy and world size.
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
-                            ZeroDataParallel& zero, const CommPtr& dp, Communicator& comm,
-                            const CheckpointSaveOptions& o = {});
-// From ZeRO (any stage): each rank writes its chunks (fp32 masters and optimizer state).
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero,
-                            Communicator& comm, const CheckpointSaveOptions& o = {});
-
 // What a tensor-parallel rank trains, for its checkpoints: `parallel` is the whole model made
 // by tp::tensor_parallel() from a model of models.h, `dense` a model of the dense shape on the
 // same device used as scratch (its values are overwritten), `tp` the tensor-parallel group.
@@ -89,14 +71,6 @@ struct TensorParallelState {
   ZeroDataParallel* zero = nullptr;
   CommPtr dp;
 };
-// Collective over `comm` (and the groups in `s`): the shards of the values and of each optimizer
-// slot are gathered over tp (and dp for ZeRO) into whole tensors; without a pipeline `comm`'s
-// rank 0 writes the whole model (a replicated checkpoint), with one each stage's writer its
-// stage (as a pipeline's). Either loads under any strategy, tensor-parallel degree and world size.
-std::string save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta,
-                                            const TensorParallelState& s, Communicator& comm,
-                                            const CheckpointSaveOptions& o = {});
-
 // The newest complete checkpoint under root ("" when none; incomplete ones are ignored).
 std::string latest_checkpoint(const std::string& root);
 
@@ -120,6 +94,39 @@ FullCheckpoint read_full_checkpoint(const std::string& dir);
 // name, parameter names and shapes, and optimizer kind before changing anything.
 CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt,
                                int rank, const CheckpointLoadOptions& o = {});
+// ---- the per-layout forms behind tandem::Engine::save and load (tandem/engine.h). Programs
+// call the Engine, or the replicated forms above in a loop of their own; these stay visible
+// for the Engine and for tests of each layout.
+namespace detail {
+
+// From a pipeline stage (tandem/pipeline.h; data-parallel replicas of a stage hold the same
+// values): `opt` is the optimizer over pipe.parameters() (or their masters). The ranks with
+// `writer` set, exactly one per stage (e.g. those of replica 0), write their stage's parameters,
+// buffers and optimizer state; the manifest records where each is and pipe.partition().
+// Loading reassembles the whole model, so it resumes under any strategy and world size.
+// Throws std::invalid_argument on every rank when a stage has no writer or two.
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
+                            torch::optim::Optimizer& opt, bool writer, Communicator& comm,
+                            const CheckpointSaveOptions& o = {});
+// From ZeRO (any stage) over the data-parallel replicas of a pipeline stage (`zero` built over
+// pipe.stage_module() and `dp`): the stage's chunks are gathered over `dp` (collective) and the
+// replica with dp rank 0 writes the stage whole, as the other overload's writer does: the
+// checkpoint loads under any strategy and world size.
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
+                            ZeroDataParallel& zero, const CommPtr& dp, Communicator& comm,
+                            const CheckpointSaveOptions& o = {});
+// From ZeRO (any stage): each rank writes its chunks (fp32 masters and optimizer state).
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero,
+                            Communicator& comm, const CheckpointSaveOptions& o = {});
+
+// Collective over `comm` (and the groups in `s`): the shards of the values and of each optimizer
+// slot are gathered over tp (and dp for ZeRO) into whole tensors; without a pipeline `comm`'s
+// rank 0 writes the whole model (a replicated checkpoint), with one each stage's writer its
+// stage (as a pipeline's). Either loads under any strategy, tensor-parallel degree and world size.
+std::string save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta,
+                                            const TensorParallelState& s, Communicator& comm,
+                                            const CheckpointSaveOptions& o = {});
+
 // Into a pipeline stage: its parameters (by their names in the whole model), buffers and
 // optimizer state, from a checkpoint of any layout; the checkpoint may hold more (other stages).
 CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, torch::optim::Optimizer& opt, int rank,
@@ -135,5 +142,7 @@ CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, Zer
 // optimizer state likewise. Local (no collective).
 CheckpointMeta load_tensor_parallel_checkpoint(const std::string& dir, const TensorParallelState& s, int rank,
                                                const CheckpointLoadOptions& o = {});
+
+}  // namespace detail
 
 }  // namespace tandem

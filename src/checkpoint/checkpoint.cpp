@@ -546,14 +546,14 @@ std::string save_stages(const std::string& root, SavePlan mine, const Pipeline& 
 }
 }  // namespace
 
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
+std::string detail::save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
                             torch::optim::Optimizer& opt, bool writer, Communicator& comm,
                             const CheckpointSaveOptions& o) {
   auto stage = pipe.stage_module();
   return save_stages(root, whole_tensors_plan(meta, *stage, opt, writer), pipe, writer, comm, o);
 }
 
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
+std::string detail::save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
                             ZeroDataParallel& zero, const CommPtr& dp, Communicator& comm,
                             const CheckpointSaveOptions& o) {
   const char* who = "save_checkpoint";
@@ -581,7 +581,7 @@ std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const 
   return save_stages(root, std::move(mine), pipe, writer, comm, o);
 }
 
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero, Communicator& comm,
+std::string detail::save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero, Communicator& comm,
                             const CheckpointSaveOptions& o) {
   SavePlan plan;
   meta.optimizer = optimizer_kind(zero.optimizer());
@@ -688,7 +688,7 @@ std::map<std::string, at::Tensor> cut_for_rank(TpView& v, const CommPtr& tp, con
 
 }  // namespace
 
-std::string save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta,
+std::string detail::save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta,
                                             const TensorParallelState& s, Communicator& comm,
                                             const CheckpointSaveOptions& o) {
   const char* who = "save_tensor_parallel_checkpoint";
@@ -768,7 +768,7 @@ std::string save_tensor_parallel_checkpoint(const std::string& root, CheckpointM
   return save_impl(root, std::move(plan), comm, o);
 }
 
-CheckpointMeta load_tensor_parallel_checkpoint(const std::string& dir, const TensorParallelState& s, int rank,
+CheckpointMeta detail::load_tensor_parallel_checkpoint(const std::string& dir, const TensorParallelState& s, int rank,
                                                const CheckpointLoadOptions& o) {
   const char* who = "load_tensor_parallel_checkpoint";
   TpView v = tp_view(s, who);
@@ -844,7 +844,7 @@ CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model,
   return load_whole_tensors(dir, model, opt, rank, o, /*whole_model=*/true);
 }
 
-CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, torch::optim::Optimizer& opt, int rank,
+CheckpointMeta detail::load_checkpoint(const std::string& dir, const Pipeline& pipe, torch::optim::Optimizer& opt, int rank,
                                const CheckpointLoadOptions& o) {
   auto stage = pipe.stage_module();
   return load_whole_tensors(dir, *stage, opt, rank, o, /*whole_model=*/false);
@@ -865,12 +865,12 @@ CheckpointMeta load_zero(const std::string& dir, ZeroDataParallel& zero, int ran
 }
 }  // namespace
 
-CheckpointMeta load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,
+CheckpointMeta detail::load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,
                                const CheckpointLoadOptions& o) {
   return load_zero(dir, zero, rank, o, /*whole_model=*/true);
 }
 
-CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, ZeroDataParallel& zero, int rank,
+CheckpointMeta detail::load_checkpoint(const std::string& dir, const Pipeline& pipe, ZeroDataParallel& zero, int rank,
                                const CheckpointLoadOptions& o) {
   (void)pipe;  // the stage's parameters are ZeRO's; the checkpoint may hold more (other stages)
   return load_zero(dir, zero, rank, o, /*whole_model=*/false);

@@ -118,14 +118,14 @@ class Replicated final : public Updater {
   std::string save(const std::string& root, const CheckpointMeta& m, const CheckpointSaveOptions& o) override {
     auto cpu = L_.rt->cpu_world();
     auto& opt = opt_->optimizer();
-    if (L_.cfg.tp > 1) return save_tensor_parallel_checkpoint(root, m, L_.tp_state(&opt, nullptr), *cpu, o);
-    if (L_.pipe) return save_checkpoint(root, m, *L_.pipe, opt, L_.grid->dp_rank() == 0, *cpu, o);  // one writer per stage
+    if (L_.cfg.tp > 1) return detail::save_tensor_parallel_checkpoint(root, m, L_.tp_state(&opt, nullptr), *cpu, o);
+    if (L_.pipe) return detail::save_checkpoint(root, m, *L_.pipe, opt, L_.grid->dp_rank() == 0, *cpu, o);  // one writer per stage
     return save_checkpoint(root, m, *L_.net, opt, *cpu, o);
   }
   CheckpointMeta load(const std::string& dir, int rank, const CheckpointLoadOptions& o) override {
     auto& opt = opt_->optimizer();
-    auto meta = L_.cfg.tp > 1 ? load_tensor_parallel_checkpoint(dir, L_.tp_state(&opt, nullptr), rank, o)
-                : L_.pipe     ? load_checkpoint(dir, *L_.pipe, opt, rank, o)
+    auto meta = L_.cfg.tp > 1 ? detail::load_tensor_parallel_checkpoint(dir, L_.tp_state(&opt, nullptr), rank, o)
+                : L_.pipe     ? detail::load_checkpoint(dir, *L_.pipe, opt, rank, o)
                               : load_checkpoint(dir, *L_.net, opt, rank, o);
     opt_->restore_loss_scaler(meta.loss_scale, meta.loss_scale_good_steps, meta.skipped_steps);
     return meta;
@@ -196,15 +196,15 @@ class Sharded final : public Updater {
 
   std::string save(const std::string& root, const CheckpointMeta& m, const CheckpointSaveOptions& o) override {
     auto cpu = L_.rt->cpu_world();
-    if (L_.cfg.tp > 1) return save_tensor_parallel_checkpoint(root, m, L_.tp_state(nullptr, zero_.get()), *cpu, o);
+    if (L_.cfg.tp > 1) return detail::save_tensor_parallel_checkpoint(root, m, L_.tp_state(nullptr, zero_.get()), *cpu, o);
     // A stage's chunks are gathered over its replicas; the first replica writes it.
-    if (L_.pipe) return save_checkpoint(root, m, *L_.pipe, *zero_, L_.dp, *cpu, o);
-    return save_checkpoint(root, m, *zero_, *cpu, o);
+    if (L_.pipe) return detail::save_checkpoint(root, m, *L_.pipe, *zero_, L_.dp, *cpu, o);
+    return detail::save_checkpoint(root, m, *zero_, *cpu, o);
   }
   CheckpointMeta load(const std::string& dir, int rank, const CheckpointLoadOptions& o) override {
-    if (L_.cfg.tp > 1) return load_tensor_parallel_checkpoint(dir, L_.tp_state(nullptr, zero_.get()), rank, o);
-    if (L_.pipe) return load_checkpoint(dir, *L_.pipe, *zero_, rank, o);
-    return load_checkpoint(dir, *zero_, rank, o);
+    if (L_.cfg.tp > 1) return detail::load_tensor_parallel_checkpoint(dir, L_.tp_state(nullptr, zero_.get()), rank, o);
+    if (L_.pipe) return detail::load_checkpoint(dir, *L_.pipe, *zero_, rank, o);
+    return detail::load_checkpoint(dir, *zero_, rank, o);
   }
   // The fp32 values of the shards (masters, or the parameters in fp32), gathered over the
   // replicas; empty for stages 1-2 in fp32, whose parameters hold them whole.

@@ -30,6 +30,8 @@
 #include "tests/dist/train_test_util.h"
 
 namespace tandem::test {
+// The per-layout forms (pipeline stages, ZeRO, tensor parallel) the Engine calls.
+using namespace ::tandem::detail;
 namespace {
 
 constexpr int64_t kBatch = 24;  // splits evenly over 1, 2, 3 and 4 ranks
