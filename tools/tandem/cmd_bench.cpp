@@ -24,6 +24,7 @@
 
 #include "checks.h"
 #include "commands.h"
+#include "tandem/engine.h"
 #include "tandem/launcher.h"
 #include "tandem/pipeline_schedule.h"
 #include "tandem/plan.h"
@@ -327,7 +328,7 @@ int cmd_bench(int argc, char** argv) {
       l.tp = r.layout.tp;
       l.pp = r.layout.pp;
       l.dp = r.workers / (l.tp * l.pp);
-      l.zero = r.layout.base.rfind("zero", 0) == 0 ? std::atoi(r.layout.base.c_str() + 4) : 0;
+      l.zero = zero_stage(parse_strategy(r.layout.base));
       l.micro_batches = l.pp > 1 ? micro_batches : grad_accum;
       l.micro_batch = batch / l.dp / l.micro_batches;
       o.pipeline_schedule = r.layout.schedule;

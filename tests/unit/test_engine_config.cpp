@@ -1,0 +1,114 @@
+// The Engine's typed configuration without running anything: names parsed in one place (and the
+// planner's names are the same vocabulary), the checks of a layout against a world size and a
+// global batch, and the one learning-rate schedule.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "tandem/engine.h"
+#include "tandem/plan.h"
+
+namespace tandem {
+namespace {
+
+std::string refusal(const ParallelConfig& c, int world, int64_t batch = 0) {
+  try {
+    validate(c, world, batch);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(EngineConfig, NamesRoundTrip) {
+  for (Strategy s : {Strategy::kSingle, Strategy::kDDP, Strategy::kZero1, Strategy::kZero2, Strategy::kZero3}) {
+    EXPECT_EQ(parse_strategy(to_string(s)), s);
+  }
+  for (Compression c : {Compression::kNone, Compression::kBF16, Compression::kFP16}) {
+    EXPECT_EQ(parse_compression(to_string(c)), c);
+  }
+  EXPECT_EQ(to_string(parse_partition("2,3,1", 3)), "2,3,1");
+  EXPECT_EQ(to_string(parse_partition("params", 3)), "params");
+  try {
+    parse_strategy("zero4");
+    ADD_FAILURE() << "zero4 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("single, ddp, zero1, zero2, zero3"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(parse_partition("2,0", 2), std::invalid_argument);
+  EXPECT_THROW(parse_partition("2", 2), std::invalid_argument);
+}
+
+// What `tandem plan` calls a layout without model parallelism is a strategy `tandem train` reads.
+TEST(EngineConfig, PlanAndTrainShareTheVocabulary) {
+  for (int zero = 0; zero <= 3; ++zero) {
+    for (int dp : {1, 4}) {
+      if (zero > 0 && dp == 1) continue;
+      plan::Layout l;
+      l.dp = dp;
+      l.zero = zero;
+      const Strategy s = parse_strategy(l.strategy_name());
+      EXPECT_EQ(zero_stage(s), zero) << l.strategy_name();
+    }
+  }
+}
+
+TEST(EngineConfig, RefusesConflictsNamingThem) {
+  ParallelConfig c;
+  EXPECT_EQ(refusal(c, 4, 64), "");
+  c.tp = 3;
+  EXPECT_NE(refusal(c, 4).find("--tp 3 x --pp 1 = 3 ranks per replica does not divide the 4 workers"), std::string::npos);
+  c = ParallelConfig{};
+  c.pp = 2;
+  c.strategy = Strategy::kZero2;
+  EXPECT_NE(refusal(c, 4).find("composes with --strategy ddp or zero1"), std::string::npos);
+  c.strategy = Strategy::kZero1;
+  EXPECT_EQ(refusal(c, 4, 64), "");
+  c.micro_batches = 3;  // 64 / 2 replicas = 32 rows, not in 3 micro-batches
+  EXPECT_NE(refusal(c, 4, 64).find("not divisible into 3 micro-batches"), std::string::npos);
+  c = ParallelConfig{};
+  c.precision = Precision::kBF16;
+  c.compress = Compression::kFP16;
+  EXPECT_NE(refusal(c, 2).find("--compress fp16 compresses fp32 gradients"), std::string::npos);
+  c = ParallelConfig{};
+  c.strategy = Strategy::kSingle;
+  EXPECT_NE(refusal(c, 2).find("strategy single runs one worker"), std::string::npos);
+  c = ParallelConfig{};
+  c.grad_accum = 8;
+  EXPECT_NE(refusal(c, 2, 8).find("fewer than --grad-accum 8"), std::string::npos);
+  c.pp = 2;
+  EXPECT_NE(refusal(c, 2).find("--grad-accum with --pp"), std::string::npos);
+  c = ParallelConfig{};
+  c.max_grad_norm = -1;
+  EXPECT_NE(refusal(c, 1).find("--max-grad-norm must be >= 0"), std::string::npos);
+  EXPECT_EQ(data_parallel_size([] {
+              ParallelConfig p;
+              p.tp = 2;
+              p.pp = 2;
+              return p;
+            }(), 8),
+            2);
+}
+
+TEST(EngineConfig, OneLearningRateSchedule) {
+  LrSchedule s;
+  s.peak = 1.0;
+  s.warmup_steps = 4;
+  s.total_steps = 104;
+  EXPECT_DOUBLE_EQ(s.at(0), 0.25);  // warmup from 0: (step + 1) / warmup
+  EXPECT_DOUBLE_EQ(s.at(3), 1.0);
+  EXPECT_DOUBLE_EQ(s.at(4), 1.0);   // the cosine starts at the peak
+  EXPECT_NEAR(s.at(54), 0.5, 1e-12);  // half way: half the peak
+  EXPECT_NEAR(s.at(103), 0.5 * (1 + std::cos(M_PI * 99.0 / 100.0)), 1e-15);
+  s.min_ratio = 0.1;                // the text loops decay to 10 %
+  EXPECT_NEAR(s.at(54), 0.1 + 0.9 * 0.5, 1e-12);
+  EXPECT_GE(s.at(1000), 0.1 - 1e-12);  // past the end: held at the floor
+  s.warmup_start = 0.5;             // Goyal et al.'s warmup: from the unscaled rate
+  EXPECT_DOUBLE_EQ(s.at(0), 0.5 + 0.5 * 0.25);
+  s.cosine = false;
+  EXPECT_DOUBLE_EQ(s.at(50), 1.0);
+}
+
+}  // namespace
+}  // namespace tandem
