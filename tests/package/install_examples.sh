@@ -47,10 +47,11 @@ configure() {  # NAME PREFIX_PATH
 }
 configure resnet_engine "$prefix"
 configure custom_loop_ddp "$prefix;$torch_prefix"
-for ex in resnet_engine custom_loop_ddp; do
+configure plugin "$prefix"
+for ex in resnet_engine custom_loop_ddp plugin; do
   start=$(date +%s)
   "$cmake" --build "$work/$ex" > "$work/$ex-build.log" 2>&1 || { cat "$work/$ex-build.log"; fail "building examples/$ex"; }
   if grep -q "warning:" "$work/$ex-build.log"; then cat "$work/$ex-build.log"; fail "examples/$ex builds with warnings"; fi
   echo "examples/$ex built in $(( $(date +%s) - start )) s"
 done
-echo "installed into $prefix and built both examples"
+echo "installed into $prefix and built the three examples"

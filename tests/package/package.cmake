@@ -15,7 +15,7 @@ add_test(NAME package_install_examples
                  ${CMAKE_COMMAND} ${CMAKE_GENERATOR} ${CMAKE_CXX_COMPILER} "${_pkg_ccache}")
 set_tests_properties(package_install_examples PROPERTIES FIXTURES_SETUP tandem_package TIMEOUT 600 PROCESSORS 2)
 
-foreach(_ex resnet_engine custom_loop_ddp)
+foreach(_ex resnet_engine custom_loop_ddp plugin)
   add_test(NAME package_${_ex} COMMAND ${_pkg}/${_ex}.sh ${_pkg_work} ${CMAKE_SOURCE_DIR})
   set_tests_properties(package_${_ex} PROPERTIES FIXTURES_REQUIRED tandem_package TIMEOUT 300 PROCESSORS 2)
 endforeach()
