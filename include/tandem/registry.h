@@ -28,9 +28,11 @@ namespace tandem {
 // ---- models --------------------------------------------------------------------------------
 
 // A model factory returns a freshly initialised module (torch's global seed decides the
-// initial weights, so call torch::manual_seed first for reproducible runs). Any module trains
-// with a single worker, DDP and ZeRO; pipeline (--pp) and tensor (--tp) parallelism need a
-// torch::nn::Sequential, cut between its children.
+// initial weights, so call torch::manual_seed first for reproducible runs). tandem train runs a
+// torch::nn::Sequential (a TORCH_MODULE holder of another module arrives as the only child of
+// one, through model_factory) with a single worker, DDP and ZeRO; pipeline (--pp) and tensor
+// (--tp) parallelism cut a Sequential between its children. A bare std::shared_ptr of another
+// module carries no forward that the trainer could call.
 using ModelFactory = std::function<std::shared_ptr<torch::nn::Module>()>;
 
 struct ModelInfo {
@@ -191,8 +193,8 @@ struct DatasetRegistration {
 // or program is loaded):
 //   TANDEM_REGISTER_MODEL("tiny_mlp", make_tiny_mlp, "a 784-128-10 MLP");
 //   TANDEM_REGISTER_MODEL("tiny_mlp", make_tiny_mlp, "a 784-128-10 MLP", "blobs");  // default dataset
-// The factory takes no argument and returns a torch::nn::Sequential, a TORCH_MODULE holder or a
-// std::shared_ptr of a module.
+// The factory takes no argument and returns a torch::nn::Sequential or a TORCH_MODULE holder
+// (trainable by tandem train), or a std::shared_ptr of a module (for programs of their own).
 #define TANDEM_REGISTER_MODEL(name, factory_fn, ...)                                           \
   static const ::tandem::detail::ModelRegistration TANDEM_REGISTRY_CONCAT(tandem_model_registration_, \
                                                                           __COUNTER__)(name, factory_fn, __VA_ARGS__)
