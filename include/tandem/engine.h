@@ -206,6 +206,13 @@ class Engine {
   at::Tensor predict(const at::Tensor& inputs);
   // One rank per replica holds the replica's output to count: tp rank 0 of the last stage.
   bool is_output_rank() const;
+  // Inference over rows [0, n) of `inputs`: replica r takes the blocks r, r + dp, ... of
+  // `rows` rows; every rank runs the same number of forwards (an empty block runs one row,
+  // which keeps ZeRO-3's gathers and a pipeline's stages in step), and the output rank of each
+  // replica calls score(output, from, to) for its real blocks. The model is in evaluation mode
+  // during, in training mode after. Collective.
+  using ScoreFn = std::function<void(const at::Tensor& output, int64_t from, int64_t to)>;
+  void evaluate(const at::Tensor& inputs, int64_t n, int64_t rows, const ScoreFn& score);
   void train(bool on = true);  // training or evaluation mode of the model
 
   void set_lr(double lr);

@@ -269,6 +269,22 @@ bool Engine::is_output_rank() const {
   return !g || (g->tp_rank() == 0 && g->pp_rank() == g->pp_size() - 1);
 }
 
+void Engine::evaluate(const at::Tensor& inputs, int64_t n, int64_t rows, const ScoreFn& score) {
+  const int dp = dp_size(), r = dp_rank();
+  n = std::min<int64_t>(n, inputs.size(0));
+  rows = std::max<int64_t>(1, rows);
+  const int64_t rounds = (n + rows * dp - 1) / (rows * dp);
+  const bool counts = is_output_rank();
+  train(false);
+  for (int64_t k = 0; k < rounds; ++k) {
+    const int64_t from = std::min(n, (k * dp + r) * rows), to = std::min(n, from + rows);
+    auto x = (from < to ? inputs.narrow(0, from, to - from) : inputs.narrow(0, 0, 1)).to(impl_->L.rt->device());
+    auto out = predict(x);
+    if (from < to && counts) score(out, from, to);
+  }
+  train(true);
+}
+
 void Engine::train(bool on) { impl_->L.net->train(on); }
 
 void Engine::set_lr(double lr) { impl_->up->set_lr(lr); }

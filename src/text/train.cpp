@@ -238,25 +238,6 @@ void train_loop(const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batc
   }
 }
 
-// Every rank runs the same number of forwards (ZeRO-3 gathers inside them, tensor and pipeline
-// parallel ranks of a replica compute together); replica r scores rows r*e.., (R+r)*e.., ...
-// and one rank of each (Engine::is_output_rank) calls `score(out, from, to)`.
-template <typename ScoreFn>
-void evaluate_rounds(Engine& eng, const torch::Tensor& ids, int64_t n, const c10::Device& device, ScoreFn score) {
-  const int64_t e = 256;
-  const int dp = eng.dp_size(), dp_rank = eng.dp_rank();
-  const int64_t rounds = (n + e * dp - 1) / (e * dp);
-  eng.train(false);
-  for (int64_t k = 0; k < rounds; ++k) {
-    const int64_t from = std::min(n, (k * dp + dp_rank) * e), to = std::min(n, from + e);
-    // An empty slice still runs one row, which keeps ZeRO-3's gathers in step.
-    auto x = (from < to ? ids.narrow(0, from, to - from) : ids.narrow(0, 0, 1)).to(device);
-    auto out = eng.predict(x);
-    if (from < to && eng.is_output_rank()) score(out, from, to);
-  }
-  eng.train(true);
-}
-
 Tokenizer load_checked_tokenizer(const TextTrainConfig& cfg, const Manifest* m, const std::string& path) {
   auto tok = Tokenizer::load(path);
   if (m) {
@@ -407,7 +388,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
     const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, valid.ids.size(0)) : valid.ids.size(0);
     double sum = 0.0;
     int64_t tokens = 0;
-    evaluate_rounds(eng, valid.ids, n, device, [&](const torch::Tensor& logits, int64_t from, int64_t to) {
+    eng.evaluate(valid.ids, n, 256, [&](const torch::Tensor& logits, int64_t from, int64_t to) {
       auto ids = valid.ids.narrow(0, from, to - from).to(device);
       sum += lm_loss_sum(logits, ids, true).item<double>();
       tokens += real_tokens(ids);
@@ -512,7 +493,7 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
   if (cfg.evaluate) {
     const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, test_x.size(0)) : test_x.size(0);
     auto conf = torch::zeros({k, k}, torch::kLong);
-    evaluate_rounds(eng, test_x, n, device, [&](const torch::Tensor& out, int64_t from, int64_t to) {
+    eng.evaluate(test_x, n, 256, [&](const torch::Tensor& out, int64_t from, int64_t to) {
       auto pred = out.argmax(1).cpu();
       auto y = test_y.narrow(0, from, to - from);
       conf.view({-1}).index_add_(0, y * k + pred, torch::ones_like(y));

@@ -294,29 +294,21 @@ void report_losses(const TrainConfig& cfg, Engine& eng, const LoopRecord& rec, c
   rep.final_loss = rep.losses.back();
 }
 
-// Each replica scores a disjoint slice of the test set (no padding), then sum. All tp and pp
-// ranks of a replica run the same forwards; one of them counts.
+// Each replica scores its blocks of the test set (no padding), then the counts are summed.
 void evaluate(const TrainConfig& cfg, Engine& eng, const data::Dataset& test_set, const c10::Device& dev,
               TrainReport& rep) {
-  eng.train(false);
-  torch::NoGradGuard ng;
-  const bool counts = eng.is_output_rank();
-  const int dp = eng.dp_size();
-  int64_t n = cfg.eval_limit >= 0 ? std::min(cfg.eval_limit, test_set.size()) : test_set.size();
-  std::vector<int64_t> mine;
-  for (int64_t i = eng.dp_rank(); i < n; i += dp) mine.push_back(i);
-  int64_t correct = 0;
-  for (auto& idx : data::batches(mine, 1000, false)) {
-    auto [x, y] = data::gather_batch(test_set, idx);
-    auto out = eng.predict(x);
-    if (counts) correct += out.argmax(1).eq(y).sum().item<int64_t>();
-  }
-  auto t = torch::tensor({correct, counts ? static_cast<int64_t>(mine.size()) : int64_t{0}}, torch::kLong).to(dev);
+  const int64_t n = cfg.eval_limit >= 0 ? std::min(cfg.eval_limit, test_set.size()) : test_set.size();
+  int64_t correct = 0, counted = 0;
+  eng.evaluate(test_set.images, n, 1000, [&](const at::Tensor& out, int64_t from, int64_t to) {
+    auto y = test_set.labels.narrow(0, from, to - from).to(out.device());
+    correct += out.argmax(1).eq(y).sum().item<int64_t>();
+    counted += to - from;
+  });
+  auto t = torch::tensor({correct, counted}, torch::kLong).to(dev);
   eng.world()->allreduce(t, ReduceOp::kSum);
   auto host = t.cpu();
   rep.test_samples = host[1].item<int64_t>();
   rep.test_accuracy = rep.test_samples > 0 ? static_cast<double>(host[0].item<int64_t>()) / rep.test_samples : 0.0;
-  eng.train(true);
 }
 
 // Memory: every rank's peak, and rank 0's model state (the same figures on every rank).
