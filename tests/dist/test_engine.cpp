@@ -6,6 +6,7 @@
 
 #include <stdlib.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "tandem/engine.h"
@@ -73,8 +74,8 @@ std::vector<double> train_losses(Engine& eng, int steps, int first_seed = 0) {
   return out;
 }
 
-// One process, plain LibTorch, the whole batch: the reference.
-std::vector<double> reference_losses(int steps) {
+// One process, plain LibTorch, the whole batch: the reference (the trained net in *trained).
+std::vector<double> reference_losses(int steps, NestedNet* trained = nullptr) {
   auto net = make_net();
   auto opt = torch::optim::Adam(net->parameters(), torch::optim::AdamOptions(1e-2));
   std::vector<double> out;
@@ -86,6 +87,7 @@ std::vector<double> reference_losses(int steps) {
     opt.step();
     out.push_back(loss.item<double>());
   }
+  if (trained) *trained = net;
   return out;
 }
 
@@ -111,11 +113,27 @@ ParallelConfig with(Strategy s) {
 class EngineStrategies : public ::testing::TestWithParam<Strategy> {};
 
 TEST_P(EngineStrategies, NestedModelFollowsOneProcess) {
-  const auto ref = reference_losses(6);
+  NestedNet trained{nullptr};
+  const auto ref = reference_losses(6, &trained);
   Engine eng(runtime(), make_net(), adam(), with(GetParam()));
   const auto got = train_losses(eng, 6);
   ASSERT_EQ(got.size(), ref.size());
   for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(got[i], ref[i], 1e-5) << "step " << i;
+  // Inference through the strategy (ZeRO-3 gathers the whole module) equals the reference's,
+  // twice: a second predict and a step after it must find the parameters as they were.
+  auto [x, y] = global_batch(10, 300, 5);
+  torch::Tensor expect;
+  {
+    torch::NoGradGuard ng;
+    expect = trained->forward(x);
+  }
+  for (int round = 0; round < 2; ++round) {
+    auto out = eng.predict(x);
+    EXPECT_LT(rel_err(out, expect), 1e-5) << "predict, round " << round;
+  }
+  const int world = eng.world_size(), rank = eng.world()->rank();
+  auto after = eng.step(slice_for_rank(x, rank, world), slice_for_rank(y, rank, world), kCrossEntropy);
+  EXPECT_TRUE(std::isfinite(after.item<double>()));
   // The whole model's values agree with the reference's after training.
   auto full = eng.full_parameters();
   EXPECT_EQ(full.size(), make_net()->named_parameters().size());
