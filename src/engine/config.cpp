@@ -149,7 +149,6 @@ void validate_batch(const ParallelConfig& c, int world, int64_t batch) {
                                 " samples, not divisible into " + std::to_string(c.micro_batches) +
                                 " micro-batches; use a --batch multiple of " + std::to_string(dp * c.micro_batches));
   }
-  validate_grad_accum(c.grad_accum, c.pp, c.micro_batches, batch, dp);
 }
 
 }  // namespace
@@ -157,8 +156,9 @@ void validate_batch(const ParallelConfig& c, int world, int64_t batch) {
 void validate(const ParallelConfig& c, int world, int64_t global_batch) {
   if (world < 1) throw std::invalid_argument("the world size must be at least 1");
   validate_layout(c, world);
-  if (c.grad_accum < 1) throw std::invalid_argument("--grad-accum must be at least 1");
-  if (c.grad_accum > 1 && c.pp > 1) validate_grad_accum(c.grad_accum, c.pp, c.micro_batches, c.grad_accum, 1);
+  // Without a batch, only the settings themselves are checked (a batch of grad_accum rows per replica).
+  const int dp = data_parallel_size(c, world);
+  validate_grad_accum(c.grad_accum, c.pp, c.micro_batches, global_batch > 0 ? global_batch : c.grad_accum * dp, dp);
   if (c.max_grad_norm < 0) throw std::invalid_argument("--max-grad-norm must be >= 0 (0: no clipping)");
   if (c.compress != Compression::kNone && c.precision != Precision::kFP32) {
     throw std::invalid_argument(std::string("--compress ") + to_string(c.compress) +

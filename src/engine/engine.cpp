@@ -129,11 +129,11 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   }
   L.trained_module = L.pipe ? L.pipe->stage_module().ptr() : L.net;
   L.trained = L.trained_module->parameters();
-  ForwardFn run = forward;
+  L.run = std::move(forward);
   if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L.net)) {
-    run = [seq](const at::Tensor& x) -> at::Tensor { return seq->forward(x); };
+    L.run = [seq](const at::Tensor& x) -> at::Tensor { return seq->forward(x); };
   }
-  up = engine::make_updater(L, oo, run);
+  up = engine::make_updater(L, oo);
   comms = {L.world};
   if (L.grid) comms.insert(comms.end(), {L.grid->tp(), L.grid->pp(), L.grid->dp()});
 }

@@ -104,7 +104,7 @@ class Replicated final : public Updater {
     if (ddp_) ddp_->prepare_forward();
   }
   void prepare_predict() override {}
-  at::Tensor forward(const at::Tensor& x) override { return run_(x); }
+  at::Tensor forward(const at::Tensor& x) override { return L_.run(x); }
   at::Tensor scale_loss(const at::Tensor& loss) const override { return opt_->scale_loss(loss); }
   void after_pipeline_backward() override {
     if (averager_) averager_->average();
@@ -146,7 +146,6 @@ class Replicated final : public Updater {
     s.optimizer_state_bytes = opt_->optimizer_state_bytes() + opt_->master_bytes();
   }
 
-  std::function<at::Tensor(const at::Tensor&)> run_;
 
  private:
   static double lr_of(torch::optim::Optimizer& o) { return o.param_groups().at(0).options().get_lr(); }
@@ -159,7 +158,8 @@ class Replicated final : public Updater {
 // zero1-3: ZeroDataParallel over the data-parallel ranks of this rank's stage / shard.
 class Sharded final : public Updater {
  public:
-  Sharded(Layout& L, const OptimizerOptions& oo) : L_(L) {
+  Sharded(Layout& L, const OptimizerOptions& oo)
+      : L_(L), sequential_(static_cast<bool>(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L.trained_module))) {
     ZeroOptions o;
     o.stage = zero_stage(L.cfg.strategy);
     o.bucket_cap_bytes = (L.cfg.bucket_mb > 0 ? L.cfg.bucket_mb : 8) * kMiB;
@@ -180,8 +180,7 @@ class Sharded final : public Updater {
   at::Tensor forward(const at::Tensor& x) override {
     // A Sequential runs unit by unit (stage 3 gathers each); another module runs its own forward
     // on the parameters prepare_forward() gathered.
-    if (std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L_.trained_module)) return zero_->forward(x);
-    return run_(x);
+    return sequential_ ? zero_->forward(x) : L_.run(x);
   }
   at::Tensor scale_loss(const at::Tensor& loss) const override { return zero_->scale_loss(loss); }
   void after_pipeline_backward() override {}  // reduced in its hooks
@@ -232,24 +231,18 @@ class Sharded final : public Updater {
     s.zero_pool_misses = m.pool_misses;
   }
 
-  std::function<at::Tensor(const at::Tensor&)> run_;
 
  private:
   Layout& L_;
   std::unique_ptr<ZeroDataParallel> zero_;
+  bool sequential_;
 };
 
 }  // namespace
 
-std::unique_ptr<Updater> make_updater(Layout& L, const OptimizerOptions& oo, std::function<at::Tensor(const at::Tensor&)> run) {
-  if (zero_stage(L.cfg.strategy) > 0) {
-    auto u = std::make_unique<Sharded>(L, oo);
-    u->run_ = std::move(run);
-    return u;
-  }
-  auto u = std::make_unique<Replicated>(L, oo);
-  u->run_ = std::move(run);
-  return u;
+std::unique_ptr<Updater> make_updater(Layout& L, const OptimizerOptions& oo) {
+  if (zero_stage(L.cfg.strategy) > 0) return std::make_unique<Sharded>(L, oo);
+  return std::make_unique<Replicated>(L, oo);
 }
 
 }  // namespace tandem::engine

@@ -39,6 +39,7 @@ struct Layout {
   std::unique_ptr<Pipeline> pipe;
   std::shared_ptr<torch::nn::Module> trained_module;  // the stage (pp > 1) or `net`
   std::vector<at::Tensor> trained;                     // its parameters
+  std::function<at::Tensor(const at::Tensor&)> run;    // net's forward (its own when not a Sequential)
   // Tensor-parallel checkpoints: a dense model of the same shape, made on first use.
   torch::nn::Sequential tp_scratch{nullptr};
 
@@ -82,9 +83,7 @@ class Updater {
   virtual void memory(EngineStats& s) const = 0;
 };
 
-// `run` is the forward of layout.net (its own forward when it is not a Sequential).
-std::unique_ptr<Updater> make_updater(Layout& layout, const OptimizerOptions& optimizer,
-                                      std::function<at::Tensor(const at::Tensor&)> run);
+std::unique_ptr<Updater> make_updater(Layout& layout, const OptimizerOptions& optimizer);
 
 }  // namespace engine
 }  // namespace tandem

@@ -73,15 +73,6 @@ Manifest read_manifest(const std::string& dir) {
 
 namespace {
 
-int64_t peak_rss_bytes() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  }
-  return 0;
-}
-
 models::TransformerConfig model_config(const ModelShape& s, int64_t num_classes) {
   models::TransformerConfig c;
   c.vocab = s.vocab;
@@ -177,8 +168,8 @@ torch::Tensor rows(const torch::Tensor& t, const std::vector<int64_t>& idx, int6
   return t.index_select(0, torch::tensor(sub, torch::kLong));
 }
 
-void gather_memory(Runtime& rt, TextReport& rep) {
-  auto mine = torch::tensor({peak_rss_bytes()}, torch::kLong).to(rt.device());
+void gather_memory(Runtime& rt, const Engine& eng, TextReport& rep) {
+  auto mine = torch::tensor({eng.stats().peak_rss_bytes}, torch::kLong).to(rt.device());
   auto all = torch::empty({rt.world_size()}, mine.options());
   rt.world()->allgather(all, mine);
   auto host = all.cpu();
@@ -399,7 +390,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
     rep.eval_loss = h[1].item<double>() > 0 ? h[0].item<double>() / h[1].item<double>() : -1.0;
   }
   auto params = eng.full_parameters();
-  gather_memory(rt, rep);
+  gather_memory(rt, eng, rep);
   if (rank == 0) save_model(dir, "pretrain", params, shape, cfg, corpus, tok);
   return rep;
 }
@@ -514,7 +505,7 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
     rep.test_accuracy = total > 0 ? static_cast<double>(correct) / total : 0.0;
   }
   auto params = cfg.output.empty() ? std::map<std::string, torch::Tensor>{} : eng.full_parameters();
-  gather_memory(rt, rep);
+  gather_memory(rt, eng, rep);
   if (rank == 0 && !cfg.output.empty()) {
     fs::create_directories(cfg.output);
     tok.save((fs::path(cfg.output) / "tokenizer.model").string());
