@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""How long this machine's speed holds (docs/BENCHMARKS.md, "Seventeenth session").
+"""How long this machine's speed holds, and whether its cores move together: the measurement
+behind the calibration's timing of every point for at least 0.3 s (docs/BENCHMARKS.md, "Planning").
 
   run:  .venv/bin/python bench/host_speed_probe.py run SECONDS OUT.json
         (start one per core at once: ... run 150 a.json & ... run 150 b.json; wait)

@@ -1,7 +1,7 @@
 """Forward + backward time of the reference CNN and MLP (rebuilt in torch.nn) in fp32, bf16 and
 fp16 on this CPU, one thread, batch 64: why bf16 is the mixed precision for CPUs. fp16 also with
 oneDNN (mkldnn) off: on an Intel Xeon with avx512_fp16, oneDNN takes a reference kernel for an
-fp16 convolution's weight gradient (docs/BENCHMARKS.md, tenth session).
+fp16 convolution's weight gradient (docs/BENCHMARKS.md, "Mixed precision").
 
 usage: .venv/bin/python bench/precision_cpu.py
 """

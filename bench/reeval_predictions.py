@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Re-predicts stored `tandem bench --calibrate` runs with the current `tandem`.
+"""Re-predicts `tandem bench --calibrate` runs with another build of `tandem`.
 
-Each run directory holds what `tandem bench --model M ... --reps R --calibrate --csv DIR/bench_M.csv`
-wrote: bench_M.log (each repetition's measured step), bench_M.calibration-K.json (the calibration
-taken before repetition K). For every row, every calibration is re-predicted with
-`tandem bench --predict-only --calibration FILE` and the median prediction compared with the
-median measured step, so a change to the time model can be tried on every stored row in a minute
-without running anything (docs/BENCHMARKS.md, "Eleventh session").
+Each run directory holds what `tandem bench --model M ... --calibrate --csv DIR/bench_M.csv`
+wrote, with its output saved as DIR/bench_M.log, as bench/plan_accuracy.sh does: bench_M.log
+(every measurement), bench_M.calibration-K.json (the calibration taken before repetition K).
+For every row, every calibration is re-predicted with `tandem bench --predict-only
+--calibration FILE` and the median prediction compared with the median measured step. So a
+change to the time model (src/plan/plan.cpp) can be tried on every row of every kept run in a
+minute, without running anything.
 
 With --by-config, one line per configuration (model, workers, layout) over all the runs given:
 the median of the runs' errors, how many runs are within 20 %, and the range. A configuration
@@ -14,7 +15,7 @@ whose error changes sign from run to run misses by noise; one whose median is ou
 priced wrong.
 
 usage: bench/reeval_predictions.py TANDEM DIR... [--verbose | --by-config]
-  e.g. bench/reeval_predictions.py build/tandem bench/protocol-runs/run3*
+  e.g. bench/reeval_predictions.py build/tandem build/plan-accuracy/* --by-config
 """
 import glob
 import os
@@ -45,15 +46,13 @@ def rows_of(tandem, d):
         model = re.search(r"bench_(\w+)\.log$", log).group(1)
         text = open(log).read()
         batch = int(re.search(r"global batch (\d+)", text).group(1))
-        # Pipelines cut other than by parameters: named in the header line (since the fourteenth
-        # session), or for earlier runs in a bench_args.txt beside the log.
-        cut = re.search(r"pipelines cut by (\S+)", text.splitlines()[0])
-        args_file = os.path.join(d, "bench_args.txt")
-        if not cut and os.path.exists(args_file):
-            cut = re.search(r"--pp-partition (\S+)", open(args_file).read())
+        # The bench's header line names a pipeline cut other than by parameters, and gradient
+        # accumulation; the predictions must use the same.
+        header = re.search(r"^tandem bench: .*$", text, re.M)
+        header = header.group(0) if header else ""
+        cut = re.search(r"pipelines cut by (\S+)", header)
         partition = cut.group(1) if cut else "params"
-        # Gradient accumulation (since the fifteenth session), named in the header line.
-        accum = re.search(r"gradient accumulation (\d+)", text.splitlines()[0])
+        accum = re.search(r"gradient accumulation (\d+)", header)
         grad_accum = int(accum.group(1)) if accum else 1
         measured = {}
         for m in re.finditer(r"\[\+?(\d+)/\d+\] (\d+) worker\(s\), (\S+)\.\.\. ([0-9.]+) ms/step", text):

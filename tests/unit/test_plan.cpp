@@ -782,13 +782,13 @@ TEST(Plan, PipelinePartitionAutoTakesTheFasterCut) {
   EXPECT_TRUE(saw_pipeline);
 }
 
-// On the local cluster the search tries no gradient accumulation without a pipeline. With a
-// stored calibration of this machine (bench/protocol-runs), the CNN's tp2 was listed at 96
-// micro-batches of 2, which tandem train --grad-accum 96 measured at twice the step time.
+// On the local cluster the search tries no gradient accumulation without a pipeline. With the
+// calibration of a 2-core machine in tests/data/plan (see its README), the CNN's tp2 was listed
+// at 96 micro-batches of 2, which tandem train --grad-accum 96 measured at twice the step time.
 TEST(Plan, LocalSearchHasNoGradientAccumulation) {
   const char* src = std::getenv("TANDEM_SOURCE_DIR");
   if (!src) GTEST_SKIP() << "TANDEM_SOURCE_DIR unset (ctest sets it)";
-  std::ifstream f(std::string(src) + "/bench/protocol-runs/pptime-20261202/bench_cnn.calibration-1.json");
+  std::ifstream f(std::string(src) + "/tests/data/plan/calibration-cnn-2vcpu.json");
   ASSERT_TRUE(f) << "the stored calibration is missing";
   std::stringstream text;
   text << f.rdbuf();
