@@ -160,8 +160,8 @@ struct ModelRates {
   // tensor-parallel layout's compute is scaled by it instead of by the whole model's
   // flops_synchronized, whose larger working set runs slower when ranks share cores.
   std::map<int, std::map<int, std::pair<double, double>>> tp_synchronized;
-  // The two batches the fits above were timed at (0: not recorded, calibrations before the
-  // sixteenth session). Far outside them the fits extrapolate (Estimate::caveat).
+  // The two batches the fits above were timed at (0: not recorded, as in calibration files of
+  // older versions). Far outside them the fits extrapolate (Estimate::caveat).
   int64_t fit_batch_lo = 0, fit_batch_hi = 0;
 };
 struct Calibration {

@@ -98,12 +98,13 @@ torch::nn::Sequential tp_shard_model(torch::nn::Sequential& dense, const ModelSp
   return any ? shard : nullptr;
 }
 
-// Every timed point of the compute calibration spans at least this long. This guest's speed
-// wanders per core with about a second's memory: a one-thread GEMM timed back to back for 150 s
-// on each core varied with sd 7-8 % between 0.25 s windows, correlated 0.48 one second apart and
-// 0.24 two seconds apart, and not at all between the two cores (docs/BENCHMARKS.md, seventeenth
-// session). Seven passes of the MLP (about 0.1 s) sampled one moment of that, and two of its
-// calibrations minutes apart priced the same 2-worker step 12 and 17 ms.
+// Every timed point of the compute calibration spans at least this long. A shared virtual
+// machine's speed can wander per core with about a second's memory: on a 2-vCPU guest a
+// one-thread GEMM timed back to back for 150 s on each core varied with sd 7-8 % between 0.25 s
+// windows, correlated 0.48 one second apart and 0.24 two seconds apart, and not at all between
+// the two cores (bench/host_speed_probe.py, docs/BENCHMARKS.md "Planning"). A point of seven MLP
+// passes (about 0.1 s) samples one moment of that: two such calibrations minutes apart priced
+// the same 2-worker step 12 and 17 ms.
 // TANDEM_CALIBRATE_POINT_S sets another span (0 to 10 s): shorter for a quick look or a test
 // of the calibration's plumbing, longer on a machine noisier still.
 constexpr double kPointSeconds = 0.3;
@@ -292,8 +293,8 @@ void calibrate_compute(Calibration& cal, const std::vector<std::string>& models,
     ModelRates mr;
     mr.fit_batch_lo = b1;
     mr.fit_batch_hi = b2;
-    // Three interleaved rounds, median of each point: this guest runs at two speeds for minutes
-    // at a time, and a calibration taken in one of them alone misleads.
+    // Three interleaved rounds, median of each point: a shared virtual machine can run at two
+    // speeds for minutes at a time, and a calibration taken in one of them alone misleads.
     std::vector<double> a1, a2, c1, c2;
     for (int round = 0; round < 3; ++round) {
       at::set_num_threads(1);
@@ -383,8 +384,8 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
     double ovh = it != cal.models.end() ? it->second.overhead_s : 0.0;
     const double f = 3.0 * forward_flops_per_sample(spec) * b;
     // The overhead comes from the one-thread fit, taken seconds earlier in another process; on a
-    // guest that speeds up in between, t can come out at or under it (the tenth session's
-    // Xeon). Then at most half of t counts as overhead, so that the rate is always there.
+    // machine that speeds up in between, t can come out at or under it. Then at most half of t
+    // counts as overhead, so that the rate is always there.
     auto compute_part = [&](double t_all) { return std::max(t_all - ovh, 0.5 * t_all); };
     if (t > 0) cal.models[name].flops_concurrent = f / compute_part(t);
     auto [x, y] = sample_batch(name, b);
@@ -466,19 +467,19 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
     // micro-batch (half of b) forward+backward on a ranks, a barrier after each (of receives:
     // the idle ranks wait as a stage waits for its neighbour). The same a ranks compute for a
     // whole round, as a pipeline's stages stay on their ranks, and the set moves by one rank every
-    // round; the slowest rank's median phase, median of 3 rounds. Until the tenth session the set
-    // moved every phase: each computing rank then started cold (its model not in the caches of
-    // the core it ran on; which level was not measured), and the MLP's 1 of 4 took 5.5-7.6 ms to
-    // compute what the held set did in 3.9-4.8, which priced the MLP's 4-rank pipelines 10-30 %
-    // slow (docs/BENCHMARKS.md).
+    // round; the slowest rank's median phase, median of 3 rounds. The set must not move every
+    // phase: each computing rank would then start cold (its model not in the caches of the core
+    // it runs on): the MLP's phase of 1 of 4 took 6.2-7.0 ms against 4.0-5.4 with the set held,
+    // which priced the MLP's 4-rank pipelines 10-30 % slow (docs/BENCHMARKS.md, "Planning"). Nor
+    // may a round be one long stretch of compute: 7 whole batches without a barrier, the others
+    // waiting in one receive, kept one placement of the threads for the whole round, and the
+    // rate came out bimodal (the MLP's 2 of 4: 32-106 GFLOP/s over five calibrations, the CNN's
+    // 21-55). So every phase ends in a barrier, the waiting ranks sleep between polls as idle
+    // pipeline stages do on more ranks than cores, and a round's placement is one of three whose
+    // median is taken.
     // Stored as the rate that makes the one-thread time of that work (overhead + FLOPs at
     // flops_1t, from calibrate_compute) last the phase: the pipeline's stage times are scaled
-    // by rate / flops_1t. Until the sixth session the computing ranks ran 7 whole batches
-    // without a break while the others waited in one receive: that rate was bimodal (the MLP's 2
-    // of 4: 32-106 GFLOP/s over five calibrations, the CNN's 21-55), as one placement of the
-    // threads held for the whole round, and the 4-rank pipelines missed by -43 to +69 %. Now the
-    // waiting ranks sleep between polls (eighth session) and every phase ends in a barrier, and
-    // a round's placement is one of three whose median is taken.
+    // by rate / flops_1t.
     const int64_t bm = std::max<int64_t>(1, b / 2);
     auto [xm, ym] = sample_batch(name, bm);
     const double fm = 3.0 * forward_flops_per_sample(spec) * static_cast<double>(bm);
@@ -517,9 +518,10 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
   // others'); "allgather_shm" is in place, as ZeRO-1/2 gather into their flat parameters.
   const std::vector<std::string> ops = {"allreduce", "reduce_scatter", "allgather", "reduce_scatter_shm",
                                         "allgather_shm", "allgather_copy_shm"};
-  // Three interleaved rounds, the median over all of them per operation and size: this guest's
-  // inter-process copies run at one of two speeds for a minute or two at a time (a 3x swing in
-  // reduce_scatter seen between two calibrations), and one pass can land in either.
+  // Three interleaved rounds, the median over all of them per operation and size: on a shared
+  // virtual machine inter-process copies can run at one of two speeds for a minute or two at a
+  // time (a 3x swing in reduce_scatter seen between two calibrations), and one pass can land in
+  // either.
   std::map<std::string, std::vector<std::vector<double>>> times;
   for (const auto& op : ops) times[op].assign(sizes.size(), {});
   // Before each timed collective every rank writes 48 MiB elsewhere (this machine's L3 holds
@@ -727,8 +729,8 @@ Calibration calibration_from_json(const std::string& text) {
         r.flops_all = m.value("flops_all", 0.0);
         r.flops_concurrent = m.value("flops_concurrent", 0.0);
         r.overhead_s = m.value("overhead_s", 0.0);
-        r.overhead_all_s = m.value("overhead_all_s", -1.0);  // absent before the twelfth session
-        if (m.contains("fit_batches")) {  // absent before the sixteenth session
+        r.overhead_all_s = m.value("overhead_all_s", -1.0);  // absent in older calibration files
+        if (m.contains("fit_batches")) {  // absent in older calibration files
           const auto fb = m["fit_batches"].get<std::vector<int64_t>>();
           if (fb.size() != 2 || fb[0] < 0 || fb[1] < fb[0])
             throw std::invalid_argument("models." + name + ": fit_batches must be [smaller, larger] batch");
@@ -737,13 +739,13 @@ Calibration calibration_from_json(const std::string& text) {
         }
         r.sgd_s_per_param = m.value("sgd_s_per_param", 0.0);
         r.adam_s_per_param = m.value("adam_s_per_param", 0.0);
-        r.sgd_all_s_per_param = m.value("sgd_all_s_per_param", 0.0);  // absent before the twelfth session
+        r.sgd_all_s_per_param = m.value("sgd_all_s_per_param", 0.0);  // absent in older calibration files
         r.adam_all_s_per_param = m.value("adam_all_s_per_param", 0.0);
         r.layer_overhead_s = m.value("layer_overhead_s", std::vector<double>{});
         r.layer_s_per_sample = m.value("layer_s_per_sample", std::vector<double>{});
         if (r.layer_overhead_s.size() != r.layer_s_per_sample.size())
           throw std::invalid_argument("models." + name + ": layer_overhead_s and layer_s_per_sample differ in length");
-        r.layer_forward_share = m.value("layer_forward_share", std::vector<double>{});  // absent before the fourteenth session
+        r.layer_forward_share = m.value("layer_forward_share", std::vector<double>{});  // absent in older files
         if (!r.layer_forward_share.empty() && r.layer_forward_share.size() != r.layer_s_per_sample.size())
           throw std::invalid_argument("models." + name + ": layer_forward_share and layer_s_per_sample differ in length");
         for (double v : r.layer_forward_share)
@@ -760,7 +762,7 @@ Calibration calibration_from_json(const std::string& text) {
           }
         if (m.contains("flops_synchronized"))
           for (auto& [n, v] : m["flops_synchronized"].items()) r.flops_synchronized[std::stoi(n)] = v.get<double>();
-        if (m.contains("tp_synchronized"))  // absent before the twelfth session
+        if (m.contains("tp_synchronized"))  // absent in older calibration files
           for (auto& [n, by_t] : m["tp_synchronized"].items())
             for (auto& [t, v] : by_t.items()) {
               const double b = v.at("batch").get<double>(), sec = v.at("seconds").get<double>();

@@ -86,8 +86,8 @@ Rates worker_rates(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& 
     // One worker on several threads: the optimizer's element-wise kernels split over them too.
     // Timed with all threads (adam_all_s_per_param) where the calibration has it, else scaled
     // as forward and backward scale. Priced at one thread's time, the MLP's single worker came
-    // out 15-39 % slow in four of five stored runs (Adam over 1.86 M parameters: 5.7-9.2 ms on
-    // one thread, 3.4-3.7 on two).
+    // out 15-39 % slow (Adam over 1.86 M parameters takes 5.7-9.2 ms on one thread, 3.4-3.7 on
+    // two).
     const bool adam = o.optimizer == "adam" || o.optimizer == "adamw";
     const double all_threads = adam ? mr.adam_all_s_per_param : mr.sgd_all_s_per_param;
     if (all_threads > 0 && threads >= cores)
@@ -333,9 +333,9 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
   // sample in four calibrations of one evening, their sum 18-23 % above the whole model's; the
   // MLP's fixed parts 0.54-3.6 times the whole model's intercept in 30 calibrations), while the
   // whole model's rate holds within about 15 %. So the children give the split of a step between
-  // stages and shards, the whole model its total. Scaling only the per-sample parts left the
-  // MLP's 2-stage pipeline (48-sample micro-batches, fixed parts a third of the time) 13-36 %
-  // slow in 6 of 8 stored runs (docs/BENCHMARKS.md, "Thirteenth session").
+  // stages and shards, the whole model its total, the fixed parts included: at the MLP's
+  // 48-sample micro-batches the fixed parts are a third of a stage's time, and scaling only the
+  // per-sample parts priced its 2-stage pipeline 13-36 % slow (docs/BENCHMARKS.md, "Planning").
   double fixed_sum = 0.0, per_sum = 0.0;
   if (mr) {
     for (double v : mr->layer_overhead_s) fixed_sum += v;
@@ -917,9 +917,8 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   }
   // The calibrated intercept is that of one forward+backward pass (it holds zeroing and adding
   // into the gradients, a pass over the parameters each): once per micro-batch. Counted once per
-  // step, --grad-accum 4 on the MLP was priced 21-44 % fast (docs/BENCHMARKS.md, fifteenth
-  // session). Per-layer fits (pipelines, tensor parallelism) hold it per micro-batch already;
-  // a cluster's --overhead-ms is per step.
+  // step, --grad-accum 4 on the MLP would be priced 21-44 % fast. Per-layer fits (pipelines,
+  // tensor parallelism) hold it per micro-batch already; a cluster's --overhead-ms is per step.
   const double overhead = r.overhead * (r.overhead_per_pass ? static_cast<double>(mcount) : 1.0);
   e.step_s = pipeline_s + exposed + e.optimizer_s + (fitted ? 0.0 : overhead);
   e.samples_per_s = batch / e.step_s;
@@ -934,7 +933,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
 
   // A pass far outside the calibrated batches: the linear fits extrapolate. The CNN's tp2 at 96
   // micro-batches of 2 (fits at 32 and 128) was priced 110 ms and measured 297-352 ms
-  // (docs/BENCHMARKS.md, fifteenth session).
+  // (docs/BENCHMARKS.md, "Planning").
   if (c.cpu && o.calibration) {
     auto it = o.calibration->models.find(m.name);
     if (it != o.calibration->models.end() && it->second.fit_batch_lo > 0) {
@@ -991,11 +990,12 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
       if (batch % dp != 0 || per_replica < 1) {
         mbs.push_back(1);
       } else if (pp == 1 && (!o.dp_only_workers.empty() || c.cpu)) {
-        // No gradient accumulation searched here: memory never asks for it on this machine,
-        // and the calibration's fits (batches 32 and 128) do not reach tiny micro-batches. The
-        // search picked the CNN's tp2 at 96 micro-batches of 2 (priced 110 ms against 118 for
-        // one batch of 192); tandem train --grad-accum 96 measured 297-352 ms against 144-159
-        // (docs/BENCHMARKS.md, fifteenth session). tandem bench --grad-accum K prices a chosen K.
+        // No gradient accumulation searched on the local CPU cluster or in the data-parallel
+        // listing: memory does not ask for it there, and the calibration's fits (batches B/4
+        // and B) do not reach tiny micro-batches. Searched, the CNN's tp2 came out best at 96
+        // micro-batches of 2 (priced 110 ms against 118 for one batch of 192), which tandem
+        // train --grad-accum 96 measured at 297-352 ms against 144-159 (docs/BENCHMARKS.md,
+        // "Planning"). tandem bench --grad-accum K prices a chosen K.
         mbs.push_back(per_replica);
       } else {
         for (int64_t d : divisors(per_replica))

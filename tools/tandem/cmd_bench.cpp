@@ -449,8 +449,8 @@ int cmd_bench(int argc, char** argv) {
   };
   for (int rep = 0; rep < reps; ++rep) {
     if (calibrate) {
-      // Minutes, not hours, between a calibration and the runs it predicts: this guest's speed
-      // changes mode for minutes at a time (docs/BENCHMARKS.md, seventh session).
+      // Minutes, not hours, between a calibration and the runs it predicts: a shared virtual
+      // machine's speed can change mode for minutes at a time (docs/BENCHMARKS.md, "Planning").
       const std::string cal_path = (tmp / "calibration.json").string(), log = (tmp / "log.txt").string();
       std::vector<std::string> args = {self, "plan", "--calibrate", "--cluster", "local", "--model", model,
                                        "--calibrate-models", model, "--calibrate-batch", std::to_string(batch),

@@ -827,7 +827,7 @@ class MpiCommunicator : public Communicator {
   // While an operation has not moved for 16 polls (and poll_us_ does not apply): sleep this long
   // between polls instead of yielding (CommOptions::wait_sleep_us; 0: yield). On more ranks
   // than cores a yielding poller keeps taking slices of a core that a computing rank wants:
-  // measured on 4 ranks over 2 cores (docs/BENCHMARKS.md, eighth session), the MLP's tp2pp2
+  // measured on 4 ranks over 2 cores (docs/BENCHMARKS.md, "Model parallelism"), the MLP's tp2pp2
   // step ran 28.9-29.4 ms with yield and 18.6-21.6 ms with 50 us sleeps. A message that lands
   // during a sleep is seen up to ~100 us late (timer slack), so it is off where cores suffice.
   int wait_sleep_us_ = 0;
