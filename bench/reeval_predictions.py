@@ -75,7 +75,7 @@ def main():
     tandem, dirs = args[0], args[1:]
     rows = [r for d in dirs for r in rows_of(tandem, d)]
     if not rows:
-        sys.exit("no stored runs with calibrations found in " + " ".join(dirs))
+        sys.exit("no bench runs with calibrations found in " + " ".join(dirs))
     for d in dirs:
         rs = [r for r in rows if r[0] == d]
         if rs:
