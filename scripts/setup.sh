@@ -17,7 +17,8 @@ pkgs=(build-essential cmake ninja-build ccache python3 python3-venv python3-pip 
       openmpi-bin libopenmpi-dev libgtest-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
       dataset-fashion-mnist gnuplot-nox libsentencepiece-dev sentencepiece clang libclang-rt-14-dev
       fortunes fortunes-min fortunes-de fortunes-es fortunes-it fortunes-pl fortunes-ru fortunes-cs
-      iproute2 util-linux)  # ip, unshare: the network-namespace hosts of tests/netns
+      iproute2 util-linux   # ip, unshare: the network-namespace hosts of tests/netns
+      clang-format)         # scripts/format.sh (CI checks the formatting with Debian 12's, version 14)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
