@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Installs everything Tandem needs on Debian 12 and builds it. Idempotent: packages already
-# present are not reinstalled, pip reuses its download cache (~/.cache/pip), and the build is
-# incremental. Usage: scripts/setup.sh [--no-build]
+# Installs everything Tandem needs on Debian 12 and builds the `tandem` program with its
+# libraries. Idempotent: packages already present are not reinstalled, pip reuses its download
+# cache (~/.cache/pip), and the build is incremental.
+# Usage: scripts/setup.sh [--no-build | --all]
+#   --no-build         packages and .venv only
+#   --all              build every target: also the tests, benchmarks, plugins and fuzzers
+#                      (scripts/test.sh uses this)
 #   TANDEM_BUILD_DIR   build directory (default: build)
 #   TANDEM_TORCH       pip requirement for torch (default: torch==2.11.0)
 set -euo pipefail
@@ -11,6 +15,14 @@ build_dir=${TANDEM_BUILD_DIR:-build}
 torch_req=${TANDEM_TORCH:-torch==2.11.0}
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 t0=$(date +%s)
+build=tandem  # tandem: the CLI and its libraries; all: every target; none
+for a in "$@"; do
+  case "$a" in
+    --no-build) build=none ;;
+    --all) build=all ;;
+    *) echo "setup.sh: unknown argument '$a' (usage: scripts/setup.sh [--no-build | --all])" >&2; exit 2 ;;
+  esac
+done
 
 # ---- Debian packages
 pkgs=(build-essential cmake ninja-build ccache python3 python3-venv python3-pip python3-jsonschema python3-yaml
@@ -74,7 +86,7 @@ else
   log "torch $have present"
 fi
 
-[ "${1:-}" = "--no-build" ] && exit 0
+[ "$build" = none ] && exit 0
 
 # ---- build
 export CCACHE_BASEDIR="$root" CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
@@ -86,6 +98,13 @@ if [ ! -f "$build_dir/build.ninja" ]; then
   log "configuring $build_dir"
   cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 fi
-log "building (a clean build takes about 5-6 minutes on 2 cores)"
-cmake --build "$build_dir"
+if [ "$build" = all ]; then
+  log "building every target (the tests, benchmarks and fuzzers too)"
+  cmake --build "$build_dir"
+else
+  # tandem_cli is the `tandem` program (the target `tandem` is the core library); building it
+  # builds libtandem and libtandem_apps, all that `build/tandem train` needs.
+  log "building the tandem program and its libraries (scripts/test.sh builds the rest)"
+  cmake --build "$build_dir" --target tandem_cli
+fi
 log "done in $(( $(date +%s) - t0 )) s: $build_dir/tandem"

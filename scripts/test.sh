@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh), builds, and runs the whole test suite with CTest.
+# Sets up (scripts/setup.sh), builds every target (the tests, benchmarks, plugins and fuzzers
+# as well as the tandem program), and runs the test suite with CTest. Arguments go to ctest:
+#   scripts/test.sh -L unit      the quick loop: unit tests and two 20 s fuzz runs (-LE fuzz: 3 s)
+#   scripts/test.sh -LE slow     all but the tests that take more than a minute each
+#   scripts/test.sh -R dist      tests by name
+# Labels: unit, dist (the library under mpirun), e2e (the CLI end to end), slow (> ~60 s).
 # Multi-rank tests run 2-4 MPI ranks oversubscribed on this machine's cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --all
 build_dir=${TANDEM_BUILD_DIR:-build}
 ctest --test-dir "$build_dir" --output-on-failure --timeout 900 "$@"
