@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/activation_checkpoint.h"
 #include "tandem/checkpoint.h"
 #include "tandem/comm.h"
 #include "tandem/optim.h"
@@ -73,6 +74,9 @@ struct ParallelConfig {
   // optimizer step (DDP and ZeRO-1 communicate once per step, ZeRO-2/3 after each backward).
   int64_t grad_accum = 1;
   double max_grad_norm = 0.0;  // clip the global gradient norm (whole model, across shards); 0: off
+  // Recompute the activations of these layers in backward instead of keeping them
+  // (tandem/activation_checkpoint.h; needs a Sequential: its children are the layers).
+  ActivationCheckpointing activation_checkpointing;
   // DDP
   Compression compress = Compression::kNone;
   int64_t bucket_mb = 0;       // gradient buckets (DDP, ZeRO-1/2); 0: the strategy's default (DDP 25, ZeRO 8)
@@ -238,6 +242,7 @@ class Engine {
   int world_size() const;
   int dp_size() const;
   int dp_rank() const;
+  c10::Device device() const;                   // this rank's (the Runtime's)
   CommPtr world() const;
   CommPtr dp_group() const;
   const ProcessGrid* grid() const;              // null when tp * pp == 1

@@ -26,7 +26,7 @@
 namespace tandem {
 
 struct TrainConfig;
-struct TrainReport;
+struct Report;
 
 // --batch-shares: "" (equal shares, PyTorch's strided sampler), "auto" (calibrated),
 // "W0,W1,..." (relative weights, one per rank in rank order, e.g. 3,1) or
@@ -109,7 +109,7 @@ class BatchSharePlan {
 
   // Fills the report's batch-share figures; collective over dp_comm. Call on every rank when
   // dp > 1 with one replica per rank (no --tp/--pp).
-  void report(Communicator& dp_comm, const at::Device& device, double wall_seconds, TrainReport& rep) const;
+  void report(Communicator& dp_comm, const at::Device& device, double wall_seconds, Report& rep) const;
 
  private:
   BatchSharesSpec spec_;
@@ -124,8 +124,5 @@ class BatchSharePlan {
   int64_t samples_ = 0;
   double forward_seconds_ = 0.0;
 };
-
-// The report's "batch shares" lines (empty when the report has none).
-std::string format_batch_shares(const TrainReport& rep);
 
 }  // namespace tandem

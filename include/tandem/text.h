@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tandem/report.h"
 #include "tandem/runtime.h"
 
 namespace tandem::text {
@@ -166,6 +167,7 @@ struct TextTrainConfig {
   int tp = 1, pp = 1;               // tensor / pipeline parallel ranks per replica (ddp or zero1 over the replicas)
   int64_t micro_batches = 1;        // pipeline micro-batches per replica batch (pp > 1)
   int64_t grad_accum = 1;           // gradient accumulation: micro-batches per step without a pipeline
+  std::string activation_checkpointing = "none";  // none | every | N (tandem/activation_checkpoint.h)
   std::string pp_partition = "params";  // params | time | layers per stage "2,3" (tandem/pipeline_schedule.h)
   int64_t batch = 32;               // global batch, split evenly over the ranks
   int64_t steps = 200;
@@ -178,26 +180,15 @@ struct TextTrainConfig {
   bool progress = true;
   int64_t log_every = 50;
   double baseline_samples_per_second = 0.0;  // one worker's, for the speedup figure
+  std::string metrics_path;         // JSON lines: per-step loss and time, then the report (tandem/report.h)
 };
 
-struct TextReport {
-  std::string kind;  // "pretrain" | "finetune"
+// The one report (tandem/report.h), with what the text commands know besides: the model's
+// shape, the corpus and, for classification, the confusion table.
+struct TextReport : Report {
   ModelShape shape;  // as trained (vocab: the tokenizer's)
-  int world_size = 1;
-  std::string precision = "fp32";
-  int dp = 1, tp = 1, pp = 1;  // the layout: data x tensor x pipeline parallel
-  std::vector<int64_t> partition;  // layers per pipeline stage (pp > 1)
-  int64_t parameters = 0;
-  int64_t steps = 0, samples = 0;
-  double wall_seconds = 0.0, samples_per_second = 0.0, step_ms_median = 0.0;
-  double final_loss = 0.0;
-  double speedup = 0.0;
-  double eval_loss = -1.0;      // pretrain: validation LM loss per token; -1: not evaluated
-  double test_accuracy = -1.0;  // finetune: in [0, 1]; -1: not evaluated
-  int64_t test_samples = 0;
   std::vector<std::string> labels;
   std::vector<std::vector<int64_t>> confusion;  // [true][predicted]
-  std::vector<int64_t> peak_rss_bytes;          // per rank
   int64_t train_documents = 0, valid_documents = 0, test_documents = 0;
   bool initialised_from_checkpoint = false;
 };
@@ -215,7 +206,5 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg);
 // std::runtime_error when the tokenizer does not match the checkpoint or the corpus's label
 // set differs from the checkpoint's. Collective.
 TextReport finetune(Runtime& rt, const TextTrainConfig& cfg);
-
-std::string format_report(const TextTrainConfig& cfg, const TextReport& r);
 
 }  // namespace tandem::text

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "tandem/engine.h"
+#include "tandem/report.h"
 #include "tandem/runtime.h"
 
 namespace tandem {
@@ -23,6 +24,7 @@ struct TrainConfig {
   std::string strategy = "ddp";  // single | ddp | zero1 | zero2 | zero3 (ZeRO stages 1-3)
   std::string precision = "fp32";  // fp32 | bf16 | fp16 (fp32 master weights, fp16 with loss scaling)
   double max_grad_norm = 0.0;      // clip the global gradient norm; 0 = off
+  std::string activation_checkpointing = "none";  // none | every | N (tandem/activation_checkpoint.h)
   double initial_loss_scale = 65536.0;  // fp16: the dynamic loss scale's start
   int epochs = 1;
   int64_t batch = 128;  // global batch, split evenly across ranks
@@ -77,67 +79,8 @@ struct TrainConfig {
   std::string slow_rank;
 };
 
-struct TrainReport {
-  int world_size = 1;
-  int64_t steps = 0;
-  int64_t samples = 0;             // global samples processed
-  double wall_seconds = 0.0;       // training loop only (no data loading, no evaluation)
-  double samples_per_second = 0.0;
-  double step_ms_median = 0.0;     // median wall time of a step (after the first)
-  double final_loss = 0.0;
-  std::vector<double> losses;      // global (all-rank mean) loss of every step
-  double test_accuracy = -1.0;     // in [0,1]; -1 when not evaluated
-  int64_t test_samples = 0;
-  std::vector<int64_t> peak_rss_bytes;  // per rank
-  double comm_seconds = 0.0;       // rank 0's gradient all-reduce time on the engine
-  double exposed_comm_seconds = 0.0;
-  double hidden_fraction = 0.0;
-  int64_t comm_bytes = 0;          // rank 0's gradient bytes all-reduced
-  // What the strategy moved per training step on rank 0, from the Communicator's counters:
-  // payload bytes handed to each collective, and the bytes a ring algorithm puts on the wire
-  // per rank (all-reduce 2(N-1)/N S, reduce-scatter and all-gather (N-1)/N S of the full size S).
-  std::map<std::string, double> comm_bytes_per_step;
-  double wire_bytes_per_step = 0.0;
-  double comm_engine_seconds = 0.0;  // rank 0's seconds on the engine over the loop, all operations
-  std::string precision = "fp32";
-  double loss_scale = 1.0;         // fp16: the final dynamic loss scale
-  int64_t skipped_steps = 0;       // fp16: steps skipped on overflow
-  int64_t peak_gathered_bytes = 0; // zero3: most gathered unit parameters alive at once
-  // zero2/3 on CPU with more than one rank (rank 0): the shared-memory block that gradient
-  // scratch and gathered units come from, and how many of them did not fit and took ordinary
-  // memory (slower collectives: MPI's fifos instead of shared memory).
-  int64_t zero_pool_bytes = 0;
-  int64_t zero_pool_misses = 0;
-  int64_t parameters = 0;
-  // Rank 0's bytes of parameters, gradients and optimizer state held after training (for
-  // zero1-3 the sharded figures, masters included in the optimizer state; see ZeroMemory in
-  // tandem/zero.h).
-  int64_t parameter_bytes = 0;
-  int64_t gradient_bytes = 0;
-  int64_t optimizer_state_bytes = 0;
-  double speedup = 0.0;            // samples/s over baseline, when a baseline was given
-  int64_t first_step = 0;          // steps done before this run (resumed from a checkpoint)
-  // Layout: dp x tp x pp = world_size.
-  int dp = 1, tp = 1, pp = 1;
-  // Pipeline (pp > 1), from rank 0's replica, steps after the first: layers per stage, idle over
-  // compute time of each stage's train_step (theory for balanced stages: (pp - 1) / micro-batches)
-  // and the most micro-batches whose activations each stage held at once.
-  std::vector<int64_t> partition;
-  std::vector<double> bubble_per_stage;
-  // Mean milliseconds per step (after the first) of each stage's train_step, and of its compute.
-  std::vector<double> pipeline_step_ms_per_stage, pipeline_compute_ms_per_stage;
-  double bubble_measured = 0.0;    // mean of bubble_per_stage
-  double bubble_theory = 0.0;      // (pp - 1) / micro_batches
-  std::vector<int64_t> peak_live_micro_batches;
-  // Batch shares (dp > 1 without --tp/--pp): mode (equal, weights, counts, auto), each rank's
-  // samples per step at the end, the forward samples/s the calibration measured (auto), and
-  // per rank its samples over the loop's wall time and over its own forward seconds.
-  std::string batch_shares_mode;
-  std::vector<int64_t> batch_shares;
-  std::vector<double> calibrated_samples_per_second;
-  std::vector<double> rank_samples_per_second;
-  std::vector<double> rank_forward_samples_per_second;
-};
+// tandem train's report: the one report of every command (tandem/report.h).
+using TrainReport = Report;
 
 // Checks a configuration for `world` ranks without running anything (the launcher calls it
 // before starting workers; train() calls it too). Throws std::invalid_argument naming the
@@ -151,8 +94,5 @@ ParallelConfig parallel_config(const TrainConfig& cfg);
 // Runs the whole job on this rank. Every rank must call it with the same config.
 // Throws std::invalid_argument / std::runtime_error with a message naming the bad input.
 TrainReport train(Runtime& rt, const TrainConfig& cfg);
-
-// The human-readable report rank 0 prints at the end.
-std::string format_report(const TrainConfig& cfg, const TrainReport& r);
 
 }  // namespace tandem

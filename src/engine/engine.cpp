@@ -67,6 +67,37 @@ struct Engine::Impl {
   std::vector<std::map<std::string, OpStats>> comm_before;
   int64_t steps = 0, pipe_steps = 0, peak_live = 0;
   double pipe_step_s = 0.0, pipe_compute_s = 0.0;
+  int uncounted_depth = 0;
+
+  // stats() describes training steps: the communication of inference, checkpoints and
+  // gathering the model is left out (it would be charged to the steps). The outermost guard
+  // moves what happened during its life into the baseline.
+  class Uncounted {
+   public:
+    explicit Uncounted(Impl& impl) : impl_(impl) {
+      if (impl_.uncounted_depth++ > 0) return;
+      for (auto& c : impl_.comms) at_start_.push_back(c->stats());
+    }
+    ~Uncounted() {
+      if (--impl_.uncounted_depth > 0 || impl_.comm_before.size() != at_start_.size()) return;
+      for (size_t c = 0; c < at_start_.size(); ++c) {
+        for (auto& [op, now] : impl_.comms[c]->stats()) {
+          const auto it = at_start_[c].find(op);
+          const OpStats start = it == at_start_[c].end() ? OpStats{} : it->second;
+          auto& base = impl_.comm_before[c][op];
+          base.calls += now.calls - start.calls;
+          base.bytes += now.bytes - start.bytes;
+          base.seconds += now.seconds - start.seconds;
+        }
+      }
+    }
+    Uncounted(const Uncounted&) = delete;
+    Uncounted& operator=(const Uncounted&) = delete;
+
+   private:
+    Impl& impl_;
+    std::vector<std::map<std::string, OpStats>> at_start_;
+  };
 
   at::Tensor cast_input(const at::Tensor& x) const {
     if (L.cfg.precision == Precision::kFP32 || !x.is_floating_point()) return x;
@@ -76,7 +107,24 @@ struct Engine::Impl {
   at::Tensor pipeline_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn, const StepOptions& so);
   at::Tensor accumulate_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn, const StepOptions& so);
   void gather_dense();
+  void checkpoint_layers(std::vector<int64_t>& cut);
 };
+
+// Wraps the chosen layers of `net` (after its tensor-parallel conversion, before the pipeline
+// cut) in Checkpointed; with a pipeline the cut is fixed first, since "the first N" counts per
+// stage. Parameter names do not change.
+void Engine::Impl::checkpoint_layers(std::vector<int64_t>& cut) {
+  const auto& cfg = L.cfg;
+  auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L.net);
+  if (!seq) {
+    throw std::invalid_argument("--activation-checkpointing " + to_string(cfg.activation_checkpointing) +
+                                " recomputes children of a torch::nn::Sequential, and this model is not one; wrap "
+                                "its blocks in tandem::Checkpointed (tandem/activation_checkpoint.h) instead");
+  }
+  torch::nn::Sequential net(seq);
+  if (cfg.pp > 1 && cut.empty()) cut = partition_by_parameters(net, cfg.pp);
+  L.net = checkpoint_sequential(net, cfg.activation_checkpointing, cfg.pp > 1 ? cut : std::vector<int64_t>{}).ptr();
+}
 
 void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn forward, const OptimizerOptions& oo) {
   auto& cfg = L.cfg;
@@ -119,6 +167,7 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
                        : [](torch::nn::Sequential d, CommPtr tp) { return tp::tensor_parallel(std::move(d), tp); };
     L.net = convert(L.dense_sequential(), L.grid->tp()).ptr();
   }
+  if (cfg.activation_checkpointing.enabled()) checkpoint_layers(cut);
   if (cfg.pp > 1) {
     PipelineOptions po;
     po.partition = cut;
@@ -251,6 +300,7 @@ at::Tensor Engine::Impl::accumulate_pass(const at::Tensor& x, const at::Tensor& 
 
 at::Tensor Engine::predict(const at::Tensor& inputs) {
   auto& I = *impl_;
+  Impl::Uncounted uncounted(I);
   torch::NoGradGuard ng;
   I.up->prepare_predict();
   auto x = I.cast_input(inputs);
@@ -275,6 +325,7 @@ void Engine::evaluate(const at::Tensor& inputs, int64_t n, int64_t rows, const S
   rows = std::max<int64_t>(1, rows);
   const int64_t rounds = (n + rows * dp - 1) / (rows * dp);
   const bool counts = is_output_rank();
+  Impl::Uncounted uncounted(*impl_);
   train(false);
   for (int64_t k = 0; k < rounds; ++k) {
     const int64_t from = std::min(n, (k * dp + r) * rows), to = std::min(n, from + rows);
@@ -294,6 +345,7 @@ double Engine::lr() const { return impl_->up->lr(); }
 
 std::string Engine::save(const std::string& root, CheckpointMeta meta, const CheckpointSaveOptions& options) {
   auto& I = *impl_;
+  Impl::Uncounted uncounted(I);
   const auto& cfg = I.L.cfg;
   if (meta.model.empty()) meta.model = I.L.opts.model_name;
   if (meta.model_description.empty()) {
@@ -312,6 +364,7 @@ std::string Engine::save(const std::string& root, CheckpointMeta meta, const Che
 
 CheckpointMeta Engine::load(const std::string& dir_or_root, CheckpointLoadOptions options) {
   namespace fs = std::filesystem;
+  Impl::Uncounted uncounted(*impl_);
   std::string dir = dir_or_root;
   if (!fs::exists(fs::path(dir) / "manifest.json")) {
     dir = latest_checkpoint(dir_or_root);
@@ -351,6 +404,7 @@ void Engine::Impl::gather_dense() {
 
 std::map<std::string, at::Tensor> Engine::full_parameters() {
   auto& I = *impl_;
+  Impl::Uncounted uncounted(I);
   std::map<std::string, at::Tensor> out;
   auto masters = I.up->masters();
   if (!I.L.grid) {
@@ -453,6 +507,7 @@ const ParallelConfig& Engine::config() const { return impl_->L.cfg; }
 int Engine::world_size() const { return impl_->L.world->size(); }
 int Engine::dp_size() const { return impl_->L.dp_size(); }
 int Engine::dp_rank() const { return impl_->L.dp->rank(); }
+c10::Device Engine::device() const { return impl_->L.rt->device(); }
 CommPtr Engine::world() const { return impl_->L.world; }
 CommPtr Engine::dp_group() const { return impl_->L.dp; }
 const ProcessGrid* Engine::grid() const { return impl_->L.grid.get(); }

@@ -101,6 +101,7 @@ ParallelConfig parallel_config(const TextTrainConfig& cfg) {
   pc.micro_batches = cfg.micro_batches;
   if (cfg.pp > 1) pc.partition = parse_partition(cfg.pp_partition, cfg.pp);
   pc.grad_accum = cfg.grad_accum;
+  pc.activation_checkpointing = parse_activation_checkpointing(cfg.activation_checkpointing);
   return pc;
 }
 
@@ -168,20 +169,13 @@ torch::Tensor rows(const torch::Tensor& t, const std::vector<int64_t>& idx, int6
   return t.index_select(0, torch::tensor(sub, torch::kLong));
 }
 
-void gather_memory(Runtime& rt, const Engine& eng, TextReport& rep) {
-  auto mine = torch::tensor({eng.stats().peak_rss_bytes}, torch::kLong).to(rt.device());
-  auto all = torch::empty({rt.world_size()}, mine.options());
-  rt.world()->allgather(all, mine);
-  auto host = all.cpu();
-  rep.peak_rss_bytes.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + rt.world_size());
-}
-
 // The common loop: `batch_of(global_indices, from, to)` gives the inputs and targets of this
 // replica's slice [from, to) of the global batch; `loss_sum_fn(outputs, targets)` their summed
 // loss; `terms_of(global_indices, from, to)` how many loss terms a slice holds (its real tokens,
-// its samples). Every rank counts the whole global batch's itself: no communication.
+// its samples). Every rank counts the whole global batch's itself: no communication. Returns
+// the engine's statistics of the loop.
 template <typename BatchFn, typename TermsFn>
-void train_loop(const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of, const LossFn& loss_sum_fn,
+EngineStats train_loop(const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of, const LossFn& loss_sum_fn,
                 TermsFn terms_of, TextReport& rep) {
   const int rank = eng.world()->rank(), world = eng.world_size();
   const int dp = eng.dp_size(), dp_rank = eng.dp_rank();
@@ -204,6 +198,7 @@ void train_loop(const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batc
     torch::Tensor l = loss.detach().reshape({1}).to(torch::kFloat).clone();
     if (world > 1) eng.world()->allreduce(l, ReduceOp::kAvg);
     last = l.item<double>();
+    rep.losses.push_back(last);
     if (!std::isfinite(last)) {
       throw std::runtime_error("loss is " + std::to_string(last) + " at step " + std::to_string(step) +
                                "; lower --lr");
@@ -212,21 +207,10 @@ void train_loop(const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batc
     progress.update(1, 1, step + 1, last, (step + 1) * cfg.batch, Clock::now() - t_start);
   }
   progress.finish();
-  rep.wall_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
-  rep.steps = cfg.steps;
-  rep.samples = cfg.steps * cfg.batch;
-  rep.samples_per_second = rep.wall_seconds > 0 ? rep.samples / rep.wall_seconds : 0.0;
   rep.final_loss = last;
-  if (step_ms.size() > 1) {
-    std::vector<double> s(step_ms.begin() + 1, step_ms.end());
-    std::nth_element(s.begin(), s.begin() + s.size() / 2, s.end());
-    rep.step_ms_median = s[s.size() / 2];
-  } else if (!step_ms.empty()) {
-    rep.step_ms_median = step_ms[0];
-  }
-  if (cfg.baseline_samples_per_second > 0 && rep.step_ms_median > 0) {
-    rep.speedup = (cfg.batch * 1000.0 / rep.step_ms_median) / cfg.baseline_samples_per_second;
-  }
+  record_loop(rep, cfg.steps, cfg.steps * cfg.batch, std::chrono::duration<double>(Clock::now() - t_start).count(),
+              step_ms);
+  return eng.stats();
 }
 
 Tokenizer load_checked_tokenizer(const TextTrainConfig& cfg, const Manifest* m, const std::string& path) {
@@ -243,18 +227,47 @@ Tokenizer load_checked_tokenizer(const TextTrainConfig& cfg, const Manifest* m, 
   return tok;
 }
 
-void describe_layout(const Engine& eng, const TextTrainConfig& cfg, TextReport& rep) {
-  rep.precision = precision_name(eng.config().precision);
-  rep.dp = eng.dp_size();
-  rep.tp = cfg.tp;
-  rep.pp = cfg.pp;
-  rep.partition = eng.partition();
+// What ran: the report's header, from the configuration, the engine's layout and the corpus.
+void describe_run(const Engine& eng, const TextTrainConfig& cfg, const Corpus& corpus, TextReport& rep) {
+  const ModelShape& m = rep.shape;
+  rep.model = "transformer d_model " + std::to_string(m.d_model) + ", " + std::to_string(m.layers) + " layers, seq " +
+              std::to_string(m.seq) + ", vocabulary " + std::to_string(m.vocab);
+  rep.global_batch = cfg.batch;
+  rep.baseline_samples_per_second = cfg.baseline_samples_per_second;
+  describe_engine(eng, rep);
+  rep.labels = corpus.labels;
+  rep.train_documents = static_cast<int64_t>(corpus.train.size());
+  rep.valid_documents = static_cast<int64_t>(corpus.valid.size());
+  rep.test_documents = static_cast<int64_t>(corpus.test.size());
+  rep.context.emplace_back("data", std::to_string(rep.train_documents) + " train / " +
+                                       std::to_string(rep.valid_documents) + " validation / " +
+                                       std::to_string(rep.test_documents) + " test documents, " +
+                                       std::to_string(rep.labels.size()) + " labels");
+  if (rep.command == "finetune") {
+    rep.context.emplace_back("initialised", rep.initialised_from_checkpoint ? "from checkpoint " + cfg.checkpoint
+                                                                            : "at random (from scratch)");
+  }
 }
 
-void fill_corpus_counts(const Corpus& c, TextReport& rep) {
-  rep.train_documents = static_cast<int64_t>(c.train.size());
-  rep.valid_documents = static_cast<int64_t>(c.valid.size());
-  rep.test_documents = static_cast<int64_t>(c.test.size());
+// The confusion table printed under the test accuracy: rows the true label, columns the predicted.
+std::string confusion_table(const std::vector<std::string>& labels, const std::vector<std::vector<int64_t>>& conf) {
+  std::ostringstream os;
+  os << "confusion        rows: true label, columns: predicted\n";
+  os << "        ";
+  for (const auto& l : labels) os << std::setw(7) << l.substr(0, 6);
+  os << "\n";
+  for (size_t i = 0; i < conf.size(); ++i) {
+    os << "  " << std::setw(6) << std::left << labels[i].substr(0, 6) << std::right;
+    for (auto v : conf[i]) os << std::setw(7) << v;
+    os << "\n";
+  }
+  return os.str();
+}
+
+// The Engine's figures, and the metrics file (rank 0). Collective.
+void finish_report(Engine& eng, const EngineStats& loop, const TextTrainConfig& cfg, TextReport& rep) {
+  collect_engine_report(eng, loop, rep);
+  if (eng.world()->rank() == 0 && !cfg.metrics_path.empty()) write_metrics(cfg.metrics_path, rep);
 }
 
 // Writes model.pt (the dense fp32 parameters) and the manifest that describes it into `dir`.
@@ -340,15 +353,11 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   auto valid = tok.encode_batch(texts_of(corpus.valid.empty() ? corpus.test : corpus.valid), shape.seq);
   auto net = models::transformer(model_config(shape, 0));
   TextReport rep;
-  rep.kind = "pretrain";
+  rep.command = "pretrain";
   rep.shape = shape;
-  rep.world_size = rt.world_size();
-  rep.parameters = models::count_parameters(*net);
-  rep.labels = corpus.labels;
-  fill_corpus_counts(corpus, rep);
   auto engine = make_engine(rt, cfg, net, train.ids);
   Engine& eng = *engine;
-  describe_layout(eng, cfg, rep);
+  describe_run(eng, cfg, corpus, rep);
   const auto device = rt.device();
   // Next-token cross-entropy over the real tokens (mean, or the sum for the validation loss).
   auto lm_loss_sum = [&](const torch::Tensor& logits, const torch::Tensor& ids, bool sum) {
@@ -363,7 +372,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   auto real_tokens = [&](const torch::Tensor& ids) {
     return ids.narrow(1, 1, ids.size(1) - 1).ne(tok.pad_id()).sum().item<int64_t>();
   };
-  train_loop(
+  const EngineStats loop = train_loop(
       cfg, eng, train.ids.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
         auto ids = rows(train.ids, idx, from, to).to(device);
@@ -390,7 +399,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
     rep.eval_loss = h[1].item<double>() > 0 ? h[0].item<double>() / h[1].item<double>() : -1.0;
   }
   auto params = eng.full_parameters();
-  gather_memory(rt, eng, rep);
+  finish_report(eng, loop, cfg, rep);
   if (rank == 0) save_model(dir, "pretrain", params, shape, cfg, corpus, tok);
   return rep;
 }
@@ -433,12 +442,8 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
 
   auto net = models::transformer(model_config(shape, k));
   TextReport rep;
-  rep.kind = "finetune";
+  rep.command = "finetune";
   rep.shape = shape;
-  rep.world_size = rt.world_size();
-  rep.parameters = models::count_parameters(*net);
-  rep.labels = corpus.labels;
-  fill_corpus_counts(corpus, rep);
   if (manifest && !cfg.from_scratch) {
     // Every parameter but the classifier head (the last child) from the checkpoint.
     const auto weights = (fs::path(cfg.checkpoint) / "model.pt").string();
@@ -468,9 +473,9 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
   }
   auto engine = make_engine(rt, cfg, net, train_x);
   Engine& eng = *engine;
-  describe_layout(eng, cfg, rep);
+  describe_run(eng, cfg, corpus, rep);
   const auto device = rt.device();
-  train_loop(
+  const EngineStats loop = train_loop(
       cfg, eng, train_x.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
         return std::make_pair(rows(train_x, idx, from, to).to(device), rows(train_y, idx, from, to).to(device));
@@ -502,72 +507,18 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
       }
     }
     rep.test_samples = total;
+    rep.test_unit = "documents";
     rep.test_accuracy = total > 0 ? static_cast<double>(correct) / total : 0.0;
+    rep.evaluation_detail = confusion_table(rep.labels, rep.confusion);
   }
   auto params = cfg.output.empty() ? std::map<std::string, torch::Tensor>{} : eng.full_parameters();
-  gather_memory(rt, eng, rep);
+  finish_report(eng, loop, cfg, rep);
   if (rank == 0 && !cfg.output.empty()) {
     fs::create_directories(cfg.output);
     tok.save((fs::path(cfg.output) / "tokenizer.model").string());
     save_model(cfg.output, "finetune", params, shape, cfg, corpus, tok);
   }
   return rep;
-}
-
-std::string format_report(const TextTrainConfig& cfg, const TextReport& r) {
-  std::ostringstream os;
-  os << std::fixed;
-  os << "\n== tandem " << r.kind << " report ==\n";
-  os << "model            transformer d_model " << r.shape.d_model << ", " << r.shape.layers << " layers, seq "
-     << r.shape.seq << ", vocabulary " << r.shape.vocab << " (" << r.parameters << " parameters), strategy "
-     << cfg.strategy << ", " << r.world_size << " worker(s), " << r.precision << "\n";
-  os << "layout           dp " << r.dp << " x tp " << r.tp << " x pp " << r.pp << " (data x tensor x pipeline parallel)";
-  if (r.pp > 1) {
-    os << ", " << cfg.micro_batches << " micro-batches, layers per stage";
-    for (size_t i = 0; i < r.partition.size(); ++i) os << (i ? "/" : " ") << r.partition[i];
-  }
-  os << "\n";
-  os << "data             " << r.train_documents << " train / " << r.valid_documents << " validation / "
-     << r.test_documents << " test documents, " << r.labels.size() << " labels\n";
-  if (r.kind == "finetune") {
-    os << "initialised      " << (r.initialised_from_checkpoint ? "from checkpoint " + cfg.checkpoint : "at random (from scratch)")
-       << "\n";
-  }
-  os << "steps            " << r.steps << " (global batch " << cfg.batch << ", " << r.samples << " samples";
-  if (cfg.grad_accum > 1) os << "; gradient accumulation: " << cfg.grad_accum << " micro-batches per replica and step";
-  os << ")\n";
-  os << "wall time        " << std::setprecision(1) << r.wall_seconds << " s (training loop)\n";
-  os << "throughput       " << std::setprecision(0) << r.samples_per_second << " samples/s, median step "
-     << std::setprecision(1) << r.step_ms_median << " ms\n";
-  if (r.speedup > 0) {
-    os << "speedup          " << std::setprecision(2) << r.speedup << "x against one worker (" << std::setprecision(0)
-       << cfg.baseline_samples_per_second << " samples/s), efficiency " << 100.0 * r.speedup / r.world_size << "%\n";
-  }
-  os << "final loss       " << std::setprecision(6) << r.final_loss << "\n";
-  if (r.eval_loss >= 0) {
-    os << "validation loss  " << std::setprecision(6) << r.eval_loss << " per token (perplexity "
-       << std::setprecision(1) << std::exp(r.eval_loss) << ")\n";
-  }
-  if (r.test_accuracy >= 0) {
-    os << "test accuracy    " << std::setprecision(2) << 100.0 * r.test_accuracy << "% (" << r.test_samples
-       << " documents)\n";
-    os << "confusion        rows: true label, columns: predicted\n";
-    os << "        ";
-    for (const auto& l : r.labels) os << std::setw(7) << l.substr(0, 6);
-    os << "\n";
-    for (size_t i = 0; i < r.confusion.size(); ++i) {
-      os << "  " << std::setw(6) << std::left << r.labels[i].substr(0, 6) << std::right;
-      for (auto v : r.confusion[i]) os << std::setw(7) << v;
-      os << "\n";
-    }
-  }
-  os << "peak memory      ";
-  for (size_t i = 0; i < r.peak_rss_bytes.size(); ++i) {
-    os << (i ? ", " : "") << "rank " << i << " " << std::setprecision(0) << r.peak_rss_bytes[i] / (1024.0 * 1024.0)
-       << " MiB";
-  }
-  os << "\n";
-  return os.str();
 }
 
 }  // namespace tandem::text

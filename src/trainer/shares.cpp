@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "tandem/report.h"
 #include "tandem/trainer.h"
 
 namespace tandem {
@@ -225,7 +226,7 @@ bool BatchSharePlan::calibrate_if_due(int64_t steps_done, Communicator& dp_comm,
 }
 
 void BatchSharePlan::report(Communicator& dp_comm, const at::Device& device, double wall_seconds,
-                            TrainReport& rep) const {
+                            Report& rep) const {
   auto t = at::tensor({static_cast<double>(samples_), forward_seconds_}, at::kDouble).to(device);
   auto all = at::empty({2 * dp_}, t.options());
   dp_comm.allgather(all, t);
@@ -240,31 +241,6 @@ void BatchSharePlan::report(Communicator& dp_comm, const at::Device& device, dou
     rep.rank_samples_per_second.push_back(wall_seconds > 0 ? n / wall_seconds : 0.0);
     rep.rank_forward_samples_per_second.push_back(fwd > 0 ? n / fwd : 0.0);
   }
-}
-
-std::string format_batch_shares(const TrainReport& rep) {
-  if (rep.batch_shares.empty()) return "";
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(0);
-  os << "batch shares     " << join(rep.batch_shares, "/") << " samples per step (" << rep.batch_shares_mode;
-  if (rep.batch_shares_mode == "auto") {
-    if (rep.calibrated_samples_per_second.empty()) {
-      os << ", not calibrated: the run ended before the calibration steps";
-    } else {
-      os << ", calibrated from forward rates";
-      for (size_t r = 0; r < rep.calibrated_samples_per_second.size(); ++r) {
-        os << (r ? "/" : " ") << rep.calibrated_samples_per_second[r];
-      }
-      os << " samples/s";
-    }
-  }
-  os << ")\nrank throughput  ";
-  for (size_t r = 0; r < rep.rank_samples_per_second.size(); ++r) {
-    os << (r ? ", " : "") << "rank " << r << " " << rep.rank_samples_per_second[r] << " samples/s (forward "
-       << rep.rank_forward_samples_per_second[r] << ")";
-  }
-  os << "\n";
-  return os.str();
 }
 
 }  // namespace tandem

@@ -230,57 +230,9 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
   return rec;
 }
 
-// The engine's figures of the loop into the report: traffic per step, the pipeline's bubble
-// (gathered over the stages of rank 0's replica), the loss scaler and DDP's overlap.
-void report_engine_stats(const TrainConfig& cfg, Engine& eng, const EngineStats& s, const c10::Device& dev,
-                         TrainReport& rep) {
-  const double steps = static_cast<double>(std::max<int64_t>(s.steps, 1));
-  for (auto& [op, d] : s.comm) rep.comm_bytes_per_step[op] = d.bytes / steps;
-  rep.wire_bytes_per_step = s.wire_bytes / steps;
-  rep.comm_engine_seconds = s.comm_seconds;
-  rep.loss_scale = s.loss_scale;
-  rep.skipped_steps = s.skipped_steps;
-  rep.comm_seconds = s.ddp_comm_seconds;
-  rep.exposed_comm_seconds = s.ddp_exposed_seconds;
-  rep.hidden_fraction = s.hidden_fraction;
-  rep.comm_bytes = s.ddp_bytes;
-  if (cfg.pp == 1) return;
-  auto mine = torch::tensor({s.bubble, static_cast<double>(s.peak_live_micro_batches), s.pipeline_step_ms,
-                             s.pipeline_compute_ms},
-                            torch::kDouble)
-                  .to(dev);
-  auto all = torch::empty({4 * cfg.pp}, torch::kDouble).to(dev);
-  eng.grid()->pp()->allgather(all, mine);
-  auto host = all.cpu();
-  for (int st = 0; st < cfg.pp; ++st) {
-    rep.bubble_per_stage.push_back(host[4 * st].item<double>());
-    rep.peak_live_micro_batches.push_back(static_cast<int64_t>(host[4 * st + 1].item<double>()));
-    rep.pipeline_step_ms_per_stage.push_back(host[4 * st + 2].item<double>());
-    rep.pipeline_compute_ms_per_stage.push_back(host[4 * st + 3].item<double>());
-  }
-  double sum = 0;
-  for (double b : rep.bubble_per_stage) sum += b;
-  rep.bubble_measured = sum / cfg.pp;
-  rep.bubble_theory = static_cast<double>(cfg.pp - 1) / static_cast<double>(cfg.micro_batches);
-}
-
 // Global per-step losses (one all-reduce of every step's local loss), the step times and the speedup.
-void report_losses(const TrainConfig& cfg, Engine& eng, const LoopRecord& rec, const c10::Device& dev,
-                   TrainReport& rep) {
-  rep.steps = rec.steps;
-  rep.samples = rec.samples;
-  rep.samples_per_second = rep.wall_seconds > 0 ? rec.samples / rep.wall_seconds : 0.0;
-  if (rec.step_ms.size() > 1) {
-    std::vector<double> s(rec.step_ms.begin() + 1, rec.step_ms.end());
-    std::nth_element(s.begin(), s.begin() + s.size() / 2, s.end());
-    rep.step_ms_median = s[s.size() / 2];
-  } else if (!rec.step_ms.empty()) {
-    rep.step_ms_median = rec.step_ms[0];
-  }
-  // Speedup from median step times (robust to the first step and a short last batch).
-  if (cfg.baseline_samples_per_second > 0 && rep.step_ms_median > 0) {
-    rep.speedup = (cfg.batch * 1000.0 / rep.step_ms_median) / cfg.baseline_samples_per_second;
-  }
+void report_losses(Engine& eng, const LoopRecord& rec, const c10::Device& dev, TrainReport& rep) {
+  record_loop(rep, rec.steps, rec.samples, rep.wall_seconds, rec.step_ms);
   if (rec.losses.empty()) return;
   auto lt = torch::tensor(rec.losses, torch::kDouble).to(dev);
   if (rec.weighted) {  // the sample-weighted mean: sum over ranks of n_r / N * loss_r
@@ -311,27 +263,16 @@ void evaluate(const TrainConfig& cfg, Engine& eng, const data::Dataset& test_set
   rep.test_accuracy = rep.test_samples > 0 ? static_cast<double>(host[0].item<int64_t>()) / rep.test_samples : 0.0;
 }
 
-// Memory: every rank's peak, and rank 0's model state (the same figures on every rank).
-void report_memory(Engine& eng, const c10::Device& dev, TrainReport& rep) {
-  const auto s = eng.stats();
-  const int world = eng.world_size();
-  auto mine = torch::tensor({s.peak_rss_bytes}, torch::kLong).to(dev);
-  auto all = torch::empty({world}, torch::kLong).to(dev);
-  eng.world()->allgather(all, mine);
-  auto host = all.cpu();
-  rep.peak_rss_bytes.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + world);
-  rep.peak_gathered_bytes = s.peak_gathered_bytes;
-  rep.zero_pool_bytes = s.zero_pool_bytes;
-  rep.zero_pool_misses = s.zero_pool_misses;
-  auto t = torch::tensor({s.parameter_bytes, s.gradient_bytes, s.optimizer_state_bytes}, torch::kLong).to(dev);
-  eng.world()->broadcast(t, 0);
-  auto h = t.cpu();
-  rep.parameter_bytes = h[0].item<int64_t>();
-  rep.gradient_bytes = h[1].item<int64_t>();
-  rep.optimizer_state_bytes = h[2].item<int64_t>();
+// What ran: the report's header, from the configuration and the engine's layout.
+TrainReport describe_run(const TrainConfig& cfg, const Engine& eng) {
+  TrainReport rep;
+  rep.command = "train";
+  rep.model = cfg.model;
+  rep.global_batch = cfg.batch;
+  rep.baseline_samples_per_second = cfg.baseline_samples_per_second;
+  describe_engine(eng, rep);
+  return rep;
 }
-
-void write_metrics(const TrainConfig& cfg, const TrainReport& rep, const std::vector<double>& step_ms);
 
 }  // namespace
 
@@ -347,6 +288,7 @@ ParallelConfig parallel_config(const TrainConfig& cfg) {
   if (cfg.pp > 1) pc.partition = parse_partition(cfg.pp_partition, cfg.pp);
   pc.grad_accum = cfg.grad_accum;
   pc.max_grad_norm = cfg.max_grad_norm;
+  pc.activation_checkpointing = parse_activation_checkpointing(cfg.activation_checkpointing);
   pc.compress = parse_compression(cfg.compress);
   pc.bucket_mb = cfg.bucket_mb;
   pc.find_unused = cfg.find_unused;
@@ -400,172 +342,18 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
     eo.partition_sample = train_set.images.narrow(0, 0, rows);
   }
   Engine eng(rt, make_registered_model(cfg.model), nullptr, optimizer_options(cfg), pc, eo);
-  TrainReport rep;
-  rep.world_size = world;
-  rep.parameters = eng.parameters();
-  rep.precision = precision_name(pc.precision);
-  rep.dp = dp;
-  rep.tp = cfg.tp;
-  rep.pp = cfg.pp;
-  rep.partition = eng.partition();
+  TrainReport rep = describe_run(cfg, eng);
 
   StartPoint start;
   if (cfg.resume) start = resume_from_checkpoint(cfg, eng, rank);
   rep.first_step = start.step;
   const LoopRecord rec = run_loop(cfg, eng, train_set, start, dev, rep);
-  report_engine_stats(cfg, eng, eng.stats(), dev, rep);
-  report_losses(cfg, eng, rec, dev, rep);
+  const EngineStats loop = eng.stats();
+  report_losses(eng, rec, dev, rep);
   if (cfg.evaluate && test_set.size() > 0) evaluate(cfg, eng, test_set, dev, rep);
-  report_memory(eng, dev, rep);
-  if (rank == 0 && !cfg.metrics_path.empty()) write_metrics(cfg, rep, rec.step_ms);
+  collect_engine_report(eng, loop, rep);
+  if (rank == 0 && !cfg.metrics_path.empty()) write_metrics(cfg.metrics_path, rep);
   return rep;
-}
-
-namespace {
-
-void write_metrics(const TrainConfig& cfg, const TrainReport& rep, const std::vector<double>& step_ms) {
-  std::ofstream f(cfg.metrics_path);
-  if (!f) throw std::runtime_error("cannot write metrics to '" + cfg.metrics_path + "'; check the directory exists");
-  for (size_t i = 0; i < rep.losses.size(); ++i) {
-    f << nlohmann::json{{"step", rep.first_step + static_cast<int64_t>(i) + 1}, {"loss", rep.losses[i]}, {"step_ms", i < step_ms.size() ? step_ms[i] : 0.0}}.dump()
-      << '\n';
-  }
-  nlohmann::json r = {{"report", true},
-                      {"model", cfg.model},
-                      {"strategy", cfg.strategy},
-                      {"precision", rep.precision},
-                      {"loss_scale", rep.loss_scale},
-                      {"skipped_steps", rep.skipped_steps},
-                      {"comm_bytes_per_step", rep.comm_bytes_per_step},
-                      {"wire_bytes_per_step", rep.wire_bytes_per_step},
-                      {"comm_engine_seconds", rep.comm_engine_seconds},
-                      {"peak_gathered_bytes", rep.peak_gathered_bytes},
-                      {"zero_pool_bytes", rep.zero_pool_bytes},
-                      {"zero_pool_misses", rep.zero_pool_misses},
-                      {"world_size", rep.world_size},
-                      {"steps", rep.steps},
-                      {"samples", rep.samples},
-                      {"wall_seconds", rep.wall_seconds},
-                      {"samples_per_second", rep.samples_per_second},
-                      {"step_ms_median", rep.step_ms_median},
-                      {"final_loss", rep.final_loss},
-                      {"test_accuracy", rep.test_accuracy},
-                      {"test_samples", rep.test_samples},
-                      {"peak_rss_bytes", rep.peak_rss_bytes},
-                      {"comm_seconds", rep.comm_seconds},
-                      {"exposed_comm_seconds", rep.exposed_comm_seconds},
-                      {"hidden_fraction", rep.hidden_fraction},
-                      {"comm_bytes", rep.comm_bytes},
-                      {"parameters", rep.parameters},
-                      {"parameter_bytes", rep.parameter_bytes},
-                      {"gradient_bytes", rep.gradient_bytes},
-                      {"optimizer_state_bytes", rep.optimizer_state_bytes},
-                      {"speedup", rep.speedup},
-                      {"dp", rep.dp},
-                      {"tp", rep.tp},
-                      {"pp", rep.pp},
-                      {"layout", "dp " + std::to_string(rep.dp) + " x tp " + std::to_string(rep.tp) + " x pp " +
-                                     std::to_string(rep.pp)}};
-  if (!rep.batch_shares.empty()) {
-    r["batch_shares_mode"] = rep.batch_shares_mode;
-    r["batch_shares"] = rep.batch_shares;
-    r["calibrated_samples_per_second"] = rep.calibrated_samples_per_second;
-    r["rank_samples_per_second"] = rep.rank_samples_per_second;
-    r["rank_forward_samples_per_second"] = rep.rank_forward_samples_per_second;
-  }
-  r["grad_accum"] = cfg.grad_accum;
-  if (rep.pp > 1) {
-    r["micro_batches"] = cfg.micro_batches;
-    r["pipeline_schedule"] = cfg.pipeline_schedule;
-    r["partition"] = rep.partition;
-    r["bubble_per_stage"] = rep.bubble_per_stage;
-    r["pipeline_step_ms_per_stage"] = rep.pipeline_step_ms_per_stage;
-    r["pipeline_compute_ms_per_stage"] = rep.pipeline_compute_ms_per_stage;
-    r["bubble_measured"] = rep.bubble_measured;
-    r["bubble_theory"] = rep.bubble_theory;
-    r["peak_live_micro_batches"] = rep.peak_live_micro_batches;
-  }
-  f << r.dump() << '\n';
-  if (!f) throw std::runtime_error("writing metrics to '" + cfg.metrics_path + "' failed (disk full?)");
-}
-
-}  // namespace
-
-std::string format_report(const TrainConfig& cfg, const TrainReport& r) {
-  std::ostringstream os;
-  os << std::fixed;
-  os << "\n== tandem train report ==\n";
-  os << "model            " << cfg.model << " (" << r.parameters << " parameters), strategy " << cfg.strategy << ", "
-     << r.world_size << " worker(s), " << r.precision << "\n";
-  os << "layout           dp " << r.dp << " x tp " << r.tp << " x pp " << r.pp << " (data x tensor x pipeline parallel)\n";
-  if (r.pp > 1) {
-    os << "pipeline         " << r.pp << " stages, layers per stage";
-    for (size_t s = 0; s < r.partition.size(); ++s) os << (s ? "/" : " ") << r.partition[s];
-    os << ", " << cfg.micro_batches << " micro-batches, " << cfg.pipeline_schedule << "\n";
-    os << "bubble           " << std::setprecision(2) << r.bubble_measured
-       << " idle/compute measured (mean over stages:";
-    for (size_t s = 0; s < r.bubble_per_stage.size(); ++s) os << (s ? "," : "") << " " << r.bubble_per_stage[s];
-    os << "), theory (pp-1)/m = " << r.bubble_theory << "; most micro-batches alive per stage:";
-    for (size_t s = 0; s < r.peak_live_micro_batches.size(); ++s) os << (s ? "," : "") << " " << r.peak_live_micro_batches[s];
-    os << "\n";
-  }
-  os << "steps            " << r.steps << " (global batch " << cfg.batch << ", " << r.samples << " samples";
-  if (cfg.grad_accum > 1) {
-    os << "; gradient accumulation: " << cfg.grad_accum << " micro-batches of about " << cfg.batch / r.dp / cfg.grad_accum
-       << " per replica and step";
-  }
-  os << ")\n";
-  os << "wall time        " << std::setprecision(1) << r.wall_seconds << " s (training loop)\n";
-  os << "throughput       " << std::setprecision(0) << r.samples_per_second << " samples/s, median step "
-     << std::setprecision(1) << r.step_ms_median << " ms\n";
-  os << format_batch_shares(r);
-  if (r.speedup > 0) {
-    os << "speedup          " << std::setprecision(2) << r.speedup << "x against one worker ("
-       << std::setprecision(0) << cfg.baseline_samples_per_second << " samples/s), efficiency "
-       << std::setprecision(0) << 100.0 * r.speedup / r.world_size << "%\n";
-  }
-  os << "final loss       " << std::setprecision(4) << r.final_loss << "\n";
-  if (r.test_accuracy >= 0) {
-    os << "test accuracy    " << std::setprecision(2) << 100.0 * r.test_accuracy << "% (" << r.test_samples
-       << " samples)\n";
-  }
-  os << "peak memory      ";
-  for (size_t i = 0; i < r.peak_rss_bytes.size(); ++i) {
-    os << (i ? ", " : "") << "rank " << i << " " << std::setprecision(0) << r.peak_rss_bytes[i] / (1024.0 * 1024.0)
-       << " MiB";
-  }
-  os << "\n";
-  os << "model state      " << std::setprecision(2) << "parameters " << r.parameter_bytes / (1024.0 * 1024.0)
-     << " MiB, gradients " << r.gradient_bytes / (1024.0 * 1024.0) << " MiB, optimizer state "
-     << r.optimizer_state_bytes / (1024.0 * 1024.0) << " MiB" << (r.precision != "fp32" ? " incl. fp32 masters" : "")
-     << " (rank 0)\n";
-  if (r.peak_gathered_bytes > 0) {
-    os << "gathered (zero3) " << std::setprecision(2) << r.peak_gathered_bytes / (1024.0 * 1024.0)
-       << " MiB of full parameters alive at most (rank 0)\n";
-  }
-  if (r.zero_pool_bytes > 0) {
-    os << "zero block       " << std::setprecision(2) << r.zero_pool_bytes / (1024.0 * 1024.0)
-       << " MiB of shared memory for scratch" << (r.peak_gathered_bytes > 0 ? " and gathered units" : "") << ", "
-       << r.zero_pool_misses << " buffer(s) outside it" << (r.zero_pool_misses > 0 ? " (their collectives go through MPI's fifos, slower)" : "")
-       << " (rank 0)\n";
-  }
-  if (r.precision == "fp16") {
-    os << "loss scale       " << std::setprecision(0) << r.loss_scale << ", " << r.skipped_steps
-       << " step(s) skipped on overflow\n";
-  }
-  if (r.world_size > 1 && !r.comm_bytes_per_step.empty()) {
-    os << "traffic per step " << std::setprecision(2) << r.wire_bytes_per_step / (1024.0 * 1024.0)
-       << " MiB on the wire per rank (ring model); payload:";
-    for (auto& [op, b] : r.comm_bytes_per_step) os << " " << op << " " << b / (1024.0 * 1024.0) << " MiB";
-    os << "\n";
-  }
-  if (r.dp > 1 && r.pp == 1 && is_ddp(parallel_config(cfg).strategy)) {  // DDP's own counters (over the dp ranks)
-    os << "communication    " << std::setprecision(2) << r.comm_seconds << " s all-reduce ("
-       << std::setprecision(1) << r.comm_bytes / (1024.0 * 1024.0) << " MiB), " << std::setprecision(2)
-       << r.exposed_comm_seconds << " s exposed, " << std::setprecision(0) << 100.0 * r.hidden_fraction
-       << "% hidden behind backward\n";
-  }
-  return os.str();
 }
 
 }  // namespace tandem

@@ -44,3 +44,6 @@ endforeach()
 foreach(np 2 3)
   tandem_add_dist_test(dist_engine_np${np} ${np} "*Engine*" TIMEOUT 300)
 endforeach()
+# Activation checkpointing through the Engine: the same gradients and training with and without
+# recomputation under ddp, zero1, zero3, tp2 and pp2, on a model with dropout.
+tandem_add_dist_test(dist_activation_checkpoint_np2 2 "*ActivationCheckpoint*" TIMEOUT 300)

@@ -64,8 +64,10 @@ for r in fp32 bf16 tp2 pp2 tp2_bf16 pp2_fp16 tp2_zero1_bf16 pp2_zero1_fp16 categ
 done
 check "bf16 report names its precision" "$(grep -c '^model .*, bf16$' "$tmp/bf16.log") == 1"
 check "tp2 report names its layout" "$(grep -c '^layout  *dp 1 x tp 2 x pp 1' "$tmp/tp2.log") == 1"
-check "pp2 report names its layout" "$(grep -cE '^layout  *dp 1 x tp 1 x pp 2 .*, 2 micro-batches, layers per stage [0-9]+/[0-9]+$' "$tmp/pp2.log") == 1"
-check "pp2_fp16 (cut by time) names its cut" "$(grep -cE '^layout  *dp 1 x tp 1 x pp 2 .*, layers per stage [0-9]+/[0-9]+$' "$tmp/pp2_fp16.log") == 1"
+check "pp2 report names its layout" "$(grep -cE '^layout  *dp 1 x tp 1 x pp 2 ' "$tmp/pp2.log") == 1"
+check "pp2 report names its stages" "$(grep -cE '^pipeline  *2 stages, layers per stage [0-9]+/[0-9]+, 2 micro-batches, 1f1b$' "$tmp/pp2.log") == 1"
+check "pp2 report measures its bubble" "$(grep -cE '^bubble  *[0-9.]+ idle/compute measured' "$tmp/pp2.log") == 1"
+check "pp2_fp16 (cut by time) names its cut" "$(grep -cE '^pipeline  *2 stages, layers per stage [0-9]+/[0-9]+,' "$tmp/pp2_fp16.log") == 1"
 check "fp32 well above chance (1/7): $a0" "float('$a0') >= 70"
 for r in tp2 pp2; do
   a=$(num "$(field $r "test accuracy")")

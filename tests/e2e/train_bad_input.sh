@@ -33,6 +33,10 @@ expect nprocs-not-a-number "nprocs: must be a whole number between 1 and 4096, g
 expect epochs-zero "epochs: must be between 1 and 10000, got 0$" -- "$tandem" train --epochs 0
 expect batch-zero "batch: must be between 1 and 16777216, got 0$" -- "$tandem" train --batch 0
 expect bad-lr "lr must be a positive number" -- "$tandem" train -n 1 --lr -1 --max-steps 1
+expect recompute-word "activation-checkpointing 'sometimes': use none, every, or N" -- \
+  "$tandem" train -n 1 --activation-checkpointing sometimes --max-steps 1
+expect recompute-too-many "activation-checkpointing 40: the model has [0-9]+ layers; use at most" -- \
+  "$tandem" train -n 1 --model mlp --activation-checkpointing 40 --max-steps 1
 expect grad-accum-zero "grad-accum must be at least 1" -- "$tandem" train -n 1 --grad-accum 0 --max-steps 1
 expect grad-accum-pp "grad-accum with --pp: the pipeline already accumulates.*--micro-batches 8" -- \
   "$tandem" train -n 2 --pp 2 --grad-accum 2 --no-baseline --max-steps 1

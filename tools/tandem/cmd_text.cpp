@@ -59,6 +59,9 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per replica batch (--pp > 1)")
       ->capture_default_str();
+  app.add_option("--activation-checkpointing", cfg.activation_checkpointing,
+                 "recompute activations in backward instead of keeping them: none, every layer, or the first N layers (of each pipeline stage)")
+      ->capture_default_str();
   app.add_option("--grad-accum", cfg.grad_accum,
                  "gradient accumulation without --pp: each replica's batch as K micro-batches per optimizer step")
       ->capture_default_str();
@@ -74,6 +77,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   app.add_flag("--no-eval", no_eval, "skip the evaluation");
   app.add_flag("--no-progress", no_progress, "no progress display");
   app.add_option("--log-every", cfg.log_every, "plain progress line every N steps")->capture_default_str();
+  app.add_option("--metrics", cfg.metrics_path, "write per-step loss and time, then the report, as JSON lines");
   app.add_option("--timeout", timeout_s, "seconds any communication may block before failing")->capture_default_str();
   auto shape_flags = [&](CLI::App& a) {
     a.add_option("--vocab", cfg.tokenizer.vocab_size, "tokenizer vocabulary size")->capture_default_str();
@@ -170,7 +174,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   try {
     auto report = pretraining ? text::pretrain(*rt, cfg) : text::finetune(*rt, cfg);
     if (rt->rank() == 0) {
-      std::cout << text::format_report(cfg, report);
+      std::cout << format_report(report);
       if (pretraining) std::cout << "checkpoint       " << cfg.checkpoint << "\n";
       if (!cfg.output.empty()) std::cout << "saved            " << cfg.output << "\n";
       std::cout << std::flush;

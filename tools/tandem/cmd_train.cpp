@@ -45,6 +45,9 @@ int cmd_train(int argc, char** argv) {
                  "fp32 | bf16 | fp16 (compute precision; fp32 master weights; fp16 with dynamic loss scaling)")
       ->capture_default_str();
   app.add_option("--max-grad-norm", cfg.max_grad_norm, "clip the global gradient norm (0: off)")->capture_default_str();
+  app.add_option("--activation-checkpointing", cfg.activation_checkpointing,
+                 "recompute activations in backward instead of keeping them: none, every layer, or the first N layers (of each pipeline stage)")
+      ->capture_default_str();
   app.add_option("--initial-loss-scale", cfg.initial_loss_scale,
                  "fp16: the dynamic loss scale to start from (halved on every overflow, doubled after 1000 clean steps)")
       ->check(number_between(0, 4294967296.0, /*above_lo=*/true))
@@ -240,7 +243,7 @@ int cmd_train(int argc, char** argv) {
   if (rt->rank() == 0 && rt->hosts().size() > 1) std::cout << "hosts            " << rt->layout() << std::endl;
   try {
     auto report = train(*rt, cfg);
-    if (rt->rank() == 0) std::cout << format_report(cfg, report) << std::flush;
+    if (rt->rank() == 0) std::cout << format_report(report) << std::flush;
   } catch (const std::exception& e) {
     auto* ce = dynamic_cast<const c10::Error*>(&e);
     // One write: cerr is unbuffered, and every rank may fail at once (the lines interleaved).

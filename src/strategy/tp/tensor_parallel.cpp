@@ -7,6 +7,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "tandem/activation_checkpoint.h"
 #include "tandem/grid.h"
 
 namespace tandem::tp {
@@ -373,6 +374,14 @@ void set(const at::Tensor& dst, const at::Tensor& src, const char* what) {
 }
 }  // namespace
 
+namespace {
+// The layer itself, when activation checkpointing wrapped it (the wrapper shares its parameters).
+std::shared_ptr<torch::nn::Module> unwrapped(std::shared_ptr<torch::nn::Module> m) {
+  if (auto* w = m->as<CheckpointedImpl>()) return w->inner().ptr();
+  return m;
+}
+}  // namespace
+
 void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense, const CommPtr& tp, int64_t first,
                      int64_t end) {
   if (!parallel || !dense || parallel->size() != dense->size()) {
@@ -382,7 +391,7 @@ void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense
   auto& c = *tp;
   torch::NoGradGuard ng;
   for (int64_t i = first; i < end; ++i) {
-    auto p = parallel->ptr(i);
+    auto p = unwrapped(parallel->ptr(i));
     auto d = dense->ptr(i);
     if (p == d) continue;  // shared (replicated) child
     if (auto* e = p->as<ParallelTokenEmbeddingImpl>()) {
@@ -440,7 +449,7 @@ std::vector<bool> sharded_parameters(torch::nn::Sequential parallel, int64_t fir
   if (end < 0) end = static_cast<int64_t>(parallel->size());
   std::vector<bool> out;
   for (int64_t i = first; i < end; ++i) {
-    auto child = parallel->ptr(i);
+    auto child = unwrapped(parallel->ptr(i));
     std::set<const void*> shards;
     for (auto& m : child->modules(/*include_self=*/true)) {
       if (auto* c = m->as<ColumnParallelLinearImpl>()) {

@@ -1,0 +1,131 @@
+// The end-of-run report of a training loop on the Engine: what ran, the loop's time and
+// losses, the evaluation, and the Engine's communication, memory and pipeline figures. Every
+// command (`tandem train`, `pretrain`, `finetune`) fills one and prints it with the one
+// formatter, so each figure has the same name and the same form everywhere; a custom loop can
+// do the same:
+//
+//   tandem::Report rep;
+//   rep.command = "my-train"; rep.model = "resnet"; ...
+//   tandem::record_loop(rep, steps, samples, wall_seconds, step_ms);
+//   tandem::collect_engine_report(engine, rep);  // collective
+//   if (engine.world()->rank() == 0) std::cout << tandem::format_report(rep);
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tandem {
+
+class Engine;
+struct EngineStats;
+
+struct Report {
+  // ---- what ran (filled by the command)
+  std::string command = "train";  // the title: "== tandem <command> report =="
+  std::string model;              // name or description of the model
+  std::string strategy = "single";
+  std::string precision = "fp32";
+  int world_size = 1;
+  int dp = 1, tp = 1, pp = 1;  // dp x tp x pp = world_size
+  int64_t parameters = 0;
+  int64_t global_batch = 0;
+  int64_t grad_accum = 1;
+  int64_t micro_batches = 1;      // pipeline micro-batches per replica and step (pp > 1)
+  std::string pipeline_schedule;  // pp > 1
+  std::vector<int64_t> partition;  // layers per pipeline stage (pp > 1)
+  std::string activation_checkpointing = "none";  // none | every | N (tandem/activation_checkpoint.h)
+  double baseline_samples_per_second = 0.0;  // one worker's, when known: gives the speedup
+  // Lines the command adds after the layout, as (label, text): e.g. the data and where the
+  // weights came from.
+  std::vector<std::pair<std::string, std::string>> context;
+
+  // ---- the loop (record_loop, and the command's global losses)
+  int64_t first_step = 0;  // steps done before this run (resumed from a checkpoint)
+  int64_t steps = 0;
+  int64_t samples = 0;  // global samples processed
+  double wall_seconds = 0.0;  // the training loop only (no data loading, no evaluation)
+  double samples_per_second = 0.0;
+  double step_ms_median = 0.0;  // median wall time of a step, the first left out
+  double speedup = 0.0;         // over baseline_samples_per_second, from the median step
+  std::vector<double> step_ms;  // this rank's wall milliseconds of every step
+  std::vector<double> losses;   // the global batch's loss of every step
+  double final_loss = 0.0;
+
+  // ---- the evaluation (filled by the command; negative: not evaluated)
+  double eval_loss = -1.0;      // validation loss per token (language models)
+  double test_accuracy = -1.0;  // in [0, 1]
+  int64_t test_samples = 0;
+  std::string test_unit = "samples";  // what test_samples counts: "samples", "documents"
+  std::string evaluation_detail;      // printed after the accuracy (e.g. a confusion table)
+
+  // ---- the Engine's figures (collect_engine_report)
+  std::vector<int64_t> peak_rss_bytes;  // every rank's resident peak
+  // Rank 0's model state after training: for ZeRO the sharded figures, masters included in
+  // the optimizer state (tandem/zero.h, ZeroMemory).
+  int64_t parameter_bytes = 0, gradient_bytes = 0, optimizer_state_bytes = 0;
+  int64_t peak_gathered_bytes = 0;  // ZeRO-3: most gathered unit parameters alive at once
+  // ZeRO-2/3 on CPU with several ranks: the shared-memory block that gradient scratch and
+  // gathered units come from, and how many buffers did not fit and took ordinary memory
+  // (their collectives go through MPI's fifos, slower).
+  int64_t zero_pool_bytes = 0, zero_pool_misses = 0;
+  double loss_scale = 1.0;    // fp16: the final dynamic loss scale
+  int64_t skipped_steps = 0;  // fp16: steps skipped on overflow
+  // Rank 0's traffic per step, from the Communicator's counters over every group: payload per
+  // collective, and what a ring algorithm puts on the wire per rank (all-reduce 2(N-1)/N S,
+  // reduce-scatter and all-gather (N-1)/N S of the full size S).
+  std::map<std::string, double> comm_bytes_per_step;
+  double wire_bytes_per_step = 0.0;
+  double comm_engine_seconds = 0.0;  // rank 0's seconds on the communication engine
+  // DDP's own all-reduces (rank 0): time, bytes, the part not hidden behind backward.
+  double comm_seconds = 0.0, exposed_comm_seconds = 0.0, hidden_fraction = 0.0;
+  int64_t comm_bytes = 0;
+  // Pipeline (pp > 1), the stages of rank 0's replica over the steps after the first: idle over
+  // compute time of each stage (theory for balanced stages: (pp - 1) / micro-batches), mean
+  // step and compute milliseconds, and the most micro-batches whose activations a stage held.
+  std::vector<double> bubble_per_stage;
+  std::vector<double> pipeline_step_ms_per_stage, pipeline_compute_ms_per_stage;
+  double bubble_measured = 0.0;  // mean of bubble_per_stage
+  double bubble_theory = 0.0;
+  std::vector<int64_t> peak_live_micro_batches;
+
+  // ---- batch shares (tandem/shares.h; data parallelism over unequal devices)
+  std::string batch_shares_mode;  // equal | weights | counts | auto
+  std::vector<int64_t> batch_shares;  // each rank's samples per step at the end
+  std::vector<double> calibrated_samples_per_second;
+  std::vector<double> rank_samples_per_second, rank_forward_samples_per_second;
+};
+
+// The layout into the report: strategy, precision, world and dp x tp x pp, parameters,
+// accumulation, the pipeline's micro-batches, schedule and cut, and the recomputation. The
+// command fills command, model, global_batch and the baseline. Local.
+void describe_engine(const Engine& engine, Report& rep);
+
+// The loop's figures from its wall time and each step's milliseconds: throughput, the median
+// step (the first step left out: it warms caches and allocators) and, with a baseline, the
+// speedup. Local: no communication.
+void record_loop(Report& rep, int64_t steps, int64_t samples, double wall_seconds, const std::vector<double>& step_ms);
+
+// The Engine's figures into the report: traffic, DDP's overlap, the loss scaler, the pipeline's
+// stages, every rank's peak memory and rank 0's model state. Collective over engine.world():
+// every rank calls it, after the loop. `loop` is engine.stats() read when the loop ended, so
+// that what the command communicates after it (its global losses, its evaluation's counts) is
+// not charged to the steps; the memory figures are read at the call (peaks include evaluation).
+void collect_engine_report(Engine& engine, const EngineStats& loop, Report& rep);
+void collect_engine_report(Engine& engine, Report& rep);  // loop = engine.stats() now
+
+// The human-readable report (rank 0 prints it).
+std::string format_report(const Report& rep);
+
+// The report as one line of JSON: every figure above under its field name, plus "report": true
+// and "layout": "dp A x tp B x pp C" (the last line of a --metrics file).
+std::string report_json(const Report& rep);
+
+// A --metrics file: a JSON line per step ({"step", "loss", "step_ms"}, steps counted from
+// first_step + 1), then the report_json line. Throws std::runtime_error naming the path when it
+// cannot be written.
+void write_metrics(const std::string& path, const Report& rep);
+
+}  // namespace tandem

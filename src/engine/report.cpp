@@ -1,0 +1,345 @@
+// The one report of every training command: its collective part (collect_engine_report), its
+// text (format_report) and its JSON (report_json).
+#include "tandem/report.h"
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include "tandem/engine.h"
+#include "tandem/grid.h"
+
+namespace tandem {
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+template <typename T>
+std::string joined(const std::vector<T>& v, const char* sep) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(0);
+  for (size_t i = 0; i < v.size(); ++i) os << (i ? sep : "") << v[i];
+  return os.str();
+}
+
+// Each stage's bubble, step and compute time and live micro-batches, from the stages of this
+// rank's replica (collective over the pipeline group).
+void gather_pipeline(Engine& eng, const EngineStats& s, Report& rep) {
+  const int pp = eng.config().pp;
+  auto mine = torch::tensor({s.bubble, static_cast<double>(s.peak_live_micro_batches), s.pipeline_step_ms,
+                             s.pipeline_compute_ms},
+                            torch::kDouble)
+                  .to(eng.device());
+  auto all = torch::empty({4 * pp}, mine.options());
+  eng.grid()->pp()->allgather(all, mine);
+  auto host = all.cpu();
+  rep.bubble_per_stage.clear();
+  rep.peak_live_micro_batches.clear();
+  rep.pipeline_step_ms_per_stage.clear();
+  rep.pipeline_compute_ms_per_stage.clear();
+  double sum = 0.0;
+  for (int st = 0; st < pp; ++st) {
+    rep.bubble_per_stage.push_back(host[4 * st].item<double>());
+    rep.peak_live_micro_batches.push_back(static_cast<int64_t>(host[4 * st + 1].item<double>()));
+    rep.pipeline_step_ms_per_stage.push_back(host[4 * st + 2].item<double>());
+    rep.pipeline_compute_ms_per_stage.push_back(host[4 * st + 3].item<double>());
+    sum += rep.bubble_per_stage.back();
+  }
+  rep.bubble_measured = sum / pp;
+  rep.bubble_theory = static_cast<double>(pp - 1) / static_cast<double>(eng.config().micro_batches);
+}
+
+// Every rank's peak, and rank 0's model state (the same figures on every rank).
+void gather_memory(Engine& eng, const EngineStats& s, Report& rep) {
+  const int world = eng.world_size();
+  auto mine = torch::tensor({s.peak_rss_bytes}, torch::kLong).to(eng.device());
+  auto all = torch::empty({world}, mine.options());
+  eng.world()->allgather(all, mine);
+  auto host = all.cpu();
+  rep.peak_rss_bytes.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + world);
+  auto t = torch::tensor({s.parameter_bytes, s.gradient_bytes, s.optimizer_state_bytes}, torch::kLong)
+               .to(eng.device());
+  eng.world()->broadcast(t, 0);
+  auto h = t.cpu();
+  rep.parameter_bytes = h[0].item<int64_t>();
+  rep.gradient_bytes = h[1].item<int64_t>();
+  rep.optimizer_state_bytes = h[2].item<int64_t>();
+  rep.peak_gathered_bytes = s.peak_gathered_bytes;
+  rep.zero_pool_bytes = s.zero_pool_bytes;
+  rep.zero_pool_misses = s.zero_pool_misses;
+}
+
+// "label" padded to the report's column of values.
+std::ostream& line(std::ostream& os, const std::string& label) {
+  os << label;
+  for (size_t i = label.size(); i < 17; ++i) os << ' ';
+  return os;
+}
+
+void format_layout(std::ostringstream& os, const Report& r) {
+  line(os, "model") << r.model << " (" << r.parameters << " parameters), strategy " << r.strategy << ", "
+                    << r.world_size << " worker(s), " << r.precision << "\n";
+  line(os, "layout") << "dp " << r.dp << " x tp " << r.tp << " x pp " << r.pp
+                     << " (data x tensor x pipeline parallel)\n";
+  if (r.pp > 1) {
+    line(os, "pipeline") << r.pp << " stages, layers per stage " << joined(r.partition, "/") << ", " << r.micro_batches
+                         << " micro-batches, " << r.pipeline_schedule << "\n";
+    if (!r.bubble_per_stage.empty()) {
+      line(os, "bubble") << std::setprecision(2) << r.bubble_measured << " idle/compute measured (mean over stages:";
+      for (size_t s = 0; s < r.bubble_per_stage.size(); ++s) os << (s ? "," : "") << " " << r.bubble_per_stage[s];
+      os << "), theory (pp-1)/m = " << r.bubble_theory << "; most micro-batches alive per stage: "
+         << joined(r.peak_live_micro_batches, ", ") << "\n";
+    }
+  }
+  if (r.activation_checkpointing != "none") {
+    line(os, "recomputation") << (r.activation_checkpointing == "every"
+                                      ? std::string("the activations of every layer")
+                                      : "the activations of the first " + r.activation_checkpointing + " layer(s)" +
+                                            (r.pp > 1 ? " of each stage" : ""))
+                              << ", recomputed in backward\n";
+  }
+  for (const auto& [label, text] : r.context) line(os, label) << text << "\n";
+}
+
+void format_loop(std::ostringstream& os, const Report& r) {
+  line(os, "steps") << r.steps << " (global batch " << r.global_batch << ", " << r.samples << " samples";
+  if (r.grad_accum > 1) {
+    os << "; gradient accumulation: " << r.grad_accum << " micro-batches of about "
+       << r.global_batch / std::max(r.dp, 1) / r.grad_accum << " per replica and step";
+  }
+  os << ")\n";
+  line(os, "wall time") << std::setprecision(1) << r.wall_seconds << " s (training loop)\n";
+  line(os, "throughput") << std::setprecision(0) << r.samples_per_second << " samples/s, median step "
+                         << std::setprecision(1) << r.step_ms_median << " ms\n";
+  if (!r.batch_shares.empty()) {
+    line(os, "batch shares") << joined(r.batch_shares, "/") << " samples per step (" << r.batch_shares_mode;
+    if (r.batch_shares_mode == "auto") {
+      if (r.calibrated_samples_per_second.empty()) {
+        os << ", not calibrated: the run ended before the calibration steps";
+      } else {
+        os << ", calibrated from forward rates " << joined(r.calibrated_samples_per_second, "/") << " samples/s";
+      }
+    }
+    os << ")\n";
+    line(os, "rank throughput") << std::setprecision(0);
+    for (size_t k = 0; k < r.rank_samples_per_second.size(); ++k) {
+      os << (k ? ", " : "") << "rank " << k << " " << r.rank_samples_per_second[k] << " samples/s (forward "
+         << r.rank_forward_samples_per_second[k] << ")";
+    }
+    os << "\n";
+  }
+  if (r.speedup > 0) {
+    line(os, "speedup") << std::setprecision(2) << r.speedup << "x against one worker (" << std::setprecision(0)
+                        << r.baseline_samples_per_second << " samples/s), efficiency "
+                        << 100.0 * r.speedup / r.world_size << "%\n";
+  }
+  line(os, "final loss") << std::setprecision(6) << r.final_loss << "\n";
+}
+
+void format_evaluation(std::ostringstream& os, const Report& r) {
+  if (r.eval_loss >= 0) {
+    line(os, "validation loss") << std::setprecision(6) << r.eval_loss << " per token (perplexity "
+                                << std::setprecision(1) << std::exp(r.eval_loss) << ")\n";
+  }
+  if (r.test_accuracy >= 0) {
+    line(os, "test accuracy") << std::setprecision(2) << 100.0 * r.test_accuracy << "% (" << r.test_samples << " "
+                              << r.test_unit << ")\n";
+    os << r.evaluation_detail;
+  }
+}
+
+void format_memory(std::ostringstream& os, const Report& r) {
+  line(os, "peak memory") << std::setprecision(0);
+  for (size_t i = 0; i < r.peak_rss_bytes.size(); ++i) {
+    os << (i ? ", " : "") << "rank " << i << " " << r.peak_rss_bytes[i] / kMiB << " MiB";
+  }
+  os << "\n";
+  line(os, "model state") << std::setprecision(2) << "parameters " << r.parameter_bytes / kMiB << " MiB, gradients "
+                          << r.gradient_bytes / kMiB << " MiB, optimizer state " << r.optimizer_state_bytes / kMiB
+                          << " MiB" << (r.precision != "fp32" ? " incl. fp32 masters" : "") << " (rank 0)\n";
+  if (r.peak_gathered_bytes > 0) {
+    line(os, "gathered (zero3)") << r.peak_gathered_bytes / kMiB
+                                 << " MiB of full parameters alive at most (rank 0)\n";
+  }
+  if (r.zero_pool_bytes > 0) {
+    line(os, "zero block") << r.zero_pool_bytes / kMiB << " MiB of shared memory for scratch"
+                           << (r.peak_gathered_bytes > 0 ? " and gathered units" : "") << ", " << r.zero_pool_misses
+                           << " buffer(s) outside it"
+                           << (r.zero_pool_misses > 0 ? " (their collectives go through MPI's fifos, slower)" : "")
+                           << " (rank 0)\n";
+  }
+}
+
+void format_communication(std::ostringstream& os, const Report& r) {
+  if (r.precision == "fp16") {
+    line(os, "loss scale") << std::setprecision(0) << r.loss_scale << ", " << r.skipped_steps
+                           << " step(s) skipped on overflow\n";
+  }
+  if (r.world_size > 1 && !r.comm_bytes_per_step.empty()) {
+    line(os, "traffic per step") << std::setprecision(2) << r.wire_bytes_per_step / kMiB
+                                 << " MiB on the wire per rank (ring model); payload:";
+    for (const auto& [op, b] : r.comm_bytes_per_step) os << " " << op << " " << b / kMiB << " MiB";
+    os << "\n";
+  }
+  if (r.dp > 1 && r.pp == 1 && r.comm_bytes > 0) {  // DDP's own counters
+    line(os, "communication") << std::setprecision(2) << r.comm_seconds << " s all-reduce (" << std::setprecision(1)
+                              << r.comm_bytes / kMiB << " MiB), " << std::setprecision(2) << r.exposed_comm_seconds
+                              << " s exposed, " << std::setprecision(0) << 100.0 * r.hidden_fraction
+                              << "% hidden behind backward\n";
+  }
+}
+
+}  // namespace
+
+void describe_engine(const Engine& eng, Report& rep) {
+  const ParallelConfig& pc = eng.config();
+  rep.strategy = to_string(pc.strategy);
+  rep.precision = precision_name(pc.precision);
+  rep.world_size = eng.world_size();
+  rep.dp = eng.dp_size();
+  rep.tp = pc.tp;
+  rep.pp = pc.pp;
+  rep.parameters = eng.parameters();
+  rep.grad_accum = pc.grad_accum;
+  rep.micro_batches = pc.micro_batches;
+  rep.pipeline_schedule = to_string(pc.schedule);
+  rep.partition = eng.partition();
+  rep.activation_checkpointing = to_string(pc.activation_checkpointing);
+}
+
+void record_loop(Report& rep, int64_t steps, int64_t samples, double wall_seconds, const std::vector<double>& step_ms) {
+  rep.steps = steps;
+  rep.samples = samples;
+  rep.wall_seconds = wall_seconds;
+  rep.step_ms = step_ms;
+  rep.samples_per_second = wall_seconds > 0 ? samples / wall_seconds : 0.0;
+  rep.step_ms_median = 0.0;
+  if (step_ms.size() > 1) {
+    std::vector<double> s(step_ms.begin() + 1, step_ms.end());
+    std::nth_element(s.begin(), s.begin() + s.size() / 2, s.end());
+    rep.step_ms_median = s[s.size() / 2];
+  } else if (!step_ms.empty()) {
+    rep.step_ms_median = step_ms[0];
+  }
+  // From the median step: robust to the first step and a short last batch.
+  rep.speedup = 0.0;
+  if (rep.baseline_samples_per_second > 0 && rep.step_ms_median > 0) {
+    rep.speedup = (rep.global_batch * 1000.0 / rep.step_ms_median) / rep.baseline_samples_per_second;
+  }
+}
+
+void collect_engine_report(Engine& eng, Report& rep) { collect_engine_report(eng, eng.stats(), rep); }
+
+void collect_engine_report(Engine& eng, const EngineStats& s, Report& rep) {
+  const double steps = static_cast<double>(std::max<int64_t>(s.steps, 1));
+  rep.comm_bytes_per_step.clear();
+  for (const auto& [op, d] : s.comm) rep.comm_bytes_per_step[op] = d.bytes / steps;
+  rep.wire_bytes_per_step = s.wire_bytes / steps;
+  rep.comm_engine_seconds = s.comm_seconds;
+  rep.loss_scale = s.loss_scale;
+  rep.skipped_steps = s.skipped_steps;
+  rep.comm_seconds = s.ddp_comm_seconds;
+  rep.exposed_comm_seconds = s.ddp_exposed_seconds;
+  rep.hidden_fraction = s.hidden_fraction;
+  rep.comm_bytes = s.ddp_bytes;
+  if (eng.config().pp > 1) gather_pipeline(eng, s, rep);
+  gather_memory(eng, eng.stats(), rep);
+}
+
+std::string format_report(const Report& r) {
+  std::ostringstream os;
+  os << std::fixed;
+  os << "\n== tandem " << r.command << " report ==\n";
+  format_layout(os, r);
+  format_loop(os, r);
+  format_evaluation(os, r);
+  format_memory(os, r);
+  format_communication(os, r);
+  return os.str();
+}
+
+std::string report_json(const Report& r) {
+  nlohmann::json j = {{"report", true},
+                      {"command", r.command},
+                      {"model", r.model},
+                      {"strategy", r.strategy},
+                      {"precision", r.precision},
+                      {"world_size", r.world_size},
+                      {"dp", r.dp},
+                      {"tp", r.tp},
+                      {"pp", r.pp},
+                      {"layout", "dp " + std::to_string(r.dp) + " x tp " + std::to_string(r.tp) + " x pp " +
+                                     std::to_string(r.pp)},
+                      {"parameters", r.parameters},
+                      {"global_batch", r.global_batch},
+                      {"grad_accum", r.grad_accum},
+                      {"activation_checkpointing", r.activation_checkpointing},
+                      {"first_step", r.first_step},
+                      {"steps", r.steps},
+                      {"samples", r.samples},
+                      {"wall_seconds", r.wall_seconds},
+                      {"samples_per_second", r.samples_per_second},
+                      {"step_ms_median", r.step_ms_median},
+                      {"speedup", r.speedup},
+                      {"final_loss", r.final_loss},
+                      {"eval_loss", r.eval_loss},
+                      {"test_accuracy", r.test_accuracy},
+                      {"test_samples", r.test_samples},
+                      {"peak_rss_bytes", r.peak_rss_bytes},
+                      {"parameter_bytes", r.parameter_bytes},
+                      {"gradient_bytes", r.gradient_bytes},
+                      {"optimizer_state_bytes", r.optimizer_state_bytes},
+                      {"peak_gathered_bytes", r.peak_gathered_bytes},
+                      {"zero_pool_bytes", r.zero_pool_bytes},
+                      {"zero_pool_misses", r.zero_pool_misses},
+                      {"loss_scale", r.loss_scale},
+                      {"skipped_steps", r.skipped_steps},
+                      {"comm_bytes_per_step", r.comm_bytes_per_step},
+                      {"wire_bytes_per_step", r.wire_bytes_per_step},
+                      {"comm_engine_seconds", r.comm_engine_seconds},
+                      {"comm_seconds", r.comm_seconds},
+                      {"exposed_comm_seconds", r.exposed_comm_seconds},
+                      {"hidden_fraction", r.hidden_fraction},
+                      {"comm_bytes", r.comm_bytes}};
+  if (r.pp > 1) {
+    j["micro_batches"] = r.micro_batches;
+    j["pipeline_schedule"] = r.pipeline_schedule;
+    j["partition"] = r.partition;
+    j["bubble_per_stage"] = r.bubble_per_stage;
+    j["pipeline_step_ms_per_stage"] = r.pipeline_step_ms_per_stage;
+    j["pipeline_compute_ms_per_stage"] = r.pipeline_compute_ms_per_stage;
+    j["bubble_measured"] = r.bubble_measured;
+    j["bubble_theory"] = r.bubble_theory;
+    j["peak_live_micro_batches"] = r.peak_live_micro_batches;
+  }
+  if (!r.batch_shares.empty()) {
+    j["batch_shares_mode"] = r.batch_shares_mode;
+    j["batch_shares"] = r.batch_shares;
+    j["calibrated_samples_per_second"] = r.calibrated_samples_per_second;
+    j["rank_samples_per_second"] = r.rank_samples_per_second;
+    j["rank_forward_samples_per_second"] = r.rank_forward_samples_per_second;
+  }
+  return j.dump();
+}
+
+void write_metrics(const std::string& path, const Report& rep) {
+  std::ofstream f(path);
+  if (!f) throw std::runtime_error("cannot write metrics to '" + path + "'; check the directory exists");
+  for (size_t i = 0; i < rep.losses.size(); ++i) {
+    f << nlohmann::json{{"step", rep.first_step + static_cast<int64_t>(i) + 1},
+                        {"loss", rep.losses[i]},
+                        {"step_ms", i < rep.step_ms.size() ? rep.step_ms[i] : 0.0}}
+             .dump()
+      << '\n';
+  }
+  f << report_json(rep) << '\n';
+  if (!f) throw std::runtime_error("writing metrics to '" + path + "' failed (disk full?)");
+}
+
+}  // namespace tandem
