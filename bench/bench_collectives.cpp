@@ -186,9 +186,7 @@ int main(int argc, char** argv) {
           MPI_Wait(&req, MPI_STATUS_IGNORE);
         },
         [&] { comm->reduce_scatter(rs_out, rs_in, tandem::ReduceOp::kSum); },
-        [&] {
-          MPI_Reduce_scatter_block(rs_in.data_ptr(), rs_out.data_ptr(), cc, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-        },
+        [&] { MPI_Reduce_scatter_block(rs_in.data_ptr(), rs_out.data_ptr(), cc, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
         [&] { comm->allgather(ag_out, ag_in); },
         [&] { MPI_Allgather(ag_in.data_ptr(), cc, MPI_FLOAT, ag_out.data_ptr(), cc, MPI_FLOAT, MPI_COMM_WORLD); },
     };

@@ -70,7 +70,8 @@ int main(int argc, char** argv) {
     auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
     loss.backward();
     opt.step();
-    if (s >= warmup) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    if (s >= warmup)
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   comm->barrier();
   // Rank 0 reports the slowest rank's median (a step is as slow as its slowest rank).
@@ -84,13 +85,18 @@ int main(int argc, char** argv) {
     double mean = 0;
     for (double v : ms) mean += v;
     mean /= static_cast<double>(ms.size());
-    nlohmann::json j = {{"impl", "tandem"},        {"model", model_name},
-                        {"mode", mode},            {"world", R},
-                        {"batch", batch},          {"steps", steps},
+    nlohmann::json j = {{"impl", "tandem"},
+                        {"model", model_name},
+                        {"mode", mode},
+                        {"world", R},
+                        {"batch", batch},
+                        {"steps", steps},
                         {"median_ms", t.item<double>()},
-                        {"rank0_mean_ms", mean},   {"comm_ms_per_step", 1000.0 * st.comm_seconds / steps},
+                        {"rank0_mean_ms", mean},
+                        {"comm_ms_per_step", 1000.0 * st.comm_seconds / steps},
                         {"exposed_ms_per_step", 1000.0 * st.exposed_seconds / steps},
-                        {"hidden_fraction", st.hidden_fraction()}, {"buckets", plan.size()}};
+                        {"hidden_fraction", st.hidden_fraction()},
+                        {"buckets", plan.size()}};
     std::cout << j.dump() << std::endl;
   }
   return 0;

@@ -172,13 +172,17 @@ int main(int argc, char** argv) {
     r.bubble_ratio.clear();
     r.bubble_fraction.clear();
   }
-  time_block(*dense, [&](const at::Tensor& t) { return dense->forward(t); }, true);
-  time_block(*par, [&](const at::Tensor& t) { return par->forward(t); }, false);
+  time_block(
+      *dense, [&](const at::Tensor& t) { return dense->forward(t); }, true);
+  time_block(
+      *par, [&](const at::Tensor& t) { return par->forward(t); }, false);
   for (int64_t rep = 0; rep < reps; ++rep) {
     single_ms.push_back(time_single());
     for (auto& [k, r] : pipes) time_pipe(r);
-    dense_ms.push_back(time_block(*dense, [&](const at::Tensor& t) { return dense->forward(t); }, true));
-    tp_ms.push_back(time_block(*par, [&](const at::Tensor& t) { return par->forward(t); }, false));
+    dense_ms.push_back(time_block(
+        *dense, [&](const at::Tensor& t) { return dense->forward(t); }, true));
+    tp_ms.push_back(time_block(
+        *par, [&](const at::Tensor& t) { return par->forward(t); }, false));
   }
 
   // Memory: stage 0's peak above the step's start (gradients preallocated), with the global batch
@@ -204,7 +208,8 @@ int main(int argc, char** argv) {
                 "partition {%ld, %ld} children.\n\n",
                 static_cast<long>(layers), static_cast<long>(width), static_cast<long>(width), static_cast<long>(width),
                 static_cast<long>(batch), static_cast<long>(layers), static_cast<long>(layers + 1));
-    std::printf("| config | step ms | speedup vs 1 worker | bubble idle/compute (theory (p-1)/m) | idle share of step (theory (p-1)/(m+p-1)) |\n");
+    std::printf("| config | step ms | speedup vs 1 worker | bubble idle/compute (theory (p-1)/m) | idle share of step "
+                "(theory (p-1)/(m+p-1)) |\n");
     std::printf("|---|---|---|---|---|\n");
     std::printf("| 1 worker, whole model | %.1f | 1.00x | - | - |\n", s1);
     for (auto& [k, r] : pipes) {
@@ -223,7 +228,8 @@ int main(int argc, char** argv) {
     std::printf("| tensor-parallel block, tp=2 | %.1f | %.2fx |\n", median(tp_ms), median(dense_ms) / median(tp_ms));
     std::printf("\nStage-0 peak memory during a step (MemoryMeter: bytes allocated above the step's start; "
                 "includes backward's transient gradient buffers):\n\n");
-    std::printf("| m | live micro-batches GPipe / 1F1B | batch %ld: GPipe KiB | 1F1B KiB | micro-batch %ld (batch %ld*m): GPipe KiB | 1F1B KiB |\n",
+    std::printf("| m | live micro-batches GPipe / 1F1B | batch %ld: GPipe KiB | 1F1B KiB | micro-batch %ld (batch "
+                "%ld*m): GPipe KiB | 1F1B KiB |\n",
                 static_cast<long>(batch), static_cast<long>(batch / 8), static_cast<long>(batch / 8));
     std::printf("|---|---|---|---|---|---|\n");
     for (int64_t m : ms_list) {

@@ -61,7 +61,9 @@ torch::Tensor zero_forward(Z& zero, torch::nn::Sequential& model, const torch::T
   }
 }
 
-int64_t tensor_bytes(const torch::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
+int64_t tensor_bytes(const torch::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
 
 nlohmann::json memory_json(const tandem::ZeroMemory& m) {
   return {{"stage", m.stage},
@@ -187,7 +189,8 @@ int main(int argc, char** argv) {
       loss.backward();
       zero->step();
     }
-    if (s >= warmup) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    if (s >= warmup)
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (s == 0) loss_first = loss.item<double>();
     if (s == warmup + steps - 1) {
       loss_last = loss.item<double>();
@@ -213,8 +216,12 @@ int main(int argc, char** argv) {
       gb += tensor_bytes(p.grad());
     }
     int64_t ob = tandem::optimizer_state_bytes(*ddp_opt);
-    memory = {{"stage", 0},           {"world_size", R},         {"parameters", psi},
-              {"parameter_bytes", pb}, {"gradient_bytes", gb},   {"optimizer_state_bytes", ob},
+    memory = {{"stage", 0},
+              {"world_size", R},
+              {"parameters", psi},
+              {"parameter_bytes", pb},
+              {"gradient_bytes", gb},
+              {"optimizer_state_bytes", ob},
               {"total_bytes", pb + gb + ob}};
   }
   struct rusage ru {};

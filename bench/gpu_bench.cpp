@@ -55,10 +55,9 @@ struct Args {
   bool flag(const std::string& k) const { return kv.count(k) > 0; }
 };
 
-const char* kUsage =
-    "usage: gpu_bench check [--skip-timeout-test]\n"
-    "       gpu_bench bench --model cnn|transformer [--batch B] [--steps N] [--warmup W]\n"
-    "                       [--layers L] [--dmodel D] [--heads H] [--seq S] [--no-oom-retry]\n";
+const char* kUsage = "usage: gpu_bench check [--skip-timeout-test]\n"
+                     "       gpu_bench bench --model cnn|transformer [--batch B] [--steps N] [--warmup W]\n"
+                     "                       [--layers L] [--dmodel D] [--heads H] [--seq S] [--no-oom-retry]\n";
 
 // ---------------------------------------------------------------- models (mirrored in bench/torch_ddp_gpu.py)
 
@@ -83,8 +82,7 @@ TORCH_MODULE(Cnn);
 // Pre-LN block: x + proj(attn(ln1(x))), then x + fc2(gelu(fc1(ln2(x)))); non-causal SDPA.
 struct BlockImpl : torch::nn::Module {
   BlockImpl(int64_t d, int64_t h)
-      : heads(h),
-        ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+      : heads(h), ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
         qkv(register_module("qkv", torch::nn::Linear(d, 3 * d))),
         proj(register_module("proj", torch::nn::Linear(d, d))),
         ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
@@ -93,7 +91,7 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) {
     const int64_t B = x.size(0), S = x.size(1), D = x.size(2);
     auto t = qkv(ln1(x)).view({B, S, 3, heads, D / heads}).permute({2, 0, 3, 1, 4});  // [3, B, H, S, hd]
-    auto a = at::scaled_dot_product_attention(t[0], t[1], t[2]);                        // [B, H, S, hd]
+    auto a = at::scaled_dot_product_attention(t[0], t[1], t[2]);                      // [B, H, S, hd]
     x = x + proj(a.transpose(1, 2).reshape({B, S, D}));
     x = x + fc2(torch::gelu(fc1(ln2(x))));
     return x;
@@ -335,7 +333,8 @@ class Checker {
       report(what, false, "no exception");
     } catch (const CommError& e) {
       std::string msg = e.what();
-      bool ok = msg.find(must_contain) != std::string::npos && msg.find("rank " + std::to_string(me_)) != std::string::npos;
+      bool ok =
+          msg.find(must_contain) != std::string::npos && msg.find("rank " + std::to_string(me_)) != std::string::npos;
       report(what, ok, ok ? "" : "message: " + msg);
       if (ok && me_ == 0) std::cout << "      message: " << msg << std::endl;
     } catch (const std::exception& e) {
@@ -344,24 +343,30 @@ class Checker {
   }
 
   void errors() {
-    expect_error("CPU tensor is refused", [&] { comm_->allreduce(at::ones({4}), ReduceOp::kSum); }, "CUDA tensors");
-    expect_error("reduce_scatter size mismatch",
-                 [&] { comm_->reduce_scatter(at::empty({3}, opts(at::kFloat)), at::empty({3 * R_ + 1}, opts(at::kFloat))); },
-                 "elements");
-    expect_error("allgather size mismatch",
-                 [&] { comm_->allgather(at::empty({2 * R_ + 1}, opts(at::kFloat)), at::empty({2}, opts(at::kFloat))); },
-                 "elements");
-    expect_error("allgather dtype mismatch",
-                 [&] { comm_->allgather(at::empty({2 * R_}, opts(at::kDouble)), at::empty({2}, opts(at::kFloat))); },
-                 "dtype");
-    expect_error("peer out of range", [&] { comm_->send(at::empty({2}, opts(at::kFloat)), R_, 0); }, "out of range");
-    expect_error("broadcast root out of range", [&] { comm_->broadcast(at::empty({2}, opts(at::kFloat)), -1); },
-                 "out of range");
-    expect_error("unsupported dtype",
-                 [&] { comm_->allreduce(at::zeros({2}, opts(at::kComplexFloat)), ReduceOp::kSum); }, "not supported");
-    expect_error("avg of integers", [&] { comm_->allreduce(at::zeros({2}, opts(at::kInt)), ReduceOp::kAvg); },
-                 "floating-point");
-    expect_error("undefined tensor", [&] { comm_->allreduce(at::Tensor(), ReduceOp::kSum); }, "undefined");
+    expect_error(
+        "CPU tensor is refused", [&] { comm_->allreduce(at::ones({4}), ReduceOp::kSum); }, "CUDA tensors");
+    expect_error(
+        "reduce_scatter size mismatch",
+        [&] { comm_->reduce_scatter(at::empty({3}, opts(at::kFloat)), at::empty({3 * R_ + 1}, opts(at::kFloat))); },
+        "elements");
+    expect_error(
+        "allgather size mismatch",
+        [&] { comm_->allgather(at::empty({2 * R_ + 1}, opts(at::kFloat)), at::empty({2}, opts(at::kFloat))); },
+        "elements");
+    expect_error(
+        "allgather dtype mismatch",
+        [&] { comm_->allgather(at::empty({2 * R_}, opts(at::kDouble)), at::empty({2}, opts(at::kFloat))); }, "dtype");
+    expect_error(
+        "peer out of range", [&] { comm_->send(at::empty({2}, opts(at::kFloat)), R_, 0); }, "out of range");
+    expect_error(
+        "broadcast root out of range", [&] { comm_->broadcast(at::empty({2}, opts(at::kFloat)), -1); }, "out of range");
+    expect_error(
+        "unsupported dtype", [&] { comm_->allreduce(at::zeros({2}, opts(at::kComplexFloat)), ReduceOp::kSum); },
+        "not supported");
+    expect_error(
+        "avg of integers", [&] { comm_->allreduce(at::zeros({2}, opts(at::kInt)), ReduceOp::kAvg); }, "floating-point");
+    expect_error(
+        "undefined tensor", [&] { comm_->allreduce(at::Tensor(), ReduceOp::kSum); }, "undefined");
   }
 
   void streams() {
@@ -374,7 +379,7 @@ class Checker {
       c10::cuda::CUDAStreamGuard g(side);
       t = at::ones({n}, opts(at::kFloat));
       at::cuda::sleep(int64_t(1) << 30);  // ~0.5 s of GPU time on the side stream
-      t.fill_(2.0);                        // the allreduce must see this value
+      t.fill_(2.0);                       // the allreduce must see this value
       auto h0 = std::chrono::steady_clock::now();
       auto w = comm_->allreduce_async(t, ReduceOp::kSum);
       w->wait();
@@ -382,7 +387,8 @@ class Checker {
       t.mul_(1.0);  // a consumer on the same stream, ordered after the allreduce by wait()
       side.synchronize();
     }
-    report("allreduce ordered after the producer on the caller's (non-default) stream", t.cpu().eq(2.0 * R_).all().item<bool>());
+    report("allreduce ordered after the producer on the caller's (non-default) stream",
+           t.cpu().eq(2.0 * R_).all().item<bool>());
     std::ostringstream d;
     d << "async + wait() took " << host_ms << " ms on the host while the GPU was busy ~500 ms";
     report("wait() does not block the host", host_ms < 200.0, d.str());
@@ -411,7 +417,8 @@ class Checker {
     report("16 allreduces in flight, then waited", ok);
     // Temporaries freed right after the call: their memory must not be reused before the op ran.
     std::vector<tandem::WorkPtr> ws2;
-    for (int k = 0; k < 8; ++k) ws2.push_back(comm_->allreduce_async(at::full({n}, 1.0, opts(at::kFloat)), ReduceOp::kSum));
+    for (int k = 0; k < 8; ++k)
+      ws2.push_back(comm_->allreduce_async(at::full({n}, 1.0, opts(at::kFloat)), ReduceOp::kSum));
     auto junk = at::full({8 * n}, 5.0, opts(at::kFloat));  // would overwrite reused memory
     for (auto& w : ws2) w->synchronize();
     report("inputs freed while in flight (record_stream)", junk.eq(5.0).all().item<bool>());
@@ -500,8 +507,9 @@ class Checker {
       } catch (const CommTimeout& e) {
         double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         report("unmatched recv: CommTimeout after the timeout", s >= 2.5 && s < 30, e.what());
-        expect_error("an aborted communicator refuses new work",
-                     [&] { sub->allreduce(at::ones({1}, opts(at::kFloat)), ReduceOp::kSum); }, "aborted");
+        expect_error(
+            "an aborted communicator refuses new work",
+            [&] { sub->allreduce(at::ones({1}, opts(at::kFloat)), ReduceOp::kSum); }, "aborted");
       } catch (const CommError& e) {
         // NCCL may refuse an unmatched receive from self outright; that is an error too.
         report("unmatched recv fails with CommError", R_ == 1, e.what());
@@ -725,9 +733,9 @@ int run_bench(const Args& a) {
      << ", \"requested_batch\": " << c.batch << ", \"steps\": " << total_steps << ", \"warmup\": " << c.warmup
      << ", \"params\": " << out.params << ", \"ms_median\": " << med << ", \"ms_p10\": " << quantile(out.ms, 0.1)
      << ", \"ms_p90\": " << quantile(out.ms, 0.9) << ", \"ms_mean_throughput\": " << out.total_ms / total_steps
-     << ", \"peak_mem_gb\": " << out.peak_bytes / 1e9 << ", \"flops_per_step\": " << flops
-     << ", \"tflops\": " << tflops << ", \"mfu_vs_989\": " << tflops / 989.0
-     << ", \"flops_formula\": \"" << json_escape(formula) << "\", \"precision\": \""
+     << ", \"peak_mem_gb\": " << out.peak_bytes / 1e9 << ", \"flops_per_step\": " << flops << ", \"tflops\": " << tflops
+     << ", \"mfu_vs_989\": " << tflops / 989.0 << ", \"flops_formula\": \"" << json_escape(formula)
+     << "\", \"precision\": \""
      << (c.model == "transformer" ? "bf16 autocast" : "fp32 (TF32 convolutions per LibTorch defaults)")
      << "\", \"optimizer\": \"AdamW (LibTorch, per-tensor)\", \"ddp_buckets\": " << out.ddp.buckets
      << ", \"ddp_bytes_per_step\": " << (out.ddp.steps ? out.ddp.bytes / out.ddp.steps : 0)

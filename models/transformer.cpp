@@ -17,8 +17,7 @@ TokenEmbeddingImpl::TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t s
 }
 
 torch::Tensor TokenEmbeddingImpl::forward(const torch::Tensor& ids) {
-  TORCH_CHECK(ids.dim() == 2, "tandem::models::TokenEmbedding: expected token ids [B, T], got ",
-              ids.sizes());
+  TORCH_CHECK(ids.dim() == 2, "tandem::models::TokenEmbedding: expected token ids [B, T], got ", ids.sizes());
   const int64_t t = ids.size(1);
   TORCH_CHECK(t <= seq, "tandem::models::TokenEmbedding: sequence of ", t,
               " tokens is longer than the model's maximum ", seq, "; truncate it or raise config.seq");
@@ -89,8 +88,8 @@ torch::Tensor UnpadImpl::forward(const torch::Tensor& x) {
 torch::nn::Sequential transformer(const TransformerConfig& c) {
   auto positive = [](const char* what, int64_t v) {
     if (v < 1) {
-      throw std::invalid_argument(std::string("tandem::models::transformer: config.") + what +
-                                  " must be >= 1, got " + std::to_string(v));
+      throw std::invalid_argument(std::string("tandem::models::transformer: config.") + what + " must be >= 1, got " +
+                                  std::to_string(v));
     }
   };
   positive("vocab", c.vocab);

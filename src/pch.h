@@ -1,6 +1,5 @@
 // Precompiled header for every Tandem target: the heavy LibTorch headers parsed once.
 #pragma once
-#include <torch/torch.h>
 #include <ATen/ATen.h>
 #include <chrono>
 #include <condition_variable>
@@ -10,4 +9,5 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <torch/torch.h>
 #include <vector>

@@ -28,9 +28,7 @@ struct SmallCnnImpl : torch::nn::Module {
       : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3).stride(2)))),
         conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 3).stride(2)))),
         fc(register_module("fc", torch::nn::Linear(16 * 6 * 6, 10))) {}
-  torch::Tensor forward(const torch::Tensor& x) {
-    return fc(torch::relu(conv2(torch::relu(conv1(x)))).flatten(1));
-  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc(torch::relu(conv2(torch::relu(conv1(x)))).flatten(1)); }
   torch::nn::Conv2d conv1, conv2;
   torch::nn::Linear fc;
 };

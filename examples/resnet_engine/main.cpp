@@ -71,9 +71,14 @@ std::map<std::string, std::string> parse_flags(int argc, char** argv, std::map<s
 }
 
 int run(int argc, char** argv) {
-  auto flags = parse_flags(argc, argv, {{"strategy", "ddp"}, {"steps", "10"}, {"batch", "64"}, {"lr", "0.05"},
-                                        {"seed", "1"}, {"data", tandem::data::kFashionMnistDir},
-                                        {"checkpoint-dir", "resnet_engine_ckpt"}});
+  auto flags = parse_flags(argc, argv,
+                           {{"strategy", "ddp"},
+                            {"steps", "10"},
+                            {"batch", "64"},
+                            {"lr", "0.05"},
+                            {"seed", "1"},
+                            {"data", tandem::data::kFashionMnistDir},
+                            {"checkpoint-dir", "resnet_engine_ckpt"}});
   const int64_t steps = std::stoll(flags["steps"]), batch = std::stoll(flags["batch"]);
   const uint64_t seed = std::stoull(flags["seed"]);
 
@@ -104,7 +109,9 @@ int run(int argc, char** argv) {
   auto batches = tandem::data::batches(sampler.indices(), batch / engine.dp_size(), /*drop_last=*/true);
   if (steps > static_cast<int64_t>(batches.size())) throw std::invalid_argument("--steps exceeds one epoch");
 
-  auto loss_fn = [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); };
+  auto loss_fn = [](const at::Tensor& out, const at::Tensor& y) {
+    return torch::nn::functional::cross_entropy(out, y);
+  };
   for (int64_t s = 0; s < steps; ++s) {
     auto [x, y] = tandem::data::gather_batch(train, batches[s]);
     auto loss = engine.step(x, y, loss_fn).clone();

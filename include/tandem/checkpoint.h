@@ -27,7 +27,7 @@
 namespace torch::nn {
 class Module;
 class SequentialImpl;
-}
+}  // namespace torch::nn
 namespace torch::optim {
 class Optimizer;
 }
@@ -92,8 +92,8 @@ FullCheckpoint read_full_checkpoint(const std::string& dir);
 // Local (no collective): loads into a replicated module/optimizer (as for save) or into ZeRO
 // of any stage and world size; `rank` selects the RNG state to restore. Checks the model
 // name, parameter names and shapes, and optimizer kind before changing anything.
-CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt,
-                               int rank, const CheckpointLoadOptions& o = {});
+CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, int rank,
+                               const CheckpointLoadOptions& o = {});
 // ---- the per-layout forms behind tandem::Engine::save and load (tandem/engine.h). Programs
 // call the Engine, or the replicated forms above in a loop of their own; these stay visible
 // for the Engine and for tests of each layout.
@@ -112,20 +112,18 @@ std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const 
 // pipe.stage_module() and `dp`): the stage's chunks are gathered over `dp` (collective) and the
 // replica with dp rank 0 writes the stage whole, as the other overload's writer does: the
 // checkpoint loads under any strategy and world size.
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
-                            ZeroDataParallel& zero, const CommPtr& dp, Communicator& comm,
-                            const CheckpointSaveOptions& o = {});
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe, ZeroDataParallel& zero,
+                            const CommPtr& dp, Communicator& comm, const CheckpointSaveOptions& o = {});
 // From ZeRO (any stage): each rank writes its chunks (fp32 masters and optimizer state).
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero,
-                            Communicator& comm, const CheckpointSaveOptions& o = {});
+std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero, Communicator& comm,
+                            const CheckpointSaveOptions& o = {});
 
 // Collective over `comm` (and the groups in `s`): the shards of the values and of each optimizer
 // slot are gathered over tp (and dp for ZeRO) into whole tensors; without a pipeline `comm`'s
 // rank 0 writes the whole model (a replicated checkpoint), with one each stage's writer its
 // stage (as a pipeline's). Either loads under any strategy, tensor-parallel degree and world size.
-std::string save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta,
-                                            const TensorParallelState& s, Communicator& comm,
-                                            const CheckpointSaveOptions& o = {});
+std::string save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta, const TensorParallelState& s,
+                                            Communicator& comm, const CheckpointSaveOptions& o = {});
 
 // Into a pipeline stage: its parameters (by their names in the whole model), buffers and
 // optimizer state, from a checkpoint of any layout; the checkpoint may hold more (other stages).

@@ -14,13 +14,13 @@ struct CheckpointMeta {
   std::string model_description;  // free text (architecture, parameter count)
   std::string strategy;           // ddp | single | zero1 | zero2 | zero3 | any label
   std::string precision = "fp32";
-  std::string optimizer;          // sgd | adam | adamw: loading into another kind fails
-  int world_size = 1;             // set by save
-  int64_t step = 0;               // optimizer steps done (all epochs)
-  int64_t epoch = 0;              // epoch in progress at the save
-  int64_t step_in_epoch = 0;      // batches of that epoch already consumed
+  std::string optimizer;      // sgd | adam | adamw: loading into another kind fails
+  int world_size = 1;         // set by save
+  int64_t step = 0;           // optimizer steps done (all epochs)
+  int64_t epoch = 0;          // epoch in progress at the save
+  int64_t step_in_epoch = 0;  // batches of that epoch already consumed
   uint64_t seed = 0;
-  double loss_scale = 1.0;        // fp16 dynamic loss scaler
+  double loss_scale = 1.0;  // fp16 dynamic loss scaler
   int64_t loss_scale_good_steps = 0;
   int64_t skipped_steps = 0;
   std::string extra_json = "{}";  // any JSON object the caller wants back (e.g. the config)

@@ -81,8 +81,7 @@ class Communicator {
   // input.numel() == size() * output.numel(); rank r receives the reduction of chunk r.
   // In place (NCCL's convention) when output is chunk r of a contiguous input: the rest of
   // the input is clobbered. Otherwise output must not overlap input.
-  virtual WorkPtr reduce_scatter_async(at::Tensor output, at::Tensor input,
-                                       ReduceOp op = ReduceOp::kSum) = 0;
+  virtual WorkPtr reduce_scatter_async(at::Tensor output, at::Tensor input, ReduceOp op = ReduceOp::kSum) = 0;
   // output.numel() == size() * input.numel(); chunk r of output is rank r's input. In place
   // when input is chunk r of a contiguous output; otherwise they must not overlap.
   virtual WorkPtr allgather_async(at::Tensor output, at::Tensor input) = 0;

@@ -57,8 +57,8 @@ class DistributedSampler {
  public:
   // Throws std::invalid_argument for world_size < 1, rank outside [0, world_size),
   // dataset_size < 0, or dataset_size < world_size with drop_last (a rank would get nothing).
-  DistributedSampler(int64_t dataset_size, int rank, int world_size, bool shuffle = true,
-                     uint64_t seed = 0, bool drop_last = false);
+  DistributedSampler(int64_t dataset_size, int rank, int world_size, bool shuffle = true, uint64_t seed = 0,
+                     bool drop_last = false);
 
   // Call at the start of every epoch so that each epoch has a different order.
   void set_epoch(int64_t epoch) { epoch_ = epoch; }
@@ -115,8 +115,7 @@ std::vector<int64_t> apportion(const std::vector<double>& weights, int64_t total
 
 // Consecutive chunks of `batch` indices; the last one is shorter unless drop_last drops it.
 // Throws std::invalid_argument when batch < 1.
-std::vector<std::vector<int64_t>> batches(const std::vector<int64_t>& idx, int64_t batch,
-                                          bool drop_last);
+std::vector<std::vector<int64_t>> batches(const std::vector<int64_t>& idx, int64_t batch, bool drop_last);
 
 // (images[idx], labels[idx]) via index_select, on the dataset's device. Throws
 // std::out_of_range naming the first index outside [0, size()).

@@ -63,10 +63,10 @@ std::string to_string(const Partition& p);
 struct ParallelConfig {
   Strategy strategy = Strategy::kDDP;
   Precision precision = Precision::kFP32;  // compute precision; fp32 masters for bf16/fp16
-  LossScalerOptions loss_scaler;          // fp16's dynamic loss scaling
+  LossScalerOptions loss_scaler;           // fp16's dynamic loss scaling
   // Layout: each replica spans tp x pp ranks; the world size / (tp * pp) replicas are data parallel.
-  int tp = 1;  // tensor-parallel ranks (Megatron column/row-parallel layers)
-  int pp = 1;  // pipeline stages
+  int tp = 1;                 // tensor-parallel ranks (Megatron column/row-parallel layers)
+  int pp = 1;                 // pipeline stages
   int64_t micro_batches = 1;  // per replica and step, when pp > 1
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   Partition partition;
@@ -79,10 +79,10 @@ struct ParallelConfig {
   ActivationCheckpointing activation_checkpointing;
   // DDP
   Compression compress = Compression::kNone;
-  int64_t bucket_mb = 0;       // gradient buckets (DDP, ZeRO-1/2); 0: the strategy's default (DDP 25, ZeRO 8)
-  bool find_unused = false;    // DDP: parameters without a gradient count as zero instead of failing
-  bool overlap = true;         // DDP: all-reduce buckets during backward
-  bool communicate = true;     // DDP: false only to measure the compute-only ceiling
+  int64_t bucket_mb = 0;     // gradient buckets (DDP, ZeRO-1/2); 0: the strategy's default (DDP 25, ZeRO 8)
+  bool find_unused = false;  // DDP: parameters without a gradient count as zero instead of failing
+  bool overlap = true;       // DDP: all-reduce buckets during backward
+  bool communicate = true;   // DDP: false only to measure the compute-only ceiling
 };
 
 // Checks a configuration for `world` ranks, and a global batch when `global_batch` > 0 (it
@@ -142,8 +142,8 @@ struct EngineStats {
   int64_t steps = 0;
   // Every communicator the engine uses (world and the grid's groups): payload per operation.
   std::map<std::string, OpStats> comm;
-  double comm_seconds = 0.0;      // seconds on the communication engine, all operations
-  double wire_bytes = 0.0;        // bytes a ring algorithm puts on the wire for that payload
+  double comm_seconds = 0.0;  // seconds on the communication engine, all operations
+  double wire_bytes = 0.0;    // bytes a ring algorithm puts on the wire for that payload
   // DDP only: its all-reduces, the part not hidden behind backward, and the hidden share.
   double ddp_comm_seconds = 0.0, ddp_exposed_seconds = 0.0, hidden_fraction = 0.0;
   int64_t ddp_bytes = 0;
@@ -151,7 +151,7 @@ struct EngineStats {
   int64_t parameter_bytes = 0, gradient_bytes = 0, optimizer_state_bytes = 0;
   int64_t peak_gathered_bytes = 0;  // ZeRO-3: most gathered parameters alive at once
   int64_t zero_pool_bytes = 0, zero_pool_misses = 0;
-  int64_t peak_rss_bytes = 0;       // this process's resident peak
+  int64_t peak_rss_bytes = 0;  // this process's resident peak
   // Pipeline: this stage's mean step and compute milliseconds over the steps after the first,
   // idle over compute (theory (pp - 1) / m), and the most micro-batches held at once.
   double pipeline_step_ms = 0.0, pipeline_compute_ms = 0.0, bubble = 0.0;
@@ -176,9 +176,10 @@ class Engine {
   template <typename M>
   Engine(Runtime& rt, torch::nn::ModuleHolder<M> model, OptimizerOptions optimizer, ParallelConfig config,
          EngineOptions options = {})
-      : Engine(rt, std::shared_ptr<torch::nn::Module>(model.ptr()),
-               [m = model.ptr()](const at::Tensor& x) -> at::Tensor { return m->forward(x); }, std::move(optimizer),
-               std::move(config), std::move(options)) {}
+      : Engine(
+            rt, std::shared_ptr<torch::nn::Module>(model.ptr()),
+            [m = model.ptr()](const at::Tensor& x) -> at::Tensor { return m->forward(x); }, std::move(optimizer),
+            std::move(config), std::move(options)) {}
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -242,16 +243,16 @@ class Engine {
   int world_size() const;
   int dp_size() const;
   int dp_rank() const;
-  c10::Device device() const;                   // this rank's (the Runtime's)
+  c10::Device device() const;  // this rank's (the Runtime's)
   CommPtr world() const;
   CommPtr dp_group() const;
-  const ProcessGrid* grid() const;              // null when tp * pp == 1
-  const Pipeline* pipeline() const;             // null when pp == 1
-  std::vector<int64_t> partition() const;       // layers per stage (pp > 1)
-  torch::nn::Module& module();                  // what runs on this rank (its stage, its shards)
+  const ProcessGrid* grid() const;                     // null when tp * pp == 1
+  const Pipeline* pipeline() const;                    // null when pp == 1
+  std::vector<int64_t> partition() const;              // layers per stage (pp > 1)
+  torch::nn::Module& module();                         // what runs on this rank (its stage, its shards)
   std::vector<at::Tensor> trained_parameters() const;  // this rank's (stage's, shard's) parameters
   const LossScaler& loss_scaler() const;
-  int64_t parameters() const;                   // scalar parameters of the whole dense model
+  int64_t parameters() const;  // scalar parameters of the whole dense model
   // Seconds of the last step's forward passes and losses on this rank, less what ZeRO-3 waited
   // for other ranks' parameters: this rank's own forward compute (for batch-share calibration).
   double last_forward_seconds() const;

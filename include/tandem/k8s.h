@@ -30,9 +30,9 @@ struct Toleration {
 struct JobSpec {
   std::string name = "tandem";
   std::string ns = "default";
-  int nodes = 1;                // worker nodes (without pools)
-  int gpus_per_node = 0;        // 0: a CPU job
-  int slots_per_worker = 0;     // ranks per worker pod; 0: the GPUs per node (GPU job) or 1 (CPU job)
+  int nodes = 1;             // worker nodes (without pools)
+  int gpus_per_node = 0;     // 0: a CPU job
+  int slots_per_worker = 0;  // ranks per worker pod; 0: the GPUs per node (GPU job) or 1 (CPU job)
   std::string image;
   std::string strategy = "ddp";
   std::vector<std::string> train_args;  // passed to `tandem train` after the generated ones
@@ -56,9 +56,9 @@ inline constexpr const char* kCheckpointMount = "/ckpt";
 
 // The worker layout a spec resolves to.
 struct Layout {
-  int workers = 0;           // worker pods
-  int slots = 0;             // ranks per worker pod
-  int gpus_per_worker = 0;   // nvidia.com/gpu limit per worker pod
+  int workers = 0;          // worker pods
+  int slots = 0;            // ranks per worker pod
+  int gpus_per_worker = 0;  // nvidia.com/gpu limit per worker pod
   int ranks() const { return workers * slots; }
 };
 

@@ -14,7 +14,7 @@ inline constexpr long kLocalEagerLimitBytes = 256 * 1024;
 
 struct LaunchOptions {
   int nprocs = 1;
-  std::string hostfile;              // empty: this machine only
+  std::string hostfile;  // empty: this machine only
   // Network interfaces or subnets for MPI's traffic between hosts ("eth1", "10.1.0.0/16",
   // comma-separated; OpenMPI's btl_tcp_if_include and oob_tcp_if_include). Empty: the
   // TANDEM_NET_IF environment variable, else OpenMPI's own choice (every interface but loopback).

@@ -19,8 +19,7 @@ namespace tandem::models {
 
 // Flatten, then Linear-ReLU for each hidden width, then Linear to `out`. Input [B, ...] with
 // prod(...) == in. Default: 784-1024-1024-10 (1,863,690 parameters).
-torch::nn::Sequential mlp(int64_t in = 784, const std::vector<int64_t>& hidden = {1024, 1024},
-                          int64_t out = 10);
+torch::nn::Sequential mlp(int64_t in = 784, const std::vector<int64_t>& hidden = {1024, 1024}, int64_t out = 10);
 
 // For [B, 1, 28, 28] inputs: conv(1,32,3,p1)-relu-maxpool2-conv(32,64,3,p1)-relu-maxpool2-
 // flatten-linear(3136,128)-relu-linear(128,10). No batch norm. 421,642 parameters.
@@ -31,9 +30,9 @@ torch::nn::Sequential cnn();
 torch::nn::Sequential cnn_bn();
 
 struct TransformerConfig {
-  int64_t vocab = 256;      // token ids in [0, vocab)
+  int64_t vocab = 256;  // token ids in [0, vocab)
   int64_t d_model = 128;
-  int64_t heads = 4;        // must divide d_model
+  int64_t heads = 4;  // must divide d_model
   int64_t layers = 2;
   int64_t seq = 64;         // maximum sequence length (learned positions)
   int64_t mlp_ratio = 4;    // hidden width of the block MLP = mlp_ratio * d_model

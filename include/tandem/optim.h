@@ -20,9 +20,9 @@ namespace tandem {
 struct OptimizerOptions {
   std::string kind = "adamw";  // sgd | adam | adamw
   double lr = 1e-3;
-  double momentum = 0.0;      // sgd
-  bool nesterov = false;      // sgd
-  double weight_decay = 0.0;  // sgd and adam: L2 added to the gradient; adamw: decoupled
+  double momentum = 0.0;                          // sgd
+  bool nesterov = false;                          // sgd
+  double weight_decay = 0.0;                      // sgd and adam: L2 added to the gradient; adamw: decoupled
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // adam, adamw
 };
 

@@ -130,7 +130,7 @@ class Pipeline {
 
   // The schedule as (is_forward, micro-batch) pairs for a stage (for tests and docs).
   static std::vector<std::pair<bool, int64_t>> schedule_for(PipelineSchedule s, int stage, int stages,
-                                                           int64_t micro_batches);
+                                                            int64_t micro_batches);
 
  private:
   torch::nn::Sequential stage_module_;

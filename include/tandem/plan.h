@@ -22,7 +22,7 @@ namespace tandem::plan {
 // between (balanced by parameter count as tandem::partition_by_parameters does) and what tensor
 // parallelism splits (Linear pairs: column-parallel, then row-parallel; the rest replicated).
 struct LayerSpec {
-  std::string name;          // "linear", "conv", "relu", "pool", "flatten", "batchnorm"
+  std::string name;  // "linear", "conv", "relu", "pool", "flatten", "batchnorm"
   double parameters = 0;
   double forward_flops = 0;  // per sample
   double input_elems = 0;    // per sample
@@ -59,7 +59,7 @@ ModelSpec transformer_model(int64_t layers, int64_t hidden, int64_t heads, int64
                             double parameters = 0);
 double forward_flops_per_sample(const ModelSpec& m);
 double activation_bytes_per_sample(const ModelSpec& m, int tp = 1);  // per sample, all layers
-void validate(const ModelSpec& m);  // throws std::invalid_argument
+void validate(const ModelSpec& m);                                   // throws std::invalid_argument
 
 // ---------------------------------------------------------------- cluster description
 struct DeviceSpec {
@@ -99,9 +99,9 @@ struct ClusterSpec {
 };
 
 int total_devices(const ClusterSpec& c);
-int devices_per_node(const ClusterSpec& c);  // smallest node
+int devices_per_node(const ClusterSpec& c);       // smallest node
 DeviceSpec slowest_device(const ClusterSpec& c);  // min flops*mfu, min memory
-void validate(const ClusterSpec& c);  // throws std::invalid_argument
+void validate(const ClusterSpec& c);              // throws std::invalid_argument
 
 DeviceSpec device_preset(const std::string& name);  // v100 p100 a100-40g a100-80g h100 h200 cpu
 LinkSpec link_preset(const std::string& name);      // nvlink3 nvlink4 pcie4 ib-hdr ib-ndr roce-25g eth-100g ...
@@ -125,15 +125,15 @@ double ring_allgather_seconds(int n, double bytes, AlphaBeta ab);
 
 // Measured on this machine: compute rates of a model, optimizer cost, collectives per world size.
 struct ModelRates {
-  double flops_1t = 0;        // FLOP/s of forward+backward, one process, one thread
-  double flops_all = 0;       // one process, all cores
+  double flops_1t = 0;          // FLOP/s of forward+backward, one process, one thread
+  double flops_all = 0;         // one process, all cores
   double flops_concurrent = 0;  // per process, one thread each, `cores` processes at once
   // Per process with n processes at once (one thread each, a barrier after every forward+backward,
   // as a training step synchronises): measured at each calibrated world size, including n > cores.
   std::map<int, double> flops_synchronized;
-  double overhead_s = 0;      // fixed seconds per step (intercept of time against batch)
-  double overhead_all_s = -1; // the same on all cores, fitted with flops_all (-1: not calibrated)
-  double sgd_s_per_param = 0;   // optimizer step seconds per parameter (one thread)
+  double overhead_s = 0;       // fixed seconds per step (intercept of time against batch)
+  double overhead_all_s = -1;  // the same on all cores, fitted with flops_all (-1: not calibrated)
+  double sgd_s_per_param = 0;  // optimizer step seconds per parameter (one thread)
   double adam_s_per_param = 0;
   double sgd_all_s_per_param = 0, adam_all_s_per_param = 0;  // the same, one process on all cores
   // Per child of the Sequential (ModelSpec::children), one process, one thread: forward+backward
@@ -167,8 +167,8 @@ struct ModelRates {
 struct Calibration {
   std::string date, host;
   int cores = 1;
-  double gemm_flops_1t = 0;  // FLOP/s of a 512^3 float32 matmul, one thread
-  double memory_bandwidth = 0;  // bytes/s, memcpy read+write
+  double gemm_flops_1t = 0;                  // FLOP/s of a 512^3 float32 matmul, one thread
+  double memory_bandwidth = 0;               // bytes/s, memcpy read+write
   std::map<std::string, ModelRates> models;  // by model name
   // Per world size: fitted alpha and bandwidth of each collective, in the ring formulas' terms.
   std::map<int, std::map<std::string, AlphaBeta>> collectives;  // n -> {"allreduce", ...}
@@ -187,13 +187,13 @@ struct Calibration {
 
 // ---------------------------------------------------------------- configurations
 struct PlanOptions {
-  int64_t global_batch = 0;        // samples per step; 0: 1024 for transformers, 256 otherwise
-  std::string optimizer = "adam";  // adam | adamw | sgd (momentum) | sgd-plain
-  std::string precision = "mixed"; // mixed (16-bit params/grads, fp32 master) | fp32 | bf16 (pure)
+  int64_t global_batch = 0;         // samples per step; 0: 1024 for transformers, 256 otherwise
+  std::string optimizer = "adam";   // adam | adamw | sgd (momentum) | sgd-plain
+  std::string precision = "mixed";  // mixed (16-bit params/grads, fp32 master) | fp32 | bf16 (pure)
   std::vector<int> zero_stages = {0, 1, 2, 3};
   std::vector<double> bucket_bytes = {25.0 * 1024 * 1024};
   std::vector<int> dp_only_workers;  // non-empty: only dp layouts with these worker counts
-  int devices = 0;                 // 0: every device of the cluster
+  int devices = 0;                   // 0: every device of the cluster
   int max_tp = 8, max_pp = 64;
   bool activation_checkpointing = false;
   std::string pipeline_schedule = "1f1b";  // 1f1b | gpipe (same makespan with equal stages)
@@ -203,15 +203,15 @@ struct PlanOptions {
   // another stage count are infeasible); "auto": the faster of params and time (Estimate::partition
   // says which cut, to pass to tandem train as a list).
   std::string pipeline_partition = "params";
-  double memory_headroom = 0.9;    // use at most this fraction of device memory
+  double memory_headroom = 0.9;  // use at most this fraction of device memory
   const Calibration* calibration = nullptr;
 };
 
 struct Layout {
   int dp = 1, tp = 1, pp = 1;
-  int zero = 0;                // 0: replicated (DDP); 1, 2, 3: ZeRO stages
-  int64_t micro_batch = 1;     // samples per micro-batch per dp replica
-  int64_t micro_batches = 1;   // per step (pipeline depth or gradient accumulation)
+  int zero = 0;               // 0: replicated (DDP); 1, 2, 3: ZeRO stages
+  int64_t micro_batch = 1;    // samples per micro-batch per dp replica
+  int64_t micro_batches = 1;  // per step (pipeline depth or gradient accumulation)
   double bucket_bytes = 25.0 * 1024 * 1024;
   std::string strategy_name() const;  // "single", "ddp", "zero1", ..., "dp2 tp2 pp2 zero1"
 };
@@ -233,21 +233,21 @@ MemoryBreakdown zero_model_states(double parameters, int stage, int dp, StateByt
 struct Estimate {
   Layout layout;
   bool feasible = true;
-  std::string why;             // when infeasible
+  std::string why;  // when infeasible
   // Feasible, but priced where the calibration does not reach: a pass over fewer than half the
   // smaller, or more than twice the larger, of the batches its compute fits were timed at.
   std::string caveat;
-  MemoryBreakdown memory;      // per device
-  double compute_s = 0;        // forward+backward of this device's share
+  MemoryBreakdown memory;  // per device
+  double compute_s = 0;    // forward+backward of this device's share
   double optimizer_s = 0;
-  double comm_s = 0;           // all collectives of the step, if run alone
-  double exposed_comm_s = 0;   // what is not hidden behind backward
+  double comm_s = 0;          // all collectives of the step, if run alone
+  double exposed_comm_s = 0;  // what is not hidden behind backward
   double bubble_s = 0;
   double step_s = 0;
   double samples_per_s = 0;
-  double efficiency = 0;       // useful compute time at the device rate / step time
+  double efficiency = 0;                     // useful compute time at the device rate / step time
   std::map<std::string, double> comm_parts;  // seconds by collective
-  std::vector<int64_t> partition;  // children per pipeline stage (models that list them)
+  std::vector<int64_t> partition;            // children per pipeline stage (models that list them)
 };
 
 Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, const PlanOptions& o);

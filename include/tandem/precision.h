@@ -36,7 +36,7 @@ struct LossScalerOptions {
   double growth_factor = 2.0;   // after growth_interval steps without overflow
   double backoff_factor = 0.5;  // on an overflow (the step is skipped)
   int64_t growth_interval = 1000;
-  double min_scale = 1.0;       // never back off below this
+  double min_scale = 1.0;  // never back off below this
 };
 
 // Dynamic loss scaling. Multiply the loss by scale() before backward; after backward, divide

@@ -195,20 +195,21 @@ struct DatasetRegistration {
 //   TANDEM_REGISTER_MODEL("tiny_mlp", make_tiny_mlp, "a 784-128-10 MLP", "blobs");  // default dataset
 // The factory takes no argument and returns a torch::nn::Sequential or a TORCH_MODULE holder
 // (trainable by tandem train), or a std::shared_ptr of a module (for programs of their own).
-#define TANDEM_REGISTER_MODEL(name, factory_fn, ...)                                           \
+#define TANDEM_REGISTER_MODEL(name, factory_fn, ...)                                                  \
   static const ::tandem::detail::ModelRegistration TANDEM_REGISTRY_CONCAT(tandem_model_registration_, \
                                                                           __COUNTER__)(name, factory_fn, __VA_ARGS__)
 
 // TANDEM_REGISTER_DATASET("blobs", make_blobs, "synthetic Gaussian blobs, 10 classes"): the
 // factory takes the data directory (const std::string&) and returns tandem::DatasetSplits.
-#define TANDEM_REGISTER_DATASET(name, factory_fn, description)                                     \
-  static const ::tandem::detail::DatasetRegistration TANDEM_REGISTRY_CONCAT(tandem_dataset_registration_, \
-                                                                            __COUNTER__)(name, factory_fn, description)
+#define TANDEM_REGISTER_DATASET(name, factory_fn, description)                                             \
+  static const ::tandem::detail::DatasetRegistration TANDEM_REGISTRY_CONCAT(tandem_dataset_registration_,  \
+                                                                            __COUNTER__)(name, factory_fn, \
+                                                                                         description)
 
 // Once per plugin, at namespace scope in one of its source files: exports the stamp that
 // load_plugin checks (this header's registry ABI, Tandem and LibTorch versions).
-#define TANDEM_PLUGIN()                                                                             \
+#define TANDEM_PLUGIN()                                                                                  \
   extern "C" __attribute__((visibility("default"))) const ::tandem::PluginStamp* tandem_plugin_stamp() { \
     static const ::tandem::PluginStamp stamp{TANDEM_REGISTRY_ABI, TANDEM_VERSION, TORCH_VERSION};        \
-    return &stamp;                                                                                  \
+    return &stamp;                                                                                       \
   }

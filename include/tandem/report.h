@@ -33,11 +33,11 @@ struct Report {
   int64_t parameters = 0;
   int64_t global_batch = 0;
   int64_t grad_accum = 1;
-  int64_t micro_batches = 1;      // pipeline micro-batches per replica and step (pp > 1)
-  std::string pipeline_schedule;  // pp > 1
-  std::vector<int64_t> partition;  // layers per pipeline stage (pp > 1)
+  int64_t micro_batches = 1;                      // pipeline micro-batches per replica and step (pp > 1)
+  std::string pipeline_schedule;                  // pp > 1
+  std::vector<int64_t> partition;                 // layers per pipeline stage (pp > 1)
   std::string activation_checkpointing = "none";  // none | every | N (tandem/activation_checkpoint.h)
-  double baseline_samples_per_second = 0.0;  // one worker's, when known: gives the speedup
+  double baseline_samples_per_second = 0.0;       // one worker's, when known: gives the speedup
   // Lines the command adds after the layout, as (label, text): e.g. the data and where the
   // weights came from.
   std::vector<std::pair<std::string, std::string>> context;
@@ -45,7 +45,7 @@ struct Report {
   // ---- the loop (record_loop, and the command's global losses)
   int64_t first_step = 0;  // steps done before this run (resumed from a checkpoint)
   int64_t steps = 0;
-  int64_t samples = 0;  // global samples processed
+  int64_t samples = 0;        // global samples processed
   double wall_seconds = 0.0;  // the training loop only (no data loading, no evaluation)
   double samples_per_second = 0.0;
   double step_ms_median = 0.0;  // median wall time of a step, the first left out
@@ -92,7 +92,7 @@ struct Report {
   std::vector<int64_t> peak_live_micro_batches;
 
   // ---- batch shares (tandem/shares.h; data parallelism over unequal devices)
-  std::string batch_shares_mode;  // equal | weights | counts | auto
+  std::string batch_shares_mode;      // equal | weights | counts | auto
   std::vector<int64_t> batch_shares;  // each rank's samples per step at the end
   std::vector<double> calibrated_samples_per_second;
   std::vector<double> rank_samples_per_second, rank_forward_samples_per_second;

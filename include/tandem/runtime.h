@@ -101,9 +101,9 @@ class Runtime {
   CommPtr world_;
   bool mpi_initialized_here_ = false;
   std::vector<HostInfo> hosts_;
-  std::vector<int> host_of_;          // rank -> index in hosts_
-  std::vector<int> probe_port_;       // rank -> its reachability port (0: none)
-  std::shared_ptr<void> listener_;    // detail::ProbeListener
+  std::vector<int> host_of_;        // rank -> index in hosts_
+  std::vector<int> probe_port_;     // rank -> its reachability port (0: none)
+  std::shared_ptr<void> listener_;  // detail::ProbeListener
   void exchange_hosts();
 };
 

@@ -30,8 +30,7 @@ at::Tensor scatter_to_tp(const at::Tensor& x, const CommPtr& tp);   // own slice
 // [r * V/tp, (r+1) * V/tp) of `local_logits` [..., V/tp]; `target` [...] holds global class ids.
 // Returns the per-element loss [...] (identical on every tp rank); take .mean() for the usual loss.
 // The full logits are never gathered (Megatron-LM's vocab-parallel cross-entropy).
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& target,
-                                        const CommPtr& tp);
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& target, const CommPtr& tp);
 
 // Shard `n` rows/columns: this rank's [begin, end). Throws std::invalid_argument naming `what`
 // when n is not divisible by the tp size.

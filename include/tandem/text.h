@@ -54,8 +54,8 @@ struct CorpusOptions {
 
 struct Corpus {
   std::vector<Document> train, valid, test;
-  std::vector<std::string> labels;             // sorted; a label's index is its class id
-  std::map<std::string, int64_t> per_label;    // documents kept per label (all splits)
+  std::vector<std::string> labels;           // sorted; a label's index is its class id
+  std::map<std::string, int64_t> per_label;  // documents kept per label (all splits)
   int64_t files = 0, duplicates = 0, dropped = 0;
   int64_t label_index(const std::string& label) const;  // -1 when unknown
 };
@@ -168,19 +168,19 @@ struct TextTrainConfig {
   int64_t micro_batches = 1;        // pipeline micro-batches per replica batch (pp > 1)
   int64_t grad_accum = 1;           // gradient accumulation: micro-batches per step without a pipeline
   std::string activation_checkpointing = "none";  // none | every | N (tandem/activation_checkpoint.h)
-  std::string pp_partition = "params";  // params | time | layers per stage "2,3" (tandem/pipeline_schedule.h)
-  int64_t batch = 32;               // global batch, split evenly over the ranks
+  std::string pp_partition = "params";            // params | time | layers per stage "2,3" (tandem/pipeline_schedule.h)
+  int64_t batch = 32;                             // global batch, split evenly over the ranks
   int64_t steps = 200;
-  double lr = 1e-3;                 // AdamW, linear warmup then cosine decay to 10%
+  double lr = 1e-3;  // AdamW, linear warmup then cosine decay to 10%
   double weight_decay = 0.01;
   int64_t warmup_steps = 20;
   uint64_t seed = 0;
-  int64_t eval_limit = -1;          // test documents evaluated at most; -1: all
+  int64_t eval_limit = -1;  // test documents evaluated at most; -1: all
   bool evaluate = true;
   bool progress = true;
   int64_t log_every = 50;
   double baseline_samples_per_second = 0.0;  // one worker's, for the speedup figure
-  std::string metrics_path;         // JSON lines: per-step loss and time, then the report (tandem/report.h)
+  std::string metrics_path;                  // JSON lines: per-step loss and time, then the report (tandem/report.h)
 };
 
 // The one report (tandem/report.h), with what the text commands know besides: the model's

@@ -21,40 +21,40 @@ struct TrainConfig {
   // from the directory `data` when it needs files.
   std::string dataset;
   std::string data = "/usr/share/datasets/fashion-mnist";
-  std::string strategy = "ddp";  // single | ddp | zero1 | zero2 | zero3 (ZeRO stages 1-3)
-  std::string precision = "fp32";  // fp32 | bf16 | fp16 (fp32 master weights, fp16 with loss scaling)
-  double max_grad_norm = 0.0;      // clip the global gradient norm; 0 = off
+  std::string strategy = "ddp";                   // single | ddp | zero1 | zero2 | zero3 (ZeRO stages 1-3)
+  std::string precision = "fp32";                 // fp32 | bf16 | fp16 (fp32 master weights, fp16 with loss scaling)
+  double max_grad_norm = 0.0;                     // clip the global gradient norm; 0 = off
   std::string activation_checkpointing = "none";  // none | every | N (tandem/activation_checkpoint.h)
-  double initial_loss_scale = 65536.0;  // fp16: the dynamic loss scale's start
+  double initial_loss_scale = 65536.0;            // fp16: the dynamic loss scale's start
   int epochs = 1;
-  int64_t batch = 128;  // global batch, split evenly across ranks
+  int64_t batch = 128;            // global batch, split evenly across ranks
   std::string optimizer = "sgd";  // sgd | adam | adamw
   double lr = 0.05;
   double momentum = 0.9;
   double weight_decay = 0.0;
-  bool scale_lr = false;      // linear scaling rule: lr * world_size (Goyal et al.)
-  int64_t warmup_steps = 0;   // linear warmup from lr to the (scaled) lr
+  bool scale_lr = false;            // linear scaling rule: lr * world_size (Goyal et al.)
+  int64_t warmup_steps = 0;         // linear warmup from lr to the (scaled) lr
   std::string schedule = "cosine";  // after warmup: cosine (decay to 0 at the last step) | constant
   uint64_t seed = 0;
-  int64_t max_steps = -1;     // stop after this many steps (all epochs together); -1: no limit
-  int64_t eval_limit = -1;    // evaluate on at most this many test samples; -1: all
+  int64_t max_steps = -1;   // stop after this many steps (all epochs together); -1: no limit
+  int64_t eval_limit = -1;  // evaluate on at most this many test samples; -1: all
   bool evaluate = true;
-  std::string metrics_path;   // JSON lines, written by rank 0
-  int64_t log_every = 50;     // plain progress lines every N steps when not on a terminal
+  std::string metrics_path;  // JSON lines, written by rank 0
+  int64_t log_every = 50;    // plain progress lines every N steps when not on a terminal
   bool progress = true;
   // DDP knobs
   int64_t bucket_mb = 25;
   bool find_unused = false;
   std::string compress = "none";  // none | bf16 | fp16
   bool overlap = true;
-  bool communicate = true;    // false only to measure the compute-only ceiling
+  bool communicate = true;  // false only to measure the compute-only ceiling
   // Throughput of one worker on the same job (samples/s), measured by the launcher; 0 = unknown.
   double baseline_samples_per_second = 0.0;
   // Model parallelism (tandem/grid.h): each replica spans tp x pp ranks, the other
   // world / (tp * pp) ranks are data parallel (--strategy ddp or zero1 over the dp groups).
-  int tp = 1;                              // tensor parallel: Linear pairs column/row-parallel
-  int pp = 1;                              // pipeline stages (the Sequential cut by pp_partition)
-  int64_t micro_batches = 4;               // per replica and step, when pp > 1
+  int tp = 1;                 // tensor parallel: Linear pairs column/row-parallel
+  int pp = 1;                 // pipeline stages (the Sequential cut by pp_partition)
+  int64_t micro_batches = 4;  // per replica and step, when pp > 1
   // Gradient accumulation without a pipeline: each replica's batch (global batch / dp) runs
   // as this many micro-batches before one optimizer step (DDP communicates once per step).
   int64_t grad_accum = 1;

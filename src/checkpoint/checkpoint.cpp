@@ -103,7 +103,8 @@ void agree(Communicator& comm, const std::string& err, const std::string& what) 
   comm.allreduce(t, ReduceOp::kSum);
   if (!err.empty()) throw std::runtime_error("rank " + std::to_string(comm.rank()) + ": " + err);
   if (t.item<int64_t>() > 0) {
-    throw std::runtime_error("rank " + std::to_string(comm.rank()) + ": " + what + " failed on another rank (see its error); the previous checkpoints are untouched");
+    throw std::runtime_error("rank " + std::to_string(comm.rank()) + ": " + what +
+                             " failed on another rank (see its error); the previous checkpoints are untouched");
   }
 }
 
@@ -171,7 +172,9 @@ std::string save_impl(const std::string& root, SavePlan plan, Communicator& comm
       m["format"] = kFormat;
       m["version"] = kVersion;
       m["byte_order"] = "little";
-      m["model"] = {{"name", meta.model}, {"description", meta.model_description}, {"parameters", plan.params},
+      m["model"] = {{"name", meta.model},
+                    {"description", meta.model_description},
+                    {"parameters", plan.params},
                     {"buffers", plan.buffers}};
       m["strategy"] = meta.strategy;
       m["world_size"] = world;
@@ -369,7 +372,8 @@ FullCheckpoint assemble(const Manifest& M) {
   }
   for (size_t i = 0; i < M.buffers.size(); ++i) {
     const int r = M.buffer_owner[i];
-    fc.buffers[M.buffers[i].name] = shaped(take(shards[r], "buffer/" + M.buffers[i].name, paths[r]), M.buffers[i], paths[r]);
+    fc.buffers[M.buffers[i].name] =
+        shaped(take(shards[r], "buffer/" + M.buffers[i].name, paths[r]), M.buffers[i], paths[r]);
   }
   for (int r = 0; r < N; ++r) fc.rng.push_back(take(shards[r], "rng/cpu", paths[r]));
   return fc;
@@ -391,7 +395,8 @@ void check_fits(const FullCheckpoint& fc, const std::string& dir, const Checkpoi
   for (auto& [n, p] : params) {
     auto it = fc.params.find(n);
     if (it == fc.params.end()) {
-      throw std::runtime_error(where + " does not fit this model (" + fc.meta.model + " in the checkpoint): it has no parameter '" + n + "'");
+      throw std::runtime_error(where + " does not fit this model (" + fc.meta.model +
+                               " in the checkpoint): it has no parameter '" + n + "'");
     }
     if (it->second.sizes() != p.sizes()) {
       throw std::runtime_error(where + " does not fit this model: parameter '" + n + "' has shape " +
@@ -499,8 +504,11 @@ std::string save_stages(const std::string& root, SavePlan mine, const Pipeline& 
   // Every rank learns what each writer holds (one string per rank: "" from the others).
   json what;
   if (writer) {
-    what = {{"stage", pipe.stage()}, {"params", mine.params}, {"buffers", mine.buffers},
-            {"slots", mine.slots}, {"step", mine.optimizer_step}};
+    what = {{"stage", pipe.stage()},
+            {"params", mine.params},
+            {"buffers", mine.buffers},
+            {"slots", mine.slots},
+            {"step", mine.optimizer_step}};
   }
   auto all = allgather_strings(comm, writer ? what.dump() : std::string());
   std::vector<int> writer_of(pipe.stages(), -1);
@@ -518,7 +526,9 @@ std::string save_stages(const std::string& root, SavePlan mine, const Pipeline& 
     }
   }
   for (int s = 0; s < pipe.stages() && err.empty(); ++s) {
-    if (writer_of[s] < 0) err = "pipeline checkpoint: no rank writes stage " + std::to_string(s) + "; pass writer=true on one rank per stage";
+    if (writer_of[s] < 0)
+      err =
+          "pipeline checkpoint: no rank writes stage " + std::to_string(s) + "; pass writer=true on one rank per stage";
   }
   if (!err.empty()) throw std::invalid_argument(err);  // every rank saw the same strings
   SavePlan plan;
@@ -541,21 +551,24 @@ std::string save_stages(const std::string& root, SavePlan mine, const Pipeline& 
     plan.optimizer_step = std::max(plan.optimizer_step, g.at("step").get<int64_t>());
   }
   plan.slots.assign(slots.begin(), slots.end());
-  plan.layout = {{"kind", "stages"}, {"partition", pipe.partition()}, {"params", owned_params}, {"buffers", owned_buffers}};
+  plan.layout = {{"kind", "stages"},
+                 {"partition", pipe.partition()},
+                 {"params", owned_params},
+                 {"buffers", owned_buffers}};
   return save_impl(root, std::move(plan), comm, o);
 }
 }  // namespace
 
 std::string detail::save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
-                            torch::optim::Optimizer& opt, bool writer, Communicator& comm,
-                            const CheckpointSaveOptions& o) {
+                                    torch::optim::Optimizer& opt, bool writer, Communicator& comm,
+                                    const CheckpointSaveOptions& o) {
   auto stage = pipe.stage_module();
   return save_stages(root, whole_tensors_plan(meta, *stage, opt, writer), pipe, writer, comm, o);
 }
 
 std::string detail::save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
-                            ZeroDataParallel& zero, const CommPtr& dp, Communicator& comm,
-                            const CheckpointSaveOptions& o) {
+                                    ZeroDataParallel& zero, const CommPtr& dp, Communicator& comm,
+                                    const CheckpointSaveOptions& o) {
   const char* who = "save_checkpoint";
   if (!dp) throw std::invalid_argument("save_checkpoint: no data-parallel communicator given for the pipeline's ZeRO");
   const bool writer = dp->rank() == 0;
@@ -581,8 +594,8 @@ std::string detail::save_checkpoint(const std::string& root, CheckpointMeta meta
   return save_stages(root, std::move(mine), pipe, writer, comm, o);
 }
 
-std::string detail::save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero, Communicator& comm,
-                            const CheckpointSaveOptions& o) {
+std::string detail::save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero,
+                                    Communicator& comm, const CheckpointSaveOptions& o) {
   SavePlan plan;
   meta.optimizer = optimizer_kind(zero.optimizer());
   plan.meta = meta;
@@ -617,7 +630,7 @@ namespace {
 // Names "i.key" of the parameters (or buffers) of children [first, end) of a Sequential, as the
 // whole model and a pipeline's stage module call them, with the tensors, in parameters() order.
 std::vector<std::pair<std::string, at::Tensor>> named_range(torch::nn::Sequential m, int64_t first, int64_t end,
-                                                             bool buffers) {
+                                                            bool buffers) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (int64_t i = first; i < end; ++i) {
     auto c = m->ptr(i);
@@ -689,8 +702,8 @@ std::map<std::string, at::Tensor> cut_for_rank(TpView& v, const CommPtr& tp, con
 }  // namespace
 
 std::string detail::save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta,
-                                            const TensorParallelState& s, Communicator& comm,
-                                            const CheckpointSaveOptions& o) {
+                                                    const TensorParallelState& s, Communicator& comm,
+                                                    const CheckpointSaveOptions& o) {
   const char* who = "save_tensor_parallel_checkpoint";
   TpView v = tp_view(s, who);
   // The trained values and slots of this rank's shards, by name.
@@ -769,7 +782,7 @@ std::string detail::save_tensor_parallel_checkpoint(const std::string& root, Che
 }
 
 CheckpointMeta detail::load_tensor_parallel_checkpoint(const std::string& dir, const TensorParallelState& s, int rank,
-                                               const CheckpointLoadOptions& o) {
+                                                       const CheckpointLoadOptions& o) {
   const char* who = "load_tensor_parallel_checkpoint";
   TpView v = tp_view(s, who);
   auto fc = read_full_checkpoint(dir);
@@ -844,8 +857,8 @@ CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model,
   return load_whole_tensors(dir, model, opt, rank, o, /*whole_model=*/true);
 }
 
-CheckpointMeta detail::load_checkpoint(const std::string& dir, const Pipeline& pipe, torch::optim::Optimizer& opt, int rank,
-                               const CheckpointLoadOptions& o) {
+CheckpointMeta detail::load_checkpoint(const std::string& dir, const Pipeline& pipe, torch::optim::Optimizer& opt,
+                                       int rank, const CheckpointLoadOptions& o) {
   auto stage = pipe.stage_module();
   return load_whole_tensors(dir, *stage, opt, rank, o, /*whole_model=*/false);
 }
@@ -866,12 +879,12 @@ CheckpointMeta load_zero(const std::string& dir, ZeroDataParallel& zero, int ran
 }  // namespace
 
 CheckpointMeta detail::load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,
-                               const CheckpointLoadOptions& o) {
+                                       const CheckpointLoadOptions& o) {
   return load_zero(dir, zero, rank, o, /*whole_model=*/true);
 }
 
 CheckpointMeta detail::load_checkpoint(const std::string& dir, const Pipeline& pipe, ZeroDataParallel& zero, int rank,
-                               const CheckpointLoadOptions& o) {
+                                       const CheckpointLoadOptions& o) {
   (void)pipe;  // the stage's parameters are ZeRO's; the checkpoint may hold more (other stages)
   return load_zero(dir, zero, rank, o, /*whole_model=*/false);
 }

@@ -45,7 +45,8 @@ struct Parser {
       bad("has " + what + " that is not an integer (" + v.dump() + ")");
     }
     if (x < lo || x > hi) {
-      bad("has " + what + " " + std::to_string(x) + ", outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+      bad("has " + what + " " + std::to_string(x) + ", outside [" + std::to_string(lo) + ", " + std::to_string(hi) +
+          "]");
     }
     return x;
   }
@@ -98,7 +99,10 @@ struct Parser {
     uint64_t v = 0;
     *ok = !s.empty() && s.size() <= 16;
     for (char c : s) {
-      int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+      int d = c >= '0' && c <= '9'   ? c - '0'
+              : c >= 'a' && c <= 'f' ? c - 'a' + 10
+              : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                     : -1;
       if (d < 0) *ok = false;
       v = v << 4 | static_cast<uint64_t>(d < 0 ? 0 : d);
     }
@@ -191,7 +195,8 @@ struct Parser {
     std::set<std::string> slots;
     for (auto& s : array_field(opt, "slots", "optimizer")) {
       if (!s.is_string() || s.get<std::string>().empty()) bad("has an optimizer slot that is not a non-empty string");
-      if (s == "param" || !slots.insert(s.get<std::string>()).second) bad("has the optimizer slot " + s.dump() + " twice or reserved");
+      if (s == "param" || !slots.insert(s.get<std::string>()).second)
+        bad("has the optimizer slot " + s.dump() + " twice or reserved");
       m.slots.push_back(s.get<std::string>());
     }
     const auto& progress = at(j, "progress", "the manifest");
@@ -217,7 +222,8 @@ struct Parser {
       const auto& s = shards[static_cast<size_t>(r)];
       if (int_field(s, "rank", "shards", 0, kMaxWorld) != r) bad("lists the shards out of rank order");
       auto file = str_field(s, "file", "shards");
-      if (file.empty() || file.find('/') != std::string::npos || file[0] == '.' || file.find('\0') != std::string::npos) {
+      if (file.empty() || file.find('/') != std::string::npos || file[0] == '.' ||
+          file.find('\0') != std::string::npos) {
         bad("names an invalid shard file '" + file + "'");
       }
       Digest d;
@@ -241,7 +247,8 @@ struct Parser {
       zero_layout(layout, m);
     } else if (kind == "stages") {
       m.layout = LayoutKind::kStages;
-      for (auto& l : array_field(layout, "partition", "layout")) m.partition.push_back(int_in(l, "a stage's layer count", 1, INT32_MAX));
+      for (auto& l : array_field(layout, "partition", "layout"))
+        m.partition.push_back(int_in(l, "a stage's layer count", 1, INT32_MAX));
       if (m.partition.empty()) bad("has a stages layout without a partition");
       m.param_owner = owners(array_field(layout, "params", "layout"), m.params, "params", meta.world_size);
       m.buffer_owner = owners(array_field(layout, "buffers", "layout"), m.buffers, "buffers", meta.world_size);

@@ -118,7 +118,9 @@ std::map<std::string, at::Tensor> read_shard(const std::string& path, const Dige
       throw std::runtime_error("checkpoint shard '" + path + "': entry '" + name + "' has an unknown dtype");
     }
     const auto ndim = r.get<uint32_t>("an entry header");
-    if (ndim > 64) throw std::runtime_error("checkpoint shard '" + path + "': entry '" + name + "' has " + std::to_string(ndim) + " dimensions");
+    if (ndim > 64)
+      throw std::runtime_error("checkpoint shard '" + path + "': entry '" + name + "' has " + std::to_string(ndim) +
+                               " dimensions");
     std::vector<int64_t> sizes(ndim);
     int64_t numel = 1;
     for (auto& s : sizes) {
@@ -204,7 +206,8 @@ void make_dirs(const std::string& path) {
   if (path.empty() || is_dir(path)) return;
   auto slash = path.find_last_of('/');
   if (slash != std::string::npos && slash > 0) make_dirs(path.substr(0, slash));
-  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) throw std::runtime_error(sys_error("cannot create directory", path));
+  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST)
+    throw std::runtime_error(sys_error("cannot create directory", path));
 }
 
 void remove_tree(const std::string& path) {
@@ -241,7 +244,8 @@ std::vector<std::string> list_dir(const std::string& path) {
 }
 
 void rename_path(const std::string& from, const std::string& to) {
-  if (::rename(from.c_str(), to.c_str()) != 0) throw std::runtime_error(sys_error("cannot rename '" + from + "' to", to));
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    throw std::runtime_error(sys_error("cannot rename '" + from + "' to", to));
 }
 
 }  // namespace tandem::ckpt

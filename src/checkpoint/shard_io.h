@@ -34,7 +34,7 @@ void write_synced(const std::string& path, const std::string& data);
 // Whole file; throws std::runtime_error naming the file when it cannot be read.
 std::string read_all(const std::string& path);
 void fsync_dir(const std::string& path);
-void make_dirs(const std::string& path);  // mkdir -p
+void make_dirs(const std::string& path);    // mkdir -p
 void remove_tree(const std::string& path);  // rm -rf (no error when missing)
 bool is_dir(const std::string& path);
 bool exists(const std::string& path);

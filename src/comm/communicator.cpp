@@ -60,8 +60,7 @@ std::string describe(int rank, const std::string& op, const at::Tensor& t) {
   std::ostringstream os;
   os << "rank " << rank << ": " << op;
   if (t.defined()) {
-    os << " of " << c10::toString(t.scalar_type()) << t.sizes() << " (" << t.numel() * t.element_size()
-       << " bytes)";
+    os << " of " << c10::toString(t.scalar_type()) << t.sizes() << " (" << t.numel() * t.element_size() << " bytes)";
   }
   return os.str();
 }
@@ -105,7 +104,9 @@ class SelfCommunicator : public Communicator {
   }
   WorkPtr allgather_async(at::Tensor out, at::Tensor in) override { return copy_op("allgather", out, in); }
   WorkPtr broadcast_async(at::Tensor t, int root) override {
-    if (root != 0) throw CommError(describe(0, "broadcast", t) + ": root " + std::to_string(root) + " out of range for world size 1");
+    if (root != 0)
+      throw CommError(describe(0, "broadcast", t) + ": root " + std::to_string(root) +
+                      " out of range for world size 1");
     record("broadcast", t.numel() * t.element_size());
     return completed_work();
   }
@@ -125,8 +126,8 @@ class SelfCommunicator : public Communicator {
   WorkPtr copy_op(const char* op, at::Tensor& out, at::Tensor& in) {
     check_same_device(0, op, in, out);
     if (in.numel() != out.numel()) {
-      throw CommError(describe(0, op, in) + ": output has " + std::to_string(out.numel()) +
-                      " elements, expected " + std::to_string(in.numel()));
+      throw CommError(describe(0, op, in) + ": output has " + std::to_string(out.numel()) + " elements, expected " +
+                      std::to_string(in.numel()));
     }
     record(op, in.numel() * in.element_size());
     out.copy_(in.reshape(out.sizes()));

@@ -86,9 +86,7 @@ inline int64_t cuda_peak_allocated_bytes(c10::DeviceIndex device) {
   auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
   return stats.allocated_bytes[0].peak;  // index 0: StatType::AGGREGATE
 }
-inline void reset_cuda_peak_stats(c10::DeviceIndex device) {
-  c10::cuda::CUDACachingAllocator::resetPeakStats(device);
-}
+inline void reset_cuda_peak_stats(c10::DeviceIndex device) { c10::cuda::CUDACachingAllocator::resetPeakStats(device); }
 #endif
 
 // ---- storage that outlives its memory (ZeRO-3 / FSDP's "free the unsharded parameter") ----
@@ -111,7 +109,8 @@ inline void alloc_storage(const at::Tensor& t, size_t nbytes) {
 inline void place_storage(const at::Tensor& t, void* data, size_t nbytes, const at::Tensor& owner) {
   auto* s = t.storage().unsafeGetStorageImpl();
   auto* keep = new at::Tensor(owner);
-  s->set_data_ptr_noswap(at::DataPtr(data, keep, [](void* k) { delete static_cast<at::Tensor*>(k); }, t.device()));
+  s->set_data_ptr_noswap(at::DataPtr(
+      data, keep, [](void* k) { delete static_cast<at::Tensor*>(k); }, t.device()));
   s->set_nbytes(nbytes);
 }
 inline bool storage_allocated(const at::Tensor& t) { return t.storage().nbytes() > 0; }

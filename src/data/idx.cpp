@@ -49,8 +49,7 @@ std::vector<uint8_t> read_file(const std::string& path) {
 
 }  // namespace
 
-Dataset load_idx(const std::string& images_path, const std::string& labels_path,
-                 const LoadOptions& options) {
+Dataset load_idx(const std::string& images_path, const std::string& labels_path, const LoadOptions& options) {
   if (!(options.std > 0.0)) {
     throw std::invalid_argument("tandem::data::load_idx: normalization std must be > 0, got " +
                                 std::to_string(options.std));
@@ -65,9 +64,11 @@ Dataset load_idx(const std::string& images_path, const std::string& labels_path,
   const IdxImages idx = parse_idx_images(images_path, img, labels_path, lab, options.num_classes);
 
   Dataset ds;
-  auto raw = at::from_blob(const_cast<uint8_t*>(idx.pixels), {idx.n, 1, idx.h, idx.w}, at::TensorOptions().dtype(at::kByte));
+  auto raw =
+      at::from_blob(const_cast<uint8_t*>(idx.pixels), {idx.n, 1, idx.h, idx.w}, at::TensorOptions().dtype(at::kByte));
   ds.images = raw.to(at::kFloat).div_(255.0).sub_(options.mean).div_(options.std);
-  ds.labels = at::from_blob(const_cast<uint8_t*>(idx.labels), {idx.n}, at::TensorOptions().dtype(at::kByte)).to(at::kLong);
+  ds.labels =
+      at::from_blob(const_cast<uint8_t*>(idx.labels), {idx.n}, at::TensorOptions().dtype(at::kByte)).to(at::kLong);
   return ds;
 }
 
@@ -78,9 +79,9 @@ Dataset load_fashion_mnist(const std::string& dir, bool train, const LoadOptions
     const std::string gz = base + stem + ".gz", raw = base + stem;
     if (path_kind(gz) == PathKind::kFile) return gz;
     if (path_kind(raw) == PathKind::kFile) return raw;
-    throw std::runtime_error("tandem::data: Fashion-MNIST " + std::string(train ? "training" : "test") +
-                             " file " + stem + "[.gz] not found in '" + dir + "' (looked for '" + gz +
-                             "' and '" + raw + "'). " + kInstallHint);
+    throw std::runtime_error("tandem::data: Fashion-MNIST " + std::string(train ? "training" : "test") + " file " +
+                             stem + "[.gz] not found in '" + dir + "' (looked for '" + gz + "' and '" + raw + "'). " +
+                             kInstallHint);
   };
   const std::string images = find(prefix + "-images-idx3-ubyte");
   const std::string labels = find(prefix + "-labels-idx1-ubyte");

@@ -81,7 +81,9 @@ std::vector<uint8_t> gunzip(const std::string& path, const std::vector<uint8_t>&
 
 #else
 std::vector<uint8_t> gunzip(const std::string& path, const std::vector<uint8_t>&) {
-  fail(path, "is gzip-compressed, but this build of Tandem has no zlib; gunzip the file or rebuild with zlib1g-dev installed");
+  fail(
+      path,
+      "is gzip-compressed, but this build of Tandem has no zlib; gunzip the file or rebuild with zlib1g-dev installed");
 }
 #endif
 
@@ -92,8 +94,8 @@ std::vector<uint8_t> idx_decompress(const std::string& path, std::vector<uint8_t
   return bytes;
 }
 
-std::vector<uint64_t> parse_idx_header(const std::string& path, const std::vector<uint8_t>& b,
-                                       uint32_t expected_magic, const char* kind) {
+std::vector<uint64_t> parse_idx_header(const std::string& path, const std::vector<uint8_t>& b, uint32_t expected_magic,
+                                       const char* kind) {
   const size_t ndim = expected_magic & 0xff;
   if (b.size() < 4) {
     fail(path, "too short for an IDX header (" + std::to_string(b.size()) +
@@ -108,13 +110,12 @@ std::vector<uint64_t> parse_idx_header(const std::string& path, const std::vecto
     } else {
       hint = " (not an IDX ubyte file)";
     }
-    fail(path, std::string("wrong magic number ") + hex(magic) + ", expected " + hex(expected_magic) +
-                   " for an IDX " + kind + " file" + hint);
+    fail(path, std::string("wrong magic number ") + hex(magic) + ", expected " + hex(expected_magic) + " for an IDX " +
+                   kind + " file" + hint);
   }
   const size_t header = 4 + 4 * ndim;
   if (b.size() < header) {
-    fail(path, "truncated IDX header: " + std::to_string(b.size()) + " bytes, need " +
-                   std::to_string(header));
+    fail(path, "truncated IDX header: " + std::to_string(b.size()) + " bytes, need " + std::to_string(header));
   }
   std::vector<uint64_t> dims(ndim);
   uint64_t total = 1;
@@ -137,8 +138,7 @@ std::vector<uint64_t> parse_idx_header(const std::string& path, const std::vecto
 }
 
 IdxImages parse_idx_images(const std::string& images_path, const std::vector<uint8_t>& images,
-                           const std::string& labels_path, const std::vector<uint8_t>& labels,
-                           int64_t num_classes) {
+                           const std::string& labels_path, const std::vector<uint8_t>& labels, int64_t num_classes) {
   const auto idims = parse_idx_header(images_path, images, kIdxImagesMagic, "image");
   const auto ldims = parse_idx_header(labels_path, labels, kIdxLabelsMagic, "label");
   if (ldims[0] != idims[0]) {

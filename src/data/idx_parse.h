@@ -21,8 +21,8 @@ std::vector<uint8_t> idx_decompress(const std::string& path, std::vector<uint8_t
 // Checks the magic (`kind`: "image" or "label", for messages), the header and that the data
 // has exactly the size the dimensions give; returns the dimensions. The data starts at byte
 // 4 + 4 * dims.size(). Throws std::runtime_error naming `path`.
-std::vector<uint64_t> parse_idx_header(const std::string& path, const std::vector<uint8_t>& b,
-                                       uint32_t expected_magic, const char* kind);
+std::vector<uint64_t> parse_idx_header(const std::string& path, const std::vector<uint8_t>& b, uint32_t expected_magic,
+                                       const char* kind);
 
 // An image file (N x H x W) and its label file (N) checked together: the same count, and every
 // label below num_classes (0: any byte).
@@ -32,7 +32,6 @@ struct IdxImages {
   const uint8_t* labels = nullptr;  // n bytes inside the label file's bytes
 };
 IdxImages parse_idx_images(const std::string& images_path, const std::vector<uint8_t>& images,
-                           const std::string& labels_path, const std::vector<uint8_t>& labels,
-                           int64_t num_classes);
+                           const std::string& labels_path, const std::vector<uint8_t>& labels, int64_t num_classes);
 
 }  // namespace tandem::data

@@ -29,27 +29,26 @@ std::vector<int64_t> permutation(int64_t n, uint64_t seed) {
   return p;
 }
 
-DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int world_size, bool shuffle,
-                                       uint64_t seed, bool drop_last)
-    : dataset_size_(dataset_size), rank_(rank), world_size_(world_size), shuffle_(shuffle),
-      seed_(seed), drop_last_(drop_last) {
+DistributedSampler::DistributedSampler(int64_t dataset_size, int rank, int world_size, bool shuffle, uint64_t seed,
+                                       bool drop_last)
+    : dataset_size_(dataset_size), rank_(rank), world_size_(world_size), shuffle_(shuffle), seed_(seed),
+      drop_last_(drop_last) {
   if (world_size < 1) {
     throw std::invalid_argument("tandem::data::DistributedSampler: world_size must be >= 1, got " +
                                 std::to_string(world_size));
   }
   if (rank < 0 || rank >= world_size) {
-    throw std::invalid_argument("tandem::data::DistributedSampler: rank " + std::to_string(rank) +
-                                " is outside [0, " + std::to_string(world_size) + ")");
+    throw std::invalid_argument("tandem::data::DistributedSampler: rank " + std::to_string(rank) + " is outside [0, " +
+                                std::to_string(world_size) + ")");
   }
   if (dataset_size < 0) {
     throw std::invalid_argument("tandem::data::DistributedSampler: dataset_size must be >= 0, got " +
                                 std::to_string(dataset_size));
   }
   if (drop_last && dataset_size < world_size) {
-    throw std::invalid_argument(
-        "tandem::data::DistributedSampler: dataset of " + std::to_string(dataset_size) +
-        " samples is smaller than the world size " + std::to_string(world_size) +
-        " with drop_last, so some ranks would get no data; use fewer ranks or drop_last=false");
+    throw std::invalid_argument("tandem::data::DistributedSampler: dataset of " + std::to_string(dataset_size) +
+                                " samples is smaller than the world size " + std::to_string(world_size) +
+                                " with drop_last, so some ranks would get no data; use fewer ranks or drop_last=false");
   }
   // Same as PyTorch: with drop_last the tail that cannot be split evenly is dropped,
   // otherwise every rank gets ceil(N / W) samples.
@@ -189,8 +188,7 @@ std::pair<at::Tensor, at::Tensor> gather_batch(const Dataset& ds, const std::vec
                               std::to_string(i) + ") is outside the dataset [0, " + std::to_string(n) + ")");
     }
   }
-  auto t = at::tensor(at::ArrayRef<int64_t>(idx), at::TensorOptions().dtype(at::kLong))
-               .to(ds.images.device());
+  auto t = at::tensor(at::ArrayRef<int64_t>(idx), at::TensorOptions().dtype(at::kLong)).to(ds.images.device());
   return {ds.images.index_select(0, t), ds.labels.index_select(0, t.to(ds.labels.device()))};
 }
 

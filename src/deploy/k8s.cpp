@@ -41,11 +41,13 @@ void check_label(const std::string& flag, const std::string& key, const std::str
   const char* part = "([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)";
   if ((slash != std::string::npos && !dns1123_subdomain(prefix)) || name.empty() || name.size() > 63 ||
       !matches(name, part)) {
-    bad(flag + ": '" + key + "' is not a valid label key (optional DNS prefix and '/', then up to 63 of "
+    bad(flag + ": '" + key +
+        "' is not a valid label key (optional DNS prefix and '/', then up to 63 of "
         "A-Z a-z 0-9 - _ . starting and ending alphanumeric), e.g. cloud.google.com/gke-accelerator");
   }
   if (value.size() > 63 || !(value.empty() || matches(value, part))) {
-    bad(flag + ": '" + value + "' is not a valid label value (up to 63 of A-Z a-z 0-9 - _ . starting and ending "
+    bad(flag + ": '" + value +
+        "' is not a valid label value (up to 63 of A-Z a-z 0-9 - _ . starting and ending "
         "alphanumeric)");
   }
 }
@@ -219,7 +221,8 @@ Layout validate(const JobSpec& s) {
   // Names: the operator makes pods `<name>-launcher` and `<name>-worker-<i>` (DNS-1123 labels)
   // and a Service `<name>-worker` (a DNS-1035 label: it must start with a letter).
   if (s.name.empty() || !dns1123_label(s.name) || !std::isalpha(static_cast<unsigned char>(s.name[0]))) {
-    bad("--name '" + s.name + "': must be lower-case letters, digits and '-', start with a letter and end with a "
+    bad("--name '" + s.name +
+        "': must be lower-case letters, digits and '-', start with a letter and end with a "
         "letter or digit (the operator names a Service after it), e.g. fmnist-ddp");
   }
   if (!dns1123_label(s.ns)) {
@@ -244,7 +247,7 @@ Layout validate(const JobSpec& s) {
       if (p.gpus_per_node == 0) ++cpu_pools;
       if (s.pools.size() > 1 && p.selector.empty()) {
         bad(where + "a node selector is needed when there are several pools (NAME:NODES:GPUS:KEY=VALUE), else its "
-            "workers could land on any node");
+                    "workers could land on any node");
       }
     }
     if (cpu_pools != 0 && cpu_pools != static_cast<int>(s.pools.size())) {
@@ -252,7 +255,8 @@ Layout validate(const JobSpec& s) {
           "all pools GPU pools or all CPU pools");
     }
   } else {
-    if (s.nodes < 1) bad("--nodes must be at least 1, got " + std::to_string(s.nodes) + "; give the number of worker nodes");
+    if (s.nodes < 1)
+      bad("--nodes must be at least 1, got " + std::to_string(s.nodes) + "; give the number of worker nodes");
     if (s.gpus_per_node < 0) {
       bad("--gpus-per-node must be 0 (a CPU job) or more, got " + std::to_string(s.gpus_per_node));
     }
@@ -273,10 +277,9 @@ Layout validate(const JobSpec& s) {
     for (const auto& p : groups) {
       if (p.gpus_per_node % l.slots != 0) {
         const std::string what = pools ? "pool " + p.name + "'s " + std::to_string(p.gpus_per_node) + " GPUs per node"
-                                        : "--gpus-per-node " + std::to_string(p.gpus_per_node);
+                                       : "--gpus-per-node " + std::to_string(p.gpus_per_node);
         bad("--slots-per-worker " + std::to_string(l.slots) + " does not divide " + what +
-            " (Tandem runs one rank per GPU, a worker pod holds slots GPUs); use a divisor, e.g. " +
-            std::to_string(g));
+            " (Tandem runs one rank per GPU, a worker pod holds slots GPUs); use a divisor, e.g. " + std::to_string(g));
       }
       l.workers += p.nodes * (p.gpus_per_node / l.slots);
     }
@@ -466,25 +469,24 @@ Json mpijob(const JobSpec& s) {
   worker_spec["containers"] = Json::array({worker});
 
   Json run_policy = {{"cleanPodPolicy", s.clean_pod_policy}, {"backoffLimit", s.backoff_limit}};
-  return Json{
-      {"apiVersion", "kubeflow.org/v2beta1"},
-      {"kind", "MPIJob"},
-      {"metadata", {{"name", s.name}, {"namespace", s.ns}, {"labels", labels(s, "job")}}},
-      {"spec",
-       {{"slotsPerWorker", l.slots},
-        {"mpiImplementation", "OpenMPI"},
-        {"sshAuthMountPath", "/root/.ssh"},
-        {"launcherCreationPolicy", "WaitForWorkersReady"},
-        {"runPolicy", run_policy},
-        {"mpiReplicaSpecs",
-         {{"Launcher",
-           {{"replicas", 1},
-            {"restartPolicy", "OnFailure"},
-            {"template", {{"metadata", {{"labels", labels(s, "launcher")}}}, {"spec", launcher_spec}}}}},
-          {"Worker",
-           {{"replicas", l.workers},
-            {"restartPolicy", "OnFailure"},
-            {"template", {{"metadata", {{"labels", labels(s, "worker")}}}, {"spec", worker_spec}}}}}}}}}};
+  return Json{{"apiVersion", "kubeflow.org/v2beta1"},
+              {"kind", "MPIJob"},
+              {"metadata", {{"name", s.name}, {"namespace", s.ns}, {"labels", labels(s, "job")}}},
+              {"spec",
+               {{"slotsPerWorker", l.slots},
+                {"mpiImplementation", "OpenMPI"},
+                {"sshAuthMountPath", "/root/.ssh"},
+                {"launcherCreationPolicy", "WaitForWorkersReady"},
+                {"runPolicy", run_policy},
+                {"mpiReplicaSpecs",
+                 {{"Launcher",
+                   {{"replicas", 1},
+                    {"restartPolicy", "OnFailure"},
+                    {"template", {{"metadata", {{"labels", labels(s, "launcher")}}}, {"spec", launcher_spec}}}}},
+                  {"Worker",
+                   {{"replicas", l.workers},
+                    {"restartPolicy", "OnFailure"},
+                    {"template", {{"metadata", {{"labels", labels(s, "worker")}}}, {"spec", worker_spec}}}}}}}}}};
 }
 
 Json checkpoint_claim(const JobSpec& s) {

@@ -116,8 +116,9 @@ void validate_layout(const ParallelConfig& c, int world) {
   if (c.tp * c.pp == 1) return;
   const std::string layout = "--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp);
   if (world % (c.tp * c.pp) != 0) {
-    throw std::invalid_argument(layout + " = " + std::to_string(c.tp * c.pp) + " ranks per replica does not divide the " +
-                                std::to_string(world) + " workers; use -n a multiple of " + std::to_string(c.tp * c.pp));
+    throw std::invalid_argument(layout + " = " + std::to_string(c.tp * c.pp) +
+                                " ranks per replica does not divide the " + std::to_string(world) +
+                                " workers; use -n a multiple of " + std::to_string(c.tp * c.pp));
   }
   // ZeRO-2 and 3 reduce-scatter gradients in backward hooks: a pipeline's backward runs once per
   // micro-batch, so they compose with tensor parallelism only (as in DeepSpeed).

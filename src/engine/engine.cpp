@@ -162,9 +162,9 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   }
   L.net = L.dense;
   if (cfg.tp > 1) {
-    auto convert = L.opts.tensor_parallel
-                       ? L.opts.tensor_parallel
-                       : [](torch::nn::Sequential d, CommPtr tp) { return tp::tensor_parallel(std::move(d), tp); };
+    auto convert = L.opts.tensor_parallel ? L.opts.tensor_parallel : [](torch::nn::Sequential d, CommPtr tp) {
+      return tp::tensor_parallel(std::move(d), tp);
+    };
     L.net = convert(L.dense_sequential(), L.grid->tp()).ptr();
   }
   if (cfg.activation_checkpointing.enabled()) checkpoint_layers(cut);
@@ -234,7 +234,8 @@ bool Engine::optimizer_step() {
 at::Tensor Engine::forward_backward(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss_fn,
                                     const StepOptions& options) {
   if (options.reduction == LossReduction::kSum && !(options.terms > 0)) {
-    throw std::invalid_argument("Engine: LossReduction::kSum needs StepOptions::terms, the loss terms of the global batch");
+    throw std::invalid_argument(
+        "Engine: LossReduction::kSum needs StepOptions::terms, the loss terms of the global batch");
   }
   auto& I = *impl_;
   I.fresh_step = false;
@@ -427,12 +428,12 @@ std::map<std::string, at::Tensor> Engine::full_parameters() {
     for (auto& p : params) {
       saved.push_back(p.data());
       auto m = master_of.find(p.unsafeGetTensorImpl());
-      p.set_data(m != master_of.end() ? m->second.to(p.device(), torch::kFloat).clone()
-                                      : p.detach().to(torch::kFloat));
+      p.set_data(m != master_of.end() ? m->second.to(p.device(), torch::kFloat).clone() : p.detach().to(torch::kFloat));
     }
   }
   I.gather_dense();
-  for (auto& p : I.L.dense->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU, torch::kFloat).clone();
+  for (auto& p : I.L.dense->named_parameters())
+    out[p.key()] = p.value().detach().to(torch::kCPU, torch::kFloat).clone();
   for (size_t i = 0; i < saved.size(); ++i) params[i].set_data(saved[i]);
   return out;
 }

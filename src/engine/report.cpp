@@ -63,8 +63,7 @@ void gather_memory(Engine& eng, const EngineStats& s, Report& rep) {
   eng.world()->allgather(all, mine);
   auto host = all.cpu();
   rep.peak_rss_bytes.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + world);
-  auto t = torch::tensor({s.parameter_bytes, s.gradient_bytes, s.optimizer_state_bytes}, torch::kLong)
-               .to(eng.device());
+  auto t = torch::tensor({s.parameter_bytes, s.gradient_bytes, s.optimizer_state_bytes}, torch::kLong).to(eng.device());
   eng.world()->broadcast(t, 0);
   auto h = t.cpu();
   rep.parameter_bytes = h[0].item<int64_t>();
@@ -93,8 +92,8 @@ void format_layout(std::ostringstream& os, const Report& r) {
     if (!r.bubble_per_stage.empty()) {
       line(os, "bubble") << std::setprecision(2) << r.bubble_measured << " idle/compute measured (mean over stages:";
       for (size_t s = 0; s < r.bubble_per_stage.size(); ++s) os << (s ? "," : "") << " " << r.bubble_per_stage[s];
-      os << "), theory (pp-1)/m = " << r.bubble_theory << "; most micro-batches alive per stage: "
-         << joined(r.peak_live_micro_batches, ", ") << "\n";
+      os << "), theory (pp-1)/m = " << r.bubble_theory
+         << "; most micro-batches alive per stage: " << joined(r.peak_live_micro_batches, ", ") << "\n";
     }
   }
   if (r.activation_checkpointing != "none") {
@@ -164,8 +163,7 @@ void format_memory(std::ostringstream& os, const Report& r) {
                           << r.gradient_bytes / kMiB << " MiB, optimizer state " << r.optimizer_state_bytes / kMiB
                           << " MiB" << (r.precision != "fp32" ? " incl. fp32 masters" : "") << " (rank 0)\n";
   if (r.peak_gathered_bytes > 0) {
-    line(os, "gathered (zero3)") << r.peak_gathered_bytes / kMiB
-                                 << " MiB of full parameters alive at most (rank 0)\n";
+    line(os, "gathered (zero3)") << r.peak_gathered_bytes / kMiB << " MiB of full parameters alive at most (rank 0)\n";
   }
   if (r.zero_pool_bytes > 0) {
     line(os, "zero block") << r.zero_pool_bytes / kMiB << " MiB of shared memory for scratch"

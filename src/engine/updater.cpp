@@ -119,7 +119,8 @@ class Replicated final : public Updater {
     auto cpu = L_.rt->cpu_world();
     auto& opt = opt_->optimizer();
     if (L_.cfg.tp > 1) return detail::save_tensor_parallel_checkpoint(root, m, L_.tp_state(&opt, nullptr), *cpu, o);
-    if (L_.pipe) return detail::save_checkpoint(root, m, *L_.pipe, opt, L_.grid->dp_rank() == 0, *cpu, o);  // one writer per stage
+    if (L_.pipe)
+      return detail::save_checkpoint(root, m, *L_.pipe, opt, L_.grid->dp_rank() == 0, *cpu, o);  // one writer per stage
     return save_checkpoint(root, m, *L_.net, opt, *cpu, o);
   }
   CheckpointMeta load(const std::string& dir, int rank, const CheckpointLoadOptions& o) override {
@@ -145,7 +146,6 @@ class Replicated final : public Updater {
     }
     s.optimizer_state_bytes = opt_->optimizer_state_bytes() + opt_->master_bytes();
   }
-
 
  private:
   static double lr_of(torch::optim::Optimizer& o) { return o.param_groups().at(0).options().get_lr(); }
@@ -185,9 +185,7 @@ class Sharded final : public Updater {
   at::Tensor scale_loss(const at::Tensor& loss) const override { return zero_->scale_loss(loss); }
   void after_pipeline_backward() override {}  // reduced in its hooks
   bool step() override { return zero_->step(); }
-  void set_lr(double lr) override {
-    zero_->set_lr(lr);
-  }
+  void set_lr(double lr) override { zero_->set_lr(lr); }
   double lr() const override { return zero_->lr(); }
   const LossScaler& scaler() const override { return zero_->loss_scaler(); }
   double gather_wait_seconds() const override { return zero_->gather_wait_seconds(); }
@@ -195,7 +193,8 @@ class Sharded final : public Updater {
 
   std::string save(const std::string& root, const CheckpointMeta& m, const CheckpointSaveOptions& o) override {
     auto cpu = L_.rt->cpu_world();
-    if (L_.cfg.tp > 1) return detail::save_tensor_parallel_checkpoint(root, m, L_.tp_state(nullptr, zero_.get()), *cpu, o);
+    if (L_.cfg.tp > 1)
+      return detail::save_tensor_parallel_checkpoint(root, m, L_.tp_state(nullptr, zero_.get()), *cpu, o);
     // A stage's chunks are gathered over its replicas; the first replica writes it.
     if (L_.pipe) return detail::save_checkpoint(root, m, *L_.pipe, *zero_, L_.dp, *cpu, o);
     return detail::save_checkpoint(root, m, *zero_, *cpu, o);
@@ -230,7 +229,6 @@ class Sharded final : public Updater {
     s.zero_pool_bytes = m.pool_bytes;
     s.zero_pool_misses = m.pool_misses;
   }
-
 
  private:
   Layout& L_;

@@ -38,13 +38,13 @@ struct Layout {
   std::shared_ptr<torch::nn::Module> net;    // what runs: `dense`, or its tensor-parallel form
   std::unique_ptr<Pipeline> pipe;
   std::shared_ptr<torch::nn::Module> trained_module;  // the stage (pp > 1) or `net`
-  std::vector<at::Tensor> trained;                     // its parameters
-  std::function<at::Tensor(const at::Tensor&)> run;    // net's forward (its own when not a Sequential)
+  std::vector<at::Tensor> trained;                    // its parameters
+  std::function<at::Tensor(const at::Tensor&)> run;   // net's forward (its own when not a Sequential)
   // Tensor-parallel checkpoints: a dense model of the same shape, made on first use.
   torch::nn::Sequential tp_scratch{nullptr};
 
   int dp_size() const { return dp->size(); }
-  torch::nn::Sequential net_sequential() const;    // throws when net is not a Sequential
+  torch::nn::Sequential net_sequential() const;  // throws when net is not a Sequential
   torch::nn::Sequential dense_sequential() const;
   TensorParallelState tp_state(torch::optim::Optimizer* opt, ZeroDataParallel* zero);
 };

@@ -7,14 +7,14 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
-#include <limits>
-#include <map>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <ctime>
+#include <functional>
+#include <limits>
+#include <map>
 #include <stdexcept>
 #include <thread>
 
@@ -149,8 +149,8 @@ double time_fwd_bwd(torch::nn::Sequential& model, const std::string& name, int64
 // Median seconds of each child's forward+backward at batch b, one after another on the real
 // activations (the input requires grad where the model's does: after the first child with
 // parameters), the last child with the loss; one pass of `iters` per child after `warmup`.
-std::vector<double> time_layers(torch::nn::Sequential& model, const std::string& name, int64_t b, int warmup,
-                                int iters, std::vector<double>* forward = nullptr) {
+std::vector<double> time_layers(torch::nn::Sequential& model, const std::string& name, int64_t b, int warmup, int iters,
+                                std::vector<double>* forward = nullptr) {
   auto [x, y] = sample_batch(name, b);
   std::vector<double> out;
   if (forward) forward->clear();
@@ -516,8 +516,8 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
   // "allgather_copy_shm": into symmetric memory from a separate input, as ZeRO-3 gathers a unit
   // from its shard into a slot of its block (each rank copies its own part in too, then the
   // others'); "allgather_shm" is in place, as ZeRO-1/2 gather into their flat parameters.
-  const std::vector<std::string> ops = {"allreduce", "reduce_scatter", "allgather", "reduce_scatter_shm",
-                                        "allgather_shm", "allgather_copy_shm"};
+  const std::vector<std::string> ops = {"allreduce",          "reduce_scatter", "allgather",
+                                        "reduce_scatter_shm", "allgather_shm",  "allgather_copy_shm"};
   // Three interleaved rounds, the median over all of them per operation and size: on a shared
   // virtual machine inter-process copies can run at one of two speeds for a minute or two at a
   // time (a 3x swing in reduce_scatter seen between two calibrations), and one pass can land in
@@ -538,7 +538,7 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
         const bool symmetric = op == "allreduce" || is_shm_op(op);
         auto full = symmetric ? symmetric_empty(*comm, numel, torch::kFloat).fill_(1.0f) : torch::ones({numel});
         auto part = symmetric && op != "allgather_copy_shm" ? full.narrow(0, comm->rank() * (numel / n), numel / n)
-                                                             : torch::ones({numel / n});
+                                                            : torch::ones({numel / n});
         for (int i = 0; i < 8; ++i) {
           std::memset(evict.data(), i, evict.size());
           comm->barrier();
@@ -640,7 +640,8 @@ void calibrate_collectives(Runtime& rt, Calibration& cal, const std::vector<std:
       for (double x : v) sum += x;
       return v.empty() ? 0.0 : sum / static_cast<double>(v.size());
     };
-    for (size_t k = 0; k < d_sizes.size(); ++k) curve.emplace_back(static_cast<double>(d_sizes[k]), trimmed_mean(dd[k]));
+    for (size_t k = 0; k < d_sizes.size(); ++k)
+      curve.emplace_back(static_cast<double>(d_sizes[k]), trimmed_mean(dd[k]));
   }
   for (const auto& op : ops) {
     std::vector<double> xs, ys;
@@ -673,7 +674,8 @@ std::string calibration_to_json(const Calibration& cal) {
                          {"overhead_s", m.overhead_s},
                          {"overhead_all_s", m.overhead_all_s},
                          {"fit_batches", {m.fit_batch_lo, m.fit_batch_hi}},
-                         {"flops_synchronized", [&] {
+                         {"flops_synchronized",
+                          [&] {
                             nlohmann::json o = nlohmann::json::object();
                             for (const auto& [n, r] : m.flops_synchronized) o[std::to_string(n)] = r;
                             return o;
@@ -682,18 +684,21 @@ std::string calibration_to_json(const Calibration& cal) {
                          {"adam_s_per_param", m.adam_s_per_param},
                          {"sgd_all_s_per_param", m.sgd_all_s_per_param},
                          {"adam_all_s_per_param", m.adam_all_s_per_param},
-                         {"flops_while_waiting", [&] {
+                         {"flops_while_waiting",
+                          [&] {
                             nlohmann::json o = nlohmann::json::object();
                             for (const auto& [n, by_a] : m.flops_while_waiting)
                               for (const auto& [a, r] : by_a) o[std::to_string(n)][std::to_string(a)] = r;
                             return o;
                           }()},
-                         {"sync_point_s", [&] {
+                         {"sync_point_s",
+                          [&] {
                             nlohmann::json o = nlohmann::json::object();
                             for (const auto& [n, v] : m.sync_point_s) o[std::to_string(n)] = v;
                             return o;
                           }()},
-                         {"tp_synchronized", [&] {
+                         {"tp_synchronized",
+                          [&] {
                             nlohmann::json o = nlohmann::json::object();
                             for (const auto& [n, by_t] : m.tp_synchronized)
                               for (const auto& [t, bs] : by_t)
@@ -705,7 +710,8 @@ std::string calibration_to_json(const Calibration& cal) {
                          {"layer_forward_share", m.layer_forward_share}};
   }
   for (const auto& [n, ops] : cal.collectives)
-    for (const auto& [op, ab] : ops) j["collectives"][std::to_string(n)][op] = {{"alpha", ab.alpha}, {"bandwidth", ab.bandwidth}};
+    for (const auto& [op, ab] : ops)
+      j["collectives"][std::to_string(n)][op] = {{"alpha", ab.alpha}, {"bandwidth", ab.bandwidth}};
   for (const auto& [n, ops] : cal.collective_times)
     for (const auto& [op, curve] : ops) j["collective_times"][std::to_string(n)][op] = curve;
   for (const auto& [n, ab] : cal.p2p) j["p2p"][std::to_string(n)] = {{"alpha", ab.alpha}, {"bandwidth", ab.bandwidth}};
@@ -730,7 +736,7 @@ Calibration calibration_from_json(const std::string& text) {
         r.flops_concurrent = m.value("flops_concurrent", 0.0);
         r.overhead_s = m.value("overhead_s", 0.0);
         r.overhead_all_s = m.value("overhead_all_s", -1.0);  // absent in older calibration files
-        if (m.contains("fit_batches")) {  // absent in older calibration files
+        if (m.contains("fit_batches")) {                     // absent in older calibration files
           const auto fb = m["fit_batches"].get<std::vector<int64_t>>();
           if (fb.size() != 2 || fb[0] < 0 || fb[1] < fb[0])
             throw std::invalid_argument("models." + name + ": fit_batches must be [smaller, larger] batch");
@@ -747,7 +753,8 @@ Calibration calibration_from_json(const std::string& text) {
           throw std::invalid_argument("models." + name + ": layer_overhead_s and layer_s_per_sample differ in length");
         r.layer_forward_share = m.value("layer_forward_share", std::vector<double>{});  // absent in older files
         if (!r.layer_forward_share.empty() && r.layer_forward_share.size() != r.layer_s_per_sample.size())
-          throw std::invalid_argument("models." + name + ": layer_forward_share and layer_s_per_sample differ in length");
+          throw std::invalid_argument("models." + name +
+                                      ": layer_forward_share and layer_s_per_sample differ in length");
         for (double v : r.layer_forward_share)
           if (!(v >= 0 && v <= 1))
             throw std::invalid_argument("models." + name + ": layer_forward_share values must lie in [0, 1]");

@@ -38,11 +38,11 @@ double activation_scale(const ModelSpec& m, const std::string& precision) {
 }
 
 struct Rates {
-  double flops = 0;       // FLOP/s of forward+backward per worker
-  double overhead = 0;    // s per step (--overhead-ms), or per forward+backward pass (calibrated)
+  double flops = 0;                // FLOP/s of forward+backward per worker
+  double overhead = 0;             // s per step (--overhead-ms), or per forward+backward pass (calibrated)
   bool overhead_per_pass = false;  // the calibration's intercept: paid by every micro-batch
-  double opt_per_param = 0;  // s per parameter updated (CPU calibration); 0: from bandwidth
-  double slice = 1;       // time-sharing factor (CPU workers beyond the cores)
+  double opt_per_param = 0;        // s per parameter updated (CPU calibration); 0: from bandwidth
+  double slice = 1;                // time-sharing factor (CPU workers beyond the cores)
 };
 
 Rates worker_rates(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o, int workers_on_node) {
@@ -90,10 +90,8 @@ Rates worker_rates(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& 
     // two).
     const bool adam = o.optimizer == "adam" || o.optimizer == "adamw";
     const double all_threads = adam ? mr.adam_all_s_per_param : mr.sgd_all_s_per_param;
-    if (all_threads > 0 && threads >= cores)
-      r.opt_per_param = all_threads;
-    else if (one > 0)
-      r.opt_per_param /= std::max(1.0, r.flops / one);
+    if (all_threads > 0 && threads >= cores) r.opt_per_param = all_threads;
+    else if (one > 0) r.opt_per_param /= std::max(1.0, r.flops / one);
   }
   return r;
 }
@@ -164,9 +162,9 @@ double layer_train_flops(const LayerSpec& l, bool input_grad) {
 double tp_share(const LayerSpec& l, int tp) { return (tp > 1 && !l.tp.empty()) ? 1.0 / tp : 1.0; }
 
 struct StageTimes {
-  double fwd = 0, bwd = 0;            // compute per micro-batch
-  double tp_fwd = 0, tp_bwd = 0;      // tensor-parallel all-reduces per micro-batch
-  double out_bytes = 0;               // activation sent to the next stage per micro-batch
+  double fwd = 0, bwd = 0;        // compute per micro-batch
+  double tp_fwd = 0, tp_bwd = 0;  // tensor-parallel all-reduces per micro-batch
+  double out_bytes = 0;           // activation sent to the next stage per micro-batch
 };
 
 // Makespan of one pipelined step: every stage runs pipeline_order() (as tandem::Pipeline does);
@@ -227,8 +225,7 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
     double next_start = inf;
     bool all_done = true;
     // A stage that is done or waits sends what it holds (its progress thread gets the core).
-    for (int s = 0; s < p; ++s)
-      release(s, next[s] >= order[s].size() || (left[s] < 0 && ready_at(s) > now + 1e-15));
+    for (int s = 0; s < p; ++s) release(s, next[s] >= order[s].size() || (left[s] < 0 && ready_at(s) > now + 1e-15));
     for (int s = 0; s < p; ++s) {
       if (next[s] >= order[s].size()) continue;
       all_done = false;
@@ -272,7 +269,6 @@ double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpip
   }
   return now;
 }
-
 
 // A pipelined (or tensor-parallel) step of a model that lists its children, stage by stage.
 struct PipelineTimes {
@@ -383,8 +379,8 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
       const double train = layer_train_flops(ly, in_grad);
       // A split child does 1/tp of all of its work: the fixed part of a Linear's time (reading
       // its weights, writing their gradient) is proportional to its weights too.
-      const double secs = mr ? child_seconds(i, static_cast<double>(mb)) * share
-                             : train * static_cast<double>(mb) * share / r.flops;
+      const double secs =
+          mr ? child_seconds(i, static_cast<double>(mb)) * share : train * static_cast<double>(mb) * share / r.flops;
       // The forward's part: calibrated, the measured share (a max-pool's forward is 82 % of its
       // time, the FLOP split says half); otherwise its FLOP share of the layer's training work
       // (a third with both gradients).
@@ -439,7 +435,8 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
         d = b <= v.front().first ? v.front().second : v.back().second;
         for (size_t k = 1; k < v.size(); ++k) {
           if (b > v[k - 1].first && b <= v[k].first)
-            d = v[k - 1].second + (b - v[k - 1].first) / (v[k].first - v[k - 1].first) * (v[k].second - v[k - 1].second);
+            d = v[k - 1].second +
+                (b - v[k - 1].first) / (v[k].first - v[k - 1].first) * (v[k].second - v[k - 1].second);
         }
       }
       hold.push_back(std::max(0.0, d - xfer[s]));
@@ -475,10 +472,9 @@ double activation_bytes_per_sample(const ModelSpec& m, int tp) {
 }
 
 void validate(const ModelSpec& m) {
-  auto bad = [&](const std::string& what) {
-    throw std::invalid_argument("model '" + m.name + "': " + what);
-  };
-  if (!(m.parameters > 0) || !std::isfinite(m.parameters)) bad("parameters must be a positive number, got " + fmt("%g", m.parameters));
+  auto bad = [&](const std::string& what) { throw std::invalid_argument("model '" + m.name + "': " + what); };
+  if (!(m.parameters > 0) || !std::isfinite(m.parameters))
+    bad("parameters must be a positive number, got " + fmt("%g", m.parameters));
   if (m.layers < 1) bad("layers must be at least 1, got " + std::to_string(m.layers));
   if (m.seq < 1) bad("sequence length must be at least 1, got " + std::to_string(m.seq));
   if (m.kind == "transformer") {
@@ -489,13 +485,14 @@ void validate(const ModelSpec& m) {
     // The shape alone holds 12*L*h^2 weights in its blocks; far fewer parameters is impossible.
     double implied = 12.0 * m.layers * static_cast<double>(m.hidden) * m.hidden;
     if (m.parameters < 0.5 * implied)
-      bad("parameters " + fmt("%.4g", m.parameters) + " are far fewer than the " + fmt("%.4g", implied) +
-          " that " + std::to_string(m.layers) + " layers of hidden size " + std::to_string(m.hidden) +
+      bad("parameters " + fmt("%.4g", m.parameters) + " are far fewer than the " + fmt("%.4g", implied) + " that " +
+          std::to_string(m.layers) + " layers of hidden size " + std::to_string(m.hidden) +
           " hold (12*layers*hidden^2); check --params, --layers and --hidden");
   } else if (m.kind != "dense") {
     bad("kind must be transformer or dense, got '" + m.kind + "'");
   }
-  if (m.forward_flops_per_sample < 0 || m.activation_bytes_per_sample < 0) bad("FLOPs and activation bytes must be >= 0");
+  if (m.forward_flops_per_sample < 0 || m.activation_bytes_per_sample < 0)
+    bad("FLOPs and activation bytes must be >= 0");
 }
 
 // ---------------------------------------------------------------- cluster helpers
@@ -517,7 +514,11 @@ DeviceSpec slowest_device(const ClusterSpec& c) {
   DeviceSpec d = c.groups[0].device;
   for (const auto& g : c.groups) {
     const DeviceSpec& x = g.device;
-    if (x.flops * x.mfu < d.flops * d.mfu) { d.flops = x.flops; d.mfu = x.mfu; d.name = x.name; }
+    if (x.flops * x.mfu < d.flops * d.mfu) {
+      d.flops = x.flops;
+      d.mfu = x.mfu;
+      d.name = x.name;
+    }
     if (x.flops_fp32 < d.flops_fp32) d.flops_fp32 = x.flops_fp32;
     d.memory_bytes = std::min(d.memory_bytes, x.memory_bytes);
     d.memory_bandwidth = std::min(d.memory_bandwidth, x.memory_bandwidth);
@@ -535,7 +536,8 @@ void validate(const ClusterSpec& c) {
     if (g.devices_per_node < 1) bad("devices per node must be at least 1, got " + std::to_string(g.devices_per_node));
     if (!(d.memory_bytes > 0)) bad("device '" + d.name + "' memory must be positive, got " + fmt("%g", d.memory_bytes));
     if (!(d.flops > 0) || !(d.flops_fp32 > 0)) bad("device '" + d.name + "' compute rate must be positive");
-    if (!(d.mfu > 0) || d.mfu > 1) bad("device '" + d.name + "' achieved fraction of peak (mfu) must be in (0, 1], got " + fmt("%g", d.mfu));
+    if (!(d.mfu > 0) || d.mfu > 1)
+      bad("device '" + d.name + "' achieved fraction of peak (mfu) must be in (0, 1], got " + fmt("%g", d.mfu));
     if (!(d.memory_bandwidth > 0)) bad("device '" + d.name + "' memory bandwidth must be positive");
     nodes += g.nodes;
   }
@@ -563,14 +565,15 @@ double ring_reduce_scatter_seconds(int n, double bytes, AlphaBeta ab) {
 }
 double ring_allgather_seconds(int n, double bytes, AlphaBeta ab) { return ring_reduce_scatter_seconds(n, bytes, ab); }
 
-double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std::string& op_asked, int n,
-                          double bytes, int stride) {
+double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std::string& op_asked, int n, double bytes,
+                          int stride) {
   if (n <= 1 || bytes <= 0) return 0.0;
   // "X_shm": X in place in symmetric memory (the MPI backend's shared-memory path on one node),
   // as calibrated; otherwise the same model as X.
   std::string op = op_asked;
   auto measured = [&](const std::string& x) {
-    return c.cpu && o.calibration && o.calibration->collective_times.count(n) && o.calibration->collective_times.at(n).count(x);
+    return c.cpu && o.calibration && o.calibration->collective_times.count(n) &&
+           o.calibration->collective_times.at(n).count(x);
   };
   // ZeRO-3's gather from a separate shard: as calibrated, else as the in-place one.
   if (op == "allgather_copy_shm" && !measured(op)) op = "allgather_shm";
@@ -632,11 +635,17 @@ StateBytes state_bytes(const std::string& precision, const std::string& optimize
   else throw std::invalid_argument("unknown optimizer '" + optimizer + "' (adam, adamw, sgd, sgd-plain)");
   if (precision == "mixed") {
     // 16-bit parameters and gradients; fp32 master parameters + fp32 moments (ZeRO paper: K = 12 for Adam).
-    b.param = 2; b.grad = 2; b.optimizer = 4 + 4 * moments;
+    b.param = 2;
+    b.grad = 2;
+    b.optimizer = 4 + 4 * moments;
   } else if (precision == "fp32") {
-    b.param = 4; b.grad = 4; b.optimizer = 4 * moments;
+    b.param = 4;
+    b.grad = 4;
+    b.optimizer = 4 * moments;
   } else if (precision == "bf16") {
-    b.param = 2; b.grad = 2; b.optimizer = 2 * moments;
+    b.param = 2;
+    b.grad = 2;
+    b.optimizer = 2 * moments;
   } else {
     throw std::invalid_argument("unknown precision '" + precision + "' (mixed, fp32, bf16)");
   }
@@ -753,31 +762,36 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   }
 
   if (used > total_devices(c) && !c.cpu)
-    return infeasible("needs " + std::to_string(used) + " devices, the cluster has " + std::to_string(total_devices(c)));
+    return infeasible("needs " + std::to_string(used) + " devices, the cluster has " +
+                      std::to_string(total_devices(c)));
   if (batch % dp != 0)
-    return infeasible("global batch " + std::to_string(batch) + " does not split over " + std::to_string(dp) + " data-parallel replicas");
+    return infeasible("global batch " + std::to_string(batch) + " does not split over " + std::to_string(dp) +
+                      " data-parallel replicas");
   if (per_replica % mb != 0 || per_replica / mb != mcount)
     return infeasible("micro-batch " + std::to_string(mb) + " x " + std::to_string(mcount) + " does not make the " +
                       std::to_string(per_replica) + " samples per replica");
   if (pp > n_layers)
-    return infeasible("too few layers: " + std::to_string(n_layers) + " layers for " + std::to_string(pp) + " pipeline stages");
+    return infeasible("too few layers: " + std::to_string(n_layers) + " layers for " + std::to_string(pp) +
+                      " pipeline stages");
   if (tp > 1 && !m.children.empty()) {
     bool pairs = false;
     for (const auto& l : m.children) {
       if (l.tp != "column") continue;
       pairs = true;
       if (static_cast<int64_t>(l.output_elems) % tp != 0)
-        return infeasible("hidden width " + fmt("%.0f", l.output_elems) + " of a Linear pair does not split over tensor-parallel " +
-                          std::to_string(tp));
+        return infeasible("hidden width " + fmt("%.0f", l.output_elems) +
+                          " of a Linear pair does not split over tensor-parallel " + std::to_string(tp));
     }
     if (!pairs) return infeasible("tensor parallelism needs Linear pairs (or attention heads) to split");
   } else if (tp > 1) {
     if (m.kind != "transformer" || m.heads < 1)
       return infeasible("tensor parallelism needs attention heads to split (a transformer description)");
     if (m.heads % tp != 0)
-      return infeasible("indivisible heads: " + std::to_string(m.heads) + " heads over tensor-parallel " + std::to_string(tp));
+      return infeasible("indivisible heads: " + std::to_string(m.heads) + " heads over tensor-parallel " +
+                        std::to_string(tp));
     if (m.hidden % tp != 0)
-      return infeasible("hidden size " + std::to_string(m.hidden) + " does not split over tensor-parallel " + std::to_string(tp));
+      return infeasible("hidden size " + std::to_string(m.hidden) + " does not split over tensor-parallel " +
+                        std::to_string(tp));
   }
   if (tp > 1 && !c.cpu) {
     if (tp > dpn)
@@ -785,7 +799,8 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
                         " devices per node): its per-layer all-reduces need the intra-node link");
   }
   if (pp > 1 && l.zero >= 2)
-    return infeasible("ZeRO-" + std::to_string(l.zero) + " with pipeline parallelism: gradients of every micro-batch would be re-partitioned");
+    return infeasible("ZeRO-" + std::to_string(l.zero) +
+                      " with pipeline parallelism: gradients of every micro-batch would be re-partitioned");
   const double limit = o.memory_headroom * dev.memory_bytes;
   if (e.memory.total() > limit) {
     return infeasible("out of memory: " + gb(e.memory.total()) + " per device (parameters " + gb(e.memory.parameters) +
@@ -897,7 +912,8 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
           int units = 0;
           for (const auto& ly : m.children) units += ly.parameters > 0 ? 1 : 0;
           if (units == 0) units = static_cast<int>(m.layers);
-          const double per_point = std::max(0.0, near->second - collective_seconds(c, o, gather_op, dp, 4096.0, stride));
+          const double per_point =
+              std::max(0.0, near->second - collective_seconds(c, o, gather_op, dp, 4096.0, stride));
           e.comm_parts["dp zero3 rendezvous"] = (2.0 * units - 1.0) * per_point * mcount;
           exposed += e.comm_parts["dp zero3 rendezvous"];
         }
@@ -1005,7 +1021,10 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
       for (int64_t mb : mbs) {
         for (double bucket : o.bucket_bytes) {
           Layout l;
-          l.dp = dp; l.tp = tp; l.pp = pp; l.zero = z;
+          l.dp = dp;
+          l.tp = tp;
+          l.pp = pp;
+          l.zero = z;
           l.micro_batch = mb;
           l.micro_batches = std::max<int64_t>(1, per_replica / mb);
           l.bucket_bytes = bucket;
@@ -1029,9 +1048,8 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
   }
   std::stable_sort(best_feasible.begin(), best_feasible.end(),
                    [](const Estimate& a, const Estimate& b) { return a.step_s < b.step_s; });
-  std::stable_sort(best_infeasible.begin(), best_infeasible.end(), [](const Estimate& a, const Estimate& b) {
-    return a.memory.total() < b.memory.total();
-  });
+  std::stable_sort(best_infeasible.begin(), best_infeasible.end(),
+                   [](const Estimate& a, const Estimate& b) { return a.memory.total() < b.memory.total(); });
   if (!o.dp_only_workers.empty()) {
     // Keep the requested order of worker counts for tables.
     std::stable_sort(best_feasible.begin(), best_feasible.end(), [](const Estimate& a, const Estimate& b) {

@@ -37,7 +37,7 @@ ModelSpec dense(const std::string& name, double params, double fwd_flops, double
 }
 
 LayerSpec layer(const std::string& name, double params, double flops, double in, double out,
-               const std::string& tp = "") {
+                const std::string& tp = "") {
   LayerSpec l;
   l.name = name;
   l.parameters = params;
@@ -66,8 +66,8 @@ ModelSpec transformer_model(int64_t layers, int64_t hidden, int64_t heads, int64
 }
 
 std::vector<std::string> builtin_model_names() {
-  return {"mlp",       "cnn",      "cnn_bn",    "transformer_tiny", "resnet50", "resnet101", "vgg16",
-          "gpt2",      "gpt3-1.3b", "zero-7.5b", "llama-7b",        "llama-13b", "llama-70b"};
+  return {"mlp",  "cnn",       "cnn_bn",    "transformer_tiny", "resnet50",  "resnet101", "vgg16",
+          "gpt2", "gpt3-1.3b", "zero-7.5b", "llama-7b",         "llama-13b", "llama-70b"};
 }
 
 ModelSpec builtin_model(const std::string& name) {
@@ -82,7 +82,9 @@ ModelSpec builtin_model(const std::string& name) {
       flops += 2 * w[i] * w[i + 1];
       // tensor_parallel() pairs the first two Linears (column, row); the head stays replicated.
       kids.push_back(layer("linear", w[i] * w[i + 1] + w[i + 1], 2 * w[i] * w[i + 1], w[i], w[i + 1],
-                           i == 0 ? "column" : i == 1 ? "row" : ""));
+                           i == 0   ? "column"
+                           : i == 1 ? "row"
+                                    : ""));
       if (i < 2) kids.push_back(layer("relu", 0, 0, w[i + 1], w[i + 1]));
     }
     // Kept for backward (float32): the input, each linear output and each ReLU output, logits.
@@ -164,27 +166,51 @@ DeviceSpec device_preset(const std::string& name) {
   DeviceSpec d;
   d.name = name;
   if (name == "p100") {  // Tesla P100 PCIe 16 GB: 9.3 TFLOP/s fp32, 18.7 fp16, 732 GB/s
-    d.memory_bytes = 16 * kGiB; d.flops_fp32 = 9.3e12; d.flops = 18.7e12; d.memory_bandwidth = 732e9;
+    d.memory_bytes = 16 * kGiB;
+    d.flops_fp32 = 9.3e12;
+    d.flops = 18.7e12;
+    d.memory_bandwidth = 732e9;
     d.mfu = 0.5;
   } else if (name == "p100-sxm2") {  // Tesla P100 SXM2: 10.6 fp32, 21.2 fp16, 732 GB/s
-    d.memory_bytes = 16 * kGiB; d.flops_fp32 = 10.6e12; d.flops = 21.2e12; d.memory_bandwidth = 732e9;
+    d.memory_bytes = 16 * kGiB;
+    d.flops_fp32 = 10.6e12;
+    d.flops = 21.2e12;
+    d.memory_bandwidth = 732e9;
     d.mfu = 0.5;
   } else if (name == "v100") {  // V100 SXM2 32 GB: 15.7 fp32, 125 tensor, 900 GB/s
-    d.memory_bytes = 32 * kGiB; d.flops_fp32 = 15.7e12; d.flops = 125e12; d.memory_bandwidth = 900e9;
+    d.memory_bytes = 32 * kGiB;
+    d.flops_fp32 = 15.7e12;
+    d.flops = 125e12;
+    d.memory_bandwidth = 900e9;
   } else if (name == "a100-40g") {  // A100 SXM4: 19.5 fp32, 312 bf16 dense
-    d.memory_bytes = 40 * kGiB; d.flops_fp32 = 19.5e12; d.flops = 312e12; d.memory_bandwidth = 1555e9;
+    d.memory_bytes = 40 * kGiB;
+    d.flops_fp32 = 19.5e12;
+    d.flops = 312e12;
+    d.memory_bandwidth = 1555e9;
   } else if (name == "a100" || name == "a100-80g") {
     d.name = "a100-80g";
-    d.memory_bytes = 80 * kGiB; d.flops_fp32 = 19.5e12; d.flops = 312e12; d.memory_bandwidth = 2039e9;
+    d.memory_bytes = 80 * kGiB;
+    d.flops_fp32 = 19.5e12;
+    d.flops = 312e12;
+    d.memory_bandwidth = 2039e9;
   } else if (name == "h100") {  // H100 SXM5 80 GB: 67 fp32, 989 bf16 dense, 3.35 TB/s
-    d.memory_bytes = 80 * kGiB; d.flops_fp32 = 67e12; d.flops = 989e12; d.memory_bandwidth = 3.35e12;
+    d.memory_bytes = 80 * kGiB;
+    d.flops_fp32 = 67e12;
+    d.flops = 989e12;
+    d.memory_bandwidth = 3.35e12;
   } else if (name == "h200") {  // H200 SXM 141 GB (143771 MiB): same compute as H100, 4.8 TB/s
-    d.memory_bytes = 143771 * kMiB; d.flops_fp32 = 67e12; d.flops = 989e12; d.memory_bandwidth = 4.8e12;
+    d.memory_bytes = 143771 * kMiB;
+    d.flops_fp32 = 67e12;
+    d.flops = 989e12;
+    d.memory_bandwidth = 4.8e12;
   } else if (name == "cpu") {  // one core of this machine; `--calibrate` replaces the rates
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
     unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     d.memory_bytes = pages > 0 && page > 0 ? static_cast<double>(pages) * page / cores : 4 * kGiB;
-    d.flops_fp32 = 50e9; d.flops = 50e9; d.memory_bandwidth = 10e9; d.mfu = 1.0;
+    d.flops_fp32 = 50e9;
+    d.flops = 50e9;
+    d.memory_bandwidth = 10e9;
+    d.mfu = 1.0;
   } else {
     throw std::invalid_argument("unknown device '" + name + "'; presets: " + join(device_preset_names()));
   }
@@ -192,29 +218,68 @@ DeviceSpec device_preset(const std::string& name) {
 }
 
 std::vector<std::string> link_preset_names() {
-  return {"nvlink1", "nvlink3", "nvlink4", "pcie3", "pcie4", "pcie5", "shm", "eth-10g", "roce-25g", "eth-50g",
-          "eth-100g", "ib-hdr", "ib-ndr", "ib-hdr-8x", "ib-ndr-8x"};
+  return {"nvlink1",  "nvlink3", "nvlink4",  "pcie3",  "pcie4",  "pcie5",     "shm",      "eth-10g",
+          "roce-25g", "eth-50g", "eth-100g", "ib-hdr", "ib-ndr", "ib-hdr-8x", "ib-ndr-8x"};
 }
 
 LinkSpec link_preset(const std::string& name) {
   // Bandwidth one direction: per device for intra-node links, per node for network links.
   LinkSpec l;
   l.name = name;
-  if (name == "nvlink1") { l.bandwidth = 80e9; l.latency = 5e-6; }          // P100: 4 links x 20 GB/s
-  else if (name == "nvlink3") { l.bandwidth = 300e9; l.latency = 5e-6; }    // A100: 12 links x 25 GB/s
-  else if (name == "nvlink4") { l.bandwidth = 450e9; l.latency = 5e-6; }    // H100/H200: 18 x 25 GB/s
-  else if (name == "pcie3") { l.bandwidth = 12e9; l.latency = 10e-6; }      // x16, ~12 GB/s achieved
-  else if (name == "pcie4") { l.bandwidth = 24e9; l.latency = 10e-6; }
-  else if (name == "pcie5") { l.bandwidth = 48e9; l.latency = 10e-6; }
-  else if (name == "shm") { l.bandwidth = 3e9; l.latency = 20e-6; }         // MPI over shared memory (CPU)
-  else if (name == "eth-10g") { l.bandwidth = 1.25e9; l.latency = 50e-6; }
-  else if (name == "roce-25g") { l.bandwidth = 3.125e9; l.latency = 10e-6; }
-  else if (name == "eth-50g") { l.bandwidth = 6.25e9; l.latency = 30e-6; }
-  else if (name == "eth-100g") { l.bandwidth = 12.5e9; l.latency = 30e-6; }
-  else if (name == "ib-hdr") { l.bandwidth = 25e9; l.latency = 5e-6; }      // one 200 Gb/s port
-  else if (name == "ib-ndr") { l.bandwidth = 50e9; l.latency = 5e-6; }      // one 400 Gb/s port
-  else if (name == "ib-hdr-8x") { l.bandwidth = 200e9; l.latency = 5e-6; }  // DGX A100: 8 ports
-  else if (name == "ib-ndr-8x") { l.bandwidth = 400e9; l.latency = 5e-6; }  // DGX H100: 8 ports
+  if (name == "nvlink1") {
+    l.bandwidth = 80e9;
+    l.latency = 5e-6;
+  }  // P100: 4 links x 20 GB/s
+  else if (name == "nvlink3") {
+    l.bandwidth = 300e9;
+    l.latency = 5e-6;
+  }  // A100: 12 links x 25 GB/s
+  else if (name == "nvlink4") {
+    l.bandwidth = 450e9;
+    l.latency = 5e-6;
+  }  // H100/H200: 18 x 25 GB/s
+  else if (name == "pcie3") {
+    l.bandwidth = 12e9;
+    l.latency = 10e-6;
+  }  // x16, ~12 GB/s achieved
+  else if (name == "pcie4") {
+    l.bandwidth = 24e9;
+    l.latency = 10e-6;
+  } else if (name == "pcie5") {
+    l.bandwidth = 48e9;
+    l.latency = 10e-6;
+  } else if (name == "shm") {
+    l.bandwidth = 3e9;
+    l.latency = 20e-6;
+  }  // MPI over shared memory (CPU)
+  else if (name == "eth-10g") {
+    l.bandwidth = 1.25e9;
+    l.latency = 50e-6;
+  } else if (name == "roce-25g") {
+    l.bandwidth = 3.125e9;
+    l.latency = 10e-6;
+  } else if (name == "eth-50g") {
+    l.bandwidth = 6.25e9;
+    l.latency = 30e-6;
+  } else if (name == "eth-100g") {
+    l.bandwidth = 12.5e9;
+    l.latency = 30e-6;
+  } else if (name == "ib-hdr") {
+    l.bandwidth = 25e9;
+    l.latency = 5e-6;
+  }  // one 200 Gb/s port
+  else if (name == "ib-ndr") {
+    l.bandwidth = 50e9;
+    l.latency = 5e-6;
+  }  // one 400 Gb/s port
+  else if (name == "ib-hdr-8x") {
+    l.bandwidth = 200e9;
+    l.latency = 5e-6;
+  }  // DGX A100: 8 ports
+  else if (name == "ib-ndr-8x") {
+    l.bandwidth = 400e9;
+    l.latency = 5e-6;
+  }  // DGX H100: 8 ports
   else {
     throw std::invalid_argument("unknown link '" + name + "'; presets: " + join(link_preset_names()));
   }
@@ -222,13 +287,12 @@ LinkSpec link_preset(const std::string& name) {
 }
 
 std::vector<std::string> cluster_preset_names() {
-  return {"local",   "h200x1",  "h200x8", "h200-ib", "h100x8",          "h100-ib",      "a100x8",
+  return {"local",   "h200x1",   "h200x8", "h200-ib",         "h100x8",       "h100-ib",   "a100x8",
           "a100-ib", "a100-eth", "v100x8", "mixed-a100-h100", "horovod-p100", "goyal-p100"};
 }
 
 ClusterSpec cluster_preset(const std::string& name) {
-  auto make = [&](int nodes, int per_node, const std::string& dev, const std::string& intra,
-                  const std::string& inter) {
+  auto make = [&](int nodes, int per_node, const std::string& dev, const std::string& intra, const std::string& inter) {
     ClusterSpec c;
     c.name = name;
     c.groups.push_back({nodes, per_node, device_preset(dev)});

@@ -40,7 +40,10 @@ std::string real_path(const std::string& p) {
 bool is_elf(const std::string& path) {
   char magic[4] = {};
   std::ifstream f(path, std::ios::binary);
-  return f.read(magic, 4) && std::memcmp(magic, "\x7f" "ELF", 4) == 0;
+  return f.read(magic, 4) && std::memcmp(magic,
+                                         "\x7f"
+                                         "ELF",
+                                         4) == 0;
 }
 
 std::string this_build() {
@@ -160,8 +163,8 @@ void load_plugins_from_model_option(std::string& option) {
   const Plugin p = load_plugin(path);
   if (!chosen.empty()) {
     if (std::find(p.models.begin(), p.models.end(), chosen) == p.models.end()) {
-      throw std::invalid_argument("plugin '" + path + "' has no model '" + chosen + "' (its models: " +
-                                  (p.models.empty() ? std::string("none") : join(p.models)) + ")");
+      throw std::invalid_argument("plugin '" + path + "' has no model '" + chosen +
+                                  "' (its models: " + (p.models.empty() ? std::string("none") : join(p.models)) + ")");
     }
     option = chosen;
     return;

@@ -110,8 +110,9 @@ const Entry* find(const std::vector<Entry>& entries, const std::string& name) {
 
 template <typename Entry>
 [[noreturn]] void throw_unknown(const char* kind, const std::string& name, const std::vector<Entry>& entries) {
-  throw std::invalid_argument("unknown " + std::string(kind) + " '" + name + "' (known: " + join(names_of(entries)) +
-                              "); a plugin's models and datasets are known once it is loaded (--model path/to/libplugin.so)");
+  throw std::invalid_argument(
+      "unknown " + std::string(kind) + " '" + name + "' (known: " + join(names_of(entries)) +
+      "); a plugin's models and datasets are known once it is loaded (--model path/to/libplugin.so)");
 }
 
 // Looks up an entry and copies it out, so that the factory runs without the lock.
@@ -129,7 +130,8 @@ Entry lookup(std::vector<Entry> Registry::*table, const char* kind, const std::s
 template <typename Entry>
 void add(std::vector<Entry> Registry::*table, const char* kind, Entry entry) {
   check_name(kind, entry.info.name);
-  if (!entry.factory) throw std::invalid_argument(std::string(kind) + " '" + entry.info.name + "': the factory is empty");
+  if (!entry.factory)
+    throw std::invalid_argument(std::string(kind) + " '" + entry.info.name + "': the factory is empty");
   ensure_builtins();
   auto& r = storage();
   std::lock_guard<std::mutex> lk(r.mu);

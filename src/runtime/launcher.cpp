@@ -83,8 +83,8 @@ std::vector<std::string> mpirun_command(const LaunchOptions& opts, const std::ve
   if (geteuid() == 0) cmd.push_back("--allow-run-as-root");
   // Workers may outnumber cores on a development machine; never pin them to cores, and let
   // idle ranks yield the CPU instead of spinning.
-  for (const char* a : {"--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
-                        "--mca", "btl_vader_single_copy_mechanism", "none"}) {
+  for (const char* a : {"--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1", "--mca",
+                        "btl_vader_single_copy_mechanism", "none"}) {
     cmd.push_back(a);
   }
   if (opts.hostfile.empty()) {
@@ -145,8 +145,8 @@ int launch(const LaunchOptions& opts, const std::vector<std::string>& argv) {
     for (auto& s : cmd) args.push_back(const_cast<char*>(s.c_str()));
     args.push_back(nullptr);
     execvp(args[0], args.data());
-    std::fprintf(stderr, "tandem launch: cannot run '%s': %s; install OpenMPI (apt-get install openmpi-bin)\n",
-                 args[0], std::strerror(errno));
+    std::fprintf(stderr, "tandem launch: cannot run '%s': %s; install OpenMPI (apt-get install openmpi-bin)\n", args[0],
+                 std::strerror(errno));
     _exit(127);
   }
   g_child = pid;

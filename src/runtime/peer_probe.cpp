@@ -71,7 +71,8 @@ std::vector<std::string> local_addresses(const std::string& selection) {
   ifaddrs* list = nullptr;
   if (getifaddrs(&list) != 0) return out;
   for (ifaddrs* i = list; i; i = i->ifa_next) {
-    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP) ||
+        (i->ifa_flags & IFF_LOOPBACK)) {
       continue;
     }
     auto* sa = reinterpret_cast<sockaddr_in*>(i->ifa_addr);

@@ -13,8 +13,8 @@
 #include <sstream>
 #include <thread>
 
-#include "tandem/backends.h"
 #include "runtime/peer_probe.h"
+#include "tandem/backends.h"
 
 namespace tandem {
 namespace {
@@ -87,8 +87,8 @@ ProcessInfo detect_process_info() {
   }
   if (p.world_size < 1 || p.rank >= p.world_size || p.local_rank >= std::max(p.local_size, 1)) {
     throw std::invalid_argument("inconsistent launch environment: rank " + std::to_string(p.rank) + ", world size " +
-                                std::to_string(p.world_size) + ", local rank " + std::to_string(p.local_rank) +
-                                " of " + std::to_string(p.local_size));
+                                std::to_string(p.world_size) + ", local rank " + std::to_string(p.local_rank) + " of " +
+                                std::to_string(p.local_size));
   }
   return p;
 }
@@ -141,7 +141,8 @@ Runtime::Runtime(const RuntimeOptions& opts) : info_(detect_process_info()) {
   if (backend != "auto" && backend != "mpi" && backend != "nccl" && backend != "self") {
     throw std::invalid_argument("unknown backend '" + backend + "' (use auto, mpi, nccl or self)");
   }
-  bool want_mpi = has_mpi_backend() && backend != "self" && (info_.world_size > 1 || info_.launcher == "mpirun" || backend == "mpi");
+  bool want_mpi = has_mpi_backend() && backend != "self" &&
+                  (info_.world_size > 1 || info_.launcher == "mpirun" || backend == "mpi");
   if (want_mpi) {
 #ifdef TANDEM_WITH_MPI
     mpi_initialized_here_ = mpi_init_if_needed();
@@ -208,7 +209,8 @@ void Runtime::exchange_hosts() {
     }
   }
   constexpr int64_t kRecord = 1024;
-  std::string mine = std::string(name) + "\n" + joined(detail::local_addresses(selection)) + "\n" + std::to_string(port);
+  std::string mine =
+      std::string(name) + "\n" + joined(detail::local_addresses(selection)) + "\n" + std::to_string(port);
   mine.resize(kRecord - 1);  // zero-padded (or cut: a host with dozens of addresses)
   mine.push_back('\0');
   const int n = info_.world_size;

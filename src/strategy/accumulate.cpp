@@ -38,12 +38,14 @@ void validate_grad_accum(int64_t k, int pp, int64_t micro_batches, int64_t batch
   if (k < 1) throw std::invalid_argument("--grad-accum must be at least 1");
   if (k > 1 && pp > 1) {
     throw std::invalid_argument("--grad-accum with --pp: the pipeline already accumulates over its micro-batches; use "
-                                "--micro-batches " + std::to_string(micro_batches * k) + " instead");
+                                "--micro-batches " +
+                                std::to_string(micro_batches * k) + " instead");
   }
   if (batch / dp < k) {
     throw std::invalid_argument("--batch " + std::to_string(batch) + " gives each of the " + std::to_string(dp) +
-                                " data-parallel replicas " + std::to_string(batch / dp) + " samples, fewer than --grad-accum " +
-                                std::to_string(k) + "; use a --batch of at least " + std::to_string(dp * k));
+                                " data-parallel replicas " + std::to_string(batch / dp) +
+                                " samples, fewer than --grad-accum " + std::to_string(k) +
+                                "; use a --batch of at least " + std::to_string(dp * k));
   }
 }
 

@@ -171,12 +171,9 @@ ActivationCheckpointing parse_activation_checkpointing(const std::string& text) 
 
 std::string to_string(const ActivationCheckpointing& a) {
   switch (a.mode) {
-    case ActivationCheckpointing::Mode::kNone:
-      return "none";
-    case ActivationCheckpointing::Mode::kEvery:
-      return "every";
-    case ActivationCheckpointing::Mode::kFirst:
-      return std::to_string(a.layers);
+    case ActivationCheckpointing::Mode::kNone: return "none";
+    case ActivationCheckpointing::Mode::kEvery: return "every";
+    case ActivationCheckpointing::Mode::kFirst: return std::to_string(a.layers);
   }
   return "none";
 }

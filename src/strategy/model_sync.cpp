@@ -61,8 +61,8 @@ void check_same_model(Communicator& comm, const std::vector<std::string>& names,
   msg << "rank " << comm.rank() << ": " << who << " needs the same model on every rank; ";
   if (first_diff != INT64_MAX) {
     auto i = static_cast<size_t>(first_diff);
-    msg << "entry #" << i << " here is " << (i < lines.size() ? lines[i] : std::string("missing")) << " but on rank 0 it is "
-        << (i < root_lines.size() ? root_lines[i] : std::string("missing"));
+    msg << "entry #" << i << " here is " << (i < lines.size() ? lines[i] : std::string("missing"))
+        << " but on rank 0 it is " << (i < root_lines.size() ? root_lines[i] : std::string("missing"));
   } else {
     msg << "rank(s)";
     for (int r : bad) msg << ' ' << r;

@@ -62,8 +62,7 @@ bool is_valid_utf8(std::string_view s, size_t* bad_offset) {
       if ((cc & 0xC0) != 0x80) return fail(i);
       cp = (cp << 6) | (cc & 0x3F);
     }
-    if ((len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)) ||
-        (cp >= 0xD800 && cp <= 0xDFFF)) {
+    if ((len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)) || (cp >= 0xD800 && cp <= 0xDFFF)) {
       return fail(i);
     }
     i += len;
@@ -184,8 +183,7 @@ Corpus read_corpus(const CorpusOptions& o) {
     ++c.files;
     if (bytes.find('\0') != std::string::npos) {
       throw std::runtime_error("'" + path.string() + "' is binary (NUL byte at offset " +
-                               std::to_string(bytes.find('\0')) +
-                               "), not text; remove it from the text directory");
+                               std::to_string(bytes.find('\0')) + "), not text; remove it from the text directory");
     }
     size_t bad = 0;
     if (!is_valid_utf8(bytes, &bad)) {
@@ -209,8 +207,8 @@ Corpus read_corpus(const CorpusOptions& o) {
     }
   }
   if (by_label.empty()) {
-    throw std::runtime_error("no documents in '" + o.root + "' (" + std::to_string(c.files) +
-                             " non-empty text files" + (o.task == "category" ? " directly in it" : "") +
+    throw std::runtime_error("no documents in '" + o.root + "' (" + std::to_string(c.files) + " non-empty text files" +
+                             (o.task == "category" ? " directly in it" : "") +
                              "); expected files of '%'-separated documents, one subdirectory per label");
   }
   for (auto& [label, docs] : by_label) {
@@ -234,9 +232,8 @@ Corpus read_corpus(const CorpusOptions& o) {
   }
   std::sort(c.labels.begin(), c.labels.end());
   if (c.train.empty() || c.test.empty()) {
-    throw std::runtime_error("'" + o.root + "' has too few documents (" + std::to_string(c.train.size()) +
-                             " train, " + std::to_string(c.test.size()) +
-                             " test) for a train/test split; add text");
+    throw std::runtime_error("'" + o.root + "' has too few documents (" + std::to_string(c.train.size()) + " train, " +
+                             std::to_string(c.test.size()) + " test) for a train/test split; add text");
   }
   return c;
 }

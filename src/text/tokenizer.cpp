@@ -32,9 +32,8 @@ std::string one_line(std::string_view s) {
 
 #if !TANDEM_HAVE_SENTENCEPIECE
 [[noreturn]] void no_sentencepiece() {
-  throw std::runtime_error(
-      "this tandem was built without SentencePiece; install libsentencepiece-dev (apt-get install "
-      "libsentencepiece-dev), re-run cmake and rebuild");
+  throw std::runtime_error("this tandem was built without SentencePiece; install libsentencepiece-dev (apt-get install "
+                           "libsentencepiece-dev), re-run cmake and rebuild");
 }
 #endif
 
@@ -73,15 +72,15 @@ class VectorIterator : public sentencepiece::SentenceIterator {
 
 Tokenizer Tokenizer::train(const std::vector<std::string>& texts, const TokenizerOptions& o) {
 #if TANDEM_HAVE_SENTENCEPIECE
-  if (o.vocab_size < 8) throw std::invalid_argument("tokenizer vocabulary must be >= 8, got " + std::to_string(o.vocab_size));
+  if (o.vocab_size < 8)
+    throw std::invalid_argument("tokenizer vocabulary must be >= 8, got " + std::to_string(o.vocab_size));
   if (texts.empty()) throw std::runtime_error("no training text for the tokenizer");
   // A deterministic sample of at most max_sentences documents.
   std::vector<size_t> order(texts.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   if (o.max_sentences > 0 && static_cast<int64_t>(order.size()) > o.max_sentences) {
-    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-      return fnv1a64(texts[a]) + o.seed < fnv1a64(texts[b]) + o.seed;
-    });
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return fnv1a64(texts[a]) + o.seed < fnv1a64(texts[b]) + o.seed; });
     order.resize(o.max_sentences);
     std::sort(order.begin(), order.end());
   }
@@ -99,11 +98,10 @@ Tokenizer Tokenizer::train(const std::vector<std::string>& texts, const Tokenize
   t.impl_ = std::make_unique<Impl>();
   auto st = sentencepiece::SentencePieceTrainer::Train(args.str(), &it, &t.impl_->serialized);
   if (!st.ok()) {
-    throw std::runtime_error("training the SentencePiece tokenizer (vocabulary " + std::to_string(o.vocab_size) +
-                             ") on " + std::to_string(lines.size()) + " documents failed: " + st.ToString() +
-                             (st.ToString().find("vocab_size") != std::string::npos
-                                  ? "; use a smaller --vocab or more text"
-                                  : ""));
+    throw std::runtime_error(
+        "training the SentencePiece tokenizer (vocabulary " + std::to_string(o.vocab_size) + ") on " +
+        std::to_string(lines.size()) + " documents failed: " + st.ToString() +
+        (st.ToString().find("vocab_size") != std::string::npos ? "; use a smaller --vocab or more text" : ""));
   }
   st = t.impl_->sp.LoadFromSerializedProto(t.impl_->serialized);
   if (!st.ok()) throw std::runtime_error("loading the trained tokenizer failed: " + st.ToString());

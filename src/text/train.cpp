@@ -15,8 +15,8 @@
 
 #include "tandem/engine.h"
 #include "tandem/models.h"
-#include "tandem/text.h"
 #include "tandem/progress.h"
+#include "tandem/text.h"
 
 namespace tandem::text {
 
@@ -29,8 +29,8 @@ void write_manifest(const std::string& dir, const Manifest& m) {
   nlohmann::json j;
   j["format"] = "tandem-text-checkpoint-1";
   j["kind"] = m.kind;
-  j["model"] = {{"vocab", m.shape.vocab},     {"d_model", m.shape.d_model}, {"heads", m.shape.heads},
-                {"layers", m.shape.layers},   {"seq", m.shape.seq},         {"mlp_ratio", m.shape.mlp_ratio}};
+  j["model"] = {{"vocab", m.shape.vocab},   {"d_model", m.shape.d_model}, {"heads", m.shape.heads},
+                {"layers", m.shape.layers}, {"seq", m.shape.seq},         {"mlp_ratio", m.shape.mlp_ratio}};
   j["task"] = m.task;
   j["labels"] = m.labels;
   j["tokenizer"] = {{"file", m.tokenizer_file}, {"fingerprint", m.tokenizer_fingerprint}, {"vocab", m.tokenizer_vocab}};
@@ -45,7 +45,8 @@ Manifest read_manifest(const std::string& dir) {
   const auto path = (fs::path(dir) / "manifest.json").string();
   std::ifstream f(path);
   if (!f) {
-    throw std::runtime_error("checkpoint '" + dir + "' has no manifest.json; make one with tandem pretrain --out " + dir);
+    throw std::runtime_error("checkpoint '" + dir + "' has no manifest.json; make one with tandem pretrain --out " +
+                             dir);
   }
   try {
     auto j = nlohmann::json::parse(f);
@@ -176,7 +177,7 @@ torch::Tensor rows(const torch::Tensor& t, const std::vector<int64_t>& idx, int6
 // the engine's statistics of the loop.
 template <typename BatchFn, typename TermsFn>
 EngineStats train_loop(const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of, const LossFn& loss_sum_fn,
-                TermsFn terms_of, TextReport& rep) {
+                       TermsFn terms_of, TextReport& rep) {
   const int rank = eng.world()->rank(), world = eng.world_size();
   const int dp = eng.dp_size(), dp_rank = eng.dp_rank();
   const int64_t per = cfg.batch / dp;
@@ -200,8 +201,7 @@ EngineStats train_loop(const TextTrainConfig& cfg, Engine& eng, int64_t n, Batch
     last = l.item<double>();
     rep.losses.push_back(last);
     if (!std::isfinite(last)) {
-      throw std::runtime_error("loss is " + std::to_string(last) + " at step " + std::to_string(step) +
-                               "; lower --lr");
+      throw std::runtime_error("loss is " + std::to_string(last) + " at step " + std::to_string(step) + "; lower --lr");
     }
     step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
     progress.update(1, 1, step + 1, last, (step + 1) * cfg.batch, Clock::now() - t_start);
@@ -218,9 +218,9 @@ Tokenizer load_checked_tokenizer(const TextTrainConfig& cfg, const Manifest* m, 
   if (m) {
     if (tok.fingerprint() != m->tokenizer_fingerprint || tok.vocab_size() != m->tokenizer_vocab) {
       throw std::runtime_error("tokenizer '" + path + "' (vocabulary " + std::to_string(tok.vocab_size()) +
-                               ", fingerprint " + tok.fingerprint() + ") does not match checkpoint '" +
-                               cfg.checkpoint + "' (vocabulary " + std::to_string(m->tokenizer_vocab) +
-                               ", fingerprint " + m->tokenizer_fingerprint +
+                               ", fingerprint " + tok.fingerprint() + ") does not match checkpoint '" + cfg.checkpoint +
+                               "' (vocabulary " + std::to_string(m->tokenizer_vocab) + ", fingerprint " +
+                               m->tokenizer_fingerprint +
                                "); use the tokenizer saved with the checkpoint, or --from-scratch");
     }
   }
@@ -303,7 +303,8 @@ void validate(const TextTrainConfig& cfg, int world) {
   const int dp = data_parallel_size(pc, world);
   if (cfg.batch < 1 || cfg.batch % dp != 0) {
     throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " (global) does not split evenly over " +
-                                std::to_string(dp) + " data-parallel replicas; use a multiple of " + std::to_string(dp));
+                                std::to_string(dp) + " data-parallel replicas; use a multiple of " +
+                                std::to_string(dp));
   }
   tandem::validate(pc, world, cfg.batch);
   if (cfg.steps < 1) throw std::invalid_argument("--steps must be >= 1");
@@ -311,7 +312,8 @@ void validate(const TextTrainConfig& cfg, int world) {
   if (cfg.warmup_steps < 0) throw std::invalid_argument("--warmup-steps must be >= 0");
   const auto& s = cfg.shape;
   if (s.d_model < 1 || s.heads < 1 || s.layers < 1 || s.seq < 2 || s.d_model % s.heads != 0) {
-    throw std::invalid_argument("model shape: --d-model must be a positive multiple of --heads, --layers >= 1, --seq >= 2");
+    throw std::invalid_argument(
+        "model shape: --d-model must be a positive multiple of --heads, --layers >= 1, --seq >= 2");
   }
   if (cfg.tokenizer.vocab_size < 8) throw std::invalid_argument("--vocab must be >= 8");
 }
@@ -321,8 +323,9 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   if (cfg.checkpoint.empty()) throw std::invalid_argument("pretrain needs an output directory (--out DIR)");
   if (cfg.tp > 1 && (cfg.shape.heads % cfg.tp != 0 || cfg.tokenizer.vocab_size % cfg.tp != 0)) {
     // (the rest is checked when the model is split; these before the tokenizer is trained)
-    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " must divide --heads (" + std::to_string(cfg.shape.heads) +
-                                ") and --vocab (" + std::to_string(cfg.tokenizer.vocab_size) + ")");
+    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " must divide --heads (" +
+                                std::to_string(cfg.shape.heads) + ") and --vocab (" +
+                                std::to_string(cfg.tokenizer.vocab_size) + ")");
   }
   const int rank = rt.rank();
   torch::manual_seed(cfg.seed);
@@ -411,7 +414,8 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
   std::unique_ptr<Manifest> manifest;
   if (!cfg.checkpoint.empty()) manifest = std::make_unique<Manifest>(read_manifest(cfg.checkpoint));
   if (!manifest && !cfg.from_scratch) {
-    throw std::invalid_argument("finetune needs --checkpoint DIR (from tandem pretrain), or --from-scratch with --tokenizer FILE");
+    throw std::invalid_argument(
+        "finetune needs --checkpoint DIR (from tandem pretrain), or --from-scratch with --tokenizer FILE");
   }
   std::string tok_path = cfg.tokenizer_path;
   if (tok_path.empty()) {
@@ -428,7 +432,9 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
   ModelShape shape = manifest ? manifest->shape : cfg.shape;
   shape.vocab = tok.vocab_size();
   const int64_t k = static_cast<int64_t>(corpus.labels.size());
-  if (k < 2) throw std::runtime_error("'" + cfg.corpus.root + "' has one label only (" + corpus.labels[0] + "); classification needs two or more");
+  if (k < 2)
+    throw std::runtime_error("'" + cfg.corpus.root + "' has one label only (" + corpus.labels[0] +
+                             "); classification needs two or more");
 
   auto encode = [&](const std::vector<Document>& docs) {
     auto e = tok.encode_batch(texts_of(docs), shape.seq);
@@ -481,11 +487,11 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
         return std::make_pair(rows(train_x, idx, from, to).to(device), rows(train_y, idx, from, to).to(device));
       },
       [](const torch::Tensor& out, const torch::Tensor& y) {
-        return torch::nn::functional::cross_entropy(
-            out.to(torch::kFloat), y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+        return torch::nn::functional::cross_entropy(out.to(torch::kFloat), y,
+                                                    torch::nn::functional::CrossEntropyFuncOptions().reduction(
+                                                        torch::kSum));
       },
-      [](const std::vector<int64_t>&, int64_t from, int64_t to) { return static_cast<double>(to - from); },
-      rep);
+      [](const std::vector<int64_t>&, int64_t from, int64_t to) { return static_cast<double>(to - from); }, rep);
   if (cfg.evaluate) {
     const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, test_x.size(0)) : test_x.size(0);
     auto conf = torch::zeros({k, k}, torch::kLong);

@@ -103,7 +103,8 @@ std::vector<int64_t> resolve_batch_shares(const BatchSharesSpec& spec, int64_t g
   }
   if (static_cast<int>(spec.values.size()) != world) {
     throw std::invalid_argument("--batch-shares gives " + std::to_string(spec.values.size()) + " share(s) for " +
-                                std::to_string(world) + " data-parallel worker(s); give exactly one per worker, in rank order");
+                                std::to_string(world) +
+                                " data-parallel worker(s); give exactly one per worker, in rank order");
   }
   if (spec.kind == BatchSharesSpec::Kind::kCounts) {
     std::vector<int64_t> counts(spec.values.begin(), spec.values.end());
@@ -147,8 +148,8 @@ SlowRank parse_slow_rank(const std::string& text, int world) {
   const double r = parse_number(text.substr(0, colon), flag);
   s.ms_per_sample = parse_number(text.substr(colon + 1), flag);
   if (r != std::floor(r) || r < 0 || r >= world) {
-    throw std::invalid_argument(flag + ": rank " + text.substr(0, colon) + " is not one of the " + std::to_string(world) +
-                                " worker(s) (0.." + std::to_string(world - 1) + ")");
+    throw std::invalid_argument(flag + ": rank " + text.substr(0, colon) + " is not one of the " +
+                                std::to_string(world) + " worker(s) (0.." + std::to_string(world - 1) + ")");
   }
   if (s.ms_per_sample < 0) throw std::invalid_argument(flag + ": the delay must be >= 0 ms per sample");
   s.rank = static_cast<int>(r);
@@ -225,8 +226,7 @@ bool BatchSharePlan::calibrate_if_due(int64_t steps_done, Communicator& dp_comm,
   return changed;
 }
 
-void BatchSharePlan::report(Communicator& dp_comm, const at::Device& device, double wall_seconds,
-                            Report& rep) const {
+void BatchSharePlan::report(Communicator& dp_comm, const at::Device& device, double wall_seconds, Report& rep) const {
   auto t = at::tensor({static_cast<double>(samples_), forward_seconds_}, at::kDouble).to(device);
   auto all = at::empty({2 * dp_}, t.options());
   dp_comm.allgather(all, t);

@@ -21,9 +21,9 @@
 #include "tandem/optim.h"
 #include "tandem/pipeline.h"
 #include "tandem/precision.h"
+#include "tandem/progress.h"
 #include "tandem/registry.h"
 #include "tandem/shares.h"
-#include "tandem/progress.h"
 
 namespace tandem {
 namespace {
@@ -101,7 +101,8 @@ StartPoint resume_from_checkpoint(const TrainConfig& cfg, Engine& eng, int rank)
   StartPoint sp;
   const std::string dir = latest_checkpoint(cfg.checkpoint_dir);
   if (dir.empty()) {
-    if (rank == 0) std::cout << "no checkpoint in '" << cfg.checkpoint_dir << "' yet; starting from step 0" << std::endl;
+    if (rank == 0)
+      std::cout << "no checkpoint in '" << cfg.checkpoint_dir << "' yet; starting from step 0" << std::endl;
     return sp;
   }
   auto saved = read_checkpoint_meta(dir);
@@ -130,7 +131,8 @@ void save_checkpoint_now(const TrainConfig& cfg, Engine& eng, int64_t epoch, int
   m.epoch = epoch;
   m.step_in_epoch = in_epoch;
   m.seed = cfg.seed;
-  m.extra_json = nlohmann::json{{"batch", cfg.batch}, {"seed", cfg.seed}, {"lr", cfg.lr}, {"epochs", cfg.epochs}}.dump();
+  m.extra_json =
+      nlohmann::json{{"batch", cfg.batch}, {"seed", cfg.seed}, {"lr", cfg.lr}, {"epochs", cfg.epochs}}.dump();
   CheckpointSaveOptions so;
   so.keep = cfg.checkpoint_keep;
   eng.save(cfg.checkpoint_dir, m, so);
@@ -215,7 +217,8 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
       rec.step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
       progress.update(epoch + 1, cfg.epochs, step, l, rec.samples, Clock::now() - t_start);
       ++in_epoch;
-      if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0) save_checkpoint_now(cfg, eng, epoch, in_epoch, step);
+      if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0)
+        save_checkpoint_now(cfg, eng, epoch, in_epoch, step);
       // --batch-shares auto: after the calibration steps, re-plan the rest of the epoch.
       if (shares.calibrate_if_due(step - start.step, *eng.dp_group(), dev)) {
         chunks = shares.epoch_batches(sampler, local_batch, drop_last);
@@ -320,9 +323,9 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   data::Dataset train_set = splits.train, test_set;
   if (cfg.evaluate) test_set = splits.test;
   if (train_set.size() < dp) {
-    throw std::invalid_argument("the training set has " + std::to_string(train_set.size()) + " samples, fewer than the " +
-                                std::to_string(dp) + (dp < world ? " data-parallel replicas" : " workers") +
-                                "; use fewer workers");
+    throw std::invalid_argument("the training set has " + std::to_string(train_set.size()) +
+                                " samples, fewer than the " + std::to_string(dp) +
+                                (dp < world ? " data-parallel replicas" : " workers") + "; use fewer workers");
   }
   if (dev.is_cuda()) {
     train_set.images = train_set.images.to(dev);

@@ -59,11 +59,12 @@ inline ::testing::AssertionResult within(const at::Tensor& got, const at::Tensor
   }
   auto worst = excess.argmax().item<int64_t>();
   if (excess[worst].item<double>() > 0) {
-    return ::testing::AssertionFailure()
-           << "element " << worst << " of " << g.numel() << " (" << c10::toString(got.scalar_type())
-           << "): got " << g[worst].item<double>() << ", reference " << r[worst].item<double>() << ", allowed error "
-           << b[worst].item<double>() << ", error " << (g[worst] - r[worst]).abs().item<double>() << "; "
-           << (excess > 0).sum().item<int64_t>() << " elements out of tolerance";
+    return ::testing::AssertionFailure() << "element " << worst << " of " << g.numel() << " ("
+                                         << c10::toString(got.scalar_type()) << "): got " << g[worst].item<double>()
+                                         << ", reference " << r[worst].item<double>() << ", allowed error "
+                                         << b[worst].item<double>() << ", error "
+                                         << (g[worst] - r[worst]).abs().item<double>() << "; "
+                                         << (excess > 0).sum().item<int64_t>() << " elements out of tolerance";
   }
   return ::testing::AssertionSuccess();
 }

@@ -22,8 +22,8 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
   explicit FailurePrinter(int rank) : rank_(rank) {}
   void OnTestPartResult(const ::testing::TestPartResult& r) override {
     if (!r.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                 r.line_number(), r.message());
+    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?", r.line_number(),
+                 r.message());
     std::fflush(stderr);
   }
   void OnTestEnd(const ::testing::TestInfo& t) override {

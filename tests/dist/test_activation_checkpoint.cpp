@@ -83,13 +83,13 @@ TEST_P(ActivationCheckpointLayouts, SameGradientsAndTraining) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, ActivationCheckpointLayouts,
-    ::testing::Values(Layout{"ddp", Strategy::kDDP}, Layout{"zero1", Strategy::kZero1},
-                      Layout{"zero3", Strategy::kZero3}, Layout{"zero3_first2", Strategy::kZero3, 1, 1, "2"},
-                      Layout{"tp2", Strategy::kDDP, 2, 1}, Layout{"pp2", Strategy::kDDP, 1, 2},
-                      Layout{"pp2_first1", Strategy::kDDP, 1, 2, "1"}),
-    [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(All, ActivationCheckpointLayouts,
+                         ::testing::Values(Layout{"ddp", Strategy::kDDP}, Layout{"zero1", Strategy::kZero1},
+                                           Layout{"zero3", Strategy::kZero3},
+                                           Layout{"zero3_first2", Strategy::kZero3, 1, 1, "2"},
+                                           Layout{"tp2", Strategy::kDDP, 2, 1}, Layout{"pp2", Strategy::kDDP, 1, 2},
+                                           Layout{"pp2_first1", Strategy::kDDP, 1, 2, "1"}),
+                         [](const auto& info) { return info.param.name; });
 
 TEST(ActivationCheckpointRefusal, TooManyLayers) {
   ParallelConfig c;

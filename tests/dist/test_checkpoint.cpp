@@ -12,17 +12,17 @@
 #include <unistd.h>
 
 #include <csignal>
-#include <cstring>
-#include <functional>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <functional>
 
 #include "checkpoint/shard_io.h"
 #include "tandem/backends.h"
 #include "tandem/checkpoint.h"
 #include "tandem/ddp.h"
-#include "tandem/optim.h"
 #include "tandem/models.h"
+#include "tandem/optim.h"
 #include "tandem/pipeline.h"
 #include "tandem/tensor_parallel.h"
 #include "tandem/zero.h"
@@ -271,8 +271,10 @@ TEST(CheckpointMixed, ZeroBf16AndFp16ContinueBitwise) {
         // Another stage has other buckets: compare the assembled masters by name.
         auto pa = read_full_checkpoint(save_checkpoint(dir + "/a", meta_at(6, "zero2"), a, *comm));
         auto pb = read_full_checkpoint(save_checkpoint(dir + "/b", meta_at(6, "zero3"), b, *comm));
-        for (auto& [n, v] : pa.params) EXPECT_TRUE(torch::equal(v, pb.params.at(n))) << n << " " << precision_name(prec);
-        for (auto& [n, st] : pa.optim) EXPECT_TRUE(torch::equal(st.slots.at("exp_avg"), pb.optim.at(n).slots.at("exp_avg"))) << n;
+        for (auto& [n, v] : pa.params)
+          EXPECT_TRUE(torch::equal(v, pb.params.at(n))) << n << " " << precision_name(prec);
+        for (auto& [n, st] : pa.optim)
+          EXPECT_TRUE(torch::equal(st.slots.at("exp_avg"), pb.optim.at(n).slots.at("exp_avg"))) << n;
       }
     }
   }
@@ -345,7 +347,9 @@ TEST(CheckpointReshard, PipelineStagesToOneProcess) {
   const auto dir = shared_dir(*comm, "pipeline");
   PipelineOptions po;
   po.micro_batches = 2;
-  auto loss_fn = [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); };
+  auto loss_fn = [](const at::Tensor& out, const at::Tensor& y) {
+    return torch::nn::functional::cross_entropy(out, y);
+  };
   std::vector<torch::Tensor> trained;
   {
     Pipeline pipe(make_seq(7), comm, po);
@@ -445,7 +449,8 @@ TEST(CheckpointReshard, TensorParallelTransformer) {
       EXPECT_LE((kv.value() - want[kv.key()]).abs().max().item<double>(), 1e-9) << kv.key();
       auto a = get_param_state(*lopt, kv.value()), b = get_param_state(*dopt, want[kv.key()]);
       EXPECT_EQ(a.step, b.step) << kv.key();
-      for (auto& [k, v] : b.slots) EXPECT_LE((a.slots.at(k) - v).abs().max().item<double>(), 1e-9) << k << " of " << kv.key();
+      for (auto& [k, v] : b.slots)
+        EXPECT_LE((a.slots.at(k) - v).abs().max().item<double>(), 1e-9) << k << " of " << kv.key();
     }
   }
   {  // back into shards: every one as it was saved
@@ -473,7 +478,8 @@ TEST(CheckpointReshard, TensorParallelTransformer) {
     } catch (const std::runtime_error& e) {
       EXPECT_NE(std::string(e.what()).find("fc1.weight"), std::string::npos) << e.what();
     }
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], want[i])) << "shard " << i << " after the refusal";
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(torch::equal(got[i], want[i])) << "shard " << i << " after the refusal";
   }
   comm->barrier();
   if (rank == 0) ckpt::remove_tree(dir);
@@ -497,7 +503,8 @@ class CheckpointErrors : public ::testing::Test {
   void TearDown() override { ckpt::remove_tree(root_); }
 
   // Loading must fail with a message containing all of `parts`, and change nothing.
-  void expect_load_fails(const std::string& dir, std::vector<std::string> parts, torch::nn::Sequential target = nullptr) {
+  void expect_load_fails(const std::string& dir, std::vector<std::string> parts,
+                         torch::nn::Sequential target = nullptr) {
     auto m = target ? target : make_seq(99);
     auto opt = make_optimizer(m->parameters(), adamw());
     std::vector<torch::Tensor> before;
@@ -510,7 +517,8 @@ class CheckpointErrors : public ::testing::Test {
       for (auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
     }
     auto after = m->parameters();
-    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "parameter " << i << " changed";
+    for (size_t i = 0; i < before.size(); ++i)
+      EXPECT_TRUE(torch::equal(before[i], after[i])) << "parameter " << i << " changed";
     EXPECT_TRUE(opt->state().empty()) << "optimizer state changed";
   }
   void rewrite(const std::string& path, const std::function<void(std::string&)>& f) {
@@ -602,7 +610,8 @@ TEST_F(CheckpointErrors, KillDuringSaveKeepsThePrevious) {
         if (s == stage) ::raise(SIGKILL);
       };
       try {
-        save_checkpoint(root_, meta_at(7, "single"), *model_, *opt_, *tandem::make_self_communicator(CommOptions{}), so);
+        save_checkpoint(root_, meta_at(7, "single"), *model_, *opt_, *tandem::make_self_communicator(CommOptions{}),
+                        so);
       } catch (...) {
       }
       ::_exit(0);  // not reached when the hook killed it

@@ -154,10 +154,9 @@ TEST_P(Collectives, SendRecvRing) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, Collectives,
                          ::testing::Values(Case{at::kFloat, 1}, Case{at::kFloat, 7}, Case{at::kFloat, 1000003},
                                            Case{at::kDouble, 1}, Case{at::kDouble, 7}, Case{at::kDouble, 1000003},
-                                           Case{at::kBFloat16, 1}, Case{at::kBFloat16, 7},
-                                           Case{at::kBFloat16, 1000003}, Case{at::kHalf, 1}, Case{at::kHalf, 7},
-                                           Case{at::kHalf, 1000003}, Case{at::kLong, 1}, Case{at::kLong, 7},
-                                           Case{at::kLong, 1000003}),
+                                           Case{at::kBFloat16, 1}, Case{at::kBFloat16, 7}, Case{at::kBFloat16, 1000003},
+                                           Case{at::kHalf, 1}, Case{at::kHalf, 7}, Case{at::kHalf, 1000003},
+                                           Case{at::kLong, 1}, Case{at::kLong, 7}, Case{at::kLong, 1000003}),
                          case_name);
 
 // The bf16 tolerance is not vacuous: summing in bf16 one rank at a time, with a rounding

@@ -30,9 +30,12 @@ TEST(Async, OutstandingOperationsCompleteInAnyWaitOrder) {
   auto e_in = rank_input(me, R * 5, at::kHalf, 54);
   auto e_out = at::zeros({5}, at::kHalf);
   std::vector<WorkPtr> works = {
-      comm->allreduce_async(a, ReduceOp::kSum),        comm->allgather_async(b_out, b_in),
-      comm->broadcast_async(c, R - 1),                 comm->allreduce_async(d, ReduceOp::kMax),
-      comm->reduce_scatter_async(e_out, e_in, ReduceOp::kMax), comm->barrier_async(),
+      comm->allreduce_async(a, ReduceOp::kSum),
+      comm->allgather_async(b_out, b_in),
+      comm->broadcast_async(c, R - 1),
+      comm->allreduce_async(d, ReduceOp::kMax),
+      comm->reduce_scatter_async(e_out, e_in, ReduceOp::kMax),
+      comm->barrier_async(),
   };
   // Each rank waits in its own order: forward, backward, or a rotation.
   std::vector<size_t> order(works.size());

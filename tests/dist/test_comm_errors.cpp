@@ -38,8 +38,8 @@ TEST(CommErrors, RootsAndPeersOutOfRange) {
   auto t = at::ones({4}, at::kFloat);
   for (int bad : {-1, R, R + 7}) {
     const std::string b = std::to_string(bad);
-    EXPECT_TRUE(throws_with([&] { comm->broadcast(t, bad); },
-                            {me_str() + "broadcast(root " + b + ")", "out of range for world size " + std::to_string(R)}));
+    EXPECT_TRUE(throws_with([&] { comm->broadcast(t, bad); }, {me_str() + "broadcast(root " + b + ")",
+                                                               "out of range for world size " + std::to_string(R)}));
     EXPECT_TRUE(throws_with([&] { comm->send_async(t, bad, 0); }, {me_str() + "send(to " + b, "out of range"}));
     EXPECT_TRUE(throws_with([&] { comm->recv_async(t, bad, 0); }, {me_str() + "recv(from " + b, "out of range"}));
   }
@@ -58,8 +58,8 @@ TEST(CommErrors, UnsupportedDtypes) {
 TEST(CommErrors, AvgOfIntegers) {
   auto comm = world();
   auto t = at::ones({4}, at::kLong);
-  EXPECT_TRUE(throws_with([&] { comm->allreduce(t, ReduceOp::kAvg); },
-                          {me_str() + "allreduce(avg)", "floating-point"}));
+  EXPECT_TRUE(
+      throws_with([&] { comm->allreduce(t, ReduceOp::kAvg); }, {me_str() + "allreduce(avg)", "floating-point"}));
 }
 
 TEST(CommErrors, UndefinedTensors) {
@@ -71,8 +71,10 @@ TEST(CommErrors, UndefinedTensors) {
   EXPECT_TRUE(throws_with([&] { comm->broadcast(undef, 0); }, {me_str() + "broadcast", "undefined"}));
   EXPECT_TRUE(throws_with([&] { comm->send_async(undef, 0, 0); }, {me_str() + "send", "undefined"}));
   EXPECT_TRUE(throws_with([&] { comm->recv_async(undef, 0, 0); }, {me_str() + "recv", "undefined"}));
-  EXPECT_TRUE(throws_with([&] { comm->reduce_scatter(one, undef, ReduceOp::kSum); }, {me_str() + "reduce_scatter", "undefined"}));
-  EXPECT_TRUE(throws_with([&] { comm->reduce_scatter(undef, t, ReduceOp::kSum); }, {me_str() + "reduce_scatter", "output"}));
+  EXPECT_TRUE(throws_with([&] { comm->reduce_scatter(one, undef, ReduceOp::kSum); },
+                          {me_str() + "reduce_scatter", "undefined"}));
+  EXPECT_TRUE(
+      throws_with([&] { comm->reduce_scatter(undef, t, ReduceOp::kSum); }, {me_str() + "reduce_scatter", "output"}));
   EXPECT_TRUE(throws_with([&] { comm->allgather(undef, one); }, {me_str() + "allgather", "output"}));
 }
 
@@ -85,8 +87,8 @@ TEST(CommErrors, NonCpuTensors) {
     t = at::ones({4}, at::TensorOptions().device(at::kCUDA));
     where = "cuda";
   }
-  EXPECT_TRUE(throws_with([&] { comm->allreduce(t, ReduceOp::kSum); },
-                          {me_str() + "allreduce", "takes CPU tensors", where}));
+  EXPECT_TRUE(
+      throws_with([&] { comm->allreduce(t, ReduceOp::kSum); }, {me_str() + "allreduce", "takes CPU tensors", where}));
   EXPECT_TRUE(throws_with([&] { comm->broadcast(t, 0); }, {me_str() + "broadcast", "CPU"}));
   auto cpu_out = at::empty({4 * comm->size()});
   EXPECT_TRUE(throws_with([&] { comm->allgather(cpu_out, t); }, {me_str() + "allgather", "CPU"}));
@@ -133,9 +135,8 @@ TEST(CommTimeouts, LateRankMakesOthersTimeOutThenCatchesUp) {
   if (me != late) {
     auto work = comm->allreduce_async(x, ReduceOp::kSum);
     auto t0 = std::chrono::steady_clock::now();
-    EXPECT_TRUE(throws_with<CommTimeout>([&] { work->wait(); },
-                                         {me_str() + "allreduce(sum) of Double[1000]", "timed out after 1 s",
-                                          "is every rank alive"}));
+    EXPECT_TRUE(throws_with<CommTimeout>([&] { work->wait(); }, {me_str() + "allreduce(sum) of Double[1000]",
+                                                                 "timed out after 1 s", "is every rank alive"}));
     double waited = seconds_since(t0);
     EXPECT_GE(waited, 0.95);
     EXPECT_LT(waited, 6.0) << "the timeout is 1 s";
@@ -172,9 +173,9 @@ TEST(CommTimeouts, RecvFromSilentPeerNamesThePeer) {
   if (me == 0) {
     work = comm->recv_async(t, silent, 99);
     auto t0 = std::chrono::steady_clock::now();
-    EXPECT_TRUE(throws_with<CommTimeout>([&] { work->wait(); },
-                                         {"rank 0: recv(from " + std::to_string(silent) + ", tag 99)",
-                                          "timed out after 0.5 s"}));
+    EXPECT_TRUE(
+        throws_with<CommTimeout>([&] { work->wait(); }, {"rank 0: recv(from " + std::to_string(silent) + ", tag 99)",
+                                                         "timed out after 0.5 s"}));
     EXPECT_LT(seconds_since(t0), 5.5);
   }
   w->barrier();

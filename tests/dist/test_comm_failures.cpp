@@ -98,8 +98,9 @@ TEST(Stall, DISABLED_RankInAnotherCollectiveMakesAllTimeOut) {
   w->barrier();
   w->set_timeout(milliseconds(2000));
   auto x = at::ones({1000}, at::kFloat);
-  const bool ok = times_out_naming(me, "rank " + std::to_string(me) + (me == skipper ? ": barrier" : ": allreduce(sum)"),
-                                   [&] { me == skipper ? w->barrier() : w->allreduce(x, ReduceOp::kSum); });
+  const bool ok =
+      times_out_naming(me, "rank " + std::to_string(me) + (me == skipper ? ": barrier" : ": allreduce(sum)"),
+                       [&] { me == skipper ? w->barrier() : w->allreduce(x, ReduceOp::kSum); });
   vote_and_abort(me, ok, verdict,
                  "ranks got CommTimeout naming their rank and operation within 2 s + 5 s while rank " +
                      std::to_string(skipper) + " waited in a barrier instead of the allreduce");

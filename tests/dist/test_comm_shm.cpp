@@ -49,7 +49,8 @@ TEST(SharedMemoryAllreduce, MatchesTheMpiPathForSizesAndOps) {
         auto gathered = at::empty({R * n}, shm.options());
         comm->allgather_async(gathered, shm)->wait();
         for (int r = 0; r < R; ++r) ASSERT_TRUE(gathered.narrow(0, r * n, n).equal(shm)) << "rank " << r << " differs";
-        const double tol = R * eps_of(dt) * (all_inputs(R, n, dt, n + 31 * static_cast<int64_t>(op)).abs().sum(0).max().item<double>());
+        const double tol = R * eps_of(dt) *
+                           (all_inputs(R, n, dt, n + 31 * static_cast<int64_t>(op)).abs().sum(0).max().item<double>());
         EXPECT_LE((shm.to(at::kDouble) - ref).abs().max().item<double>(), tol) << "n " << n;
         if (R == 2) EXPECT_TRUE(shm.equal(plain)) << "n " << n << ": two ranks: same bits as MPI_Allreduce";
       }

@@ -111,7 +111,8 @@ TEST(DDP, NoSyncAccumulatesThenAverages) {
   ddp.prepare_forward();
   {
     auto guard = ddp.no_sync();
-    torch::nn::functional::cross_entropy(model->forward(slice_for_rank(x1, me, R)), slice_for_rank(y1, me, R)).backward();
+    torch::nn::functional::cross_entropy(model->forward(slice_for_rank(x1, me, R)), slice_for_rank(y1, me, R))
+        .backward();
   }
   ddp.prepare_forward();
   torch::nn::functional::cross_entropy(model->forward(slice_for_rank(x2, me, R)), slice_for_rank(y2, me, R)).backward();
@@ -139,7 +140,8 @@ TEST(DDP, UnusedParametersAreZeroWhenAllowedAndNamedOtherwise) {
     auto [x, y] = global_batch(4 * R, 3);
     ddp.prepare_forward();
     try {
-      torch::nn::functional::cross_entropy(model->forward(slice_for_rank(x, me, R)), slice_for_rank(y, me, R)).backward();
+      torch::nn::functional::cross_entropy(model->forward(slice_for_rank(x, me, R)), slice_for_rank(y, me, R))
+          .backward();
       ADD_FAILURE() << "backward with an unused parameter should have thrown";
     } catch (const std::exception& e) {
       EXPECT_NE(std::string(e.what()).find("unused.weight"), std::string::npos) << e.what();

@@ -147,7 +147,8 @@ TEST(Grid, PipelineTimesDataParallelMatchesSingleProcess) {
   for (int s = 0; s < kSteps; ++s) {
     auto [x, y] = mlp_batch(B, 50 + s);
     opt.zero_grad();
-    auto loss = pipe.train_step(slice_for_rank(x, g.dp_rank(), g.dp_size()), slice_for_rank(y, g.dp_rank(), g.dp_size()), ce);
+    auto loss =
+        pipe.train_step(slice_for_rank(x, g.dp_rank(), g.dp_size()), slice_for_rank(y, g.dp_rank(), g.dp_size()), ce);
     average_gradients(pipe.parameters(), *g.dp());
     opt.step();
     auto l = loss.reshape({1}).clone();

@@ -257,7 +257,8 @@ void expect_invalid(F&& f, const std::vector<std::string>& parts) {
     ADD_FAILURE() << "did not throw std::invalid_argument";
   } catch (const std::invalid_argument& e) {
     std::string msg = e.what();
-    for (auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "message \"" << msg << "\" lacks \"" << p << "\"";
+    for (auto& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "message \"" << msg << "\" lacks \"" << p << "\"";
   }
 }
 

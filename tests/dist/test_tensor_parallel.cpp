@@ -2,8 +2,8 @@
 // one tensor-parallel rank (run with 2 and 4): column/row-parallel linears, the transformer block
 // (heads split), vocabulary-parallel embedding and cross-entropy, whole converted models; outputs
 // and every gradient (this rank's shard of the dense gradient) in float64; bad sizes.
-#include <gtest/gtest.h>
 #include <cstring>
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "tandem/models.h"
@@ -128,8 +128,9 @@ TEST(TensorParallel, VocabParallelEmbeddingAndCrossEntropyMatchDense) {
   auto logits = randn({4, 7, V}, 6) * 3;
   auto tgt = torch::randint(0, V, {4, 7}, g);
   auto ld = logits.clone().requires_grad_(true);
-  auto want = torch::nn::functional::cross_entropy(ld.reshape({-1, V}), tgt.reshape({-1}),
-                                                   torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+  auto want =
+      torch::nn::functional::cross_entropy(ld.reshape({-1, V}), tgt.reshape({-1}),
+                                           torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
   auto lp = rows(logits, 2, T, r).clone().requires_grad_(true);
   auto got = tp::vocab_parallel_cross_entropy(lp, tgt, tp);
   EXPECT_EQ(got.sizes(), tgt.sizes());
@@ -138,7 +139,6 @@ TEST(TensorParallel, VocabParallelEmbeddingAndCrossEntropyMatchDense) {
   got.mean().backward();
   EXPECT_LE(rel_err(lp.grad(), rows(ld.grad(), 2, T, r)), kTol);
 }
-
 
 at::Tensor ce(const at::Tensor& out, const at::Tensor& y) {
   return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
@@ -207,7 +207,8 @@ TEST(TensorParallel, ShardedParametersByKind) {
   auto named = par->named_parameters();
   ASSERT_EQ(flags.size(), named.size());
   auto expect_shard = [](const std::string& n) {
-    for (const char* k : {"tok.weight", "qkv.weight", "qkv.bias", "proj.weight", "fc1.weight", "fc1.bias", "fc2.weight"})
+    for (const char* k :
+         {"tok.weight", "qkv.weight", "qkv.bias", "proj.weight", "fc1.weight", "fc1.bias", "fc2.weight"})
       if (n.size() >= std::strlen(k) && n.compare(n.size() - std::strlen(k), std::strlen(k), k) == 0) return true;
     return n.rfind("4.", 0) == 0;  // the LM head (after the final LayerNorm, 3), column-parallel
   };
@@ -268,7 +269,9 @@ TEST(TensorParallel, ConvertedMlpMatchesDense) {
   EXPECT_LE(std::abs(got.item<double>() - want.item<double>()), kTol * want.item<double>());
   want.backward();
   got.backward();
-  EXPECT_LE(rel_err(par->ptr(5)->as<torch::nn::LinearImpl>()->weight.grad(), dense->ptr(5)->as<torch::nn::LinearImpl>()->weight.grad()), kTol);
+  EXPECT_LE(rel_err(par->ptr(5)->as<torch::nn::LinearImpl>()->weight.grad(),
+                    dense->ptr(5)->as<torch::nn::LinearImpl>()->weight.grad()),
+            kTol);
   EXPECT_LE(rel_err(par->ptr(1)->as<tp::ColumnParallelLinearImpl>()->weight.grad(),
                     rows(dense->ptr(1)->as<torch::nn::LinearImpl>()->weight.grad(), 0, tp->size(), tp->rank())),
             kTol);
@@ -281,7 +284,8 @@ void expect_invalid(F&& f, const std::vector<std::string>& parts) {
     ADD_FAILURE() << "did not throw std::invalid_argument";
   } catch (const std::invalid_argument& e) {
     std::string msg = e.what();
-    for (auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "message \"" << msg << "\" lacks \"" << p << "\"";
+    for (auto& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "message \"" << msg << "\" lacks \"" << p << "\"";
   }
 }
 

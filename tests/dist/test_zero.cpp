@@ -50,7 +50,8 @@ std::pair<torch::Tensor, torch::Tensor> global_batch(int64_t n, uint64_t seed) {
   return test::global_batch(n, seed, 3);
 }
 
-std::unique_ptr<torch::optim::Optimizer> plain_optimizer(const ZeroOptimizerOptions& o, std::vector<at::Tensor> params) {
+std::unique_ptr<torch::optim::Optimizer> plain_optimizer(const ZeroOptimizerOptions& o,
+                                                         std::vector<at::Tensor> params) {
   if (o.kind == "sgd") {
     return std::make_unique<torch::optim::SGD>(
         params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
@@ -88,8 +89,9 @@ void compare_with_ddp(int stage, const ZeroOptimizerOptions& oo, int64_t bucket_
                ", max_norm " + std::to_string(max_norm) + (sequential ? ", Sequential" : ", custom module"));
   // Different seeds per rank: both wrappers must start from rank 0's weights.
   auto ref = make_net(40 + me);
-  std::shared_ptr<torch::nn::Module> net = sequential ? std::static_pointer_cast<torch::nn::Module>(make_seq(40 + me).ptr())
-                                                      : std::static_pointer_cast<torch::nn::Module>(make_net(40 + me).ptr());
+  std::shared_ptr<torch::nn::Module> net = sequential
+                                               ? std::static_pointer_cast<torch::nn::Module>(make_seq(40 + me).ptr())
+                                               : std::static_pointer_cast<torch::nn::Module>(make_net(40 + me).ptr());
   DistributedDataParallel ddp(ref.ptr(), comm);
   auto ref_opt = plain_optimizer(oo, ref->parameters());
   ZeroOptions zo;
@@ -158,8 +160,8 @@ void compare_with_ddp(int stage, const ZeroOptimizerOptions& oo, int64_t bucket_
 }
 
 TEST(Zero, Stage1MatchesDDPWithSgdMomentum) {
-  compare_with_ddp(1, sgd_momentum(), 100, 0.0, 20);        // one bucket per tensor
-  compare_with_ddp(1, sgd_momentum(), 1 << 20, 0.0, 20);    // one bucket
+  compare_with_ddp(1, sgd_momentum(), 100, 0.0, 20);      // one bucket per tensor
+  compare_with_ddp(1, sgd_momentum(), 1 << 20, 0.0, 20);  // one bucket
 }
 
 TEST(Zero, Stage2MatchesDDPWithSgdMomentum) {
@@ -178,7 +180,7 @@ TEST(Zero, Stage2MatchesDDPWithAdamW) {
 }
 
 TEST(Zero, Stage3MatchesDDPWithSgdMomentum) {
-  compare_with_ddp(3, sgd_momentum(), 100, 0.0, 20, /*sequential=*/true);  // three units
+  compare_with_ddp(3, sgd_momentum(), 100, 0.0, 20, /*sequential=*/true);   // three units
   compare_with_ddp(3, sgd_momentum(), 100, 0.0, 20, /*sequential=*/false);  // one unit
 }
 
@@ -560,7 +562,8 @@ TEST(Zero, ModelParallelNormSpansTheOtherAxes) {
       }
       auto t = torch::tensor({sharded, other}, torch::kDouble);
       mp->allreduce(t, ReduceOp::kSum);
-      const double want = as_tp ? std::sqrt(t[0].item<double>() + other) : std::sqrt(t[0].item<double>() + t[1].item<double>());
+      const double want =
+          as_tp ? std::sqrt(t[0].item<double>() + other) : std::sqrt(t[0].item<double>() + t[1].item<double>());
       ZeroOptions zo;
       zo.stage = stage;
       zo.bucket_cap_bytes = 64;  // several buckets, l1's weight alone in one

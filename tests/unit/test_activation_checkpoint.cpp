@@ -117,8 +117,9 @@ TEST(ActivationCheckpoint, EngineRefusesAModelThatIsNotASequential) {
   o.kind = "sgd";
   torch::nn::Linear lin(4, 2);
   try {
-    Engine eng(rt, std::shared_ptr<torch::nn::Module>(lin.ptr()),
-               [m = lin.ptr()](const at::Tensor& x) { return m->forward(x); }, o, c);
+    Engine eng(
+        rt, std::shared_ptr<torch::nn::Module>(lin.ptr()),
+        [m = lin.ptr()](const at::Tensor& x) { return m->forward(x); }, o, c);
     ADD_FAILURE() << "a Linear was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("tandem::Checkpointed"), std::string::npos) << e.what();
@@ -134,9 +135,11 @@ TEST(ActivationCheckpoint, EngineRefusesAModelThatIsNotASequential) {
     for (int s = 0; s < 3; ++s) {
       auto x = torch::randn({8, 8});
       auto y = torch::randint(0, 3, {8});
-      losses[k].push_back(eng.step(x, y, [](const at::Tensor& out, const at::Tensor& t) {
-                                  return torch::nn::functional::cross_entropy(out, t);
-                                }).item<double>());
+      losses[k].push_back(eng.step(x, y,
+                                   [](const at::Tensor& out, const at::Tensor& t) {
+                                     return torch::nn::functional::cross_entropy(out, t);
+                                   })
+                              .item<double>());
     }
   }
   for (int s = 0; s < 3; ++s) EXPECT_NEAR(losses[0][s], losses[1][s], 1e-6) << "step " << s;

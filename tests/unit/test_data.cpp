@@ -35,8 +35,9 @@ struct TempDir {
     path = tmpl;
   }
   ~TempDir() {
-    ::nftw(path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); },
-           16, FTW_DEPTH | FTW_PHYS);
+    ::nftw(
+        path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+        FTW_DEPTH | FTW_PHYS);
   }
   std::string file(const std::string& name) const { return path + "/" + name; }
 };
@@ -118,8 +119,8 @@ std::string error_of(F&& f) {
 }
 
 // Checks a loaded dataset element by element against the bytes, normalized in double here.
-void expect_matches(const tandem::data::Dataset& ds, uint32_t n, uint32_t h, uint32_t w,
-                    const Bytes& pixels, const Bytes& labels, double mean, double std) {
+void expect_matches(const tandem::data::Dataset& ds, uint32_t n, uint32_t h, uint32_t w, const Bytes& pixels,
+                    const Bytes& labels, double mean, double std) {
   ASSERT_EQ(ds.size(), n);
   ASSERT_EQ(ds.images.sizes(), (std::vector<int64_t>{n, 1, h, w}));
   ASSERT_EQ(ds.images.scalar_type(), torch::kFloat);

@@ -58,7 +58,8 @@ TEST(EngineConfig, RefusesConflictsNamingThem) {
   ParallelConfig c;
   EXPECT_EQ(refusal(c, 4, 64), "");
   c.tp = 3;
-  EXPECT_NE(refusal(c, 4).find("--tp 3 x --pp 1 = 3 ranks per replica does not divide the 4 workers"), std::string::npos);
+  EXPECT_NE(refusal(c, 4).find("--tp 3 x --pp 1 = 3 ranks per replica does not divide the 4 workers"),
+            std::string::npos);
   c = ParallelConfig{};
   c.pp = 2;
   c.strategy = Strategy::kZero2;
@@ -82,12 +83,14 @@ TEST(EngineConfig, RefusesConflictsNamingThem) {
   c = ParallelConfig{};
   c.max_grad_norm = -1;
   EXPECT_NE(refusal(c, 1).find("--max-grad-norm must be >= 0"), std::string::npos);
-  EXPECT_EQ(data_parallel_size([] {
-              ParallelConfig p;
-              p.tp = 2;
-              p.pp = 2;
-              return p;
-            }(), 8),
+  EXPECT_EQ(data_parallel_size(
+                [] {
+                  ParallelConfig p;
+                  p.tp = 2;
+                  p.pp = 2;
+                  return p;
+                }(),
+                8),
             2);
 }
 
@@ -98,13 +101,13 @@ TEST(EngineConfig, OneLearningRateSchedule) {
   s.total_steps = 104;
   EXPECT_DOUBLE_EQ(s.at(0), 0.25);  // warmup from 0: (step + 1) / warmup
   EXPECT_DOUBLE_EQ(s.at(3), 1.0);
-  EXPECT_DOUBLE_EQ(s.at(4), 1.0);   // the cosine starts at the peak
+  EXPECT_DOUBLE_EQ(s.at(4), 1.0);     // the cosine starts at the peak
   EXPECT_NEAR(s.at(54), 0.5, 1e-12);  // half way: half the peak
   EXPECT_NEAR(s.at(103), 0.5 * (1 + std::cos(M_PI * 99.0 / 100.0)), 1e-15);
-  s.min_ratio = 0.1;                // the text loops decay to 10 %
+  s.min_ratio = 0.1;  // the text loops decay to 10 %
   EXPECT_NEAR(s.at(54), 0.1 + 0.9 * 0.5, 1e-12);
   EXPECT_GE(s.at(1000), 0.1 - 1e-12);  // past the end: held at the floor
-  s.warmup_start = 0.5;             // Goyal et al.'s warmup: from the unscaled rate
+  s.warmup_start = 0.5;                // Goyal et al.'s warmup: from the unscaled rate
   EXPECT_DOUBLE_EQ(s.at(0), 0.5 + 0.5 * 0.25);
   s.cosine = false;
   EXPECT_DOUBLE_EQ(s.at(50), 1.0);

@@ -137,8 +137,8 @@ TEST(Models, TransformerBlockMatchesExplicitAttention) {
   scores = scores.masked_fill(future, -INFINITY);
   auto att = torch::matmul(torch::softmax(scores, -1), v).permute({0, 2, 1, 3}).reshape({B, T, D});
   auto r = x + torch::matmul(att, block->proj->weight.t()) + block->proj->bias;
-  auto m = torch::matmul(layer_norm_ref(r, block->ln2->weight, block->ln2->bias), block->fc1->weight.t()) +
-           block->fc1->bias;
+  auto m =
+      torch::matmul(layer_norm_ref(r, block->ln2->weight, block->ln2->bias), block->fc1->weight.t()) + block->fc1->bias;
   m = 0.5 * m * (1 + torch::erf(m / std::sqrt(2.0)));
   auto ref = r + torch::matmul(m, block->fc2->weight.t()) + block->fc2->bias;
   EXPECT_TRUE(torch::allclose(out, ref, 1e-9, 1e-10)) << (out - ref).abs().max();
@@ -160,8 +160,7 @@ TEST(Models, TransformerLanguageModelIsCausal) {
     }
     // Positions t.. see the change.
     for (int64_t u = t; u < 16; ++u) {
-      EXPECT_GT((out.select(1, u) - out2.select(1, u)).abs().max().item<float>(), 1e-4)
-          << "t=" << t << " u=" << u;
+      EXPECT_GT((out.select(1, u) - out2.select(1, u)).abs().max().item<float>(), 1e-4) << "t=" << t << " u=" << u;
     }
   }
   // A shorter prefix gives the same outputs as the corresponding positions of the full input.

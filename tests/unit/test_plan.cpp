@@ -139,7 +139,11 @@ TEST(Plan, PipelineTensorParallelAndInfeasibility) {
   tp::PlanOptions o;
   o.global_batch = 64;
   tp::Layout l;
-  l.dp = 1; l.pp = 4; l.tp = 2; l.micro_batch = 4; l.micro_batches = 16;
+  l.dp = 1;
+  l.pp = 4;
+  l.tp = 2;
+  l.micro_batch = 4;
+  l.micro_batches = 16;
   auto e = tp::estimate(m, c, l, o);
   ASSERT_TRUE(e.feasible) << e.why;
   // (m + p - 1) slots, of which p - 1 are the bubble: bubble / busy time = (p-1)/m.
@@ -149,23 +153,29 @@ TEST(Plan, PipelineTensorParallelAndInfeasibility) {
   EXPECT_GT(e.comm_parts["tp allreduce"], 0.0);
   // More micro-batches, smaller bubble share.
   tp::Layout l2 = l;
-  l2.micro_batch = 1; l2.micro_batches = 64;
+  l2.micro_batch = 1;
+  l2.micro_batches = 64;
   auto e2 = tp::estimate(m, c, l2, o);
   EXPECT_LT(e2.bubble_s / e2.step_s, e.bubble_s / e.step_s);
   // 1F1B: at most p micro-batches of activations in flight (not m).
   tp::Layout l3 = l;
-  l3.micro_batches = 2; l3.micro_batch = 32;
+  l3.micro_batches = 2;
+  l3.micro_batch = 32;
   auto e3 = tp::estimate(m, c, l3, o);
   EXPECT_NEAR(e3.memory.activations / e.memory.activations, (2.0 * 32) / (4.0 * 4), 1e-9);
 
   tp::Layout bad_heads = l;
-  bad_heads.tp = 8; bad_heads.pp = 1; bad_heads.micro_batch = 64; bad_heads.micro_batches = 1;
+  bad_heads.tp = 8;
+  bad_heads.pp = 1;
+  bad_heads.micro_batch = 64;
+  bad_heads.micro_batches = 1;
   auto m12 = tp::builtin_model("gpt2");  // 12 heads
   auto eb = tp::estimate(m12, c, bad_heads, o);
   EXPECT_FALSE(eb.feasible);
   EXPECT_NE(eb.why.find("indivisible heads"), std::string::npos) << eb.why;
   tp::Layout deep = l;
-  deep.tp = 1; deep.pp = 8;
+  deep.tp = 1;
+  deep.pp = 8;
   auto tiny = tp::builtin_model("transformer_tiny");
   auto ed = tp::estimate(tiny, c, deep, o);
   EXPECT_FALSE(ed.feasible);
@@ -219,7 +229,9 @@ TEST(Plan, MixedNodesRunAtTheSlowestDevice) {
   tp::PlanOptions o;
   o.global_batch = 256;
   tp::Layout l;
-  l.dp = 32; l.zero = 1; l.micro_batch = 8;
+  l.dp = 32;
+  l.zero = 1;
+  l.micro_batch = 8;
   auto m = tp::builtin_model("gpt2");
   auto em = tp::estimate(m, mixed, l, o);
   auto eh = tp::estimate(m, h100, l, o);
@@ -232,7 +244,11 @@ static tp::Calibration cnn_compute_calibration() {
   tp::Calibration cal;
   cal.cores = 2;
   tp::ModelRates r;
-  r.flops_1t = 40e9; r.flops_all = 70e9; r.flops_concurrent = 35e9; r.overhead_s = 1e-3; r.sgd_s_per_param = 2e-9;
+  r.flops_1t = 40e9;
+  r.flops_all = 70e9;
+  r.flops_concurrent = 35e9;
+  r.overhead_s = 1e-3;
+  r.sgd_s_per_param = 2e-9;
   cal.models["cnn"] = r;
   return cal;
 }
@@ -256,7 +272,10 @@ static tp::ClusterSpec two_core_local() {
 }
 static tp::PlanOptions fp32_sgd_options(const tp::Calibration* cal) {
   tp::PlanOptions o;
-  o.precision = "fp32"; o.optimizer = "sgd"; o.global_batch = 192; o.calibration = cal;
+  o.precision = "fp32";
+  o.optimizer = "sgd";
+  o.global_batch = 192;
+  o.calibration = cal;
   return o;
 }
 
@@ -264,7 +283,10 @@ static tp::PlanOptions fp32_sgd_options(const tp::Calibration* cal) {
 static tp::Estimate data_parallel_estimate(const tp::ModelSpec& m, const tp::ClusterSpec& c, const tp::PlanOptions& o,
                                            int dp, int zero, int64_t k) {
   tp::Layout l;
-  l.dp = dp; l.zero = zero; l.micro_batches = k; l.micro_batch = o.global_batch / dp / k;
+  l.dp = dp;
+  l.zero = zero;
+  l.micro_batches = k;
+  l.micro_batch = o.global_batch / dp / k;
   auto e = tp::estimate(m, c, l, o);
   EXPECT_TRUE(e.feasible) << e.why;
   return e;
@@ -325,7 +347,8 @@ TEST(Plan, GradientAccumulationCommunicatesAsTandemDoes) {
   auto fixed = c;
   fixed.framework_overhead_s = 5e-3;
   tp::PlanOptions plain = fp32_sgd_options(nullptr);
-  const auto u1 = data_parallel_estimate(m, fixed, plain, 2, 0, 1), u4 = data_parallel_estimate(m, fixed, plain, 2, 0, 4);
+  const auto u1 = data_parallel_estimate(m, fixed, plain, 2, 0, 1),
+             u4 = data_parallel_estimate(m, fixed, plain, 2, 0, 4);
   EXPECT_NEAR(u4.step_s, u1.step_s, 1e-9);
   for (int z : {1, 2, 3}) {
     const auto z1 = est(z, 1), z4 = est(z, 4);
@@ -347,7 +370,7 @@ TEST(Plan, PassesOutsideTheCalibratedBatchesCarryACaveat) {
   auto m = tp::builtin_model("cnn");
   EXPECT_EQ(data_parallel_estimate(m, c, o, 2, 0, 1).caveat, "");  // 96 per pass
   EXPECT_EQ(data_parallel_estimate(m, c, o, 2, 0, 6).caveat, "");  // 16, half the smaller
-  const auto low = data_parallel_estimate(m, c, o, 2, 0, 48);   // passes of 2
+  const auto low = data_parallel_estimate(m, c, o, 2, 0, 48);      // passes of 2
   EXPECT_NE(low.caveat.find("passes of 2 samples"), std::string::npos) << low.caveat;
   EXPECT_NE(low.caveat.find("--calibrate-batch 4"), std::string::npos) << low.caveat;
   o.global_batch = 1024;
@@ -376,14 +399,19 @@ TEST(Plan, ZeroThreeRendezvousFromTheCalibration) {
       cal.collectives[n][op] = {20e-6, 2e9};
   auto c = tp::cluster_preset("local");
   tp::PlanOptions o;
-  o.precision = "fp32"; o.optimizer = "sgd"; o.global_batch = 192; o.calibration = &cal;
+  o.precision = "fp32";
+  o.optimizer = "sgd";
+  o.global_batch = 192;
+  o.calibration = &cal;
   const auto m = tp::builtin_model("cnn");
   int units = 0;
   for (const auto& ly : m.children) units += ly.parameters > 0 ? 1 : 0;
   ASSERT_EQ(units, 4);  // conv, conv, linear, linear
   auto step = [&](int zero) {
     tp::Layout l;
-    l.dp = 4; l.zero = zero; l.micro_batch = 48;
+    l.dp = 4;
+    l.zero = zero;
+    l.micro_batch = 48;
     auto e = tp::estimate(m, c, l, o);
     EXPECT_TRUE(e.feasible) << e.why;
     return e;
@@ -431,7 +459,9 @@ TEST(Plan, LayeredModelsMatchLibTorchAndTheTrainersCut) {
     o.global_batch = 64;
     for (int pp = 2; pp <= 4; ++pp) {
       tp::Layout l;
-      l.pp = pp; l.micro_batch = 16; l.micro_batches = 4;
+      l.pp = pp;
+      l.micro_batch = 16;
+      l.micro_batches = 4;
       auto e = tp::estimate(spec, c, l, o);
       ASSERT_TRUE(e.feasible) << name << " pp " << pp << ": " << e.why;
       EXPECT_EQ(e.partition, tandem::partition_by_parameters(module, pp)) << name << " pp " << pp;
@@ -442,7 +472,8 @@ TEST(Plan, LayeredModelsMatchLibTorchAndTheTrainersCut) {
   tp::PlanOptions o;
   o.global_batch = 64;
   tp::Layout l;
-  l.tp = 2; l.micro_batch = 64;
+  l.tp = 2;
+  l.micro_batch = 64;
   EXPECT_TRUE(tp::estimate(tp::builtin_model("mlp"), c, l, o).feasible);
   l.tp = 3;
   auto e3 = tp::estimate(tp::builtin_model("mlp"), c, l, o);
@@ -484,7 +515,9 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   for (const std::string sched : {"gpipe", "1f1b"}) {
     o.pipeline_schedule = sched;
     tp::Layout l;
-    l.pp = 4; l.micro_batch = 8; l.micro_batches = 8;
+    l.pp = 4;
+    l.micro_batch = 8;
+    l.micro_batches = 8;
     auto e = tp::estimate(m, c, l, o);
     ASSERT_TRUE(e.feasible) << e.why;
     // Stage 0's first layer computes no input gradient: 2 passes, the others 3.
@@ -496,8 +529,8 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   tp::Calibration cal;
   cal.cores = 2;
   tp::ModelRates r;
-  r.flops_1t = 6e11;  // the whole model's 3 x 8e6 FLOPs per sample in 4e-5 s: the children's sum
-  r.overhead_s = 4e-4;  // and its fixed part, the children's too
+  r.flops_1t = 6e11;               // the whole model's 3 x 8e6 FLOPs per sample in 4e-5 s: the children's sum
+  r.overhead_s = 4e-4;             // and its fixed part, the children's too
   r.flops_synchronized[2] = 3e11;  // two workers at once: each at half one thread's rate
   r.layer_overhead_s = {1e-4, 1e-4, 1e-4, 1e-4};
   r.layer_s_per_sample = {1e-5, 1e-5, 1e-5, 1e-5};
@@ -506,11 +539,15 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   cal.p2p[2] = {10e-6, 1e9};
   auto local = tp::cluster_preset("local");
   tp::PlanOptions lo;
-  lo.global_batch = 64; lo.precision = "fp32"; lo.optimizer = "sgd-plain"; lo.calibration = &cal;
+  lo.global_batch = 64;
+  lo.precision = "fp32";
+  lo.optimizer = "sgd-plain";
+  lo.calibration = &cal;
   m.children[0].tp = "column";
   m.children[1].tp = "row";
   tp::Layout l;
-  l.tp = 2; l.micro_batch = 64;
+  l.tp = 2;
+  l.micro_batch = 64;
   auto e = tp::estimate(m, local, l, lo);
   ASSERT_TRUE(e.feasible) << e.why;
   // Per worker: the pair at half its time (fixed and per-sample parts), the rest whole; both
@@ -550,7 +587,9 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   cal.send_delay[2] = {{4096.0, 1.0}};
   lo.pipeline_schedule = "gpipe";
   tp::Layout pl;
-  pl.pp = 2; pl.micro_batch = 32; pl.micro_batches = 2;
+  pl.pp = 2;
+  pl.micro_batch = 32;
+  pl.micro_batches = 2;
   auto pe = tp::estimate(m, local, pl, lo);
   ASSERT_TRUE(pe.feasible) << pe.why;
   const double serial = 2 * 4 * (1e-4 + 32 * 1e-5);
@@ -599,7 +638,9 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   cal.send_delay[2] = {{4096.0, 0.0}};
   cal.models["four"].layer_forward_share = {0.9, 0.9, 0.1, 0.1};
   tp::Layout pl4;
-  pl4.pp = 2; pl4.micro_batch = 16; pl4.micro_batches = 4;
+  pl4.pp = 2;
+  pl4.micro_batch = 16;
+  pl4.micro_batches = 4;
   const double T = (2e-4 + 16 * 3 * 8e6 / 1.2e12) / 4;
   lo.pipeline_schedule = "gpipe";
   auto g = tp::estimate(m, local, pl4, lo);
@@ -640,7 +681,8 @@ TEST(Plan, CalibratedCollectivesInterpolateMeasuredSizes) {
   EXPECT_NEAR(tp::collective_seconds(c, o, "allreduce", 2, 4 * 1048576.0), 4e-3, 1e-12);
   // Other world sizes and operations: the alpha-beta fit of the nearest one.
   cal.collectives[3]["allreduce"] = {1e-5, 1e9};
-  EXPECT_NEAR(tp::collective_seconds(c, o, "allreduce", 3, 3e6), tp::ring_allreduce_seconds(3, 3e6, {1e-5, 1e9}), 1e-15);
+  EXPECT_NEAR(tp::collective_seconds(c, o, "allreduce", 3, 3e6), tp::ring_allreduce_seconds(3, 3e6, {1e-5, 1e9}),
+              1e-15);
   // "_shm" (in place in symmetric memory): its own curve where measured, else the plain operation.
   cal.collective_times[2]["reduce_scatter"] = {{4096.0, 1e-4}, {1048576.0, 1e-2}};
   cal.collective_times[2]["reduce_scatter_shm"] = {{4096.0, 1e-5}, {1048576.0, 1e-3}};
@@ -655,7 +697,9 @@ TEST(Plan, CalibratedCollectivesInterpolateMeasuredSizes) {
   tp::ModelSpec m = tp::builtin_model("mlp");
   tp::PlanOptions lo;
   lo.calibration = &cal;
-  lo.global_batch = 64; lo.precision = "fp32"; lo.optimizer = "sgd";
+  lo.global_batch = 64;
+  lo.precision = "fp32";
+  lo.optimizer = "sgd";
   tp::Layout z1, z2;
   z1.dp = z2.dp = 2;
   z1.zero = 1;
@@ -664,8 +708,10 @@ TEST(Plan, CalibratedCollectivesInterpolateMeasuredSizes) {
   const double grads = m.parameters * 4.0;
   auto e1 = tp::estimate(m, c, z1, lo), e2 = tp::estimate(m, c, z2, lo);
   ASSERT_TRUE(e1.feasible && e2.feasible) << e1.why << e2.why;
-  EXPECT_NEAR(e1.comm_parts.at("dp reduce_scatter"), tp::collective_seconds(c, lo, "reduce_scatter_shm", 2, grads), 1e-9);
-  EXPECT_NEAR(e2.comm_parts.at("dp reduce_scatter"), tp::collective_seconds(c, lo, "reduce_scatter_shm", 2, grads), 1e-9);
+  EXPECT_NEAR(e1.comm_parts.at("dp reduce_scatter"), tp::collective_seconds(c, lo, "reduce_scatter_shm", 2, grads),
+              1e-9);
+  EXPECT_NEAR(e2.comm_parts.at("dp reduce_scatter"), tp::collective_seconds(c, lo, "reduce_scatter_shm", 2, grads),
+              1e-9);
   EXPECT_LT(e2.comm_parts.at("dp reduce_scatter"), tp::collective_seconds(c, lo, "reduce_scatter", 2, grads) / 2);
   tp::Layout z3 = z2;
   z3.zero = 3;
@@ -673,17 +719,18 @@ TEST(Plan, CalibratedCollectivesInterpolateMeasuredSizes) {
   cal.collective_times[2]["allgather_shm"] = {{4096.0, 1e-5}, {1048576.0, 1e-3}};
   auto e3 = tp::estimate(m, c, z3, lo);
   ASSERT_TRUE(e3.feasible) << e3.why;
-  EXPECT_NEAR(e3.comm_parts.at("dp allgather (fwd+bwd)"), 2 * tp::collective_seconds(c, lo, "allgather_shm", 2, grads), 1e-9);
+  EXPECT_NEAR(e3.comm_parts.at("dp allgather (fwd+bwd)"), 2 * tp::collective_seconds(c, lo, "allgather_shm", 2, grads),
+              1e-9);
   // ZeRO-3 gathers from a separate shard: the "allgather_copy_shm" curve where it was calibrated
   // (above, without it, the in-place one); ZeRO-1/2 keep gathering in place.
   cal.collective_times[2]["allgather_copy_shm"] = {{4096.0, 2e-5}, {1048576.0, 2e-3}};
   EXPECT_NEAR(tp::collective_seconds(c, lo, "allgather_copy_shm", 2, 1048576.0), 2e-3, 1e-12);
-  EXPECT_NEAR(tp::collective_seconds(c, lo, "allgather_copy_shm", 3, 3e6), tp::collective_seconds(c, lo, "allgather", 3, 3e6),
-              1e-15);
+  EXPECT_NEAR(tp::collective_seconds(c, lo, "allgather_copy_shm", 3, 3e6),
+              tp::collective_seconds(c, lo, "allgather", 3, 3e6), 1e-15);
   auto e3c = tp::estimate(m, c, z3, lo), e2c = tp::estimate(m, c, z2, lo);
   ASSERT_TRUE(e3c.feasible && e2c.feasible) << e3c.why << e2c.why;
-  EXPECT_NEAR(e3c.comm_parts.at("dp allgather (fwd+bwd)"), 2 * tp::collective_seconds(c, lo, "allgather_copy_shm", 2, grads),
-              1e-9);
+  EXPECT_NEAR(e3c.comm_parts.at("dp allgather (fwd+bwd)"),
+              2 * tp::collective_seconds(c, lo, "allgather_copy_shm", 2, grads), 1e-9);
   EXPECT_GT(e3c.comm_parts.at("dp allgather (fwd+bwd)"), e3.comm_parts.at("dp allgather (fwd+bwd)"));
   EXPECT_NEAR(e2c.comm_parts.at("dp allgather"), tp::collective_seconds(c, lo, "allgather_shm", 2, grads), 1e-9);
 }
@@ -711,7 +758,9 @@ TEST(Plan, PipelinePartitionFollowsTheOption) {
   tp::PlanOptions o;
   o.global_batch = 64;
   tp::Layout l;
-  l.pp = 2; l.micro_batch = 16; l.micro_batches = 4;
+  l.pp = 2;
+  l.micro_batch = 16;
+  l.micro_batches = 4;
   // Parameters: the first Linear (401k of 421k) alone outweighs everything before it.
   EXPECT_EQ(tp::estimate(m, gpu, l, o).partition, (std::vector<int64_t>{7, 3}));
   // FLOPs: the second convolution is 90 % of the training work; it ends stage 0.
@@ -722,7 +771,9 @@ TEST(Plan, PipelinePartitionFollowsTheOption) {
   const tp::Calibration cal = slow_pool_cnn_calibration();
   auto local = tp::cluster_preset("local");
   tp::PlanOptions lo = o;
-  lo.precision = "fp32"; lo.optimizer = "sgd"; lo.calibration = &cal;
+  lo.precision = "fp32";
+  lo.optimizer = "sgd";
+  lo.calibration = &cal;
   EXPECT_EQ(tp::estimate(m, local, l, lo).partition, (std::vector<int64_t>{3, 7}));
   lo.pipeline_partition = "params";
   EXPECT_EQ(tp::estimate(m, local, l, lo).partition, (std::vector<int64_t>{7, 3}));
@@ -745,9 +796,14 @@ TEST(Plan, PipelinePartitionAutoTakesTheFasterCut) {
   const tp::Calibration cal = slow_pool_cnn_calibration();
   const auto local = tp::cluster_preset("local");
   tp::PlanOptions o;
-  o.global_batch = 64; o.precision = "fp32"; o.optimizer = "sgd"; o.calibration = &cal;
+  o.global_batch = 64;
+  o.precision = "fp32";
+  o.optimizer = "sgd";
+  o.calibration = &cal;
   tp::Layout l;
-  l.pp = 2; l.micro_batch = 16; l.micro_batches = 4;
+  l.pp = 2;
+  l.micro_batch = 16;
+  l.micro_batches = 4;
   o.pipeline_partition = "params";
   const auto by_params = tp::estimate(m, local, l, o);
   o.pipeline_partition = "time";
@@ -760,7 +816,8 @@ TEST(Plan, PipelinePartitionAutoTakesTheFasterCut) {
   EXPECT_DOUBLE_EQ(a.step_s, by_time.step_s);
   // Without a pipeline there is nothing to choose.
   tp::Layout dp2;
-  dp2.dp = 2; dp2.micro_batch = 32;
+  dp2.dp = 2;
+  dp2.micro_batch = 32;
   o.pipeline_partition = "auto";
   const auto d = tp::estimate(m, local, dp2, o);
   o.pipeline_partition = "params";
@@ -794,7 +851,11 @@ TEST(Plan, LocalSearchHasNoGradientAccumulation) {
   text << f.rdbuf();
   const tp::Calibration cal = tp::calibration_from_json(text.str());
   tp::PlanOptions o;
-  o.global_batch = 192; o.precision = "fp32"; o.optimizer = "sgd"; o.calibration = &cal; o.devices = 2;
+  o.global_batch = 192;
+  o.precision = "fp32";
+  o.optimizer = "sgd";
+  o.calibration = &cal;
+  o.devices = 2;
   bool saw_tp = false;
   for (const auto& e : tp::plan(tp::builtin_model("cnn"), tp::cluster_preset("local"), o)) {
     if (!e.feasible || e.layout.pp > 1) continue;

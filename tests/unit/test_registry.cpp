@@ -39,8 +39,8 @@ tandem::DatasetSplits tiny_splits(int64_t n_train, int64_t n_test) {
 // A static registration of the program itself.
 torch::nn::Sequential unit_static_model() { return torch::nn::Sequential(torch::nn::Linear(3, 2)); }
 TANDEM_REGISTER_MODEL("unit_static_model", unit_static_model, "registered by a static object", "unit_static_data");
-TANDEM_REGISTER_DATASET("unit_static_data", [](const std::string&) { return tiny_splits(6, 3); },
-                        "registered by a static object");
+TANDEM_REGISTER_DATASET(
+    "unit_static_data", [](const std::string&) { return tiny_splits(6, 3); }, "registered by a static object");
 
 }  // namespace
 
@@ -71,13 +71,11 @@ TEST(Registry, StaticRegistrationsOfTheProgram) {
 
 TEST(Registry, RegisterAndCreateAModel) {
   int calls = 0;
-  tandem::register_model(
-      "unit_linear",
-      tandem::model_factory([&calls] {
-        ++calls;
-        return torch::nn::Linear(5, 2).ptr();  // a module that is not a Sequential
-      }),
-      "a bare Linear");
+  tandem::register_model("unit_linear", tandem::model_factory([&calls] {
+                           ++calls;
+                           return torch::nn::Linear(5, 2).ptr();  // a module that is not a Sequential
+                         }),
+                         "a bare Linear");
   auto a = tandem::make_registered_model("unit_linear");
   auto b = tandem::make_registered_model("unit_linear");
   EXPECT_EQ(calls, 2);
@@ -110,21 +108,28 @@ TEST(Registry, RegisterAndLoadADataset) {
 }
 
 TEST(Registry, ADatasetOfTheWrongShapeIsRefusedNamingTheSplit) {
-  tandem::register_dataset("unit_bad_labels", [](const std::string&) {
-    auto s = tiny_splits(4, 2);
-    s.test.labels = s.test.labels.to(torch::kInt);
-    return s;
-  }, "int32 labels");
+  tandem::register_dataset(
+      "unit_bad_labels",
+      [](const std::string&) {
+        auto s = tiny_splits(4, 2);
+        s.test.labels = s.test.labels.to(torch::kInt);
+        return s;
+      },
+      "int32 labels");
   auto msg = error_of([] { tandem::load_registered_dataset("unit_bad_labels", ""); });
   EXPECT_TRUE(contains(msg, "dataset 'unit_bad_labels', test split: labels must be int64 [N], got Int")) << msg;
-  tandem::register_dataset("unit_bad_count", [](const std::string&) {
-    auto s = tiny_splits(4, 2);
-    s.train.labels = s.train.labels.slice(0, 0, 3);
-    return s;
-  }, "one label short");
+  tandem::register_dataset(
+      "unit_bad_count",
+      [](const std::string&) {
+        auto s = tiny_splits(4, 2);
+        s.train.labels = s.train.labels.slice(0, 0, 3);
+        return s;
+      },
+      "one label short");
   msg = error_of([] { tandem::load_registered_dataset("unit_bad_count", ""); });
   EXPECT_TRUE(contains(msg, "training split: 4 images but 3 labels")) << msg;
-  tandem::register_dataset("unit_empty", [](const std::string&) { return tiny_splits(0, 2); }, "no samples");
+  tandem::register_dataset(
+      "unit_empty", [](const std::string&) { return tiny_splits(0, 2); }, "no samples");
   msg = error_of([] { tandem::load_registered_dataset("unit_empty", ""); });
   EXPECT_TRUE(contains(msg, "training split: it is empty")) << msg;
 }
@@ -147,7 +152,8 @@ TEST(Registry, DuplicateAndMalformedNamesAreErrors) {
   tandem::register_model("unit_once", small, "first");
   EXPECT_THROW(tandem::register_model("unit_once", small, "second"), std::invalid_argument);
   EXPECT_EQ(tandem::model_info("unit_once").description, "first");  // the first stays
-  EXPECT_THROW(tandem::register_dataset("fashion-mnist", [](const std::string&) { return tiny_splits(1, 1); }, ""),
+  EXPECT_THROW(tandem::register_dataset(
+                   "fashion-mnist", [](const std::string&) { return tiny_splits(1, 1); }, ""),
                std::invalid_argument);
   for (const char* bad : {"", "a/b", "lib.so:x", "two words"}) {
     EXPECT_THROW(tandem::register_model(bad, small, ""), std::invalid_argument) << bad;
@@ -157,19 +163,21 @@ TEST(Registry, DuplicateAndMalformedNamesAreErrors) {
 
 TEST(Registry, AFailedStaticRegistrationIsReportedByTheNextLookupOnce) {
   // What TANDEM_REGISTER_MODEL does at static-initialisation time, where it must not throw.
-  tandem::detail::ModelRegistration clash("mlp", [] { return torch::nn::Sequential(); }, "clashes");
+  tandem::detail::ModelRegistration clash(
+      "mlp", [] { return torch::nn::Sequential(); }, "clashes");
   const auto msg = error_of([] { tandem::registered_models(); });
   EXPECT_TRUE(contains(msg, "a registration failed: model 'mlp' (the program) is already registered")) << msg;
   EXPECT_NO_THROW(tandem::registered_models());
 }
 
 TEST(Registry, FactoryFailuresNameTheModel) {
-  tandem::register_model("unit_throws", [] () -> std::shared_ptr<torch::nn::Module> {
-    throw std::invalid_argument("width must be positive");
-  }, "throws");
+  tandem::register_model(
+      "unit_throws",
+      []() -> std::shared_ptr<torch::nn::Module> { throw std::invalid_argument("width must be positive"); }, "throws");
   auto msg = error_of([] { tandem::make_registered_model("unit_throws"); });
   EXPECT_TRUE(contains(msg, "model 'unit_throws' (the program): its factory failed: width must be positive")) << msg;
-  tandem::register_model("unit_null", [] { return std::shared_ptr<torch::nn::Module>(); }, "null");
+  tandem::register_model(
+      "unit_null", [] { return std::shared_ptr<torch::nn::Module>(); }, "null");
   msg = error_of([] { tandem::make_registered_model("unit_null"); });
   EXPECT_TRUE(contains(msg, "its factory returned no module")) << msg;
 }
@@ -191,8 +199,8 @@ std::string plugin_file(const char* kind) {
   const char* p = std::getenv((std::string("TANDEM_TEST_PLUGIN_") + kind).c_str());
   return p ? p : "";
 }
-#define PLUGIN_OR_SKIP(var, kind)                                                            \
-  const std::string var = plugin_file(kind);                                                 \
+#define PLUGIN_OR_SKIP(var, kind)            \
+  const std::string var = plugin_file(kind); \
   if (var.empty()) GTEST_SKIP() << "TANDEM_TEST_PLUGIN_" kind " not set (tests/e2e/plugin.cmake)"
 }  // namespace
 
@@ -238,7 +246,8 @@ TEST(Plugin, TheExamplePluginRegistersItsModelAndDataset) {
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   double first = 0, last = 0;
   for (int step = 0; step < 20; ++step) {
-    auto x = a.train.images.slice(0, step * 64, (step + 1) * 64), y = a.train.labels.slice(0, step * 64, (step + 1) * 64);
+    auto x = a.train.images.slice(0, step * 64, (step + 1) * 64),
+         y = a.train.labels.slice(0, step * 64, (step + 1) * 64);
     auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
     opt.zero_grad();
     loss.backward();

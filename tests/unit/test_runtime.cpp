@@ -10,8 +10,13 @@
 namespace {
 struct EnvGuard {
   std::vector<std::string> names;
-  void set(const char* n, const char* v) { setenv(n, v, 1); names.push_back(n); }
-  ~EnvGuard() { for (auto& n : names) unsetenv(n.c_str()); }
+  void set(const char* n, const char* v) {
+    setenv(n, v, 1);
+    names.push_back(n);
+  }
+  ~EnvGuard() {
+    for (auto& n : names) unsetenv(n.c_str());
+  }
 };
 }  // namespace
 
@@ -115,8 +120,8 @@ TEST(TuneAllocator, KeepsFreedMemoryForReuse) {
 
 // The MPI backend's blocked ranks sleep between polls only where the node is oversubscribed.
 TEST(Runtime, WaitSleepOnlyWhereThreadsExceedCores) {
-  EXPECT_EQ(tandem::default_wait_sleep_us(2, 1, 2), 0);    // this machine, 2 ranks
-  EXPECT_EQ(tandem::default_wait_sleep_us(4, 1, 2), 50);   // 4 ranks on 2 cores
+  EXPECT_EQ(tandem::default_wait_sleep_us(2, 1, 2), 0);   // this machine, 2 ranks
+  EXPECT_EQ(tandem::default_wait_sleep_us(4, 1, 2), 50);  // 4 ranks on 2 cores
   EXPECT_EQ(tandem::default_wait_sleep_us(3, 1, 2), 50);
   EXPECT_EQ(tandem::default_wait_sleep_us(4, 4, 16), 0);   // every rank its cores
   EXPECT_EQ(tandem::default_wait_sleep_us(4, 8, 16), 50);  // --threads over the share

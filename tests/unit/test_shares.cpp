@@ -92,14 +92,17 @@ TEST(BatchShares, RejectsZeroNegativeWrongCountAndBadSums) {
   EXPECT_NE(error_of([] { parse_batch_shares("counts:"); }).find("one share per worker"), std::string::npos);
   EXPECT_NE(error_of([] { parse_batch_shares("counts:95.5,32.5"); }).find("not a whole number"), std::string::npos);
   EXPECT_NE(error_of([] { parse_batch_shares("counts:128,0"); }).find("no samples is not allowed"), std::string::npos);
-  EXPECT_NE(error_of([] { resolve_batch_shares(parse_batch_shares("3,1,1"), 128, 2); })
-                .find("3 share(s) for 2 data-parallel worker(s)"),
+  EXPECT_NE(error_of([] {
+              resolve_batch_shares(parse_batch_shares("3,1,1"), 128, 2);
+            }).find("3 share(s) for 2 data-parallel worker(s)"),
             std::string::npos);
-  EXPECT_NE(error_of([] { resolve_batch_shares(parse_batch_shares("counts:96,30"), 128, 2); })
-                .find("sum to 126 samples, not the global --batch 128"),
+  EXPECT_NE(error_of([] {
+              resolve_batch_shares(parse_batch_shares("counts:96,30"), 128, 2);
+            }).find("sum to 126 samples, not the global --batch 128"),
             std::string::npos);
-  EXPECT_NE(error_of([] { resolve_batch_shares(parse_batch_shares("1000,1"), 128, 2); })
-                .find("rank 1's weight leaves it 0"),
+  EXPECT_NE(error_of([] {
+              resolve_batch_shares(parse_batch_shares("1000,1"), 128, 2);
+            }).find("rank 1's weight leaves it 0"),
             std::string::npos);
 }
 
@@ -154,8 +157,7 @@ void check_shares_cover_equal_steps(int64_t n, int world, int64_t batch, const s
     shared[r] = s.share_batches(shares);
     ASSERT_EQ(shared[r].size(), equal[r].size()) << "rank " << r;
     for (size_t k = 0; k < shared[r].size(); ++k) {
-      EXPECT_EQ(s.share_step_samples(batch, static_cast<int64_t>(k)),
-                static_cast<int64_t>(equal[0][k].size()) * world);
+      EXPECT_EQ(s.share_step_samples(batch, static_cast<int64_t>(k)), static_cast<int64_t>(equal[0][k].size()) * world);
     }
     EXPECT_EQ(s.share_step_samples(batch, static_cast<int64_t>(shared[r].size())), 0);
   }
@@ -178,11 +180,11 @@ void check_shares_cover_equal_steps(int64_t n, int world, int64_t batch, const s
 }
 
 TEST(DistributedSampler, ShareBatchesCoverTheEqualShareSteps) {
-  check_shares_cover_equal_steps(1000, 2, 128, {96, 32});   // last window 1000 - 7 * 128 = 104
+  check_shares_cover_equal_steps(1000, 2, 128, {96, 32});  // last window 1000 - 7 * 128 = 104
   check_shares_cover_equal_steps(1000, 2, 128, {64, 64});
   check_shares_cover_equal_steps(1001, 3, 99, {50, 30, 19});  // padded to 1002; last window 12
   check_shares_cover_equal_steps(60000, 4, 128, {70, 30, 20, 8});
-  check_shares_cover_equal_steps(7, 2, 4, {3, 1});           // tiny: last window 8 - 4 = 4, padded
+  check_shares_cover_equal_steps(7, 2, 4, {3, 1});  // tiny: last window 8 - 4 = 4, padded
 }
 
 TEST(DistributedSampler, ShareBatchesAreDisjointWithinAnEpochWithoutPadding) {

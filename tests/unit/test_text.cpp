@@ -6,9 +6,9 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <cstdlib>
 #include <set>
 
 #include "tandem/models.h"
@@ -22,8 +22,8 @@ namespace {
 struct TempDir {
   fs::path path;
   TempDir() {
-    path = fs::temp_directory_path() / ("tandem_text_" + std::to_string(::getpid()) + "_" +
-                                        std::to_string(reinterpret_cast<uintptr_t>(this)));
+    path = fs::temp_directory_path() /
+           ("tandem_text_" + std::to_string(::getpid()) + "_" + std::to_string(reinterpret_cast<uintptr_t>(this)));
     fs::create_directories(path);
   }
   // Not fs::remove_all: libtorch.so exports a std::filesystem::remove_all of its own that
@@ -86,8 +86,8 @@ TEST(TextCorpus, LabelsDedupSkipsAndSplit) {
   d.write("english", cookies("english cookie", 60) + "shared text\n%\n");
   d.write("english.dat", std::string("\0\0\1binary index", 16));  // skipped: .dat
   d.write("de/witze", cookies("deutscher Keks", 50) + "shared text\n%\n");
-  d.write("de/empty", "");                                 // skipped: empty
-  d.write("off/rot13", cookies("rot13 text", 10));         // skipped: off
+  d.write("de/empty", "");                                   // skipped: empty
+  d.write("off/rot13", cookies("rot13 text", 10));           // skipped: off
   fs::create_symlink(d.path / "english", d.path / "alias");  // skipped: symlink
   text::CorpusOptions o;
   o.root = d.path.string();
@@ -162,8 +162,8 @@ TEST(TextCorpus, BadInputIsNamed) {
 TEST(TextTokenizer, TrainsEncodesPadsAndRoundTrips) {
   if (!text::have_sentencepiece()) GTEST_SKIP() << "built without SentencePiece";
   std::vector<std::string> texts;
-  const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "der", "schnelle",
-                         "braune", "Fuchs", "springt", "über", "den", "faulen", "Hund"};
+  const char* words[] = {"the",      "quick",  "brown", "fox",     "jumps", "over", "lazy",   "dog", "der",
+                         "schnelle", "braune", "Fuchs", "springt", "über",  "den",  "faulen", "Hund"};
   for (int i = 0; i < 400; ++i) {
     std::string s;
     for (int k = 0; k < 8; ++k) s += std::string(words[(i * 7 + k * 3) % 17]) + (k == 3 ? "\n" : " ");

@@ -97,7 +97,8 @@ Layout parse_layout(const std::string& token) {
     l.base = "single";
     return l;
   }
-  if (!std::regex_match(token, mt, re) || token.empty() || (mt[1].length() == 0 && mt[3].length() == 0 && mt[5].length() > 0)) {
+  if (!std::regex_match(token, mt, re) || token.empty() ||
+      (mt[1].length() == 0 && mt[3].length() == 0 && mt[5].length() > 0)) {
     throw std::invalid_argument("--strategies: unknown entry '" + token +
                                 "'; use ddp, zero1, zero2, zero3 or a layout such as tp2, pp2, tp2pp2, pp2-gpipe, "
                                 "pp2-zero1");
@@ -202,9 +203,12 @@ int cmd_bench(int argc, char** argv) {
   app.add_option("--strategies", strategies,
                  "strategies for more than one worker: ddp, zero1, zero2, zero3, and model-parallel layouts tpK, ppK, "
                  "tpKppK (optionally -gpipe, -zeroN); layouts run where they divide the worker count")
-      ->delimiter(',')->capture_default_str();
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("-n,--workers", workers, "worker counts (1 runs --strategy single: the speedup reference)")
-      ->delimiter(',')->check(whole_between(1, kMaxWorkers))->capture_default_str();
+      ->delimiter(',')
+      ->check(whole_between(1, kMaxWorkers))
+      ->capture_default_str();
   app.add_option("--batch", batch, "global batch (0: the multiple of every worker count nearest 128)")
       ->check(whole_between(0, 1 << 24))
       ->capture_default_str();
@@ -221,9 +225,11 @@ int cmd_bench(int argc, char** argv) {
   app.add_option("--reps", reps, "repetitions of every run, interleaved (median)")->capture_default_str();
   app.add_flag("--accuracy", accuracy, "evaluate test accuracy after the step budget");
   app.add_option("--eval-limit", eval_limit, "test samples for --accuracy")->capture_default_str();
-  app.add_option("--epoch-samples", epoch_samples, "samples per epoch for the time-per-epoch column")->capture_default_str();
+  app.add_option("--epoch-samples", epoch_samples, "samples per epoch for the time-per-epoch column")
+      ->capture_default_str();
   app.add_option("--data", data, "dataset directory (IDX files)")->capture_default_str();
-  app.add_option("--threads", threads, "compute threads per worker (0: cores / workers, as tandem train)")->capture_default_str();
+  app.add_option("--threads", threads, "compute threads per worker (0: cores / workers, as tandem train)")
+      ->capture_default_str();
   app.add_option("--csv", csv, "CSV output")->capture_default_str();
   app.add_option("--plot", plot, "plot output (PNG; needs gnuplot)")->capture_default_str();
   app.add_flag("--no-plot", no_plot, "no plot");
@@ -273,12 +279,14 @@ int cmd_bench(int argc, char** argv) {
     throw std::invalid_argument("--calibrate: the calibration runs the built-in models mlp, cnn and cnn_bn, not '" +
                                 model + "'");
   if (!predict_only && dataset == "fashion-mnist" && !fs::is_directory(data))
-    throw std::invalid_argument("dataset directory '" + data + "' not found; install dataset-fashion-mnist or pass --data DIR");
+    throw std::invalid_argument("dataset directory '" + data +
+                                "' not found; install dataset-fashion-mnist or pass --data DIR");
   int64_t step_multiple = 1;
   for (int n : workers) step_multiple = lcm(step_multiple, n);
   if (batch == 0) batch = std::max<int64_t>(1, (128 + step_multiple / 2) / step_multiple) * step_multiple;
   if (batch % step_multiple != 0)
-    throw std::invalid_argument("--batch " + std::to_string(batch) + " does not split evenly over every worker count; use a multiple of " +
+    throw std::invalid_argument("--batch " + std::to_string(batch) +
+                                " does not split evenly over every worker count; use a multiple of " +
                                 std::to_string(step_multiple));
 
   if (micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
@@ -357,8 +365,10 @@ int cmd_bench(int argc, char** argv) {
       throw std::invalid_argument("--predict-only: the planner describes its built-in models (" +
                                   std::to_string(planned.size()) + " of them, see tandem plan), not '" + model + "'");
     if (!have_cal)
-      throw std::invalid_argument("--predict-only needs a calibration: run tandem plan --calibrate or pass --calibration FILE");
-    std::cout << std::setw(7) << "workers" << std::setw(13) << "strategy" << std::setw(11) << "predicted" << "\n";
+      throw std::invalid_argument(
+          "--predict-only needs a calibration: run tandem plan --calibrate or pass --calibration FILE");
+    std::cout << std::setw(7) << "workers" << std::setw(13) << "strategy" << std::setw(11) << "predicted"
+              << "\n";
     for (const auto& r : rows)
       std::cout << std::setw(7) << r.workers << std::setw(13) << r.strategy << std::setw(11)
                 << (r.predicted_ms > 0 ? fixed(r.predicted_ms, 1) : std::string("-")) << "\n";
@@ -390,10 +400,30 @@ int cmd_bench(int argc, char** argv) {
   // One measurement of a row: a `tandem train` run; false (after cleaning up) when it failed.
   auto measure = [&](Row& r, const std::string& label) -> bool {
     const std::string metrics = (tmp / "metrics.jsonl").string(), log = (tmp / "log.txt").string();
-    std::vector<std::string> args = {self, "train", "--model", model_option, "--dataset", dataset, "--strategy", r.layout.base, "-n",
-                                     std::to_string(r.workers), "--batch", std::to_string(batch), "--max-steps",
-                                     std::to_string(steps), "--no-baseline", "--no-progress", "--metrics", metrics,
-                                     "--data", data, "--timeout", fixed(timeout_s, 0), "--schedule", "constant"};
+    std::vector<std::string> args = {self,
+                                     "train",
+                                     "--model",
+                                     model_option,
+                                     "--dataset",
+                                     dataset,
+                                     "--strategy",
+                                     r.layout.base,
+                                     "-n",
+                                     std::to_string(r.workers),
+                                     "--batch",
+                                     std::to_string(batch),
+                                     "--max-steps",
+                                     std::to_string(steps),
+                                     "--no-baseline",
+                                     "--no-progress",
+                                     "--metrics",
+                                     metrics,
+                                     "--data",
+                                     data,
+                                     "--timeout",
+                                     fixed(timeout_s, 0),
+                                     "--schedule",
+                                     "constant"};
     if (threads > 0) args.insert(args.end(), {"--threads", std::to_string(threads)});
     if (r.layout.tp > 1) args.insert(args.end(), {"--tp", std::to_string(r.layout.tp)});
     if (r.layout.pp == 1 && grad_accum > 1) args.insert(args.end(), {"--grad-accum", std::to_string(grad_accum)});
@@ -452,10 +482,25 @@ int cmd_bench(int argc, char** argv) {
       // Minutes, not hours, between a calibration and the runs it predicts: a shared virtual
       // machine's speed can change mode for minutes at a time (docs/BENCHMARKS.md, "Planning").
       const std::string cal_path = (tmp / "calibration.json").string(), log = (tmp / "log.txt").string();
-      std::vector<std::string> args = {self, "plan", "--calibrate", "--cluster", "local", "--model", model,
-                                       "--calibrate-models", model, "--calibrate-batch", std::to_string(batch),
-                                       "--batch", std::to_string(batch), "--calibration", cal_path, "--top", "0",
-                                       "--show-infeasible", "0"};
+      std::vector<std::string> args = {self,
+                                       "plan",
+                                       "--calibrate",
+                                       "--cluster",
+                                       "local",
+                                       "--model",
+                                       model,
+                                       "--calibrate-models",
+                                       model,
+                                       "--calibrate-batch",
+                                       std::to_string(batch),
+                                       "--batch",
+                                       std::to_string(batch),
+                                       "--calibration",
+                                       cal_path,
+                                       "--top",
+                                       "0",
+                                       "--show-infeasible",
+                                       "0"};
       if (!cal_workers.empty()) args.insert(args.end(), {"--calibrate-workers", cal_workers});
       std::cout << "  [" << rep + 1 << "/" << reps << "] calibrating... " << std::flush;
       const auto t0 = std::chrono::steady_clock::now();
@@ -522,9 +567,10 @@ int cmd_bench(int argc, char** argv) {
   out << "model,workers,strategy,global_batch,steps,reps,step_ms,samples_per_s,epoch_s,speedup,efficiency,"
          "comm_share,peak_mib,accuracy,predicted_ms,prediction_error,predicted_ms_per_rep,step_ms_per_rep,"
          "measurements,spread,steal_share\n";
-  std::cout << "\n" << std::right << std::setw(7) << "workers" << std::setw(13) << "strategy" << std::setw(10)
-            << "samples/s" << std::setw(9) << "step ms" << std::setw(9) << "epoch s" << std::setw(9) << "speedup"
-            << std::setw(7) << "eff." << std::setw(7) << "comm" << std::setw(10) << "peak MiB";
+  std::cout << "\n"
+            << std::right << std::setw(7) << "workers" << std::setw(13) << "strategy" << std::setw(10) << "samples/s"
+            << std::setw(9) << "step ms" << std::setw(9) << "epoch s" << std::setw(9) << "speedup" << std::setw(7)
+            << "eff." << std::setw(7) << "comm" << std::setw(10) << "peak MiB";
   const bool show_spread = reps >= 3;
   if (show_spread) std::cout << std::setw(8) << "spread";
   if (accuracy) std::cout << std::setw(9) << "accuracy";

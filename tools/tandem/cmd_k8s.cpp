@@ -48,10 +48,9 @@ int cmd_k8s(int argc, char** argv) {
   app.add_option("--tandem-path", s.tandem_path, "the tandem binary inside the image")->capture_default_str();
   app.add_option("--format", format, "yaml | json")->capture_default_str();
   app.add_option("-o,--output", out_path, "write to FILE instead of standard output");
-  app.footer(
-      "Training arguments follow --, e.g.\n"
-      "  tandem k8s --name fmnist --nodes 2 --gpus-per-node 8 --image REGISTRY/tandem:0.1 \\\n"
-      "             --checkpoint-pvc fmnist-ckpt --checkpoint-size 20Gi -- --model cnn --epochs 5 --batch 512");
+  app.footer("Training arguments follow --, e.g.\n"
+             "  tandem k8s --name fmnist --nodes 2 --gpus-per-node 8 --image REGISTRY/tandem:0.1 \\\n"
+             "             --checkpoint-pvc fmnist-ckpt --checkpoint-size 20Gi -- --model cnn --epochs 5 --batch 512");
   try {
     app.parse(split, argv);
   } catch (const CLI::ParseError& e) {
@@ -67,7 +66,8 @@ int cmd_k8s(int argc, char** argv) {
     for (const auto& p : pools) s.pools.push_back(k8s::parse_pool(p));
     for (const auto& t : tolerations) s.tolerations.push_back(k8s::parse_toleration(t));
     for (const auto& kv : node_selectors) s.node_selector.push_back(k8s::parse_key_value("--node-selector", kv));
-    if (format != "yaml" && format != "json") throw std::invalid_argument("--format '" + format + "': use yaml or json");
+    if (format != "yaml" && format != "json")
+      throw std::invalid_argument("--format '" + format + "': use yaml or json");
     text = k8s::render(k8s::manifests(s), format);
   } catch (const std::invalid_argument& e) {
     std::cerr << "tandem k8s: " << e.what() << "\n";

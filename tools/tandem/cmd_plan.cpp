@@ -149,8 +149,9 @@ int cmd_plan(int argc, char** argv) {
   app.add_option("--vocab", vocab, "custom model: vocabulary size");
   app.add_option("--flops-per-sample", flops_per_sample, "forward FLOPs per sample (default: from the shape)");
   app.add_option("--activation-bytes", act_bytes, "activation bytes per sample kept for backward (float32)");
-  app.add_option("--cluster", cluster_name, "cluster preset: local, h200x8, h100-ib, a100-ib, a100-eth, "
-                                            "mixed-a100-h100, horovod-p100, goyal-p100, ...")
+  app.add_option("--cluster", cluster_name,
+                 "cluster preset: local, h200x8, h100-ib, a100-ib, a100-eth, "
+                 "mixed-a100-h100, horovod-p100, goyal-p100, ...")
       ->capture_default_str();
   app.add_option("--device", device_name, "device preset for every node: p100 v100 a100 a100-40g h100 h200 cpu");
   app.add_option("--nodes", nodes, "nodes");
@@ -169,14 +170,20 @@ int cmd_plan(int argc, char** argv) {
   app.add_option("--inter-latency-us", inter_lat_us, "inter-node latency (alpha), microseconds");
   app.add_option("--overlap", overlap, "fraction of bucketed gradient communication that can hide behind backward");
   app.add_option("--overhead-ms", overhead_ms, "fixed milliseconds per step");
-  app.add_option("--batch", o.global_batch, "global batch (samples per step; default 1024 transformers, 256 others; "
-                                            "128 on the local cluster)");
-  app.add_option("--optimizer", o.optimizer, "adam | adamw | sgd (momentum) | sgd-plain (default: sgd on the "
-                                             "local cluster, as tandem train; adam elsewhere)");
-  app.add_option("--precision", o.precision, "mixed | fp32 | bf16 (default: fp32 on the local cluster, mixed elsewhere)");
+  app.add_option("--batch", o.global_batch,
+                 "global batch (samples per step; default 1024 transformers, 256 others; "
+                 "128 on the local cluster)");
+  app.add_option("--optimizer", o.optimizer,
+                 "adam | adamw | sgd (momentum) | sgd-plain (default: sgd on the "
+                 "local cluster, as tandem train; adam elsewhere)");
+  app.add_option("--precision", o.precision,
+                 "mixed | fp32 | bf16 (default: fp32 on the local cluster, mixed elsewhere)");
   app.add_option("--zero", zero, "ZeRO stages to consider")->delimiter(',')->capture_default_str();
-  app.add_option("--bucket-mb", bucket_mb, "gradient bucket sizes to consider, MiB")->delimiter(',')->capture_default_str();
-  app.add_option("--workers", workers, "data parallel only, these worker counts (default on the local cluster: 1..cores; "
+  app.add_option("--bucket-mb", bucket_mb, "gradient bucket sizes to consider, MiB")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--workers", workers,
+                 "data parallel only, these worker counts (default on the local cluster: 1..cores; "
                  "with --devices N instead, every data x tensor x pipeline layout of N workers)")
       ->delimiter(',');
   app.add_option("--devices", o.devices, "use this many devices (default: all)");
@@ -199,9 +206,11 @@ int cmd_plan(int argc, char** argv) {
   app.add_flag("--calibrate", calibrate,
                "measure this machine (compute, optimizer, collectives on 2..N workers) first; each compute point is "
                "timed for at least 0.3 s (TANDEM_CALIBRATE_POINT_S sets another span)");
-  app.add_option("--calibration", calibration_path, "calibration file written by --calibrate and read on the local cluster")
+  app.add_option("--calibration", calibration_path,
+                 "calibration file written by --calibrate and read on the local cluster")
       ->capture_default_str();
-  app.add_option("--calibrate-workers", calib_workers, "world sizes for the collective calibration (default 2..max(4, cores))")
+  app.add_option("--calibrate-workers", calib_workers,
+                 "world sizes for the collective calibration (default 2..max(4, cores))")
       ->delimiter(',');
   app.add_option("--calibrate-batch", calib_batch, "batch for the compute calibration")->capture_default_str();
   app.add_option("--calibrate-models", calib_models,
@@ -392,10 +401,17 @@ int cmd_plan(int argc, char** argv) {
 
   if (!json_path.empty()) {
     nlohmann::json j;
-    j["model"] = {{"name", m.name}, {"kind", m.kind}, {"parameters", m.parameters}, {"layers", m.layers},
-                  {"hidden", m.hidden}, {"heads", m.heads}, {"seq", m.seq},
+    j["model"] = {{"name", m.name},
+                  {"kind", m.kind},
+                  {"parameters", m.parameters},
+                  {"layers", m.layers},
+                  {"hidden", m.hidden},
+                  {"heads", m.heads},
+                  {"seq", m.seq},
                   {"forward_flops_per_sample", forward_flops_per_sample(m)}};
-    j["cluster"] = {{"name", c.name}, {"devices", total_devices(c)}, {"devices_per_node", devices_per_node(c)},
+    j["cluster"] = {{"name", c.name},
+                    {"devices", total_devices(c)},
+                    {"devices_per_node", devices_per_node(c)},
                     {"calibrated", use_calibration}};
     j["options"] = {{"global_batch", o.global_batch}, {"optimizer", o.optimizer}, {"precision", o.precision}};
     j["layouts"] = nlohmann::json::array();
@@ -422,7 +438,8 @@ int cmd_plan(int argc, char** argv) {
     std::cout << ", " << fixed((o.precision == "fp32" ? dev.flops_fp32 : dev.flops) / 1e12, 1) << " TFLOP/s "
               << (o.precision == "fp32" ? "fp32" : "16-bit") << " x " << dev.mfu << " achieved";
   std::cout << "), intra " << c.intra.name << " " << fixed(c.intra.bandwidth / 1e9, 1) << " GB/s";
-  if (total_devices(c) > devices_per_node(c)) std::cout << ", inter " << c.inter.name << " " << fixed(c.inter.bandwidth / 1e9, 2) << " GB/s";
+  if (total_devices(c) > devices_per_node(c))
+    std::cout << ", inter " << c.inter.name << " " << fixed(c.inter.bandwidth / 1e9, 2) << " GB/s";
   std::cout << "\n";
   if (c.cpu) {
     if (use_calibration) {
@@ -434,13 +451,15 @@ int cmd_plan(int argc, char** argv) {
       std::cout << "uncalibrated: compute and link rates are placeholders; run tandem plan --calibrate\n";
     }
   }
-  std::cout << "options  global batch " << (o.global_batch > 0 ? o.global_batch : (m.kind == "transformer" ? 1024 : 256))
-            << ", " << o.optimizer << ", " << o.precision << (o.activation_checkpointing ? ", checkpointing" : "") << "\n\n";
+  std::cout << "options  global batch "
+            << (o.global_batch > 0 ? o.global_batch : (m.kind == "transformer" ? 1024 : 256)) << ", " << o.optimizer
+            << ", " << o.precision << (o.activation_checkpointing ? ", checkpointing" : "") << "\n\n";
 
   std::cout << std::left << std::setw(5) << "rank" << std::setw(30) << "layout" << std::right << std::setw(9)
             << "micro-b" << std::setw(8) << "bucket" << std::setw(11) << "step ms" << std::setw(12) << "samples/s"
             << std::setw(8) << "eff." << std::setw(11) << "memory" << std::setw(11) << "comm ms" << std::setw(10)
-            << "exposed" << "   memory: params/grads/optimizer/activations\n";
+            << "exposed"
+            << "   memory: params/grads/optimizer/activations\n";
   int shown = 0;
   for (const auto& e : results) {
     if (!e.feasible || shown >= top) continue;

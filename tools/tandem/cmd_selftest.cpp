@@ -28,7 +28,8 @@ int cmd_selftest(int argc, char** argv) {
   CLI::App app{"Check every collective across the workers against a local reference.", "tandem selftest"};
   int n = 2;
   std::string device = "cpu";
-  app.add_option("-n,--nprocs", n, "workers to launch when not already running under a launcher")->check(whole_between(1, kMaxWorkers));
+  app.add_option("-n,--nprocs", n, "workers to launch when not already running under a launcher")
+      ->check(whole_between(1, kMaxWorkers));
   app.add_option("--device", device, "cpu, cuda or auto");
   try {
     app.parse(argc, argv);
@@ -51,11 +52,13 @@ int cmd_selftest(int argc, char** argv) {
   int failures = 0;
   auto report = [&](const std::string& what, bool ok) {
     if (!ok) ++failures;
-    if (me == 0 || !ok) std::cout << "selftest " << (ok ? "ok    " : "FAILED") << " rank " << me << ": " << what << std::endl;
+    if (me == 0 || !ok)
+      std::cout << "selftest " << (ok ? "ok    " : "FAILED") << " rank " << me << ": " << what << std::endl;
   };
   try {
     for (int64_t len : {1, 7, 1000003}) {
-      std::string sz = " (" + std::to_string(len) + " floats, " + std::to_string(R) + " ranks, " + comm->backend() + ")";
+      std::string sz =
+          " (" + std::to_string(len) + " floats, " + std::to_string(R) + " ranks, " + comm->backend() + ")";
       std::vector<torch::Tensor> all;
       for (int r = 0; r < R; ++r) all.push_back(input_of(r, len * R, dev));
       auto stacked = torch::stack(all);
@@ -103,7 +106,8 @@ int cmd_selftest(int argc, char** argv) {
     std::cerr << "selftest: " << e.what() << std::endl;
     rt.abort(1);
   }
-  if (me == 0) std::cout << "selftest: " << (failures ? "FAILED" : "all collectives agree with the reference") << std::endl;
+  if (me == 0)
+    std::cout << "selftest: " << (failures ? "FAILED" : "all collectives agree with the reference") << std::endl;
   return failures ? 1 : 0;
 }
 

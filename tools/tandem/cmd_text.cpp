@@ -46,7 +46,9 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-per-label", cfg.corpus.max_per_label, "documents kept per label at most (-1: all)")
       ->capture_default_str();
-  app.add_option("-n,--nprocs", nprocs, "workers to launch")->check(whole_between(1, kMaxWorkers))->capture_default_str();
+  app.add_option("-n,--nprocs", nprocs, "workers to launch")
+      ->check(whole_between(1, kMaxWorkers))
+      ->capture_default_str();
   app.add_option("--strategy", cfg.strategy, "single | ddp | zero1 | zero2 | zero3")->capture_default_str();
   app.add_option("--precision", cfg.precision, "fp32 | bf16 | fp16 (mixed precision: fp32 master weights)")
       ->capture_default_str();
@@ -60,7 +62,8 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per replica batch (--pp > 1)")
       ->capture_default_str();
   app.add_option("--activation-checkpointing", cfg.activation_checkpointing,
-                 "recompute activations in backward instead of keeping them: none, every layer, or the first N layers (of each pipeline stage)")
+                 "recompute activations in backward instead of keeping them: none, every layer, or the first N layers "
+                 "(of each pipeline stage)")
       ->capture_default_str();
   app.add_option("--grad-accum", cfg.grad_accum,
                  "gradient accumulation without --pp: each replica's batch as K micro-batches per optimizer step")
@@ -90,15 +93,15 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
     app.add_option("--out", out, "checkpoint directory to write (model.pt, tokenizer.model, manifest.json)")
         ->required();
     shape_flags(app);
-    app.add_option("--tokenizer-sentences", cfg.tokenizer.max_sentences,
-                   "documents the tokenizer trains on at most")
+    app.add_option("--tokenizer-sentences", cfg.tokenizer.max_sentences, "documents the tokenizer trains on at most")
         ->capture_default_str();
   } else {
     app.add_option("--checkpoint", cfg.checkpoint, "tandem pretrain's checkpoint directory");
     app.add_flag("--from-scratch", cfg.from_scratch,
                  "random initialisation (the checkpoint's tokenizer and shape when --checkpoint is given, else "
                  "--tokenizer and the shape flags)");
-    app.add_option("--tokenizer", cfg.tokenizer_path, "tokenizer model file (default: the checkpoint's; checked against it)");
+    app.add_option("--tokenizer", cfg.tokenizer_path,
+                   "tokenizer model file (default: the checkpoint's; checked against it)");
     app.add_option("--out", cfg.output, "write the fine-tuned model here (a checkpoint directory)");
     shape_flags(app);
   }
@@ -127,7 +130,8 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
     try {
       text::validate(cfg, nprocs);
       if (!pretraining && cfg.checkpoint.empty() && !cfg.from_scratch) {
-        throw std::invalid_argument("needs --checkpoint DIR (made by tandem pretrain), or --from-scratch --tokenizer FILE");
+        throw std::invalid_argument(
+            "needs --checkpoint DIR (made by tandem pretrain), or --from-scratch --tokenizer FILE");
       }
       // The cheap checks before starting workers: the data reads and the checkpoint matches.
       auto corpus = text::read_corpus(cfg.corpus);
@@ -137,13 +141,13 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
           std::string have, want;
           for (auto& l : corpus.labels) have += (have.empty() ? "" : ",") + l;
           for (auto& l : m.labels) want += (want.empty() ? "" : ",") + l;
-          throw std::runtime_error("the labels of '" + cfg.corpus.root + "' {" + have + "} differ from those of checkpoint '" +
-                                   cfg.checkpoint + "' {" + want +
+          throw std::runtime_error("the labels of '" + cfg.corpus.root + "' {" + have +
+                                   "} differ from those of checkpoint '" + cfg.checkpoint + "' {" + want +
                                    "}; fine-tune on data with the checkpoint's labels, or pre-train on this data");
         }
       }
-      std::cout << "data             " << cfg.corpus.root << ": " << corpus.files << " files, "
-                << corpus.duplicates << " duplicates dropped; documents per label:";
+      std::cout << "data             " << cfg.corpus.root << ": " << corpus.files << " files, " << corpus.duplicates
+                << " duplicates dropped; documents per label:";
       for (auto& [l, n] : corpus.per_label) std::cout << " " << l << " " << n;
       std::cout << "; split " << corpus.train.size() << " / " << corpus.valid.size() << " / " << corpus.test.size()
                 << " (train / validation / test)" << std::endl;

@@ -37,7 +37,8 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--dataset", cfg.dataset,
                  "registered dataset: fashion-mnist, or one a plugin registers (default: the model's own, else "
                  "fashion-mnist)");
-  app.add_option("--data", cfg.data, "directory the dataset reads (fashion-mnist: the IDX files)")->capture_default_str();
+  app.add_option("--data", cfg.data, "directory the dataset reads (fashion-mnist: the IDX files)")
+      ->capture_default_str();
   app.add_option("--strategy", cfg.strategy,
                  "single | ddp | zero1 | zero2 | zero3 (ZeRO: optimizer state, +gradients, +parameters sharded)")
       ->capture_default_str();
@@ -46,13 +47,17 @@ int cmd_train(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-grad-norm", cfg.max_grad_norm, "clip the global gradient norm (0: off)")->capture_default_str();
   app.add_option("--activation-checkpointing", cfg.activation_checkpointing,
-                 "recompute activations in backward instead of keeping them: none, every layer, or the first N layers (of each pipeline stage)")
+                 "recompute activations in backward instead of keeping them: none, every layer, or the first N layers "
+                 "(of each pipeline stage)")
       ->capture_default_str();
-  app.add_option("--initial-loss-scale", cfg.initial_loss_scale,
-                 "fp16: the dynamic loss scale to start from (halved on every overflow, doubled after 1000 clean steps)")
+  app.add_option(
+         "--initial-loss-scale", cfg.initial_loss_scale,
+         "fp16: the dynamic loss scale to start from (halved on every overflow, doubled after 1000 clean steps)")
       ->check(number_between(0, 4294967296.0, /*above_lo=*/true))
       ->capture_default_str();
-  app.add_option("-n,--nprocs", nprocs, "workers to launch")->check(whole_between(1, kMaxWorkers))->capture_default_str();
+  app.add_option("-n,--nprocs", nprocs, "workers to launch")
+      ->check(whole_between(1, kMaxWorkers))
+      ->capture_default_str();
   app.add_option("--epochs", cfg.epochs, "epochs")->check(whole_between(1, 10000))->capture_default_str();
   app.add_option("--batch", cfg.batch, "global batch size (split across workers)")
       ->check(whole_between(1, 1 << 24))
@@ -62,7 +67,8 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--momentum", cfg.momentum, "SGD momentum")->capture_default_str();
   app.add_option("--weight-decay", cfg.weight_decay, "weight decay")->capture_default_str();
   app.add_flag("--scale-lr", cfg.scale_lr, "linear scaling rule: lr x workers (Goyal et al.)");
-  app.add_option("--warmup-steps", cfg.warmup_steps, "linear warmup steps from lr to the scaled lr")->capture_default_str();
+  app.add_option("--warmup-steps", cfg.warmup_steps, "linear warmup steps from lr to the scaled lr")
+      ->capture_default_str();
   app.add_option("--schedule", cfg.schedule, "learning rate after warmup: cosine (to 0 at the end) | constant")
       ->capture_default_str();
   app.add_option("--seed", cfg.seed, "seed for initialisation and shuffling")->capture_default_str();
@@ -83,7 +89,8 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--timeout", timeout_s, "seconds any communication may block before failing")->capture_default_str();
   app.add_option("--tp", cfg.tp, "tensor-parallel ranks per replica (Megatron column/row-parallel Linear pairs)")
       ->capture_default_str();
-  app.add_option("--pp", cfg.pp, "pipeline stages per replica (the model cut as --pp-partition says)")->capture_default_str();
+  app.add_option("--pp", cfg.pp, "pipeline stages per replica (the model cut as --pp-partition says)")
+      ->capture_default_str();
   app.add_option("--pp-partition", cfg.pp_partition,
                  "where the stages are cut: params (balanced parameter counts) | time (balanced forward+backward "
                  "time of a micro-batch, measured before training) | the layers per stage, e.g. 3,7")
@@ -91,9 +98,10 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per step and replica (with --pp)")
       ->capture_default_str();
   app.add_option("--pipeline-schedule", cfg.pipeline_schedule, "gpipe | 1f1b (with --pp)")->capture_default_str();
-  app.add_option("--grad-accum", cfg.grad_accum,
-                 "gradient accumulation without --pp: each replica's share of --batch runs as K micro-batches before "
-                 "one optimizer step (DDP and ZeRO-1 communicate once per step, ZeRO-2/3 reduce-scatter per micro-batch)")
+  app.add_option(
+         "--grad-accum", cfg.grad_accum,
+         "gradient accumulation without --pp: each replica's share of --batch runs as K micro-batches before "
+         "one optimizer step (DDP and ZeRO-1 communicate once per step, ZeRO-2/3 reduce-scatter per micro-batch)")
       ->capture_default_str();
   app.add_option("--checkpoint-dir", cfg.checkpoint_dir, "directory of sharded checkpoints (step-N/ inside)");
   app.add_option("--checkpoint-every", cfg.checkpoint_every, "save a checkpoint every N steps (0: never)")
@@ -117,8 +125,7 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--slow-rank", cfg.slow_rank,
                  "R:MS: rank R sleeps MS milliseconds per sample of its share each step (models a slower device; "
                  "for tests and demos)");
-  app.add_option("--baseline-sps", cfg.baseline_samples_per_second, "(internal) one worker's samples/s")
-      ->group("");
+  app.add_option("--baseline-sps", cfg.baseline_samples_per_second, "(internal) one worker's samples/s")->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -155,13 +162,15 @@ int cmd_train(int argc, char** argv) {
                 << " workers\n";
       return 2;
     }
-    if (cfg.tp * cfg.pp == 1 && cfg.batch % nprocs != 0 && cfg.batch_shares.empty()) {  // with --tp/--pp: over the replicas, below
+    if (cfg.tp * cfg.pp == 1 && cfg.batch % nprocs != 0 &&
+        cfg.batch_shares.empty()) {  // with --tp/--pp: over the replicas, below
       std::cerr << "tandem train: --batch " << cfg.batch << " (global) does not split evenly over " << nprocs
                 << " workers; use a multiple of " << nprocs << "\n";
       return 2;
     }
     if (max_restarts > 0 && cfg.checkpoint_dir.empty()) {
-      std::cerr << "tandem train: --max-restarts needs --checkpoint-dir DIR (and --checkpoint-every N) to restart from\n";
+      std::cerr
+          << "tandem train: --max-restarts needs --checkpoint-dir DIR (and --checkpoint-every N) to restart from\n";
       return 2;
     }
     try {
@@ -192,7 +201,7 @@ int cmd_train(int argc, char** argv) {
       b.checkpoint_every = 0;  // the measurement neither saves nor resumes
       b.resume = false;
       if (b.strategy != "single") b.strategy = "single";
-      b.tp = b.pp = 1;  // the whole model on one worker
+      b.tp = b.pp = 1;         // the whole model on one worker
       b.batch_shares.clear();  // one worker takes the whole batch, at full speed
       b.slow_rank.clear();
       RuntimeOptions bro = ro;

@@ -13,9 +13,9 @@
 
 #include <atomic>
 #include <climits>
-#include <cstring>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -264,31 +264,33 @@ class MpiCommunicator : public Communicator {
       const auto st = buf.scalar_type();
       const int64_t numel = buf.numel();
       auto run = [=] { shm_allreduce(*shm, off, numel, st, op == ReduceOp::kAvg, what); };
-      return enqueue("allreduce", what, t.numel() * t.element_size(),
-                     [=](std::vector<MPI_Request>& r) {
-                       r.clear();
-                       run();
-                     },
-                     [] {}, run);
+      return enqueue(
+          "allreduce", what, t.numel() * t.element_size(),
+          [=](std::vector<MPI_Request>& r) {
+            r.clear();
+            run();
+          },
+          [] {}, run);
     }
     // fp16 averages divide first: the sum of n gradients near fp16's largest value (a loss
     // scale just under overflow) would overflow where their mean does not, and skip a step that
     // one process takes.
     const bool pre = op == ReduceOp::kAvg && t.scalar_type() == at::kHalf;
-    return enqueue("allreduce", what, t.numel() * t.element_size(),
-                   [=](std::vector<MPI_Request>& r) {
-                     r.resize(1);
-                     if (pre) buf.div_(n);
-                     check(MPI_Iallreduce(MPI_IN_PLACE, buf.data_ptr(), count, type, mop, comm_, &r[0]), what);
-                   },
-                   [=]() mutable {
-                     if (op == ReduceOp::kAvg && !pre) buf.div_(n);
-                     if (!buf.is_same(t)) t.copy_(buf);
-                   },
-                   [=] {
-                     if (pre) buf.div_(n);
-                     check(MPI_Allreduce(MPI_IN_PLACE, buf.data_ptr(), count, type, mop, comm_), what);
-                   });
+    return enqueue(
+        "allreduce", what, t.numel() * t.element_size(),
+        [=](std::vector<MPI_Request>& r) {
+          r.resize(1);
+          if (pre) buf.div_(n);
+          check(MPI_Iallreduce(MPI_IN_PLACE, buf.data_ptr(), count, type, mop, comm_, &r[0]), what);
+        },
+        [=]() mutable {
+          if (op == ReduceOp::kAvg && !pre) buf.div_(n);
+          if (!buf.is_same(t)) t.copy_(buf);
+        },
+        [=] {
+          if (pre) buf.div_(n);
+          check(MPI_Allreduce(MPI_IN_PLACE, buf.data_ptr(), count, type, mop, comm_), what);
+        });
   }
 
   WorkPtr reduce_scatter_async(at::Tensor out, at::Tensor in, ReduceOp op) override {
@@ -312,15 +314,16 @@ class MpiCommunicator : public Communicator {
       const int64_t chunk = out.numel();
       at::Tensor dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
       auto run = [=] { shm_reduce_scatter(*shm, off, chunk, st, op == ReduceOp::kAvg, dst.data_ptr(), what); };
-      return enqueue("reduce_scatter", what, in.numel() * in.element_size(),
-                     [=](std::vector<MPI_Request>& r) {
-                       r.clear();
-                       run();
-                     },
-                     [=]() mutable {
-                       if (!dst.is_same(out)) out.copy_(dst);
-                     },
-                     run);
+      return enqueue(
+          "reduce_scatter", what, in.numel() * in.element_size(),
+          [=](std::vector<MPI_Request>& r) {
+            r.clear();
+            run();
+          },
+          [=]() mutable {
+            if (!dst.is_same(out)) out.copy_(dst);
+          },
+          run);
     }
     const bool pre = op == ReduceOp::kAvg && in.scalar_type() == at::kHalf;  // as allreduce
     if (is_own_chunk(out, in)) {
@@ -328,36 +331,36 @@ class MpiCommunicator : public Communicator {
       // at its start; move it to this rank's chunk.
       const int64_t bytes = out.numel() * out.element_size();
       const int me = rank_;
-      return enqueue("reduce_scatter", what, in.numel() * in.element_size(),
-                     [=](std::vector<MPI_Request>& r) {
-                       r.resize(1);
-                       if (pre) in.div_(n);
-                       check(MPI_Ireduce_scatter_block(MPI_IN_PLACE, in.data_ptr(), count, type, mop, comm_, &r[0]),
-                             what);
-                     },
-                     [=]() mutable {
-                       if (me != 0) std::memcpy(out.data_ptr(), in.data_ptr(), bytes);
-                       if (op == ReduceOp::kAvg && !pre) out.div_(n);
-                     },
-                     [=] {
-                       if (pre) in.div_(n);
-                       check(MPI_Reduce_scatter_block(MPI_IN_PLACE, in.data_ptr(), count, type, mop, comm_), what);
-                     });
+      return enqueue(
+          "reduce_scatter", what, in.numel() * in.element_size(),
+          [=](std::vector<MPI_Request>& r) {
+            r.resize(1);
+            if (pre) in.div_(n);
+            check(MPI_Ireduce_scatter_block(MPI_IN_PLACE, in.data_ptr(), count, type, mop, comm_, &r[0]), what);
+          },
+          [=]() mutable {
+            if (me != 0) std::memcpy(out.data_ptr(), in.data_ptr(), bytes);
+            if (op == ReduceOp::kAvg && !pre) out.div_(n);
+          },
+          [=] {
+            if (pre) in.div_(n);
+            check(MPI_Reduce_scatter_block(MPI_IN_PLACE, in.data_ptr(), count, type, mop, comm_), what);
+          });
     }
     // Not in place: the input is the caller's, so a divided fp16 input is a copy.
     at::Tensor src = pre ? in.div(n).contiguous() : in.contiguous();
     at::Tensor dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
-    return enqueue("reduce_scatter", what, in.numel() * in.element_size(),
-                   [=](std::vector<MPI_Request>& r) {
-                     r.resize(1);
-                     check(MPI_Ireduce_scatter_block(src.data_ptr(), dst.data_ptr(), count, type, mop, comm_, &r[0]),
-                           what);
-                   },
-                   [=]() mutable {
-                     if (op == ReduceOp::kAvg && !pre) dst.div_(n);
-                     if (!dst.is_same(out)) out.copy_(dst);
-                   },
-                   [=] { check(MPI_Reduce_scatter_block(src.data_ptr(), dst.data_ptr(), count, type, mop, comm_), what); });
+    return enqueue(
+        "reduce_scatter", what, in.numel() * in.element_size(),
+        [=](std::vector<MPI_Request>& r) {
+          r.resize(1);
+          check(MPI_Ireduce_scatter_block(src.data_ptr(), dst.data_ptr(), count, type, mop, comm_, &r[0]), what);
+        },
+        [=]() mutable {
+          if (op == ReduceOp::kAvg && !pre) dst.div_(n);
+          if (!dst.is_same(out)) out.copy_(dst);
+        },
+        [=] { check(MPI_Reduce_scatter_block(src.data_ptr(), dst.data_ptr(), count, type, mop, comm_), what); });
   }
 
   WorkPtr allgather_async(at::Tensor out, at::Tensor in) override {
@@ -378,34 +381,36 @@ class MpiCommunicator : public Communicator {
       const int64_t bytes = in.numel() * in.element_size();
       at::Tensor src = is_own_chunk(in, out) ? at::Tensor() : in.contiguous();
       auto run = [=] { shm_allgather(*shm, off, bytes, src.defined() ? src.data_ptr() : nullptr, what); };
-      return enqueue("allgather", what, bytes,
-                     [=](std::vector<MPI_Request>& r) {
-                       r.clear();
-                       run();
-                     },
-                     [] {}, run);
+      return enqueue(
+          "allgather", what, bytes,
+          [=](std::vector<MPI_Request>& r) {
+            r.clear();
+            run();
+          },
+          [] {}, run);
     }
     if (is_own_chunk(in, out)) {
       // In place: this rank's contribution already sits where it will be received.
-      return enqueue("allgather", what, in.numel() * in.element_size(),
-                     [=](std::vector<MPI_Request>& r) {
-                       r.resize(1);
-                       check(MPI_Iallgather(MPI_IN_PLACE, 0, type, out.data_ptr(), count, type, comm_, &r[0]), what);
-                     },
-                     [] {},
-                     [=] { check(MPI_Allgather(MPI_IN_PLACE, 0, type, out.data_ptr(), count, type, comm_), what); });
+      return enqueue(
+          "allgather", what, in.numel() * in.element_size(),
+          [=](std::vector<MPI_Request>& r) {
+            r.resize(1);
+            check(MPI_Iallgather(MPI_IN_PLACE, 0, type, out.data_ptr(), count, type, comm_, &r[0]), what);
+          },
+          [] {}, [=] { check(MPI_Allgather(MPI_IN_PLACE, 0, type, out.data_ptr(), count, type, comm_), what); });
     }
     at::Tensor src = in.contiguous();
     at::Tensor dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
-    return enqueue("allgather", what, in.numel() * in.element_size(),
-                   [=](std::vector<MPI_Request>& r) {
-                     r.resize(1);
-                     check(MPI_Iallgather(src.data_ptr(), count, type, dst.data_ptr(), count, type, comm_, &r[0]), what);
-                   },
-                   [=]() mutable {
-                     if (!dst.is_same(out)) out.copy_(dst);
-                   },
-                   [=] { check(MPI_Allgather(src.data_ptr(), count, type, dst.data_ptr(), count, type, comm_), what); });
+    return enqueue(
+        "allgather", what, in.numel() * in.element_size(),
+        [=](std::vector<MPI_Request>& r) {
+          r.resize(1);
+          check(MPI_Iallgather(src.data_ptr(), count, type, dst.data_ptr(), count, type, comm_, &r[0]), what);
+        },
+        [=]() mutable {
+          if (!dst.is_same(out)) out.copy_(dst);
+        },
+        [=] { check(MPI_Allgather(src.data_ptr(), count, type, dst.data_ptr(), count, type, comm_), what); });
   }
 
   WorkPtr broadcast_async(at::Tensor t, int root) override {
@@ -416,15 +421,16 @@ class MpiCommunicator : public Communicator {
     auto type = mpi_type(t.scalar_type(), what);
     int count = checked_count(t.numel(), what);
     at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
-    return enqueue("broadcast", what, t.numel() * t.element_size(),
-                   [=](std::vector<MPI_Request>& r) {
-                     r.resize(1);
-                     check(MPI_Ibcast(buf.data_ptr(), count, type, root, comm_, &r[0]), what);
-                   },
-                   [=]() mutable {
-                     if (!buf.is_same(t)) t.copy_(buf);
-                   },
-                   [=] { check(MPI_Bcast(buf.data_ptr(), count, type, root, comm_), what); });
+    return enqueue(
+        "broadcast", what, t.numel() * t.element_size(),
+        [=](std::vector<MPI_Request>& r) {
+          r.resize(1);
+          check(MPI_Ibcast(buf.data_ptr(), count, type, root, comm_, &r[0]), what);
+        },
+        [=]() mutable {
+          if (!buf.is_same(t)) t.copy_(buf);
+        },
+        [=] { check(MPI_Bcast(buf.data_ptr(), count, type, root, comm_), what); });
   }
 
   WorkPtr send_async(at::Tensor t, int dst, int tag) override {
@@ -434,12 +440,13 @@ class MpiCommunicator : public Communicator {
     auto type = mpi_type(t.scalar_type(), what);
     int count = checked_count(t.numel(), what);
     at::Tensor buf = t.contiguous();
-    return enqueue("send", what, t.numel() * t.element_size(),
-                   [=](std::vector<MPI_Request>& r) {
-                     r.resize(1);
-                     check(MPI_Isend(buf.data_ptr(), count, type, dst, tag, comm_, &r[0]), what);
-                   },
-                   [] {});
+    return enqueue(
+        "send", what, t.numel() * t.element_size(),
+        [=](std::vector<MPI_Request>& r) {
+          r.resize(1);
+          check(MPI_Isend(buf.data_ptr(), count, type, dst, tag, comm_, &r[0]), what);
+        },
+        [] {});
   }
 
   WorkPtr recv_async(at::Tensor t, int src, int tag) override {
@@ -449,25 +456,27 @@ class MpiCommunicator : public Communicator {
     auto type = mpi_type(t.scalar_type(), what);
     int count = checked_count(t.numel(), what);
     at::Tensor buf = t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous);
-    return enqueue("recv", what, t.numel() * t.element_size(),
-                   [=](std::vector<MPI_Request>& r) {
-                     r.resize(1);
-                     check(MPI_Irecv(buf.data_ptr(), count, type, src, tag, comm_, &r[0]), what);
-                   },
-                   [=]() mutable {
-                     if (!buf.is_same(t)) t.copy_(buf);
-                   });
+    return enqueue(
+        "recv", what, t.numel() * t.element_size(),
+        [=](std::vector<MPI_Request>& r) {
+          r.resize(1);
+          check(MPI_Irecv(buf.data_ptr(), count, type, src, tag, comm_, &r[0]), what);
+        },
+        [=]() mutable {
+          if (!buf.is_same(t)) t.copy_(buf);
+        });
   }
 
   WorkPtr barrier_async() override {
     auto what = "rank " + std::to_string(rank_) + ": barrier";
     verify(kOpBarrier, 0, nullptr, what);
-    return enqueue("barrier", what, 0,
-                   [=](std::vector<MPI_Request>& r) {
-                     r.resize(1);
-                     check(MPI_Ibarrier(comm_, &r[0]), what);
-                   },
-                   [] {}, [=] { check(MPI_Barrier(comm_), what); });
+    return enqueue(
+        "barrier", what, 0,
+        [=](std::vector<MPI_Request>& r) {
+          r.resize(1);
+          check(MPI_Ibarrier(comm_, &r[0]), what);
+        },
+        [] {}, [=] { check(MPI_Barrier(comm_), what); });
   }
 
   CommPtr split(int color, int key) override {
@@ -476,12 +485,13 @@ class MpiCommunicator : public Communicator {
     auto what = "rank " + std::to_string(rank_) + ": split(color " + std::to_string(color) + ")";
     verify(kOpSplit, 0, nullptr, what);
     auto newcomm = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
-    auto w = enqueue("split", what, 0,
-                     [=](std::vector<MPI_Request>& r) {
-                       r.clear();
-                       check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, newcomm.get()), what);
-                     },
-                     [] {});
+    auto w = enqueue(
+        "split", what, 0,
+        [=](std::vector<MPI_Request>& r) {
+          r.clear();
+          check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, newcomm.get()), what);
+        },
+        [] {});
     w->wait();
     if (*newcomm == MPI_COMM_NULL) return nullptr;
     CommOptions o;
@@ -500,16 +510,18 @@ class MpiCommunicator : public Communicator {
     const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(st));
     auto what = "rank " + std::to_string(rank_) + ": shared-memory allocation of " + std::to_string(bytes) + " bytes";
     auto got = std::make_shared<std::shared_ptr<ShmWindow>>();
-    auto w = enqueue("shm_alloc", what, 0,
-                     [=](std::vector<MPI_Request>& r) {
-                       r.clear();
-                       *got = shm_alloc(bytes, what);
-                     },
-                     [] {});
+    auto w = enqueue(
+        "shm_alloc", what, 0,
+        [=](std::vector<MPI_Request>& r) {
+          r.clear();
+          *got = shm_alloc(bytes, what);
+        },
+        [] {});
     w->wait();
     std::shared_ptr<ShmWindow> win = *got;
     if (!win) return {};
-    return at::from_blob(win->base, {numel}, [win](void*) { win->in_use.store(false); }, o);
+    return at::from_blob(
+        win->base, {numel}, [win](void*) { win->in_use.store(false); }, o);
   }
 
  private:
@@ -522,16 +534,19 @@ class MpiCommunicator : public Communicator {
   static std::string describe_fingerprint(const int64_t* f) {
     static const char* names[] = {"?", "allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "split"};
     std::string s = names[(f[1] >= 1 && f[1] <= 6) ? f[1] : 0];
-    if (f[1] == kOpAllreduce || f[1] == kOpReduceScatter) s += std::string("(") + to_string(static_cast<ReduceOp>(f[5])) + ")";
+    if (f[1] == kOpAllreduce || f[1] == kOpReduceScatter)
+      s += std::string("(") + to_string(static_cast<ReduceOp>(f[5])) + ")";
     if (f[1] == kOpBroadcast) s += "(root " + std::to_string(f[5]) + ")";
-    if (f[2] >= 0) s += std::string(" of ") + c10::toString(static_cast<at::ScalarType>(f[2])) + " x " + std::to_string(f[3]);
+    if (f[2] >= 0)
+      s += std::string(" of ") + c10::toString(static_cast<at::ScalarType>(f[2])) + " x " + std::to_string(f[3]);
     return s + " (collective #" + std::to_string(f[0]) + ")";
   }
   void verify(int64_t op, int64_t extra, const at::Tensor* t, const std::string& what) {
     if (check_comm_ == MPI_COMM_NULL) return;
     int64_t shape = 1469598103934665603LL;
-    if (t) for (auto d : t->sizes()) shape = (shape ^ d) * 1099511628211LL;
-    int64_t fp[6] = {check_seq_++, op, t ? static_cast<int64_t>(t->scalar_type()) : -1, t ? t->numel() : 0,
+    if (t)
+      for (auto d : t->sizes()) shape = (shape ^ d) * 1099511628211LL;
+    int64_t fp[6] = {check_seq_++,  op,   t ? static_cast<int64_t>(t->scalar_type()) : -1, t ? t->numel() : 0,
                      t ? shape : 0, extra};
     std::vector<int64_t> all(6 * static_cast<size_t>(size_));
     MPI_Request req;
@@ -552,8 +567,9 @@ class MpiCommunicator : public Communicator {
       diff += "; rank " + std::to_string(r) + " calls " + describe_fingerprint(all.data() + 6 * r);
     }
     if (!diff.empty()) {
-      throw CommError(what + ": collective mismatch: rank " + std::to_string(rank_) + " calls " + describe_fingerprint(fp) +
-                      diff + ". Every rank must issue the same collectives, with the same shapes, in the same order.");
+      throw CommError(what + ": collective mismatch: rank " + std::to_string(rank_) + " calls " +
+                      describe_fingerprint(fp) + diff +
+                      ". Every rank must issue the same collectives, with the same shapes, in the same order.");
     }
   }
 
@@ -660,9 +676,11 @@ class MpiCommunicator : public Communicator {
         auto& op = inflight[i];
         int flag = 1;
         int rc = MPI_SUCCESS;
-        if (!op->reqs.empty()) rc = MPI_Testall(static_cast<int>(op->reqs.size()), op->reqs.data(), &flag, MPI_STATUSES_IGNORE);
+        if (!op->reqs.empty())
+          rc = MPI_Testall(static_cast<int>(op->reqs.size()), op->reqs.data(), &flag, MPI_STATUSES_IGNORE);
         if (rc != MPI_SUCCESS) {
-          op->work->finish(0.0, std::make_exception_ptr(CommError(op->work->what_ + " failed in MPI: " + mpi_error_string(rc))));
+          op->work->finish(0.0, std::make_exception_ptr(
+                                    CommError(op->work->what_ + " failed in MPI: " + mpi_error_string(rc))));
         } else if (flag) {
           complete(*op, false);
         } else {
@@ -722,7 +740,8 @@ class MpiCommunicator : public Communicator {
     check(MPI_Allreduce(mine, all, 4, MPI_INT64_T, MPI_MAX, comm_), what);
     if (all[0] != -all[1]) {
       throw CommError(what + ": the ranks asked for different sizes (" + std::to_string(-all[1]) + " to " +
-                      std::to_string(all[0]) + " bytes); symmetric allocations must be made by every rank in the "
+                      std::to_string(all[0]) +
+                      " bytes); symmetric allocations must be made by every rank in the "
                       "same order with the same size");
     }
     if (cand >= 0 && all[2] == -all[3]) {
@@ -809,7 +828,8 @@ class MpiCommunicator : public Communicator {
     check(MPI_Win_sync(w.win), what);
     check(MPI_Barrier(comm_), what);  // every rank's part is in place
     for (int q = 0; q < size_; ++q) {
-      if (q != rank_) std::memcpy(mine + q * bytes, w.peers[static_cast<size_t>(q)] + off + q * bytes, static_cast<size_t>(bytes));
+      if (q != rank_)
+        std::memcpy(mine + q * bytes, w.peers[static_cast<size_t>(q)] + off + q * bytes, static_cast<size_t>(bytes));
     }
     check(MPI_Win_sync(w.win), what);
     check(MPI_Barrier(comm_), what);  // nobody overwrites its part before everyone has copied it

@@ -210,13 +210,8 @@ ncclResult_t settle(ncclComm_t comm, ncclResult_t rc, milliseconds timeout) {
 class Engine {
  public:
   Engine(ncclComm_t comm, int rank, int size, c10::DeviceIndex device, bool blocking, milliseconds timeout)
-      : rank_(rank),
-        size_(size),
-        device_(device),
-        blocking_(blocking),
-        destroy_timeout_(timeout),
-        stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)),
-        comm_(comm) {}
+      : rank_(rank), size_(size), device_(device), blocking_(blocking), destroy_timeout_(timeout),
+        stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)), comm_(comm) {}
 
   ~Engine() {
     std::lock_guard<std::mutex> lk(mu_);
@@ -243,7 +238,8 @@ class Engine {
         b.pause();
       }
       ncclResult_t st = ncclSuccess;
-      if (ncclCommGetAsyncError(comm_, &st) != ncclSuccess || (st != ncclSuccess && st != ncclInProgress)) clean = false;
+      if (ncclCommGetAsyncError(comm_, &st) != ncclSuccess || (st != ncclSuccess && st != ncclInProgress))
+        clean = false;
       // After ncclCommDestroy the handle is gone whatever it returned: never abort it then.
       if (clean) {
         ncclCommDestroy(comm_);
@@ -409,7 +405,8 @@ class Engine {
       throw CommError(what + " rejected by NCCL: " + msg);
     }
     abort_locked("NCCL error: " + msg);
-    throw CommError(what + " failed in NCCL: " + msg + "; the communicator was aborted (set NCCL_DEBUG=WARN for details)");
+    throw CommError(what + " failed in NCCL: " + msg +
+                    "; the communicator was aborted (set NCCL_DEBUG=WARN for details)");
   }
 
   void abort_locked(const std::string& reason) {
@@ -438,9 +435,10 @@ class Engine {
         ncclResult_t end = ncclGroupEnd();
         if (rc == ncclSuccess || rc == ncclInProgress) rc = end;
       }
-      check_locked(rc, ops.front().what + (ops.size() > 1 ? " (launched with " + std::to_string(ops.size() - 1) +
-                                                                 " other posted send/recv)"
-                                                           : std::string()),
+      check_locked(rc,
+                   ops.front().what + (ops.size() > 1 ? " (launched with " + std::to_string(ops.size() - 1) +
+                                                            " other posted send/recv)"
+                                                      : std::string()),
                    timeout);
       {
         c10::cuda::CUDAStreamGuard sg(stream_);
@@ -616,11 +614,10 @@ class NcclCommunicator : public Communicator {
     at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
     std::function<void()> back;
     if (!buf.is_same(t)) back = [t, buf]() mutable { t.copy_(buf); };
-    return launch("allreduce", what, t.numel() * t.element_size(),
-                  [=](ncclComm_t c, cudaStream_t s) {
-                    return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), n, type, rop, c, s);
-                  },
-                  {t, buf}, back);
+    return launch(
+        "allreduce", what, t.numel() * t.element_size(),
+        [=](ncclComm_t c, cudaStream_t s) { return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), n, type, rop, c, s); },
+        {t, buf}, back);
   }
 
   WorkPtr reduce_scatter_async(at::Tensor out, at::Tensor in, ReduceOp op) override {
@@ -638,11 +635,12 @@ class NcclCommunicator : public Communicator {
     at::Tensor dst = out.is_contiguous() ? out : at::empty(out.sizes(), out.options());
     std::function<void()> back;
     if (!dst.is_same(out)) back = [out, dst]() mutable { out.copy_(dst); };
-    return launch("reduce_scatter", what, in.numel() * in.element_size(),
-                  [=](ncclComm_t c, cudaStream_t s) {
-                    return ncclReduceScatter(src.data_ptr(), dst.data_ptr(), n, type, rop, c, s);
-                  },
-                  {in, src, out, dst}, back);
+    return launch(
+        "reduce_scatter", what, in.numel() * in.element_size(),
+        [=](ncclComm_t c, cudaStream_t s) {
+          return ncclReduceScatter(src.data_ptr(), dst.data_ptr(), n, type, rop, c, s);
+        },
+        {in, src, out, dst}, back);
   }
 
   WorkPtr allgather_async(at::Tensor out, at::Tensor in) override {
@@ -659,11 +657,10 @@ class NcclCommunicator : public Communicator {
     at::Tensor dst = out.is_contiguous() ? out : at::empty(out.sizes(), out.options());
     std::function<void()> back;
     if (!dst.is_same(out)) back = [out, dst]() mutable { out.copy_(dst); };
-    return launch("allgather", what, in.numel() * in.element_size(),
-                  [=](ncclComm_t c, cudaStream_t s) {
-                    return ncclAllGather(src.data_ptr(), dst.data_ptr(), n, type, c, s);
-                  },
-                  {in, src, out, dst}, back);
+    return launch(
+        "allgather", what, in.numel() * in.element_size(),
+        [=](ncclComm_t c, cudaStream_t s) { return ncclAllGather(src.data_ptr(), dst.data_ptr(), n, type, c, s); },
+        {in, src, out, dst}, back);
   }
 
   WorkPtr broadcast_async(at::Tensor t, int root) override {
@@ -675,11 +672,12 @@ class NcclCommunicator : public Communicator {
     at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
     std::function<void()> back;
     if (!buf.is_same(t)) back = [t, buf]() mutable { t.copy_(buf); };
-    return launch("broadcast", what, t.numel() * t.element_size(),
-                  [=](ncclComm_t c, cudaStream_t s) {
-                    return ncclBroadcast(buf.data_ptr(), buf.data_ptr(), n, type, root, c, s);
-                  },
-                  {t, buf}, back);
+    return launch(
+        "broadcast", what, t.numel() * t.element_size(),
+        [=](ncclComm_t c, cudaStream_t s) {
+          return ncclBroadcast(buf.data_ptr(), buf.data_ptr(), n, type, root, c, s);
+        },
+        {t, buf}, back);
   }
 
   WorkPtr send_async(at::Tensor t, int dst, int tag) override {
@@ -720,11 +718,12 @@ class NcclCommunicator : public Communicator {
   WorkPtr barrier_async() override {
     std::string what = "rank " + std::to_string(rank()) + ": barrier";
     at::Tensor buf = barrier_buf_;
-    return launch("barrier", what, 0,
-                  [=](ncclComm_t c, cudaStream_t s) {
-                    return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), 1, ncclFloat32, ncclSum, c, s);
-                  },
-                  {buf}, nullptr, /*host_wait=*/true);
+    return launch(
+        "barrier", what, 0,
+        [=](ncclComm_t c, cudaStream_t s) {
+          return ncclAllReduce(buf.data_ptr(), buf.data_ptr(), 1, ncclFloat32, ncclSum, c, s);
+        },
+        {buf}, nullptr, /*host_wait=*/true);
   }
 
   CommPtr split(int color, int key) override {
@@ -737,8 +736,9 @@ class NcclCommunicator : public Communicator {
 
  private:
   WorkPtr launch(const char* op, const std::string& what, int64_t bytes,
-                 const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& call, const std::vector<at::Tensor>& touched,
-                 const std::function<void()>& copy_back, bool host_wait = false) {
+                 const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& call,
+                 const std::vector<at::Tensor>& touched, const std::function<void()>& copy_back,
+                 bool host_wait = false) {
     record(op, bytes);
     auto timing = engine_->launch(op, what, timeout(), call, touched, copy_back);
     return std::make_shared<NcclWork>(engine_, std::move(timing), what, timeout(), host_wait);
@@ -758,8 +758,8 @@ class NcclCommunicator : public Communicator {
                       "; move it with .to(device) or use the CPU communicator (Runtime::cpu_world())");
     }
     if (t.device().index() != engine_->device()) {
-      throw CommError(what + ": tensor is on " + t.device().str() + " but this communicator runs on cuda:" +
-                      std::to_string(engine_->device()));
+      throw CommError(what + ": tensor is on " + t.device().str() +
+                      " but this communicator runs on cuda:" + std::to_string(engine_->device()));
     }
   }
   void check_pair(const at::Tensor& out, const at::Tensor& in, const std::string& what) const {
@@ -896,7 +896,8 @@ class FileBootstrap : public Bootstrap {
   }
 
   std::string header(size_t len, int root) const {
-    return "TANDEM-BOOTSTRAP 1 " + std::to_string(size_) + " " + std::to_string(root) + " " + std::to_string(len) + "\n";
+    return "TANDEM-BOOTSTRAP 1 " + std::to_string(size_) + " " + std::to_string(root) + " " + std::to_string(len) +
+           "\n";
   }
 
   std::string write_side(const std::string& path, const std::string& bytes) {
@@ -936,8 +937,8 @@ class FileBootstrap : public Bootstrap {
     for (;;) {
       struct stat st {};
       if (::stat(path.c_str(), &st) == 0) {
-        auto mtime = std::chrono::system_clock::time_point(
-            std::chrono::duration_cast<std::chrono::system_clock::duration>(
+        auto mtime =
+            std::chrono::system_clock::time_point(std::chrono::duration_cast<std::chrono::system_clock::duration>(
                 std::chrono::seconds(st.st_mtim.tv_sec) + std::chrono::nanoseconds(st.st_mtim.tv_nsec)));
         std::string data;
         if (mtime >= oldest && read_file(path, &data)) {
@@ -1054,8 +1055,9 @@ CommPtr make_nccl_communicator(int device_index, Bootstrap& bootstrap, const Com
   }
   bytes = bootstrap.broadcast(bytes, 0);
   if (bytes.size() != sizeof(id)) {
-    throw CommError(where + ": the bootstrap delivered " + std::to_string(bytes.size()) + " bytes of NCCL id, expected " +
-                    std::to_string(sizeof(id)) + "; do all ranks run the same Tandem build?");
+    throw CommError(where + ": the bootstrap delivered " + std::to_string(bytes.size()) +
+                    " bytes of NCCL id, expected " + std::to_string(sizeof(id)) +
+                    "; do all ranks run the same Tandem build?");
   }
   std::memcpy(&id, bytes.data(), sizeof(id));
 

@@ -25,14 +25,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Bucket {
-  std::vector<size_t> params;   // indices into Impl::params, in launch order
+  std::vector<size_t> params;    // indices into Impl::params, in launch order
   std::vector<int64_t> offsets;  // element offset of each parameter in `flat`
   at::Tensor flat;               // the parameters' dtype and device
   at::Tensor wire;               // compressed copy sent on the wire (when compressing)
   size_t pending = 0;            // parameters still waiting for their gradient this step
   WorkPtr work;
 };
-
 
 }  // namespace
 
@@ -248,7 +247,8 @@ struct DistributedDataParallel::Impl {
   void rebuild_from_arrival() {
     rebuild_pending = false;
     // Rank 0's arrival order decides, so that every rank builds the same buckets.
-    auto order = at::full({static_cast<int64_t>(params.size())}, -1, at::TensorOptions().dtype(at::kLong).device(device()));
+    auto order =
+        at::full({static_cast<int64_t>(params.size())}, -1, at::TensorOptions().dtype(at::kLong).device(device()));
     if (comm->rank() == 0 && arrival.size() == params.size()) {
       auto host = at::tensor(std::vector<int64_t>(arrival.begin(), arrival.end()), at::kLong);
       order.copy_(host);
@@ -291,7 +291,8 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
 
   if (I.opts.first_bucket_bytes == 0) {
     bool cuda = !I.params.empty() && I.params[0].is_cuda();
-    I.opts.first_bucket_bytes = cuda ? std::min<int64_t>(1024 * 1024, I.opts.bucket_cap_bytes) : I.opts.bucket_cap_bytes;
+    I.opts.first_bucket_bytes =
+        cuda ? std::min<int64_t>(1024 * 1024, I.opts.bucket_cap_bytes) : I.opts.bucket_cap_bytes;
   }
   I.check_same_model();
   I.broadcast_state(/*include_params=*/true);

@@ -1,7 +1,6 @@
 // ProcessGrid: three Communicator::split calls; gradient averaging and parameter broadcast helpers.
 #include "tandem/grid.h"
 
-
 #include <torch/torch.h>
 
 #include <stdexcept>
@@ -12,8 +11,8 @@ ProcessGrid::ProcessGrid(CommPtr world, int tp, int pp) : world_(std::move(world
   if (!world_) throw std::invalid_argument("tandem::ProcessGrid: no world communicator given");
   const int n = world_->size();
   if (tp < 1 || pp < 1) {
-    throw std::invalid_argument("tandem::ProcessGrid: tp and pp must be >= 1, got tp " + std::to_string(tp) +
-                                ", pp " + std::to_string(pp));
+    throw std::invalid_argument("tandem::ProcessGrid: tp and pp must be >= 1, got tp " + std::to_string(tp) + ", pp " +
+                                std::to_string(pp));
   }
   if (n % (tp * pp) != 0) {
     throw std::invalid_argument("tandem::ProcessGrid: tp " + std::to_string(tp) + " x pp " + std::to_string(pp) +
@@ -32,8 +31,9 @@ ProcessGrid::ProcessGrid(CommPtr world, int tp, int pp) : world_(std::move(world
   if (!tp_comm_ || !pp_comm_ || !dp_comm_ || tp_comm_->size() != tp || pp_comm_->size() != pp ||
       dp_comm_->size() != dp_ || tp_comm_->rank() != tp_rank_ || pp_comm_->rank() != pp_rank_ ||
       dp_comm_->rank() != dp_rank_) {
-    throw CommError("rank " + std::to_string(r) + ": tandem::ProcessGrid: split gave groups of unexpected size or rank (" +
-                    describe() + "); is every rank building the same grid?");
+    throw CommError("rank " + std::to_string(r) +
+                    ": tandem::ProcessGrid: split gave groups of unexpected size or rank (" + describe() +
+                    "); is every rank building the same grid?");
   }
 }
 

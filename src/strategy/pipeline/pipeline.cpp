@@ -53,8 +53,9 @@ void validate_partition(const std::vector<int64_t>& parts, int64_t layers, int s
     sum += parts[s];
   }
   if (sum != layers) {
-    throw std::invalid_argument("tandem::Pipeline: the partition covers " + std::to_string(sum) + " layers but the model has " +
-                                L + " (children of the Sequential); the layer counts must add up to " + L);
+    throw std::invalid_argument("tandem::Pipeline: the partition covers " + std::to_string(sum) +
+                                " layers but the model has " + L +
+                                " (children of the Sequential); the layer counts must add up to " + L);
   }
 }
 
@@ -172,7 +173,8 @@ void MemoryMeter::install() {
   if (g_installed) return;
   g_base = c10::GetCPUAllocator();
   g_base_deleter = g_base->raw_deleter();
-  if (!g_base_deleter) throw std::runtime_error("tandem::MemoryMeter: the CPU allocator has no raw deleter; cannot wrap it");
+  if (!g_base_deleter)
+    throw std::runtime_error("tandem::MemoryMeter: the CPU allocator has no raw deleter; cannot wrap it");
   c10::SetCPUAllocator(&g_counting, /*priority=*/100);
   if (c10::GetCPUAllocator() != &g_counting) {
     throw std::runtime_error("tandem::MemoryMeter: another CPU allocator with a higher priority is installed");
@@ -294,8 +296,8 @@ struct Transfer {
       sent_out_header = true;
     } else if (y.sizes().vec() != out_shape) {
       throw std::runtime_error("tandem::Pipeline: stage " + std::to_string(stage) +
-                               " produced micro-batch outputs of different shapes in one step (" +
-                               c10::str(y.sizes()) + " after " + c10::str(c10::IntArrayRef(out_shape)) +
+                               " produced micro-batch outputs of different shapes in one step (" + c10::str(y.sizes()) +
+                               " after " + c10::str(c10::IntArrayRef(out_shape)) +
                                "); every micro-batch must have the same shape");
     } else if (wants_grad != out_grad) {
       throw std::runtime_error("tandem::Pipeline: stage " + std::to_string(stage) +
@@ -416,7 +418,8 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
   at::Tensor loss;
   if (is_last()) loss = loss_sum / static_cast<double>(m);
   if (opts_.broadcast_loss && stages_ > 1) {
-    auto buf = is_last() ? loss.reshape({1}).to(device_) : at::empty({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    auto buf = is_last() ? loss.reshape({1}).to(device_)
+                         : at::empty({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
     comm_->broadcast(buf, stages_ - 1);
     loss = buf.reshape({});
   }

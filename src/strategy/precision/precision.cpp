@@ -102,16 +102,19 @@ c10::ScalarType compute_dtype(Precision p) {
 }
 
 void validate(const LossScalerOptions& o) {
-  if (!(o.init_scale > 0.0) || !std::isfinite(o.init_scale)) throw std::invalid_argument("loss scale: init_scale must be positive");
+  if (!(o.init_scale > 0.0) || !std::isfinite(o.init_scale))
+    throw std::invalid_argument("loss scale: init_scale must be positive");
   if (!(o.growth_factor > 1.0)) throw std::invalid_argument("loss scale: growth_factor must be > 1");
-  if (!(o.backoff_factor > 0.0 && o.backoff_factor < 1.0)) throw std::invalid_argument("loss scale: backoff_factor must be in (0, 1)");
+  if (!(o.backoff_factor > 0.0 && o.backoff_factor < 1.0))
+    throw std::invalid_argument("loss scale: backoff_factor must be in (0, 1)");
   if (o.growth_interval < 1) throw std::invalid_argument("loss scale: growth_interval must be >= 1");
   if (!(o.min_scale > 0.0) || o.min_scale > o.init_scale) {
     throw std::invalid_argument("loss scale: min_scale must be positive and at most init_scale");
   }
 }
 
-LossScaler::LossScaler(bool dynamic, LossScalerOptions o) : dynamic_(dynamic), o_(o), scale_(dynamic ? o.init_scale : 1.0) {
+LossScaler::LossScaler(bool dynamic, LossScalerOptions o)
+    : dynamic_(dynamic), o_(o), scale_(dynamic ? o.init_scale : 1.0) {
   if (dynamic) validate(o_);
 }
 
@@ -139,7 +142,8 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::vector<at::Tensor> params,
   }
   torch::NoGradGuard ng;
   for (auto& q : params_) {
-    if (!at::isFloatingType(q.scalar_type())) throw std::invalid_argument("mixed precision: parameters must be floating point");
+    if (!at::isFloatingType(q.scalar_type()))
+      throw std::invalid_argument("mixed precision: parameters must be floating point");
     auto m = q.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     if (comm) comm->broadcast(m, 0);
     m.set_requires_grad(true);

@@ -149,7 +149,8 @@ at::Tensor shard(const at::Tensor& t, int64_t dim, int64_t n, int rank) {
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& dense, CommPtr tp_, bool gather)
     : tp(std::move(tp_)), gather_output(gather) {
-  const int64_t n = shard_size(dense->options.out_features(), tp->size(), "the output features of a column-parallel linear");
+  const int64_t n =
+      shard_size(dense->options.out_features(), tp->size(), "the output features of a column-parallel linear");
   weight = register_parameter("weight", shard(dense->weight, 0, n, tp->rank()));
   if (dense->options.bias()) bias = register_parameter("bias", shard(dense->bias, 0, n, tp->rank()));
 }
@@ -178,7 +179,8 @@ torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   return bias.defined() ? y + bias : y;
 }
 
-VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embedding& dense, CommPtr tp_) : tp(std::move(tp_)) {
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embedding& dense, CommPtr tp_)
+    : tp(std::move(tp_)) {
   const int64_t n = shard_size(dense->options.num_embeddings(), tp->size(), "the vocabulary");
   vocab_begin = tp->rank() * n;
   vocab_end = vocab_begin + n;
@@ -200,7 +202,8 @@ ParallelTokenEmbeddingImpl::ParallelTokenEmbeddingImpl(const models::TokenEmbedd
 torch::Tensor ParallelTokenEmbeddingImpl::forward(const torch::Tensor& ids) {
   TORCH_CHECK(ids.dim() == 2, "tandem::tp::ParallelTokenEmbedding: expected token ids [B, T], got ", ids.sizes());
   const int64_t t = ids.size(1);
-  TORCH_CHECK(t <= seq, "tandem::tp::ParallelTokenEmbedding: sequence of ", t, " tokens is longer than the maximum ", seq);
+  TORCH_CHECK(t <= seq, "tandem::tp::ParallelTokenEmbedding: sequence of ", t, " tokens is longer than the maximum ",
+              seq);
   auto positions = torch::arange(t, torch::TensorOptions().dtype(torch::kLong).device(ids.device()));
   auto x = tok->forward(ids) + pos->forward(positions).unsqueeze(0);
   if (pad_id < 0) return x;
@@ -220,13 +223,15 @@ ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(const torch::nn::Linear& dq
   const int64_t d = dqkv->options.in_features();
   local_heads = shard_size(heads, tp->size(), "the number of attention heads");
   if (d % heads != 0 || dqkv->options.out_features() != 3 * d) {
-    throw std::invalid_argument("tandem::tp::ParallelSelfAttention: expected a fused qkv linear [3*D, D] with D divisible by heads");
+    throw std::invalid_argument(
+        "tandem::tp::ParallelSelfAttention: expected a fused qkv linear [3*D, D] with D divisible by heads");
   }
   const int64_t hd = d / heads, r = tp->rank();
   // Rows of the fused projection are (q|k|v, head, dim): keep this rank's heads of each.
   auto w = dqkv->weight.detach().view({3, heads, hd, d}).narrow(1, r * local_heads, local_heads).reshape({-1, d});
   at::Tensor b;
-  if (dqkv->options.bias()) b = dqkv->bias.detach().view({3, heads, hd}).narrow(1, r * local_heads, local_heads).reshape({-1});
+  if (dqkv->options.bias())
+    b = dqkv->bias.detach().view({3, heads, hd}).narrow(1, r * local_heads, local_heads).reshape({-1});
   qkv = register_module("qkv", ColumnParallelLinear(w, b, tp, false));
   proj = register_module("proj", RowParallelLinear(dproj, tp, true));
 }
@@ -340,12 +345,13 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, T
         break;
       case Action::kColumn:
       case Action::kColumnGather:
-        out->push_back(ColumnParallelLinear(
-            torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(kids[i])), tp,
-            plan[i] == Action::kColumnGather));
+        out->push_back(
+            ColumnParallelLinear(torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(kids[i])), tp,
+                                 plan[i] == Action::kColumnGather));
         break;
       case Action::kRow:
-        out->push_back(RowParallelLinear(torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(kids[i])), tp, true));
+        out->push_back(
+            RowParallelLinear(torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(kids[i])), tp, true));
         break;
     }
   }
@@ -396,12 +402,16 @@ void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense
     if (p == d) continue;  // shared (replicated) child
     if (auto* e = p->as<ParallelTokenEmbeddingImpl>()) {
       auto* de = d->as<models::TokenEmbeddingImpl>();
-      if (!de) throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no TokenEmbedding");
+      if (!de)
+        throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) +
+                                    " is no TokenEmbedding");
       set(de->tok->weight, gather_cat(e->tok->weight, 0, c), "the token embedding");
       set(de->pos->weight, e->pos->weight, "the position embedding");
     } else if (auto* b = p->as<ParallelTransformerBlockImpl>()) {
       auto* db = d->as<models::TransformerBlockImpl>();
-      if (!db) throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no TransformerBlock");
+      if (!db)
+        throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) +
+                                    " is no TransformerBlock");
       const int64_t dm = db->qkv->options.in_features();
       // Fused qkv rows are (q|k|v, head, dim); each rank holds its heads of each of the three.
       auto w = gather_cat(b->attn->qkv->weight.view({3, -1, dm}).unsqueeze(0), 0, c);  // [tp, 3, rows, D]
@@ -435,8 +445,8 @@ void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense
       for (auto& q : p->named_parameters()) {
         auto* t = dn.find(q.key());
         if (!t) {
-          throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " of the dense model has no '" +
-                                      q.key() + "'");
+          throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) +
+                                      " of the dense model has no '" + q.key() + "'");
         }
         set(*t, q.value(), "a replicated parameter");
       }

@@ -58,11 +58,11 @@ struct Bucket {
   int64_t chunk = 0;           // padded / N: what each rank owns
   int64_t shard_offset = 0;    // where this bucket's chunk lies in the rank's gradient shard
   size_t pending = 0;          // parameters still waiting for their gradient this step
-  at::Tensor full;    // all its parameters (stage 3: memory only while gathered)
-  at::Tensor shard;   // this rank's chunk, compute dtype (stages 1, 2: a view of full)
-  at::Tensor master;  // what the optimizer steps: the shard itself in fp32, else an fp32 copy
-  at::Tensor scratch;  // stages 2, 3: the bucket's local gradients while reduce-scattered
-  at::Tensor accum;    // stages 2, 3, second and later backward: the reduced chunk to add
+  at::Tensor full;             // all its parameters (stage 3: memory only while gathered)
+  at::Tensor shard;            // this rank's chunk, compute dtype (stages 1, 2: a view of full)
+  at::Tensor master;           // what the optimizer steps: the shard itself in fp32, else an fp32 copy
+  at::Tensor scratch;          // stages 2, 3: the bucket's local gradients while reduce-scattered
+  at::Tensor accum;            // stages 2, 3, second and later backward: the reduced chunk to add
   WorkPtr work;
   // stage 3
   int unit = -1;
@@ -151,7 +151,7 @@ struct ZeroDataParallel::Impl {
   std::vector<at::Tensor> params;
   std::vector<std::pair<std::string, at::Tensor>> buffers;
   std::vector<std::shared_ptr<void>> accumulators;
-  std::shared_ptr<Impl*> self;  // hooks hold a weak_ptr to this
+  std::shared_ptr<Impl*> self;                      // hooks hold a weak_ptr to this
   torch::nn::SequentialImpl* sequential = nullptr;  // stage 3 per-unit forward
 
   std::vector<Bucket> buckets;
@@ -182,10 +182,10 @@ struct ZeroDataParallel::Impl {
   bool model_parallel = false;
   std::vector<std::vector<std::pair<int64_t, int64_t>>> sharded_ranges;
   CommPtr mp_tp, mp_pp;
-  int64_t scratch_live = 0, scratch_peak = 0;  // bytes of bucket scratch alive
+  int64_t scratch_live = 0, scratch_peak = 0;    // bytes of bucket scratch alive
   int64_t gathered_live = 0, gathered_peak = 0;  // stage 3: bytes of gathered units
-  double gather_wait_s = 0.0;  // stage 3: seconds the caller blocked on parameter all-gathers
-  SymmetricPool pool;  // stages 2, 3 on CPU: scratch and gathered units
+  double gather_wait_s = 0.0;                    // stage 3: seconds the caller blocked on parameter all-gathers
+  SymmetricPool pool;                            // stages 2, 3 on CPU: scratch and gathered units
 
   std::string where() const { return "rank " + std::to_string(rank) + ": ZeRO-" + std::to_string(opts.stage); }
 
@@ -313,7 +313,8 @@ struct ZeroDataParallel::Impl {
       if (mixed) bk.master = mine.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
       bk.full = opts.stage < 3 ? flat.narrow(0, bk.offset, bk.padded) : at::empty({bk.padded}, copts);
       bk.full.copy_(values);
-      bk.shard = opts.stage < 3 ? bk.full.narrow(0, rank * bk.chunk, bk.chunk) : bk.full.narrow(0, rank * bk.chunk, bk.chunk).clone();
+      bk.shard = opts.stage < 3 ? bk.full.narrow(0, rank * bk.chunk, bk.chunk)
+                                : bk.full.narrow(0, rank * bk.chunk, bk.chunk).clone();
       if (!mixed) bk.master = bk.shard;
       for (size_t i : bk.params) params[i].set_data(param_view(bk.full, i));
     }
@@ -623,12 +624,13 @@ struct ZeroDataParallel::Impl {
       // data-parallel ranks, the shards' part then over tp (the rest is the same on every tp
       // rank), and the whole over the pipeline's stages.
       auto sq = at::zeros({2}, buckets.empty() ? at::TensorOptions(at::kDouble)
-                                                : buckets[0].master.options().dtype(at::kDouble));
+                                               : buckets[0].master.options().dtype(at::kDouble));
       for (size_t b = 0; b < buckets.size(); ++b) {
         const auto g = buckets[b].master.grad();
         sq[0] += g.to(at::kDouble).pow(2).sum();
         if (model_parallel)
-          for (const auto& [from, to] : sharded_ranges[b]) sq[1] += g.narrow(0, from, to - from).to(at::kDouble).pow(2).sum();
+          for (const auto& [from, to] : sharded_ranges[b])
+            sq[1] += g.narrow(0, from, to - from).to(at::kDouble).pow(2).sum();
       }
       comm->allreduce(sq, ReduceOp::kSum);
       double total = 0.0;
@@ -753,7 +755,7 @@ at::Tensor ZeroDataParallel::forward(const at::Tensor& input) {
     return seq->forward(input);
   }
   throw std::invalid_argument(I.where() + ": forward() runs a torch::nn::Sequential; for another module call "
-                              "prepare_forward() and then the module's own forward");
+                                          "prepare_forward() and then the module's own forward");
 }
 
 at::Tensor ZeroDataParallel::scale_loss(const at::Tensor& loss) const {
@@ -937,7 +939,8 @@ ZeroMemory ZeroDataParallel::memory() const {
   if (I.opts.stage < 3) {
     m.parameter_bytes = nbytes(I.flat);  // the parameters are views of it
   } else {
-    for (auto& bk : I.buckets) m.parameter_bytes += nbytes(bk.shard) + (bk.state == Gather::kFree ? 0 : nbytes(bk.full));
+    for (auto& bk : I.buckets)
+      m.parameter_bytes += nbytes(bk.shard) + (bk.state == Gather::kFree ? 0 : nbytes(bk.full));
   }
   m.gradient_bytes = nbytes(I.grad_flat) + nbytes(I.grad_shard);
   for (auto& bk : I.buckets) m.gradient_bytes += nbytes(bk.scratch) + nbytes(bk.accum);
@@ -952,7 +955,8 @@ ZeroMemory ZeroDataParallel::memory() const {
   m.peak_gathered_bytes = I.gathered_peak;
   m.pool_bytes = I.pool.bytes();
   m.pool_misses = I.pool.misses();
-  const int64_t e = I.opts.stage < 3 ? I.flat.element_size() : (I.buckets.empty() ? 4 : I.buckets[0].shard.element_size());
+  const int64_t e =
+      I.opts.stage < 3 ? I.flat.element_size() : (I.buckets.empty() ? 4 : I.buckets[0].shard.element_size());
   const int64_t N = I.world;
   m.model_parameter_bytes = I.opts.stage < 3 ? e * I.psi : e * I.psi / N;
   m.model_gradient_bytes = I.opts.stage == 1 ? e * I.psi : e * I.psi / N;

@@ -9,7 +9,9 @@
 #include <torch/torch.h>
 
 namespace {
-[[maybe_unused]] torch::nn::Sequential small() { return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(784, 10)); }
+[[maybe_unused]] torch::nn::Sequential small() {
+  return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(784, 10));
+}
 }  // namespace
 
 #if defined(TANDEM_TEST_PLUGIN_NO_STAMP)
