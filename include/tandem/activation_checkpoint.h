@@ -44,6 +44,7 @@ class CheckpointedImpl : public torch::nn::Module {
 
  private:
   torch::nn::AnyModule inner_;
+  std::vector<at::Tensor> params_;  // the wrapped module's (the same tensors), collected once
 };
 TORCH_MODULE(Checkpointed);
 

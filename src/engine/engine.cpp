@@ -79,7 +79,7 @@ struct Engine::Impl {
       for (auto& c : impl_.comms) at_start_.push_back(c->stats());
     }
     ~Uncounted() {
-      if (--impl_.uncounted_depth > 0 || impl_.comm_before.size() != at_start_.size()) return;
+      if (--impl_.uncounted_depth > 0) return;
       for (size_t c = 0; c < at_start_.size(); ++c) {
         for (auto& [op, now] : impl_.comms[c]->stats()) {
           const auto it = at_start_[c].find(op);

@@ -12,12 +12,9 @@ namespace tandem {
 
 namespace {
 
-// The default generator of a device, and its state: what dropout and the other random ops of a
-// segment draw from.
-at::Generator generator_of(const at::Tensor& like) {
-  return like.is_cuda() ? at::globalContext().defaultGenerator(like.device())
-                        : at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
-}
+// The default generators and their states: what dropout and the other random ops of a segment
+// draw from (the CPU's always, a device's for a segment on it).
+at::Generator generator_of(const c10::Device& device) { return at::globalContext().defaultGenerator(device); }
 at::Tensor get_rng(at::Generator& g) {
   std::lock_guard<std::mutex> lock(g.mutex());
   return g.get_state();
@@ -27,9 +24,13 @@ void set_rng(at::Generator& g, const at::Tensor& state) {
   g.set_state(state);
 }
 
-// What backward needs besides the saved input: the segment and the RNG state before its forward.
+// What backward needs besides the saved input: the segment, its parameters (in the order of the
+// node's inputs) and the RNG states before its forward. The parameters are not saved variables:
+// ZeRO-3 frees and gathers their storage between forward and backward, which a saved variable's
+// version check would take for a modification.
 struct SegmentState : torch::CustomClassHolder {
   SegmentFn fn;
+  std::vector<at::Tensor> params;
   at::Tensor cpu_rng, device_rng;
 };
 
@@ -38,10 +39,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                             at::TensorList params) {
     auto state = c10::make_intrusive<SegmentState>();
     state->fn = std::move(fn);
-    auto cpu = generator_of(at::Tensor());
+    state->params = params.vec();
+    auto cpu = generator_of(c10::kCPU);
     state->cpu_rng = get_rng(cpu);
     if (input.is_cuda()) {
-      auto dev = generator_of(input);
+      auto dev = generator_of(input.device());
       state->device_rng = get_rng(dev);
     }
     at::Tensor out;
@@ -54,30 +56,25 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     ctx->save_for_backward({input});
     ctx->saved_data["segment"] = c10::IValue::make_capsule(state);
-    ctx->saved_data["params"] = static_cast<int64_t>(params.size());
-    // Not save_for_backward: ZeRO-3 frees and gathers the parameters' storage between forward
-    // and backward, which a saved variable's version check would take for a modification.
-    ctx->saved_data["param_list"] = params.vec();
     return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     auto state = c10::static_intrusive_pointer_cast<SegmentState>(ctx->saved_data["segment"].toCapsule());
-    const auto n_params = ctx->saved_data["params"].toInt();
     const at::Tensor saved = ctx->get_saved_variables()[0];
     const bool input_grad = saved.requires_grad();
     at::Tensor x = saved.detach();
     if (input_grad) x.requires_grad_(true);
     // The recomputation draws what the first forward drew; the generators go on from where they
     // were afterwards.
-    auto cpu = generator_of(at::Tensor());
+    auto cpu = generator_of(c10::kCPU);
     const at::Tensor cpu_now = get_rng(cpu);
     set_rng(cpu, state->cpu_rng);
     at::Generator dev;
     at::Tensor dev_now;
     if (state->device_rng.defined()) {
-      dev = generator_of(saved);
+      dev = generator_of(saved.device());
       dev_now = get_rng(dev);
       set_rng(dev, state->device_rng);
     }
@@ -93,21 +90,15 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     // gradient; the others none.
     std::vector<at::Tensor> inputs;
     if (input_grad) inputs.push_back(x);
-    auto params = state_params(ctx);
-    for (const auto& p : params) inputs.push_back(p);
-    torch::autograd::variable_list result(2 + n_params);  // fn, input, params...
+    inputs.insert(inputs.end(), state->params.begin(), state->params.end());
+    torch::autograd::variable_list result(2 + state->params.size());  // fn, input, params...
     if (!out.requires_grad() || inputs.empty()) return result;
     auto grads = torch::autograd::grad({out}, inputs, {grad_out[0]}, /*retain_graph=*/false,
                                        /*create_graph=*/false, /*allow_unused=*/true);
     size_t k = 0;
     if (input_grad) result[1] = grads[k++];
-    for (int64_t i = 0; i < n_params; ++i) result[2 + i] = grads[k++];
+    for (size_t i = 0; i < state->params.size(); ++i) result[2 + i] = grads[k++];
     return result;
-  }
-
-  // The parameters given to forward, in order (kept in saved_data as a list of tensors).
-  static std::vector<at::Tensor> state_params(torch::autograd::AutogradContext* ctx) {
-    return ctx->saved_data["param_list"].toTensorVector();
   }
 };
 
@@ -135,10 +126,11 @@ CheckpointedImpl::CheckpointedImpl(torch::nn::AnyModule inner) : inner_(std::mov
   }
   for (const auto& b : m->named_buffers(/*recurse=*/false)) register_buffer(b.key(), b.value());
   Module::train(m->is_training());
+  params_ = parameters();
 }
 
 at::Tensor CheckpointedImpl::forward(const at::Tensor& x) {
-  return checkpoint([this](const at::Tensor& in) { return inner_.forward<at::Tensor>(in); }, x, parameters());
+  return checkpoint([this](const at::Tensor& in) { return inner_.forward<at::Tensor>(in); }, x, params_);
 }
 
 void CheckpointedImpl::train(bool on) {
