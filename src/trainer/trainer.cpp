@@ -9,9 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
-#include <iomanip>
 #include <iostream>
-#include <sstream>
 
 #include "tandem/checkpoint.h"
 #include "tandem/data.h"

@@ -157,11 +157,6 @@ int cmd_train(int argc, char** argv) {
                 << "' not found; install Fashion-MNIST (apt-get install dataset-fashion-mnist) or pass --data DIR\n";
       return 2;
     }
-    if (nprocs > 1 && cfg.strategy == "single") {
-      std::cerr << "tandem train: --strategy single runs one worker; use -n 1, or --strategy ddp for " << nprocs
-                << " workers\n";
-      return 2;
-    }
     if (cfg.tp * cfg.pp == 1 && cfg.batch % nprocs != 0 &&
         cfg.batch_shares.empty()) {  // with --tp/--pp: over the replicas, below
       std::cerr << "tandem train: --batch " << cfg.batch << " (global) does not split evenly over " << nprocs
@@ -200,7 +195,7 @@ int cmd_train(int argc, char** argv) {
       b.metrics_path.clear();
       b.checkpoint_every = 0;  // the measurement neither saves nor resumes
       b.resume = false;
-      if (b.strategy != "single") b.strategy = "single";
+      b.strategy = "single";
       b.tp = b.pp = 1;         // the whole model on one worker
       b.batch_shares.clear();  // one worker takes the whole batch, at full speed
       b.slow_rank.clear();
