@@ -38,8 +38,6 @@ namespace tandem {
 namespace {
 
 using json = nlohmann::json;
-constexpr const char* kFormat = "tandem-checkpoint";
-constexpr int kVersion = 1;
 constexpr const char* kManifest = "manifest.json";
 
 std::string step_name(int64_t step) {
@@ -169,8 +167,8 @@ std::string save_impl(const std::string& root, SavePlan plan, Communicator& comm
   if (rank == 0) {
     try {
       json m;
-      m["format"] = kFormat;
-      m["version"] = kVersion;
+      m["format"] = ckpt::kManifestFormat;
+      m["version"] = ckpt::kManifestVersion;
       m["byte_order"] = "little";
       m["model"] = {{"name", meta.model},
                     {"description", meta.model_description},

@@ -16,8 +16,6 @@ namespace tandem::ckpt {
 namespace {
 
 using json = nlohmann::json;
-constexpr const char* kFormat = "tandem-checkpoint";
-constexpr int kVersion = 1;
 constexpr int64_t kMaxNumel = int64_t{1} << 56;
 constexpr int kMaxWorld = 1 << 20;
 
@@ -175,10 +173,12 @@ struct Parser {
 
   Manifest parse(const json& j) const {
     Manifest m;
-    if (!j.is_object() || !j.contains("format") || j["format"] != kFormat) bad("is not a Tandem checkpoint manifest");
+    if (!j.is_object() || !j.contains("format") || j["format"] != kManifestFormat)
+      bad("is not a Tandem checkpoint manifest");
     const int64_t version = int_field(j, "version", "the manifest", 0, INT32_MAX);
-    if (version != kVersion) {
-      bad("has format version " + std::to_string(version) + "; this build reads version " + std::to_string(kVersion));
+    if (version != kManifestVersion) {
+      bad("has format version " + std::to_string(version) + "; this build reads version " +
+          std::to_string(kManifestVersion));
     }
     auto& meta = m.meta;
     const auto& model = at(j, "model", "the manifest");

@@ -17,6 +17,10 @@
 
 namespace tandem::ckpt {
 
+// What manifest.json says it is; the reader refuses other formats and versions.
+inline constexpr const char* kManifestFormat = "tandem-checkpoint";
+inline constexpr int kManifestVersion = 1;
+
 struct Digest {
   int64_t bytes = 0;
   uint64_t fnv1a64 = 0;

@@ -15,7 +15,7 @@ namespace tandem::ckpt {
 namespace {
 
 constexpr char kMagic[8] = {'T', 'A', 'N', 'D', 'E', 'M', 'S', 'H'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kShardVersion = 1;
 
 std::string sys_error(const std::string& what, const std::string& path) {
   return what + " '" + path + "': " + std::strerror(errno);
@@ -65,7 +65,7 @@ std::string hex64(uint64_t v) {
 Digest write_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& entries) {
   std::string out;
   out.append(kMagic, sizeof kMagic);
-  put<uint32_t>(out, kVersion);
+  put<uint32_t>(out, kShardVersion);
   put<uint32_t>(out, static_cast<uint32_t>(entries.size()));
   for (auto& [name, t0] : entries) {
     auto t = t0.detach().to(at::kCPU).contiguous();
@@ -102,9 +102,9 @@ std::map<std::string, at::Tensor> read_shard(const std::string& path, const Dige
   }
   r.pos = sizeof kMagic;
   const auto version = r.get<uint32_t>("the header");
-  if (version != kVersion) {
+  if (version != kShardVersion) {
     throw std::runtime_error("checkpoint shard '" + path + "' has format version " + std::to_string(version) +
-                             "; this build reads version " + std::to_string(kVersion));
+                             "; this build reads version " + std::to_string(kShardVersion));
   }
   const auto count = r.get<uint32_t>("the header");
   std::map<std::string, at::Tensor> out;

@@ -31,19 +31,15 @@ constexpr const char* kInstallHint =
     "(apt-get install dataset-fashion-mnist, files in /usr/share/datasets/fashion-mnist); "
     "otherwise pass the path of an existing IDX file";
 
-[[noreturn]] void fail(const std::string& path, const std::string& what) {
-  throw std::runtime_error("tandem::data: '" + path + "': " + what);
-}
-
 // The whole file, decompressed when it starts with the gzip magic 1f 8b.
 std::vector<uint8_t> read_file(const std::string& path) {
   const PathKind kind = path_kind(path);
-  if (kind == PathKind::kMissing) fail(path, std::string("no such file. ") + kInstallHint);
-  if (kind == PathKind::kDirectory) fail(path, "is a directory, expected an IDX file");
+  if (kind == PathKind::kMissing) idx_fail(path, std::string("no such file. ") + kInstallHint);
+  if (kind == PathKind::kDirectory) idx_fail(path, "is a directory, expected an IDX file");
   std::ifstream f(path, std::ios::binary);
-  if (!f) fail(path, std::string("cannot open: ") + std::strerror(errno));
+  if (!f) idx_fail(path, std::string("cannot open: ") + std::strerror(errno));
   std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (f.bad()) fail(path, std::string("read error: ") + std::strerror(errno));
+  if (f.bad()) idx_fail(path, std::string("read error: ") + std::strerror(errno));
   return idx_decompress(path, std::move(bytes));
 }
 

@@ -12,11 +12,12 @@
 #include <stdexcept>
 
 namespace tandem::data {
-namespace {
 
-[[noreturn]] void fail(const std::string& path, const std::string& what) {
+void idx_fail(const std::string& path, const std::string& what) {
   throw std::runtime_error("tandem::data: '" + path + "': " + what);
 }
+
+namespace {
 
 uint32_t be32(const uint8_t* p) {
   return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | uint32_t(p[3]);
@@ -40,7 +41,7 @@ std::vector<uint8_t> gunzip(const std::string& path, const std::vector<uint8_t>&
     out.reserve(static_cast<size_t>(std::min<uint64_t>(isize, uint64_t{1032} * in.size())));
   }
   z_stream zs{};
-  if (inflateInit2(&zs, 15 + 16) != Z_OK) fail(path, "zlib inflateInit2 failed");
+  if (inflateInit2(&zs, 15 + 16) != Z_OK) idx_fail(path, "zlib inflateInit2 failed");
   size_t consumed = 0;
   bool done = false;
   unsigned char chunk[1 << 16];
@@ -56,7 +57,7 @@ std::vector<uint8_t> gunzip(const std::string& path, const std::vector<uint8_t>&
       if (rc != Z_OK && rc != Z_STREAM_END && rc != Z_BUF_ERROR) {
         std::string msg = zs.msg ? zs.msg : "error " + std::to_string(rc);
         inflateEnd(&zs);
-        fail(path, "corrupt gzip data (" + msg + "); re-download or reinstall the file");
+        idx_fail(path, "corrupt gzip data (" + msg + "); re-download or reinstall the file");
       }
       out.insert(out.end(), chunk, chunk + (sizeof(chunk) - zs.avail_out));
     } while (rc == Z_OK && (zs.avail_in > 0 || zs.avail_out == 0));
@@ -71,8 +72,8 @@ std::vector<uint8_t> gunzip(const std::string& path, const std::vector<uint8_t>&
       done = true;
     } else if (consumed >= in.size()) {
       inflateEnd(&zs);
-      fail(path, "gzip data ends early (truncated file, " + std::to_string(in.size()) +
-                     " bytes); re-download or reinstall it");
+      idx_fail(path, "gzip data ends early (truncated file, " + std::to_string(in.size()) +
+                         " bytes); re-download or reinstall it");
     }
   }
   inflateEnd(&zs);
@@ -81,7 +82,7 @@ std::vector<uint8_t> gunzip(const std::string& path, const std::vector<uint8_t>&
 
 #else
 std::vector<uint8_t> gunzip(const std::string& path, const std::vector<uint8_t>&) {
-  fail(
+  idx_fail(
       path,
       "is gzip-compressed, but this build of Tandem has no zlib; gunzip the file or rebuild with zlib1g-dev installed");
 }
@@ -98,8 +99,8 @@ std::vector<uint64_t> parse_idx_header(const std::string& path, const std::vecto
                                        const char* kind) {
   const size_t ndim = expected_magic & 0xff;
   if (b.size() < 4) {
-    fail(path, "too short for an IDX header (" + std::to_string(b.size()) +
-                   " bytes); the file is truncated or not an IDX file");
+    idx_fail(path, "too short for an IDX header (" + std::to_string(b.size()) +
+                       " bytes); the file is truncated or not an IDX file");
   }
   const uint32_t magic = be32(b.data());
   if (magic != expected_magic) {
@@ -110,29 +111,29 @@ std::vector<uint64_t> parse_idx_header(const std::string& path, const std::vecto
     } else {
       hint = " (not an IDX ubyte file)";
     }
-    fail(path, std::string("wrong magic number ") + hex(magic) + ", expected " + hex(expected_magic) + " for an IDX " +
-                   kind + " file" + hint);
+    idx_fail(path, std::string("wrong magic number ") + hex(magic) + ", expected " + hex(expected_magic) +
+                       " for an IDX " + kind + " file" + hint);
   }
   const size_t header = 4 + 4 * ndim;
   if (b.size() < header) {
-    fail(path, "truncated IDX header: " + std::to_string(b.size()) + " bytes, need " + std::to_string(header));
+    idx_fail(path, "truncated IDX header: " + std::to_string(b.size()) + " bytes, need " + std::to_string(header));
   }
   std::vector<uint64_t> dims(ndim);
   uint64_t total = 1;
   for (size_t i = 0; i < ndim; ++i) {
     dims[i] = be32(b.data() + 4 + 4 * i);
-    if (__builtin_mul_overflow(total, dims[i], &total)) fail(path, "IDX dimensions overflow");
+    if (__builtin_mul_overflow(total, dims[i], &total)) idx_fail(path, "IDX dimensions overflow");
   }
   uint64_t expected = 0;
-  if (__builtin_add_overflow(total, header, &expected)) fail(path, "IDX dimensions overflow");
+  if (__builtin_add_overflow(total, header, &expected)) idx_fail(path, "IDX dimensions overflow");
   if (b.size() < expected) {
-    fail(path, "truncated: the header promises " + std::to_string(expected) + " bytes of " + kind +
-                   " data and header but the (decompressed) file holds " + std::to_string(b.size()) +
-                   "; re-download or reinstall it");
+    idx_fail(path, "truncated: the header promises " + std::to_string(expected) + " bytes of " + kind +
+                       " data and header but the (decompressed) file holds " + std::to_string(b.size()) +
+                       "; re-download or reinstall it");
   }
   if (b.size() > expected) {
-    fail(path, "has " + std::to_string(b.size() - expected) +
-                   " bytes after the data the header describes; the file is corrupt");
+    idx_fail(path, "has " + std::to_string(b.size() - expected) +
+                       " bytes after the data the header describes; the file is corrupt");
   }
   return dims;
 }
@@ -155,9 +156,9 @@ IdxImages parse_idx_images(const std::string& images_path, const std::vector<uin
   if (num_classes > 0) {
     for (int64_t i = 0; i < out.n; ++i) {
       if (out.labels[i] >= num_classes) {
-        fail(labels_path, "label " + std::to_string(out.labels[i]) + " at index " + std::to_string(i) +
-                              " is outside [0, " + std::to_string(num_classes) +
-                              "); wrong file, or set LoadOptions::num_classes");
+        idx_fail(labels_path, "label " + std::to_string(out.labels[i]) + " at index " + std::to_string(i) +
+                                  " is outside [0, " + std::to_string(num_classes) +
+                                  "); wrong file, or set LoadOptions::num_classes");
       }
     }
   }

@@ -13,6 +13,9 @@ namespace tandem::data {
 constexpr uint32_t kIdxImagesMagic = 0x00000803;  // ubyte, 3 dimensions
 constexpr uint32_t kIdxLabelsMagic = 0x00000801;  // ubyte, 1 dimension
 
+// Throws std::runtime_error("tandem::data: 'PATH': WHAT"), the form of every IDX error.
+[[noreturn]] void idx_fail(const std::string& path, const std::string& what);
+
 // `bytes` itself, or decompressed when it starts with the gzip magic 1f 8b (concatenated
 // members allowed). Throws std::runtime_error naming `path` for corrupt or truncated gzip data,
 // or when this build has no zlib.

@@ -26,11 +26,7 @@ const char* torch_version() { return TORCH_VERSION; }
 
 namespace {
 
-std::string join(const std::vector<std::string>& v, const char* sep = ", ") {
-  std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : sep) + x;
-  return s;
-}
+using registry_internal::join;
 
 std::string real_path(const std::string& p) {
   char buf[PATH_MAX];

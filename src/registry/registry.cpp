@@ -16,6 +16,8 @@
 namespace tandem {
 namespace {
 
+using registry_internal::join;
+
 constexpr const char* kBuiltinOrigin = "built into Tandem";
 
 struct ModelEntry {
@@ -58,12 +60,6 @@ void ensure_builtins() {
     }
     t_registering_builtins = false;
   });
-}
-
-std::string join(const std::vector<std::string>& v, const char* sep = ", ") {
-  std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : sep) + x;
-  return s;
 }
 
 void check_name(const char* kind, const std::string& name) {
@@ -227,6 +223,12 @@ void record_registration_error(const std::string& message) {
 }  // namespace detail
 
 namespace registry_internal {
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : sep) + x;
+  return s;
+}
 
 void begin_plugin(const std::string& path) {
   ensure_builtins();  // a plugin's name clashes with a built-in are its error, not the built-in's

@@ -7,6 +7,9 @@
 
 namespace tandem::registry_internal {
 
+// The names in `v` separated by `sep`, for messages.
+std::string join(const std::vector<std::string>& v, const char* sep = ", ");
+
 // Registrations between begin_plugin and end_plugin have origin "plugin PATH".
 void begin_plugin(const std::string& path);
 void end_plugin();

@@ -23,12 +23,6 @@ namespace {
 
 using namespace tandem::plan;
 
-std::string fixed(double v, int digits) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(digits) << v;
-  return os.str();
-}
-
 std::string human_bytes(double b) {
   if (b >= 1e9) return fixed(b / 1e9, 1) + " GB";
   if (b >= 1e6) return fixed(b / 1e6, 1) + " MB";

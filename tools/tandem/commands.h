@@ -1,7 +1,17 @@
 // The subcommands of the `tandem` tool. Each parses its own flags and returns an exit code.
 #pragma once
 
+#include <iomanip>
+#include <sstream>
+#include <string>
+
 namespace tandem::cli {
+// `v` with `digits` digits after the point, for tables and messages.
+inline std::string fixed(double v, int digits) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(digits) << v;
+  return os.str();
+}
 // Index of the first "--" in argv (argc when there is none): what follows it is another program's
 // arguments (tandem launch, tandem k8s).
 inline int dashdash_index(int argc, char** argv) {
