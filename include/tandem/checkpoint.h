@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,12 +37,49 @@ namespace tandem {
 
 class Pipeline;
 class ZeroDataParallel;
+class AsyncCheckpoint;
 
 struct CheckpointSaveOptions {
   int keep = 0;  // keep the newest K complete checkpoints under the root; 0: keep all
   // Test hook, called on every rank after each stage of the save ("shard-written",
-  // "manifest-written", "renamed"); a hook that kills the process simulates a crash.
+  // "manifest-written", "renamed"); a hook that kills the process simulates a crash. With
+  // `async`, "shard-written" is called on the writer thread.
   std::function<void(const std::string& stage)> on_stage;
+  // Asynchronous save: the save returns once this rank's state is copied (to the CPU), a
+  // background thread writes the shard, and async->finish() commits the checkpoint. Until then
+  // the previous checkpoint stays the newest complete one, and a crash loses nothing more than
+  // this save. The directory the save returns exists only after finish().
+  std::shared_ptr<AsyncCheckpoint> async;
+};
+
+// A save in flight (CheckpointSaveOptions::async), one per handle. The collectives of the save
+// stay on the caller's thread: only the shard's write runs in the background, so training and
+// the writer never share a communicator.
+class AsyncCheckpoint {
+ public:
+  AsyncCheckpoint();
+  // Joins the writer. A save never finished stays a temporary directory that the next save
+  // under the same root removes; the previous checkpoint remains the newest.
+  ~AsyncCheckpoint();
+  AsyncCheckpoint(const AsyncCheckpoint&) = delete;
+  AsyncCheckpoint& operator=(const AsyncCheckpoint&) = delete;
+
+  bool pending() const;  // started and not yet finished
+  bool written() const;  // local: this rank's writer is done (successfully or not)
+  // Collective over the save's communicator: whether every rank's writer is done (one
+  // all-reduce of a flag). Call finish() when it is, to commit without waiting.
+  bool all_written(Communicator& comm) const;
+  // Collective: waits for this rank's writer, then commits as a synchronous save does (sizes
+  // and checksums gathered, manifest, rename, pruning) and returns the checkpoint's directory.
+  // Throws std::runtime_error on every rank when any rank's write failed; the previous
+  // checkpoints stay. Must be called with the communicator the save used.
+  std::string finish(Communicator& comm);
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> s_;
+  friend struct AsyncCheckpointAccess;
 };
 
 struct CheckpointLoadOptions {

@@ -158,6 +158,10 @@ struct EngineStats {
   int64_t peak_live_micro_batches = 0;
   double loss_scale = 1.0;
   int64_t skipped_steps = 0;
+  // Checkpoints saved, and the seconds save() held training (asynchronous: gathering and
+  // copying the state; the write runs beside the steps).
+  int64_t checkpoints_saved = 0;
+  double checkpoint_stall_seconds = 0.0;
 };
 
 // The model's forward on one input: [B, ...] -> output.
@@ -229,8 +233,17 @@ class Engine {
   // model name. load(): a checkpoint directory, or a root whose newest complete checkpoint is
   // taken (throws std::runtime_error naming the root when it holds none); restores parameters,
   // optimizer state, loss scaler and this rank's RNG, and returns the saved meta. Collective.
+  //
+  // With options.async set, save() returns once the state is copied and a background thread
+  // writes it; the engine commits it (collective) at the first optimizer_step() after every
+  // rank's writer is done, at the next save() or load(), or at wait_checkpoint(). Call
+  // wait_checkpoint() before the engine goes: a save never committed is lost (the previous
+  // checkpoint stays the newest).
   std::string save(const std::string& root, CheckpointMeta meta = {}, const CheckpointSaveOptions& options = {});
   CheckpointMeta load(const std::string& dir_or_root, CheckpointLoadOptions options = {});
+  // Collective: commits the asynchronous save in flight, if any, and returns its directory
+  // ("" when none was in flight). Throws as save() does when a rank's write failed.
+  std::string wait_checkpoint();
   // The whole model's fp32 values by the dense model's parameter names, on the CPU, on every
   // rank (collective: shards, stages and ZeRO's masters are gathered).
   std::map<std::string, at::Tensor> full_parameters();

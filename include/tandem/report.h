@@ -71,6 +71,11 @@ struct Report {
   // gathered units come from, and how many buffers did not fit and took ordinary memory
   // (their collectives go through MPI's fifos, slower).
   int64_t zero_pool_bytes = 0, zero_pool_misses = 0;
+  // Checkpoints saved during the loop and rank 0's seconds of training they held (asynchronous:
+  // gathering and copying the state only); the command says whether they were asynchronous.
+  int64_t checkpoints_saved = 0;
+  double checkpoint_stall_seconds = 0.0;
+  bool checkpoint_async = false;
   double loss_scale = 1.0;    // fp16: the final dynamic loss scale
   int64_t skipped_steps = 0;  // fp16: steps skipped on overflow
   // Rank 0's traffic per step, from the Communicator's counters over every group: payload per

@@ -69,6 +69,9 @@ struct TrainConfig {
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;
   int checkpoint_keep = 0;
+  // Write checkpoints on a background thread while training goes on (the same atomicity: a
+  // checkpoint exists once complete); the last one is committed before the loop returns.
+  bool checkpoint_async = false;
   bool resume = false;
   // Heterogeneous clusters (tandem/shares.h): each data-parallel rank's share of the global
   // batch: "" equal, "auto" (calibrated over the first calibration_steps steps), "3,1"

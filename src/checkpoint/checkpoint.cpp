@@ -22,12 +22,14 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "checkpoint/shard_io.h"
 #include "tandem/pipeline.h"
@@ -125,17 +127,55 @@ void prune(const std::string& root, int keep) {
   for (size_t i = 0; i + keep < done.size(); ++i) ckpt::remove_tree(root + "/" + done[i].second);
 }
 
-std::string save_impl(const std::string& root, SavePlan plan, Communicator& comm, const CheckpointSaveOptions& o) {
+// What committing a save needs once the shards are written.
+struct Commit {
+  std::string root, final_dir, tmp, shard;
+  json manifest;  // all but "shards"
+  int keep = 0;
+  std::function<void(const std::string&)> on_stage;
+};
+
+json manifest_of(const SavePlan& plan, const json& extra) {
+  const auto& meta = plan.meta;
+  json m;
+  m["format"] = ckpt::kManifestFormat;
+  m["version"] = ckpt::kManifestVersion;
+  m["byte_order"] = "little";
+  m["model"] = {{"name", meta.model},
+                {"description", meta.model_description},
+                {"parameters", plan.params},
+                {"buffers", plan.buffers}};
+  m["strategy"] = meta.strategy;
+  m["world_size"] = meta.world_size;
+  m["precision"] = meta.precision;
+  m["optimizer"] = {{"kind", meta.optimizer}, {"step", plan.optimizer_step}, {"slots", plan.slots}};
+  m["progress"] = {{"step", meta.step}, {"epoch", meta.epoch}, {"step_in_epoch", meta.step_in_epoch}};
+  m["seed"] = meta.seed;
+  m["loss_scaler"] = {{"scale", meta.loss_scale},
+                      {"overflow_free_steps", meta.loss_scale_good_steps},
+                      {"skipped_steps", meta.skipped_steps}};
+  m["rng"] = {{"kind", "torch CPU generator state"}, {"entry", "rng/cpu"}, {"per_rank", true}};
+  m["layout"] = plan.layout;
+  m["extra"] = extra;
+  return m;
+}
+
+// Collective: rank 0 makes an empty <root>/.tmp-step-N (removing what killed saves left).
+Commit prepare_save(const std::string& root, SavePlan& plan, Communicator& comm, const CheckpointSaveOptions& o) {
   const int rank = comm.rank(), world = comm.size();
-  auto& meta = plan.meta;
-  meta.world_size = world;
-  const std::string name = step_name(meta.step);
-  const std::string final_dir = root + "/" + name;
-  const std::string tmp = root + "/.tmp-" + name;
+  plan.meta.world_size = world;
+  const std::string name = step_name(plan.meta.step);
+  Commit c;
+  c.root = root;
+  c.final_dir = root + "/" + name;
+  c.tmp = root + "/.tmp-" + name;
+  c.shard = c.tmp + "/" + shard_name(rank, world);
+  c.keep = o.keep;
+  c.on_stage = o.on_stage;
   json extra;
   std::string err;
   try {
-    extra = json::parse(meta.extra_json.empty() ? "{}" : meta.extra_json);
+    extra = json::parse(plan.meta.extra_json.empty() ? "{}" : plan.meta.extra_json);
     if (!extra.is_object()) err = "checkpoint extra_json must be a JSON object, not " + extra.dump();
   } catch (const std::exception& e) {
     err = std::string("checkpoint extra_json is not valid JSON: ") + e.what();
@@ -145,20 +185,32 @@ std::string save_impl(const std::string& root, SavePlan plan, Communicator& comm
       ckpt::make_dirs(root);
       for (auto& n : ckpt::list_dir(root))  // leftovers of a save that was killed
         if (n.rfind(".tmp-", 0) == 0 || n.rfind(".old-", 0) == 0) ckpt::remove_tree(root + "/" + n);
-      ckpt::make_dirs(tmp);
+      ckpt::make_dirs(c.tmp);
     } catch (const std::exception& e) {
       err = std::string("checkpoint save: ") + e.what();
     }
   }
-  agree(comm, err, "preparing checkpoint directory '" + tmp + "'");
+  agree(comm, err, "preparing checkpoint directory '" + c.tmp + "'");
+  if (rank == 0) c.manifest = manifest_of(plan, extra);
+  return c;
+}
 
-  ckpt::Digest d;
+// This rank's shard; an error is returned, for the ranks to agree on.
+std::string write_own_shard(const Commit& c, const std::vector<std::pair<std::string, at::Tensor>>& entries,
+                            ckpt::Digest* d) {
   try {
-    d = ckpt::write_shard(tmp + "/" + shard_name(rank, world), plan.entries);
-    if (o.on_stage) o.on_stage("shard-written");
+    *d = ckpt::write_shard(c.shard, entries);
+    if (c.on_stage) c.on_stage("shard-written");
   } catch (const std::exception& e) {
-    err = std::string("checkpoint save: ") + e.what();
+    return std::string("checkpoint save: ") + e.what();
   }
+  return "";
+}
+
+// Collective: the ranks agree that every shard was written, rank 0 writes the manifest with
+// every shard's size and checksum and renames the directory into place.
+std::string commit_save(Commit& c, const ckpt::Digest& d, std::string err, Communicator& comm) {
+  const int rank = comm.rank(), world = comm.size();
   agree(comm, err, "writing the checkpoint shards");
   auto mine = at::tensor({d.bytes, static_cast<int64_t>(d.fnv1a64)}, at::kLong);
   auto all = at::empty({2 * world}, at::kLong);
@@ -166,25 +218,6 @@ std::string save_impl(const std::string& root, SavePlan plan, Communicator& comm
 
   if (rank == 0) {
     try {
-      json m;
-      m["format"] = ckpt::kManifestFormat;
-      m["version"] = ckpt::kManifestVersion;
-      m["byte_order"] = "little";
-      m["model"] = {{"name", meta.model},
-                    {"description", meta.model_description},
-                    {"parameters", plan.params},
-                    {"buffers", plan.buffers}};
-      m["strategy"] = meta.strategy;
-      m["world_size"] = world;
-      m["precision"] = meta.precision;
-      m["optimizer"] = {{"kind", meta.optimizer}, {"step", plan.optimizer_step}, {"slots", plan.slots}};
-      m["progress"] = {{"step", meta.step}, {"epoch", meta.epoch}, {"step_in_epoch", meta.step_in_epoch}};
-      m["seed"] = meta.seed;
-      m["loss_scaler"] = {{"scale", meta.loss_scale},
-                          {"overflow_free_steps", meta.loss_scale_good_steps},
-                          {"skipped_steps", meta.skipped_steps}};
-      m["rng"] = {{"kind", "torch CPU generator state"}, {"entry", "rng/cpu"}, {"per_rank", true}};
-      m["layout"] = plan.layout;
       json shards = json::array();
       auto h = all.accessor<int64_t, 1>();
       for (int r = 0; r < world; ++r) {
@@ -193,26 +226,94 @@ std::string save_impl(const std::string& root, SavePlan plan, Communicator& comm
                           {"bytes", h[2 * r]},
                           {"fnv1a64", ckpt::hex64(static_cast<uint64_t>(h[2 * r + 1]))}});
       }
-      m["shards"] = shards;
-      m["extra"] = extra;
-      ckpt::write_synced(tmp + "/" + kManifest, m.dump(1) + "\n");
-      ckpt::fsync_dir(tmp);
-      if (o.on_stage) o.on_stage("manifest-written");
-      const std::string old = root + "/.old-" + name;
-      if (ckpt::exists(final_dir)) ckpt::rename_path(final_dir, old);  // saving the same step again
-      ckpt::rename_path(tmp, final_dir);
-      ckpt::fsync_dir(root);
+      c.manifest["shards"] = shards;
+      ckpt::write_synced(c.tmp + "/" + kManifest, c.manifest.dump(1) + "\n");
+      ckpt::fsync_dir(c.tmp);
+      if (c.on_stage) c.on_stage("manifest-written");
+      const std::string old = c.root + "/.old-" + c.final_dir.substr(c.root.size() + 1);
+      if (ckpt::exists(c.final_dir)) ckpt::rename_path(c.final_dir, old);  // saving the same step again
+      ckpt::rename_path(c.tmp, c.final_dir);
+      ckpt::fsync_dir(c.root);
       ckpt::remove_tree(old);
-      prune(root, o.keep);
+      prune(c.root, c.keep);
     } catch (const std::exception& e) {
       err = std::string("checkpoint save: ") + e.what();
     }
-  } else if (o.on_stage) {
-    o.on_stage("manifest-written");
+  } else if (c.on_stage) {
+    c.on_stage("manifest-written");
   }
-  agree(comm, err, "committing checkpoint '" + final_dir + "'");
-  if (o.on_stage) o.on_stage("renamed");
-  return final_dir;
+  agree(comm, err, "committing checkpoint '" + c.final_dir + "'");
+  if (c.on_stage) c.on_stage("renamed");
+  return c.final_dir;
+}
+
+}  // namespace
+
+struct AsyncCheckpoint::State {
+  Commit commit;
+  std::vector<std::pair<std::string, at::Tensor>> entries;  // copies, owned by the writer
+  std::thread writer;
+  std::atomic<bool> done{false};
+  bool pending = false;
+  ckpt::Digest digest;
+  std::string err;
+
+  void join() {
+    if (writer.joinable()) writer.join();
+  }
+};
+
+AsyncCheckpoint::AsyncCheckpoint() : s_(std::make_unique<State>()) {}
+AsyncCheckpoint::~AsyncCheckpoint() { s_->join(); }
+bool AsyncCheckpoint::pending() const { return s_->pending; }
+bool AsyncCheckpoint::written() const { return !s_->pending || s_->done.load(); }
+
+bool AsyncCheckpoint::all_written(Communicator& comm) const {
+  auto t = at::tensor({static_cast<int64_t>(written() ? 0 : 1)}, at::kLong);
+  comm.allreduce(t, ReduceOp::kSum);
+  return t.item<int64_t>() == 0;
+}
+
+std::string AsyncCheckpoint::finish(Communicator& comm) {
+  if (!s_->pending) throw std::logic_error("AsyncCheckpoint::finish: no save in flight");
+  s_->join();
+  s_->pending = false;
+  s_->entries.clear();
+  return commit_save(s_->commit, s_->digest, s_->err, comm);
+}
+
+// The save's friend: starts the writer over copies of the shard's tensors.
+struct AsyncCheckpointAccess {
+  static void start(AsyncCheckpoint& a, Commit c, std::vector<std::pair<std::string, at::Tensor>> entries) {
+    auto& s = *a.s_;
+    s.commit = std::move(c);
+    s.entries = std::move(entries);
+    for (auto& e : s.entries) e.second = e.second.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    s.done = false;
+    s.err.clear();
+    s.digest = {};
+    s.pending = true;
+    s.writer = std::thread([&s] {
+      s.err = write_own_shard(s.commit, s.entries, &s.digest);
+      s.done = true;
+    });
+  }
+};
+
+namespace {
+
+std::string save_impl(const std::string& root, SavePlan plan, Communicator& comm, const CheckpointSaveOptions& o) {
+  if (o.async && o.async->pending()) {
+    throw std::invalid_argument("checkpoint save: the AsyncCheckpoint handle has a save in flight; finish() it first");
+  }
+  Commit c = prepare_save(root, plan, comm, o);
+  if (o.async) {
+    AsyncCheckpointAccess::start(*o.async, std::move(c), std::move(plan.entries));
+    return root + "/" + step_name(plan.meta.step);
+  }
+  ckpt::Digest d;
+  std::string err = write_own_shard(c, plan.entries, &d);
+  return commit_save(c, d, std::move(err), comm);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> named_buffers(torch::nn::Module& m) {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <unordered_map>
 
@@ -68,6 +69,9 @@ struct Engine::Impl {
   int64_t steps = 0, pipe_steps = 0, peak_live = 0;
   double pipe_step_s = 0.0, pipe_compute_s = 0.0;
   int uncounted_depth = 0;
+  std::shared_ptr<AsyncCheckpoint> pending_save;  // an asynchronous save not yet committed
+  int64_t saves = 0;
+  double save_stall_s = 0.0;
 
   // stats() describes training steps: the communication of inference, checkpoints and
   // gathering the model is left out (it would be charged to the steps). The outermost guard
@@ -198,7 +202,12 @@ Engine::Engine(Runtime& rt, std::shared_ptr<torch::nn::Module> model, ForwardFn 
   reset_stats();
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  if (impl_->pending_save && impl_->pending_save->pending()) {
+    std::cerr << "tandem: an asynchronous checkpoint was never committed (call Engine::wait_checkpoint() before the "
+                 "Engine goes); the previous checkpoint stays the newest\n";
+  }
+}
 
 // ---- steps
 
@@ -227,8 +236,15 @@ at::Tensor Engine::forward(const at::Tensor& inputs) {
 void Engine::backward(const at::Tensor& loss) { impl_->up->scale_loss(loss).backward(); }
 
 bool Engine::optimizer_step() {
-  ++impl_->steps;
-  return impl_->up->step();
+  auto& I = *impl_;
+  ++I.steps;
+  const bool stepped = I.up->step();
+  if (I.pending_save) {  // every rank has one after the same save(): the check is collective
+    Impl::Uncounted uncounted(I);
+    auto cpu = I.L.rt->cpu_world();
+    if (I.pending_save->all_written(*cpu)) wait_checkpoint();
+  }
+  return stepped;
 }
 
 at::Tensor Engine::forward_backward(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss_fn,
@@ -344,9 +360,19 @@ double Engine::lr() const { return impl_->up->lr(); }
 
 // ---- checkpoints
 
+std::string Engine::wait_checkpoint() {
+  auto& I = *impl_;
+  if (!I.pending_save) return "";
+  Impl::Uncounted uncounted(I);
+  auto pending = std::move(I.pending_save);
+  return pending->finish(*I.L.rt->cpu_world());
+}
+
 std::string Engine::save(const std::string& root, CheckpointMeta meta, const CheckpointSaveOptions& options) {
   auto& I = *impl_;
   Impl::Uncounted uncounted(I);
+  wait_checkpoint();
+  const auto t0 = Clock::now();
   const auto& cfg = I.L.cfg;
   if (meta.model.empty()) meta.model = I.L.opts.model_name;
   if (meta.model_description.empty()) {
@@ -360,12 +386,17 @@ std::string Engine::save(const std::string& root, CheckpointMeta meta, const Che
   meta.loss_scale = sc.scale();
   meta.loss_scale_good_steps = sc.overflow_free_steps();
   meta.skipped_steps = sc.skipped_steps();
-  return I.up->save(root, meta, options);
+  auto dir = I.up->save(root, meta, options);
+  if (options.async) I.pending_save = options.async;
+  ++I.saves;
+  I.save_stall_s += seconds_since(t0);
+  return dir;
 }
 
 CheckpointMeta Engine::load(const std::string& dir_or_root, CheckpointLoadOptions options) {
   namespace fs = std::filesystem;
   Impl::Uncounted uncounted(*impl_);
+  wait_checkpoint();
   std::string dir = dir_or_root;
   if (!fs::exists(fs::path(dir) / "manifest.json")) {
     dir = latest_checkpoint(dir_or_root);
@@ -444,6 +475,8 @@ EngineStats Engine::stats() const {
   const auto& I = *impl_;
   EngineStats s;
   s.steps = I.steps;
+  s.checkpoints_saved = I.saves;
+  s.checkpoint_stall_seconds = I.save_stall_s;
   for (size_t c = 0; c < I.comms.size(); ++c) {
     std::map<std::string, OpStats> delta;
     for (auto& [op, st] : I.comms[c]->stats()) {
@@ -499,6 +532,8 @@ void Engine::reset_stats() {
   I.pipe_steps = 0;
   I.pipe_step_s = I.pipe_compute_s = 0.0;
   I.peak_live = 0;
+  I.saves = 0;
+  I.save_stall_s = 0.0;
   if (auto* ddp = I.up->ddp()) ddp->reset_stats();
 }
 

@@ -175,6 +175,13 @@ void format_memory(std::ostringstream& os, const Report& r) {
 }
 
 void format_communication(std::ostringstream& os, const Report& r) {
+  if (r.checkpoints_saved > 0) {
+    line(os, "checkpoints") << r.checkpoints_saved << " saved ("
+                            << (r.checkpoint_async ? "asynchronous" : "synchronous") << "), training held "
+                            << std::setprecision(1)
+                            << 1e3 * r.checkpoint_stall_seconds / static_cast<double>(r.checkpoints_saved)
+                            << " ms per save (rank 0)\n";
+  }
   if (r.precision == "fp16") {
     line(os, "loss scale") << std::setprecision(0) << r.loss_scale << ", " << r.skipped_steps
                            << " step(s) skipped on overflow\n";
@@ -242,6 +249,8 @@ void collect_engine_report(Engine& eng, const EngineStats& s, Report& rep) {
   rep.comm_engine_seconds = s.comm_seconds;
   rep.loss_scale = s.loss_scale;
   rep.skipped_steps = s.skipped_steps;
+  rep.checkpoints_saved = s.checkpoints_saved;
+  rep.checkpoint_stall_seconds = s.checkpoint_stall_seconds;
   rep.comm_seconds = s.ddp_comm_seconds;
   rep.exposed_comm_seconds = s.ddp_exposed_seconds;
   rep.hidden_fraction = s.hidden_fraction;
@@ -298,6 +307,9 @@ std::string report_json(const Report& r) {
                       {"zero_pool_misses", r.zero_pool_misses},
                       {"loss_scale", r.loss_scale},
                       {"skipped_steps", r.skipped_steps},
+                      {"checkpoints_saved", r.checkpoints_saved},
+                      {"checkpoint_stall_seconds", r.checkpoint_stall_seconds},
+                      {"checkpoint_async", r.checkpoint_async},
                       {"comm_bytes_per_step", r.comm_bytes_per_step},
                       {"wire_bytes_per_step", r.wire_bytes_per_step},
                       {"comm_engine_seconds", r.comm_engine_seconds},

@@ -86,6 +86,9 @@ void validate_checkpointing(const TrainConfig& cfg) {
     throw std::invalid_argument(std::string(cfg.resume ? "--resume" : "--checkpoint-every") +
                                 " needs --checkpoint-dir DIR");
   }
+  if (cfg.checkpoint_async && cfg.checkpoint_every == 0) {
+    throw std::invalid_argument("--checkpoint-async needs --checkpoint-every N (it makes those saves asynchronous)");
+  }
 }
 
 // Where a run starts: step, epoch and batches of that epoch already done.
@@ -133,6 +136,7 @@ void save_checkpoint_now(const TrainConfig& cfg, Engine& eng, int64_t epoch, int
       nlohmann::json{{"batch", cfg.batch}, {"seed", cfg.seed}, {"lr", cfg.lr}, {"epochs", cfg.epochs}}.dump();
   CheckpointSaveOptions so;
   so.keep = cfg.checkpoint_keep;
+  if (cfg.checkpoint_async) so.async = std::make_shared<AsyncCheckpoint>();
   eng.save(cfg.checkpoint_dir, m, so);
 }
 
@@ -223,7 +227,9 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
       }
     }
   }
+  eng.wait_checkpoint();  // the last asynchronous save is committed inside the loop's time
   rep.wall_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
+  rep.checkpoint_async = cfg.checkpoint_async;
   progress.finish();
   rec.steps = step;
   rec.weighted = shares.active();

@@ -630,5 +630,71 @@ TEST_F(CheckpointErrors, KillDuringSaveKeepsThePrevious) {
   EXPECT_FALSE(ckpt::exists(root_ + "/.tmp-step-00000007"));
 }
 
+// An asynchronous save is a snapshot: changing the model after save() returns does not change
+// what finish() commits, which is byte for byte what a synchronous save writes. Until finish()
+// the previous checkpoint stays the newest, and the handle takes no second save.
+TEST_F(CheckpointErrors, AsyncSaveIsASnapshot) {
+  const std::string sync_root = root_ + "/sync", async_root = root_ + "/async";
+  const auto sync_dir = save_checkpoint(sync_root, meta_at(5, "single"), *model_, *opt_, *comm_);
+  save_checkpoint(async_root, meta_at(2, "single"), *model_, *opt_, *comm_);
+  CheckpointSaveOptions so;
+  so.async = std::make_shared<AsyncCheckpoint>();
+  const auto dir = save_checkpoint(async_root, meta_at(5, "single"), *model_, *opt_, *comm_, so);
+  EXPECT_TRUE(so.async->pending());
+  EXPECT_EQ(latest_checkpoint(async_root), async_root + "/step-00000002");
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : model_->parameters()) p.add_(1.0);
+  }
+  EXPECT_THROW(save_checkpoint(async_root, meta_at(6, "single"), *model_, *opt_, *comm_, so), std::invalid_argument);
+  EXPECT_TRUE(so.async->all_written(*comm_) || !so.async->written());
+  EXPECT_EQ(so.async->finish(*comm_), dir);
+  EXPECT_FALSE(so.async->pending());
+  EXPECT_EQ(latest_checkpoint(async_root), dir);
+  for (const char* f : {"manifest.json", "shard-00000-of-00001.bin"}) {
+    EXPECT_EQ(ckpt::read_all(sync_dir + "/" + f), ckpt::read_all(dir + "/" + f)) << f;
+  }
+  EXPECT_THROW(so.async->finish(*comm_), std::logic_error);
+}
+
+// A process killed while its asynchronous save writes, or after save() returned and before
+// finish(): the previous checkpoint stays the newest and loads; the next save succeeds.
+TEST_F(CheckpointErrors, KillDuringAsyncSaveKeepsThePrevious) {
+  for (bool in_writer : {true, false}) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      CheckpointSaveOptions so;
+      so.async = std::make_shared<AsyncCheckpoint>();
+      if (in_writer) {
+        so.on_stage = [](const std::string& s) {
+          if (s == "shard-written") ::raise(SIGKILL);
+        };
+      }
+      try {
+        auto self = tandem::make_self_communicator(CommOptions{});
+        save_checkpoint(root_, meta_at(7, "single"), *model_, *opt_, *self, so);
+        if (!in_writer) ::raise(SIGKILL);
+        so.async->finish(*self);
+      } catch (...) {
+      }
+      ::_exit(0);  // not reached when it was killed
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << in_writer;
+    EXPECT_EQ(latest_checkpoint(root_), path_) << in_writer;
+    auto m = make_seq(99);
+    auto opt = make_optimizer(m->parameters(), adamw());
+    EXPECT_EQ(load_checkpoint(latest_checkpoint(root_), *m, *opt, 0).step, 2);
+  }
+  CheckpointSaveOptions so;
+  so.async = std::make_shared<AsyncCheckpoint>();
+  save_checkpoint(root_, meta_at(7, "single"), *model_, *opt_, *comm_, so);
+  EXPECT_EQ(so.async->finish(*comm_), root_ + "/step-00000007");
+  EXPECT_EQ(latest_checkpoint(root_), root_ + "/step-00000007");
+  EXPECT_FALSE(ckpt::exists(root_ + "/.tmp-step-00000007"));
+}
+
 }  // namespace
 }  // namespace tandem::test

@@ -13,6 +13,10 @@ set_tests_properties(e2e_train_checkpoint_pipeline PROPERTIES TIMEOUT 240 PROCES
 # for bit and on one worker.
 add_test(NAME e2e_train_checkpoint_tp COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_checkpoint.sh $<TARGET_FILE:tandem_cli> tp)
 set_tests_properties(e2e_train_checkpoint_tp PROPERTIES TIMEOUT 400 PROCESSORS 2)
+# Asynchronous checkpoints (--checkpoint-async) under DDP, ZeRO-2 and --tp 2: the same losses
+# and the same files byte for byte as synchronous saves, and a bitwise resume from them.
+add_test(NAME e2e_train_checkpoint_async COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_checkpoint.sh $<TARGET_FILE:tandem_cli> async)
+set_tests_properties(e2e_train_checkpoint_async PROPERTIES TIMEOUT 300 PROCESSORS 2)
 # Faults: rank 1 of a training run killed with SIGKILL mid-training -> the launcher exits
 # non-zero naming it within 30 s; with --max-restarts 1 the job relaunches from the newest
 # checkpoint and finishes; restart1: the same with one worker (-n 1), which is killed.

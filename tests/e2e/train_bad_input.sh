@@ -37,6 +37,8 @@ expect recompute-word "activation-checkpointing 'sometimes': use none, every, or
   "$tandem" train -n 1 --activation-checkpointing sometimes --max-steps 1
 expect recompute-too-many "activation-checkpointing 40: the model has [0-9]+ layers; use at most" -- \
   "$tandem" train -n 1 --model mlp --activation-checkpointing 40 --max-steps 1
+expect async-without-every "checkpoint-async needs --checkpoint-every N" -- \
+  "$tandem" train -n 1 --checkpoint-async --checkpoint-dir "$tmp/ck" --max-steps 1
 expect grad-accum-zero "grad-accum must be at least 1" -- "$tandem" train -n 1 --grad-accum 0 --max-steps 1
 expect grad-accum-pp "grad-accum with --pp: the pipeline already accumulates.*--micro-batches 8" -- \
   "$tandem" train -n 2 --pp 2 --grad-accum 2 --no-baseline --max-steps 1

@@ -17,7 +17,10 @@
 # checkpoint of the 2 x 2 run at step 20 on one worker. --tp 2 --pp 2, --tp 2 with ZeRO-3 over 2
 # replicas, and --tp 2 --pp 2 with ZeRO-1 resume themselves bit for bit and on one worker
 # within 1e-5, and a DDP checkpoint resumes as the latter.
-# usage: train_checkpoint.sh TANDEM [ddp|pipeline|tp]
+# Mode "async": --checkpoint-async changes no loss, and writes the same files as synchronous saves
+# byte for byte (DDP: rank 0 writes; ZeRO-2: each rank its chunks; --tp 2: gathered); a run
+# resumed from an asynchronous checkpoint continues bit for bit; the report counts the saves.
+# usage: train_checkpoint.sh TANDEM [ddp|pipeline|tp|async]
 set -euo pipefail
 tandem=$1
 mode=${2:-ddp}
@@ -56,6 +59,31 @@ for spec in runs:
 sys.exit(0 if ok else 1)
 PY
 }
+
+if [[ "$mode" == async ]]; then
+  for v in "ddp:--strategy ddp" "z2:--strategy zero2" "tp:--tp 2"; do
+    name=${v%%:*}
+    read -r -a args <<<"${v#*:}"
+    run "${name}_sync" -n 2 "${args[@]}" --checkpoint-dir "$out/${name}_sync"
+    run "${name}_async" -n 2 "${args[@]}" --checkpoint-dir "$out/${name}_async" --checkpoint-async
+    grep -q "checkpoints *2 saved (asynchronous)" "$out/log_${name}_async" ||
+      { echo "$name: the report does not count 2 asynchronous saves:"; cat "$out/log_${name}_async"; exit 1; }
+    for step in step-00000010 step-00000020; do
+      files=$(cd "$out/${name}_sync/$step" && ls)
+      [[ "$files" == "$(cd "$out/${name}_async/$step" && ls)" ]] || { echo "$name $step: other files"; exit 1; }
+      for f in $files; do
+        cmp "$out/${name}_sync/$step/$f" "$out/${name}_async/$step/$f" ||
+          { echo "$name $step/$f differs between synchronous and asynchronous saves"; exit 1; }
+      done
+    done
+    if ls -a "$out/${name}_async" | grep -q '^\.tmp-'; then echo "$name: a temporary directory was left"; exit 1; fi
+    mkdir -p "$out/${name}_resume" && cp -r "$out/${name}_async/step-00000010" "$out/${name}_resume/"
+    run "${name}_resume" -n 2 "${args[@]}" --checkpoint-dir "$out/${name}_resume" --checkpoint-async --resume
+    compare "${name}_sync" "${name}_async:bitwise:1-20" "${name}_resume:bitwise:11-20"
+  done
+  echo "checkpoint async ok"
+  exit 0
+fi
 
 if [[ "$mode" == tp ]]; then
   # Tensor parallelism (--tp 2): the shards are gathered and rank 0 writes the whole model.

@@ -107,6 +107,9 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--checkpoint-every", cfg.checkpoint_every, "save a checkpoint every N steps (0: never)")
       ->capture_default_str();
   app.add_option("--keep", cfg.checkpoint_keep, "keep the newest K checkpoints (0: all)")->capture_default_str();
+  app.add_flag("--checkpoint-async", cfg.checkpoint_async,
+               "write checkpoints on a background thread while training continues (committed atomically when "
+               "complete)");
   app.add_option("--max-restarts", max_restarts,
                  "after a failed run of the workers, relaunch up to K times from the newest checkpoint")
       ->check(whole_between(0, 100))
