@@ -13,6 +13,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace tandem {
 
@@ -136,5 +137,8 @@ bool has_nccl_backend();
 // copying through MPI (DDP's buckets and ZeRO's flat buffers use it). Otherwise plain memory.
 // TANDEM_MPI_SHM=0 turns the shared-memory path off.
 at::Tensor symmetric_empty(Communicator& comm, int64_t numel, const at::TensorOptions& opts);
+
+// Collective over a CPU communicator: every rank's string, in rank order, on every rank.
+std::vector<std::string> allgather_strings(Communicator& comm, const std::string& mine);
 
 }  // namespace tandem

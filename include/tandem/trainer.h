@@ -72,6 +72,9 @@ struct TrainConfig {
   // Write checkpoints on a background thread while training goes on (the same atomicity: a
   // checkpoint exists once complete); the last one is committed before the loop returns.
   bool checkpoint_async = false;
+  // A Chrome trace-event timeline of the training loop, every rank's, written by rank 0
+  // (tandem/trace.h); "" for none.
+  std::string trace;
   bool resume = false;
   // Heterogeneous clusters (tandem/shares.h): each data-parallel rank's share of the global
   // batch: "" equal, "auto" (calibrated over the first calibration_steps steps), "3,1"

@@ -34,6 +34,7 @@
 #include "checkpoint/shard_io.h"
 #include "tandem/pipeline.h"
 #include "tandem/tensor_parallel.h"
+#include "tandem/trace.h"
 #include "tandem/zero.h"
 
 namespace tandem {
@@ -199,7 +200,9 @@ Commit prepare_save(const std::string& root, SavePlan& plan, Communicator& comm,
 std::string write_own_shard(const Commit& c, const std::vector<std::pair<std::string, at::Tensor>>& entries,
                             ckpt::Digest* d) {
   try {
+    trace::Span span("checkpoint write", "checkpoint");
     *d = ckpt::write_shard(c.shard, entries);
+    span.arg("bytes", d->bytes);
     if (c.on_stage) c.on_stage("shard-written");
   } catch (const std::exception& e) {
     return std::string("checkpoint save: ") + e.what();
@@ -294,6 +297,7 @@ struct AsyncCheckpointAccess {
     s.digest = {};
     s.pending = true;
     s.writer = std::thread([&s] {
+      trace::name_thread("checkpoint writer");
       s.err = write_own_shard(s.commit, s.entries, &s.digest);
       s.done = true;
     });
@@ -357,24 +361,6 @@ SavePlan whole_tensors_plan(const CheckpointMeta& meta, torch::nn::Module& model
   }
   plan.entries.emplace_back("rng/cpu", cpu_rng_state());
   return plan;
-}
-
-// Collective: every rank's string, on every rank.
-std::vector<std::string> allgather_strings(Communicator& comm, const std::string& mine) {
-  const int world = comm.size();
-  auto len = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong);
-  auto lens = at::empty({world}, at::kLong);
-  comm.allgather(lens, len);
-  const int64_t longest = std::max<int64_t>(1, lens.max().item<int64_t>());
-  auto buf = at::zeros({longest}, at::kByte);
-  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
-  auto all = at::empty({world * longest}, at::kByte);
-  comm.allgather(all, buf);
-  std::vector<std::string> out;
-  for (int r = 0; r < world; ++r) {
-    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest, lens[r].item<int64_t>());
-  }
-  return out;
 }
 
 // ---- reading

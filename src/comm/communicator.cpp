@@ -2,6 +2,7 @@
 // world-size-1 "self" communicator.
 #include <ATen/ATen.h>
 
+#include <cstring>
 #include <sstream>
 
 #include "comm/backends.h"
@@ -38,6 +39,23 @@ void Communicator::record(const std::string& op, int64_t bytes) {
 void Communicator::record_seconds(const std::string& op, double seconds) {
   std::lock_guard<std::mutex> lk(stats_mu_);
   stats_[op].seconds += seconds;
+}
+
+std::vector<std::string> allgather_strings(Communicator& comm, const std::string& mine) {
+  const int world = comm.size();
+  auto len = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong);
+  auto lens = at::empty({world}, at::kLong);
+  comm.allgather(lens, len);
+  const int64_t longest = std::max<int64_t>(1, lens.max().item<int64_t>());
+  auto buf = at::zeros({longest}, at::kByte);
+  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  auto all = at::empty({world * longest}, at::kByte);
+  comm.allgather(all, buf);
+  std::vector<std::string> out;
+  for (int r = 0; r < world; ++r) {
+    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + r * longest, lens[r].item<int64_t>());
+  }
+  return out;
 }
 
 #ifndef TANDEM_WITH_MPI

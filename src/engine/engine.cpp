@@ -17,6 +17,7 @@
 #include "tandem/grid.h"
 #include "tandem/models.h"
 #include "tandem/tensor_parallel.h"
+#include "tandem/trace.h"
 #include "tandem/zero.h"
 
 namespace tandem {
@@ -238,7 +239,11 @@ void Engine::backward(const at::Tensor& loss) { impl_->up->scale_loss(loss).back
 bool Engine::optimizer_step() {
   auto& I = *impl_;
   ++I.steps;
-  const bool stepped = I.up->step();
+  bool stepped = false;
+  {
+    trace::Span span("optimizer step", "compute");
+    stepped = I.up->step();
+  }
   if (I.pending_save) {  // every rank has one after the same save(): the check is collective
     Impl::Uncounted uncounted(I);
     auto cpu = I.L.rt->cpu_world();
@@ -268,6 +273,7 @@ at::Tensor Engine::Impl::pipeline_pass(const at::Tensor& x, const at::Tensor& y,
   const double norm = static_cast<double>(L.dp_size()) / std::max(1.0, so.terms);
   const double m = static_cast<double>(L.cfg.micro_batches);
   const auto t0 = Clock::now();
+  trace::Span span("pipeline forward and backward", "compute");
   auto loss = L.pipe->train_step(x, y, [&](const at::Tensor& out, const at::Tensor& target) {
     at::Tensor l = loss_fn(out, target);
     if (so.reduction == LossReduction::kSum) {
@@ -300,9 +306,14 @@ at::Tensor Engine::Impl::accumulate_pass(const at::Tensor& x, const at::Tensor& 
                               [&](const at::Tensor& xp, const at::Tensor& yp, double w) {
                                 const auto t0 = Clock::now();
                                 const double waited = up->gather_wait_seconds();
-                                at::Tensor part = loss_fn(up->forward(xp), yp);
+                                at::Tensor part;
+                                {
+                                  trace::Span span("forward", "compute");
+                                  part = loss_fn(up->forward(xp), yp);
+                                }
                                 // Time spent waiting for other ranks' parameters is theirs.
                                 forward_s += seconds_since(t0) - (up->gather_wait_seconds() - waited);
+                                trace::Span span("backward", "compute");
                                 if (so.reduction == LossReduction::kSum) {
                                   at::Tensor l = part * norm;
                                   up->scale_loss(l).backward();
@@ -365,6 +376,7 @@ std::string Engine::wait_checkpoint() {
   if (!I.pending_save) return "";
   Impl::Uncounted uncounted(I);
   auto pending = std::move(I.pending_save);
+  trace::Span span("checkpoint commit", "checkpoint");
   return pending->finish(*I.L.rt->cpu_world());
 }
 
@@ -372,6 +384,7 @@ std::string Engine::save(const std::string& root, CheckpointMeta meta, const Che
   auto& I = *impl_;
   Impl::Uncounted uncounted(I);
   wait_checkpoint();
+  trace::Span span("checkpoint save", "checkpoint");
   const auto t0 = Clock::now();
   const auto& cfg = I.L.cfg;
   if (meta.model.empty()) meta.model = I.L.opts.model_name;

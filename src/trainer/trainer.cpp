@@ -10,6 +10,7 @@
 #include <cmath>
 #include <fstream>
 #include <iostream>
+#include <tuple>
 
 #include "tandem/checkpoint.h"
 #include "tandem/data.h"
@@ -22,6 +23,7 @@
 #include "tandem/progress.h"
 #include "tandem/registry.h"
 #include "tandem/shares.h"
+#include "tandem/trace.h"
 
 namespace tandem {
 namespace {
@@ -85,6 +87,14 @@ void validate_checkpointing(const TrainConfig& cfg) {
   if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.checkpoint_dir.empty()) {
     throw std::invalid_argument(std::string(cfg.resume ? "--resume" : "--checkpoint-every") +
                                 " needs --checkpoint-dir DIR");
+  }
+  if (!cfg.trace.empty()) {
+    const auto slash = cfg.trace.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : cfg.trace.substr(0, std::max<size_t>(slash, 1));
+    if (::access(dir.c_str(), W_OK) != 0) {
+      throw std::invalid_argument("--trace " + cfg.trace + ": the directory '" + dir +
+                                  "' does not exist or is not writable");
+    }
   }
   if (cfg.checkpoint_async && cfg.checkpoint_every == 0) {
     throw std::invalid_argument("--checkpoint-async needs --checkpoint-every N (it makes those saves asynchronous)");
@@ -194,7 +204,11 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
       const double lr = schedule.at(step);
       eng.set_lr(lr);
       // Forward window (data, --slow-rank, forward, loss): what the batch-share calibration times.
-      auto [x, y] = data::gather_batch(train_set, idx);
+      at::Tensor x, y;
+      {
+        trace::Span span("data", "data");
+        std::tie(x, y) = data::gather_batch(train_set, idx);
+      }
       shares.slow_down(n, BatchSharePlan::kForwardFraction);
       double forward_s = std::chrono::duration<double>(Clock::now() - t0).count();
       const int64_t step_global = shares.step_samples(sampler, n, in_epoch);
@@ -354,7 +368,12 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   StartPoint start;
   if (cfg.resume) start = resume_from_checkpoint(cfg, eng, rank);
   rep.first_step = start.step;
+  if (!cfg.trace.empty()) trace::start(*rt.cpu_world());
   const LoopRecord rec = run_loop(cfg, eng, train_set, start, dev, rep);
+  if (!cfg.trace.empty()) {
+    trace::stop();
+    trace::write(cfg.trace, *rt.cpu_world());
+  }
   const EngineStats loop = eng.stats();
   report_losses(eng, rec, dev, rep);
   if (cfg.evaluate && test_set.size() > 0) evaluate(cfg, eng, test_set, dev, rep);

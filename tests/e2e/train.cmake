@@ -5,6 +5,10 @@ add_test(NAME e2e_train_accuracy_parity COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/
 set_tests_properties(e2e_train_accuracy_parity PROPERTIES TIMEOUT 900 PROCESSORS 2)
 add_test(NAME e2e_train_bad_input COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_bad_input.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_train_bad_input PROPERTIES TIMEOUT 600 PROCESSORS 2)
+# --trace FILE: the merged timeline of 2 ranks parses and holds forward, backward, optimizer,
+# data, sized collectives, waits, checkpoint save/write/commit, and a pipeline's sends/receives.
+add_test(NAME e2e_train_trace COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_trace.sh $<TARGET_FILE:tandem_cli>)
+set_tests_properties(e2e_train_trace PROPERTIES TIMEOUT 180 PROCESSORS 2)
 # Mixed precision: bf16 (ZeRO-2) and fp16 with loss scaling (ZeRO-3) reach fp32's accuracy
 # within 0.5 points after 150 steps of the MLP, a third of an epoch (fp16 convolutions have no
 # fast CPU kernels, and the 16-bit MLP runs take 9-10x fp32's time here: 282 s for a whole epoch

@@ -107,6 +107,9 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--checkpoint-every", cfg.checkpoint_every, "save a checkpoint every N steps (0: never)")
       ->capture_default_str();
   app.add_option("--keep", cfg.checkpoint_keep, "keep the newest K checkpoints (0: all)")->capture_default_str();
+  app.add_option("--trace", cfg.trace,
+                 "write a timeline of the training loop (every rank: forward, backward, collectives with their "
+                 "sizes, waits, optimizer, checkpoints, data) to FILE as Chrome trace JSON (open it in Perfetto)");
   app.add_flag("--checkpoint-async", cfg.checkpoint_async,
                "write checkpoints on a background thread while training continues (committed atomically when "
                "complete)");

@@ -24,6 +24,7 @@
 
 #include "comm/backends.h"
 #include "tandem/comm.h"
+#include "tandem/trace.h"
 
 namespace tandem {
 
@@ -118,6 +119,7 @@ class MpiWork : public Work {
   void wait() override {
     std::unique_lock<std::mutex> lk(mu_);
     if (!done_) {
+      trace::Span span("wait", "wait");
       waiters_->fetch_add(1);
       bool ok = cv_.wait_for(lk, timeout_, [&] { return done_; });
       waiters_->fetch_sub(1);
@@ -166,6 +168,7 @@ struct PendingOp {
   std::function<void()> blocking;                        // the same as one blocking MPI call (collectives)
   std::vector<MPI_Request> reqs;
   Clock::time_point started;
+  int64_t bytes = 0;
 };
 
 // The reduction of one rank's segment of a shared-memory all-reduce: sums the segment
@@ -615,6 +618,7 @@ class MpiCommunicator : public Communicator {
     if (!internal) record(name, bytes);
     auto op = std::make_shared<PendingOp>();
     op->name = name;
+    op->bytes = bytes;
     op->work = std::make_shared<MpiWork>(what, timeout());
     op->work->waiters_ = &waiters_;
     op->start = std::move(start);
@@ -639,11 +643,19 @@ class MpiCommunicator : public Communicator {
       err = std::current_exception();
     }
     double secs = std::chrono::duration<double>(Clock::now() - op.started).count();
-    if (op.name.compare(0, 4, "shm_") != 0) record_seconds(op.name, secs);
+    if (op.name.compare(0, 4, "shm_") != 0) {
+      record_seconds(op.name, secs);
+      if (trace::enabled()) {
+        const int64_t end = trace::now_us();
+        trace::record(op.name.c_str(), "communication", end - static_cast<int64_t>(secs * 1e6), end,
+                      "\"bytes\":" + std::to_string(op.bytes));
+      }
+    }
     op.work->finish(secs, err);
   }
 
   void loop() {
+    trace::name_thread("communication (a group of " + std::to_string(size_) + ")");
     std::vector<std::shared_ptr<PendingOp>> inflight;
     std::deque<std::shared_ptr<PendingOp>> fresh;
     int idle_rounds = 0;
