@@ -60,6 +60,10 @@ class Span {
   std::string args_;
 };
 
+// Throws std::invalid_argument("--trace PATH: ...") when PATH's directory does not exist or is
+// not writable: a check before training, rather than a failure after it.
+void check_path(const std::string& path);
+
 // Collective over `comm` (a CPU communicator): every rank's events go to rank 0, which writes
 // `path` as {"traceEvents": [...]} with one process per rank ("rank N") and one track per
 // thread. Throws std::runtime_error on rank 0 when the file cannot be written.

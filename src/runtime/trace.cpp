@@ -2,6 +2,7 @@
 #include "tandem/trace.h"
 
 #include <ATen/ATen.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -55,7 +56,6 @@ std::string escaped(const std::string& s) {
   return out;
 }
 
-
 }  // namespace
 
 void start(Communicator& comm) {
@@ -101,6 +101,14 @@ void record(const char* name, const char* category, int64_t begin_us, int64_t en
   b.events += ev;
 }
 
+void check_path(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, std::max<size_t>(slash, 1));
+  if (::access(dir.c_str(), W_OK) != 0) {
+    throw std::invalid_argument("--trace " + path + ": the directory '" + dir + "' does not exist or is not writable");
+  }
+}
+
 void write(const std::string& path, Communicator& comm) {
   std::string mine;
   {
@@ -108,8 +116,9 @@ void write(const std::string& path, Communicator& comm) {
     std::lock_guard<std::mutex> lk(b.mu);
     mine = b.events;
     for (const auto& [tid, name] : b.thread_names) {
-      mine += std::string(mine.empty() ? "" : ",") + "{\"ph\":\"M\",\"name\":\"thread_name\",\"tid\":" +
-              std::to_string(tid) + ",\"args\":{\"name\":\"" + escaped(name) + "\"}}";
+      mine += std::string(mine.empty() ? "" : ",") +
+              "{\"ph\":\"M\",\"name\":\"thread_name\",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":\"" +
+              escaped(name) + "\"}}";
     }
   }
   const auto all = allgather_strings(comm, mine);
@@ -119,8 +128,7 @@ void write(const std::string& path, Communicator& comm) {
   f << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
   for (size_t r = 0; r < all.size(); ++r) {
     const std::string pid = "{\"pid\":" + std::to_string(r) + ",";
-    f << (r ? ",\n" : "") << pid << "\"ph\":\"M\",\"name\":\"process_name\",\"args\":{\"name\":\"rank " << r
-      << "\"}}";
+    f << (r ? ",\n" : "") << pid << "\"ph\":\"M\",\"name\":\"process_name\",\"args\":{\"name\":\"rank " << r << "\"}}";
     f << ",\n" << pid << "\"ph\":\"M\",\"name\":\"process_sort_index\",\"args\":{\"sort_index\":" << r << "}}";
     // Each event of the rank gets its pid: "{" -> "{"pid":r,".
     const std::string& ev = all[r];

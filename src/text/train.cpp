@@ -11,12 +11,14 @@
 #include <iomanip>
 #include <random>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 #include "tandem/engine.h"
 #include "tandem/models.h"
 #include "tandem/progress.h"
 #include "tandem/text.h"
+#include "tandem/trace.h"
 
 namespace tandem::text {
 
@@ -176,8 +178,8 @@ torch::Tensor rows(const torch::Tensor& t, const std::vector<int64_t>& idx, int6
 // its samples). Every rank counts the whole global batch's itself: no communication. Returns
 // the engine's statistics of the loop.
 template <typename BatchFn, typename TermsFn>
-EngineStats train_loop(const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of, const LossFn& loss_sum_fn,
-                       TermsFn terms_of, TextReport& rep) {
+EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of,
+                       const LossFn& loss_sum_fn, TermsFn terms_of, TextReport& rep) {
   const int rank = eng.world()->rank(), world = eng.world_size();
   const int dp = eng.dp_size(), dp_rank = eng.dp_rank();
   const int64_t per = cfg.batch / dp;
@@ -185,13 +187,18 @@ EngineStats train_loop(const TextTrainConfig& cfg, Engine& eng, int64_t n, Batch
   Batches batches(n, cfg.seed + 1);
   Progress progress(rank == 0 && cfg.progress, cfg.steps, cfg.log_every);
   std::vector<double> step_ms;
+  if (!cfg.trace.empty()) trace::start(*rt.cpu_world());
   auto t_start = Clock::now();
   double last = 0.0;
   for (int64_t step = 0; step < cfg.steps; ++step) {
     auto t0 = Clock::now();
     auto idx = batches.next(cfg.batch);
     eng.set_lr(schedule.at(step));
-    auto [x, y] = batch_of(idx, dp_rank * per, (dp_rank + 1) * per);
+    torch::Tensor x, y;
+    {
+      trace::Span span("data", "data");
+      std::tie(x, y) = batch_of(idx, dp_rank * per, (dp_rank + 1) * per);
+    }
     StepOptions so;
     so.reduction = LossReduction::kSum;
     so.terms = terms_of(idx, 0, dp * per);
@@ -207,9 +214,13 @@ EngineStats train_loop(const TextTrainConfig& cfg, Engine& eng, int64_t n, Batch
     progress.update(1, 1, step + 1, last, (step + 1) * cfg.batch, Clock::now() - t_start);
   }
   progress.finish();
+  const double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
+  if (!cfg.trace.empty()) {
+    trace::stop();
+    trace::write(cfg.trace, *rt.cpu_world());
+  }
   rep.final_loss = last;
-  record_loop(rep, cfg.steps, cfg.steps * cfg.batch, std::chrono::duration<double>(Clock::now() - t_start).count(),
-              step_ms);
+  record_loop(rep, cfg.steps, cfg.steps * cfg.batch, wall, step_ms);
   return eng.stats();
 }
 
@@ -291,6 +302,7 @@ void save_model(const fs::path& dir, const char* kind, const std::map<std::strin
 
 void validate(const TextTrainConfig& cfg, int world) {
   const ParallelConfig pc = parallel_config(cfg);  // throws naming a bad strategy, precision or partition
+  if (!cfg.trace.empty()) trace::check_path(cfg.trace);
   const int split = cfg.tp * cfg.pp;
   // ZeRO-2/3 reduce-scatter in backward hooks, which the transformer's tensor-parallel blocks
   // and a pipeline's micro-batches do not compose with yet.
@@ -376,7 +388,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
     return ids.narrow(1, 1, ids.size(1) - 1).ne(tok.pad_id()).sum().item<int64_t>();
   };
   const EngineStats loop = train_loop(
-      cfg, eng, train.ids.size(0),
+      rt, cfg, eng, train.ids.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
         auto ids = rows(train.ids, idx, from, to).to(device);
         return std::make_pair(ids, ids);  // the targets: the inputs, shifted by lm_loss_sum
@@ -482,7 +494,7 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
   describe_run(eng, cfg, corpus, rep);
   const auto device = rt.device();
   const EngineStats loop = train_loop(
-      cfg, eng, train_x.size(0),
+      rt, cfg, eng, train_x.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
         return std::make_pair(rows(train_x, idx, from, to).to(device), rows(train_y, idx, from, to).to(device));
       },

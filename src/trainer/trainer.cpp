@@ -88,14 +88,7 @@ void validate_checkpointing(const TrainConfig& cfg) {
     throw std::invalid_argument(std::string(cfg.resume ? "--resume" : "--checkpoint-every") +
                                 " needs --checkpoint-dir DIR");
   }
-  if (!cfg.trace.empty()) {
-    const auto slash = cfg.trace.find_last_of('/');
-    const std::string dir = slash == std::string::npos ? "." : cfg.trace.substr(0, std::max<size_t>(slash, 1));
-    if (::access(dir.c_str(), W_OK) != 0) {
-      throw std::invalid_argument("--trace " + cfg.trace + ": the directory '" + dir +
-                                  "' does not exist or is not writable");
-    }
-  }
+  if (!cfg.trace.empty()) trace::check_path(cfg.trace);
   if (cfg.checkpoint_async && cfg.checkpoint_every == 0) {
     throw std::invalid_argument("--checkpoint-async needs --checkpoint-every N (it makes those saves asynchronous)");
   }

@@ -81,6 +81,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   app.add_flag("--no-progress", no_progress, "no progress display");
   app.add_option("--log-every", cfg.log_every, "plain progress line every N steps")->capture_default_str();
   app.add_option("--metrics", cfg.metrics_path, "write per-step loss and time, then the report, as JSON lines");
+  app.add_option("--trace", cfg.trace, "write a timeline of every rank's training loop to FILE (Chrome trace JSON)");
   app.add_option("--timeout", timeout_s, "seconds any communication may block before failing")->capture_default_str();
   auto shape_flags = [&](CLI::App& a) {
     a.add_option("--vocab", cfg.tokenizer.vocab_size, "tokenizer vocabulary size")->capture_default_str();
