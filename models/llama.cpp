@@ -142,10 +142,8 @@ LlamaConfig parse_config(const std::string& json_text, const std::string& where)
   c.attention_bias = field<bool>(j, "attention_bias", false, where);
   c.mlp_bias = field<bool>(j, "mlp_bias", false, where);
   c.pad_token_id = field<int64_t>(j, "pad_token_id", -1, where);
-  if (j.contains("id2label") && j["id2label"].is_object())
-    c.num_labels = static_cast<int64_t>(j["id2label"].size());
-  else
-    c.num_labels = field<int64_t>(j, "num_labels", 2, where);
+  if (j.contains("id2label") && j["id2label"].is_object()) c.num_labels = static_cast<int64_t>(j["id2label"].size());
+  else c.num_labels = field<int64_t>(j, "num_labels", 2, where);
   validate(c, where);
   return c;
 }

@@ -142,7 +142,8 @@ LlamaForSequenceClassification load_sequence_classifier(const std::string& dir);
 
 // Writes config.json and the parameters (by their Hugging Face names; a tied model without
 // lm_head.weight, as save_pretrained) into `dir`, sharded above options.max_shard_bytes.
-void save_pretrained(const LlamaForCausalLM& model, const std::string& dir, const safetensors::SaveOptions& options = {});
+void save_pretrained(const LlamaForCausalLM& model, const std::string& dir,
+                     const safetensors::SaveOptions& options = {});
 void save_pretrained(const LlamaForSequenceClassification& model, const std::string& dir,
                      const safetensors::SaveOptions& options = {});
 

@@ -91,12 +91,12 @@ TEST(Llama, ParameterNamesAreTheHuggingFaceNames) {
   ll::LlamaForCausalLM m(tiny());
   std::set<std::string> names;
   for (auto& p : m->named_parameters()) names.insert(p.key());
-  for (const char* n : {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                        "model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight",
-                        "model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.gate_proj.weight",
-                        "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight",
-                        "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
-                        "model.norm.weight", "lm_head.weight"})
+  for (const char* n :
+       {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight", "model.norm.weight", "lm_head.weight"})
     EXPECT_TRUE(names.count(n)) << n;
   EXPECT_EQ(names.size(), 2u + 9 * 2 + 1);
   EXPECT_EQ(m->model->layers->size(), 2u);
