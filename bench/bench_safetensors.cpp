@@ -39,14 +39,10 @@ int main(int argc, char** argv) {
   std::string dir = "/tmp";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--mb")
-      mb = std::stoll(v);
-    else if (a == "--tensors")
-      n = std::stoll(v);
-    else if (a == "--parts")
-      parts = std::stoll(v);
-    else if (a == "--dir")
-      dir = v;
+    if (a == "--mb") mb = std::stoll(v);
+    else if (a == "--tensors") n = std::stoll(v);
+    else if (a == "--parts") parts = std::stoll(v);
+    else if (a == "--dir") dir = v;
     else {
       std::cerr << "bench_safetensors: unknown option " << a << " (--mb, --tensors, --parts, --dir)\n";
       return 2;
