@@ -4,7 +4,11 @@
 // Python reference implementation.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
@@ -157,6 +161,47 @@ TEST(Safetensors, SlicesAlongEachDimEqualTheWholeTensorNarrowed) {
   EXPECT_THROW(f.read_rows("h", 5, 10), std::out_of_range);
   EXPECT_THROW(f.read_rows("h", 3, 2), std::out_of_range);
   EXPECT_THROW(f.read_slice("h", 2, 0, 1), std::out_of_range);
+}
+
+// A rank reading its rows of a cold file brings little more than those rows into memory: the
+// page cache's residency of the file (mincore over a mapping of our own) is counted after the
+// file is evicted and one eighth of a 64 MiB tensor is read. Skips where eviction does not work.
+TEST(Safetensors, ReadRowsOfAColdFileReadsLittleBeyondTheRows) {
+  TempDir d;
+  const auto path = d.file("cold.safetensors");
+  const int64_t rows = 16384, cols = 1024;  // 64 MiB of float32
+  torch::manual_seed(9);
+  const auto w = torch::randn({rows, cols});
+  st::save_file(path, {{"w", w}});
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  struct stat sb {};
+  ASSERT_EQ(::fstat(fd, &sb), 0);
+  const size_t size = static_cast<size_t>(sb.st_size), page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  void* m = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  std::vector<unsigned char> vec((size + page - 1) / page);
+  auto resident_mib = [&] {
+    EXPECT_EQ(::mincore(m, size, vec.data()), 0);
+    size_t n = 0;
+    for (auto v : vec) n += v & 1;
+    return double(n * page) / (1 << 20);
+  };
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  const double before = resident_mib();
+  if (before > 4) {
+    ::munmap(m, size);
+    ::close(fd);
+    GTEST_SKIP() << before << " MiB of the file stayed in the page cache after POSIX_FADV_DONTNEED";
+  }
+  const auto part = st::File(path).read_rows("w", 5 * rows / 8, 6 * rows / 8);  // 8 MiB
+  const double after = resident_mib();
+  ::munmap(m, size);
+  ::close(fd);
+  EXPECT_TRUE(same_bits(part, w.narrow(0, 5 * rows / 8, rows / 8)));
+  EXPECT_GE(after, 8.0);
+  EXPECT_LE(after, 8.0 + 8.0) << "reading 8 MiB of rows brought " << after << " MiB of the 64 MiB file in";
+  std::cout << "read_rows of 8 MiB from a cold 64 MiB file: " << after << " MiB resident\n";
 }
 
 TEST(Safetensors, WriteRefusesBadInputAndLeavesTheOldFile) {
