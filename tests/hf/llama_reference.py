@@ -1,9 +1,9 @@
 """Reference side of tests/unit/test_llama.cpp, run in .venv-hf: tiny random Llama models built
 with transformers, and the logits transformers computes for them.
 
-  llama_reference.py make DIR    for each variant (lm: untied embeddings, lm_tied, cls: a
-                                 sequence classifier), a random model saved with save_pretrained
-                                 in DIR/<variant>/, and DIR/<variant>-ref.safetensors holding the
+  llama_reference.py make DIR    for each variant (lm: untied embeddings, saved in shards;
+                                 lm_tied; cls: a sequence classifier), a random model saved with
+                                 save_pretrained in DIR/<variant>/, and DIR/<variant>-ref.safetensors holding the
                                  token ids ("ids") and transformers' logits for them ("logits")
   llama_reference.py check DIR   loads Tandem's save_pretrained output DIR/cc-<variant>/ with
                                  transformers and compares its logits on the same ids with those
@@ -45,7 +45,8 @@ def make(d):
             for pname, p in model.named_parameters():
                 if "norm" in pname:
                     p.uniform_(0.5, 1.5)
-        model.save_pretrained(os.path.join(d, name))
+        # The untied LM in shards (model.safetensors.index.json), as large checkpoints come.
+        model.save_pretrained(os.path.join(d, name), max_shard_size="100KB" if name == "lm" else "5GB")
         x = ids()
         with torch.no_grad():
             logits = model(x).logits
