@@ -90,6 +90,13 @@ torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
 }
 
+// padding_idx as transformers sets it: the pad token's embedding gets no gradient.
+torch::nn::Embedding embedding(const LlamaConfig& c) {
+  auto options = torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size);
+  if (c.pad_token_id >= 0) options.padding_idx(c.pad_token_id);
+  return torch::nn::Embedding(options);
+}
+
 // [B, H, T, D]: the second half negated and moved before the first.
 torch::Tensor rotate_half(const torch::Tensor& x) {
   const auto half = x.size(-1) / 2;
@@ -97,15 +104,18 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
 }
 
 // The parameters under their Hugging Face names: the module's own names, which mirror them.
-safetensors::TensorList hf_tensors(const torch::nn::Module& module) {
+safetensors::TensorList hf_tensors(const torch::nn::Module& module,
+                                   const std::function<std::string(const std::string&)>& to_hf) {
   safetensors::TensorList out;
-  for (auto& p : module.named_parameters(/*recurse=*/true)) out.emplace_back(p.key(), p.value().detach());
+  for (auto& p : module.named_parameters(/*recurse=*/true))
+    out.emplace_back(to_hf ? to_hf(p.key()) : p.key(), p.value().detach());
   return out;
 }
 
 void save_dir(const torch::nn::Module& module, const LlamaConfig& config, const std::string& architecture,
-              const std::string& dir, const safetensors::SaveOptions& options) {
-  safetensors::save_checkpoint(dir, hf_tensors(module), options);
+              const std::string& dir, const safetensors::SaveOptions& options,
+              const std::function<std::string(const std::string&)>& to_hf = nullptr) {
+  safetensors::save_checkpoint(dir, hf_tensors(module, to_hf), options);
   std::ofstream f(dir + "/config.json");
   f << config_json(config, architecture) << "\n";
   if (!f.flush()) throw std::runtime_error("cannot write '" + dir + "/config.json'");
@@ -241,16 +251,13 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Ten
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config(c) {
   validate(c, "LlamaConfig");
-  // padding_idx as transformers sets it: the pad token's embedding gets no gradient.
-  auto emb = torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size);
-  if (c.pad_token_id >= 0) emb.padding_idx(c.pad_token_id);
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(emb));
+  embed_tokens = register_module("embed_tokens", embedding(c));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c));
   norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
 }
 
-std::pair<torch::Tensor, torch::Tensor> LlamaModelImpl::rotary(int64_t T) const {
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(const LlamaConfig& config, int64_t T) {
   const auto d = config.head_size();
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
   auto inv_freq = 1.0 / torch::pow(config.rope_theta, torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / d);
@@ -265,7 +272,7 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& ids) {
   const auto T = ids.size(1);
   TORCH_CHECK(T <= config.max_position_embeddings, "Llama: ", T, " tokens exceed max_position_embeddings ",
               config.max_position_embeddings);
-  auto [cos, sin] = rotary(T);
+  auto [cos, sin] = rotary_tables(config, T);
   cos = cos.to(embed_tokens->weight.device());
   sin = sin.to(embed_tokens->weight.device());
   auto h = embed_tokens(ids);
@@ -302,13 +309,47 @@ torch::Tensor LlamaForSequenceClassificationImpl::forward(const torch::Tensor& i
   return logits.index({torch::arange(ids.size(0), ids.options()), last});
 }
 
+torch::Tensor SequentialDecoderLayerImpl::forward(const torch::Tensor& x) {
+  auto [cos, sin] = rotary_tables(config, x.size(1));
+  return DecoderLayerImpl::forward(x, cos.to(x.device()), sin.to(x.device()));
+}
+
+torch::nn::Sequential causal_lm_sequential(const LlamaConfig& c) {
+  validate(c, "LlamaConfig");
+  if (c.tie_word_embeddings)
+    throw std::invalid_argument(
+        "Llama: causal_lm_sequential needs untied embeddings (tie_word_embeddings false): a pipeline "
+        "cannot share embed_tokens' weight between its first and last stage");
+  torch::nn::Sequential seq;
+  seq->push_back("embed_tokens", embedding(c));
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    seq->push_back("layer" + std::to_string(i), SequentialDecoderLayer(c));
+  seq->push_back("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  seq->push_back("lm_head", linear(c.hidden_size, c.vocab_size, false));
+  return seq;
+}
+
+std::string sequential_to_hf(const std::string& name) {
+  auto starts = [&](const std::string& p) { return name.compare(0, p.size(), p) == 0; };
+  if (starts("embed_tokens.") || starts("norm.")) return "model." + name;
+  if (starts("lm_head.")) return name;
+  if (starts("layer")) {
+    const auto dot = name.find('.');
+    const auto index = name.substr(5, dot == std::string::npos ? std::string::npos : dot - 5);
+    if (dot != std::string::npos && !index.empty() && index.find_first_not_of("0123456789") == std::string::npos)
+      return "model.layers." + index + name.substr(dot);
+  }
+  throw std::invalid_argument("Llama: '" + name + "' is not a parameter name of causal_lm_sequential");
+}
+
 // ---- loading and saving ---------------------------------------------------------------------
 
-void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused) {
+void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused,
+                  const std::function<std::string(const std::string&)>& to_hf) {
   torch::NoGradGuard no_grad;
   std::set<std::string> used;
   for (auto& p : module.named_parameters(/*recurse=*/true)) {
-    const auto& name = p.key();
+    const auto name = to_hf ? to_hf(p.key()) : p.key();
     if (!checkpoint.contains(name))
       throw std::runtime_error("Llama checkpoint: no tensor '" + name + "' for the model's parameter of shape " +
                                c10::str(p.value().sizes()) + "; is it a Llama checkpoint of this configuration?");
@@ -347,6 +388,11 @@ void save_pretrained(const LlamaForCausalLM& model, const std::string& dir, cons
 void save_pretrained(const LlamaForSequenceClassification& model, const std::string& dir,
                      const safetensors::SaveOptions& options) {
   save_dir(*model, model->model->config, "LlamaForSequenceClassification", dir, options);
+}
+
+void save_pretrained(const torch::nn::Sequential& model, const LlamaConfig& config, const std::string& dir,
+                     const safetensors::SaveOptions& options) {
+  save_dir(*model, config, "LlamaForCausalLM", dir, options, sequential_to_hf);
 }
 
 }  // namespace tandem::llama

@@ -9,11 +9,13 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -81,6 +83,10 @@ class MLPImpl : public torch::nn::Module {
 };
 TORCH_MODULE(MLP);
 
+// The rotary tables cos and sin [T, head_dim] of positions 0..T-1, in float32 (as transformers
+// computes them).
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(const LlamaConfig& config, int64_t T);
+
 // x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).
 class DecoderLayerImpl : public torch::nn::Module {
  public:
@@ -97,8 +103,6 @@ class LlamaModelImpl : public torch::nn::Module {
  public:
   explicit LlamaModelImpl(const LlamaConfig& config);
   torch::Tensor forward(const torch::Tensor& ids);
-  // cos and sin [T, head_dim] of positions 0..T-1, in float32 (as transformers computes them).
-  std::pair<torch::Tensor, torch::Tensor> rotary(int64_t T) const;
   LlamaConfig config;
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -129,11 +133,34 @@ class LlamaForSequenceClassificationImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaForSequenceClassification);
 
+// A decoder layer as a child of a Sequential: forward(x) builds its rotary tables from x's
+// length (the same values as LlamaModel's, which builds them once for all layers).
+class SequentialDecoderLayerImpl : public DecoderLayerImpl {
+ public:
+  explicit SequentialDecoderLayerImpl(const LlamaConfig& config) : DecoderLayerImpl(config), config(config) {}
+  torch::Tensor forward(const torch::Tensor& x);
+  LlamaConfig config;
+};
+TORCH_MODULE(SequentialDecoderLayer);
+
+// The untied causal LM as a flat Sequential, for pipeline cuts and per-layer ZeRO-3 units:
+// children embed_tokens, layer0 .. layer<N-1> (SequentialDecoderLayer), norm, lm_head; the same
+// function of ids [B, T] as LlamaForCausalLM. Parameter names differ from the Hugging Face
+// ones only by prefix (sequential_to_hf maps them). Throws std::invalid_argument for tied
+// embeddings, which a pipeline cannot share between its first and last stage.
+torch::nn::Sequential causal_lm_sequential(const LlamaConfig& config);
+// "layer3.mlp.up_proj.weight" -> "model.layers.3.mlp.up_proj.weight", "embed_tokens.weight" ->
+// "model.embed_tokens.weight", "norm.weight" -> "model.norm.weight", "lm_head.weight" unchanged.
+// Throws std::invalid_argument for a name of no child of causal_lm_sequential.
+std::string sequential_to_hf(const std::string& name);
+
 // Copies every parameter of `module` from the checkpoint tensor of the same name (converted to
 // the parameter's dtype). Throws std::runtime_error naming the checkpoint and the tensor for a
 // missing one or a shape mismatch, and, unless `allow_unused`, for a checkpoint tensor that
 // no parameter takes (lm_head.weight of a tied model is always allowed).
-void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused = false);
+// `to_hf` maps a parameter's name to the checkpoint's (null: the same name).
+void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused = false,
+                  const std::function<std::string(const std::string&)>& to_hf = nullptr);
 
 // A causal LM from a Hugging Face directory: config.json and model.safetensors (or the shards
 // of model.safetensors.index.json).
@@ -145,6 +172,9 @@ LlamaForSequenceClassification load_sequence_classifier(const std::string& dir);
 void save_pretrained(const LlamaForCausalLM& model, const std::string& dir,
                      const safetensors::SaveOptions& options = {});
 void save_pretrained(const LlamaForSequenceClassification& model, const std::string& dir,
+                     const safetensors::SaveOptions& options = {});
+// The Sequential of causal_lm_sequential(config), saved under the Hugging Face names.
+void save_pretrained(const torch::nn::Sequential& model, const LlamaConfig& config, const std::string& dir,
                      const safetensors::SaveOptions& options = {});
 
 }  // namespace tandem::llama
