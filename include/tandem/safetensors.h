@@ -84,9 +84,10 @@ class Checkpoint {
   // Every tensor name, sorted.
   const std::vector<std::string>& names() const;
   bool contains(const std::string& name) const;
-  // The shard holding `name`, mapped now if it was not yet. Throws std::out_of_range naming
-  // the tensor and the checkpoint when it is absent, std::runtime_error when the index names a
-  // shard that is missing, malformed, or does not hold the tensor.
+  // The shard holding `name`, mapped by the first call that needs it. Throws
+  // std::out_of_range naming the tensor and the checkpoint when it is absent,
+  // std::runtime_error when the index names a shard that is missing, malformed, or does not
+  // hold the tensor.
   const File& file_of(const std::string& name) const;
   const TensorInfo& info(const std::string& name) const { return file_of(name).info(name); }
   at::Tensor get(const std::string& name) const { return file_of(name).get(name); }
