@@ -149,18 +149,24 @@ std::map<std::string, at::Tensor> read_shard(const std::string& path, const Dige
 }
 
 void write_synced(const std::string& path, const std::string& data) {
+  write_synced(path, std::vector<std::string_view>{data});
+}
+
+void write_synced(const std::string& path, const std::vector<std::string_view>& pieces) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw std::runtime_error(sys_error("cannot create", path));
-  size_t done = 0;
-  while (done < data.size()) {
-    ssize_t w = ::write(fd, data.data() + done, data.size() - done);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      auto msg = sys_error("writing", path) + " (disk full?)";
-      ::close(fd);
-      throw std::runtime_error(msg);
+  for (auto data : pieces) {
+    size_t done = 0;
+    while (done < data.size()) {
+      ssize_t w = ::write(fd, data.data() + done, data.size() - done);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        auto msg = sys_error("writing", path) + " (disk full?)";
+        ::close(fd);
+        throw std::runtime_error(msg);
+      }
+      done += static_cast<size_t>(w);
     }
-    done += static_cast<size_t>(w);
   }
   if (::fsync(fd) != 0) {
     auto msg = sys_error("fsync of", path);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -31,6 +32,8 @@ std::map<std::string, at::Tensor> read_shard(const std::string& path, const Dige
 
 // Creates/truncates `path`, writes all of `data`, fsyncs and closes; throws naming the file.
 void write_synced(const std::string& path, const std::string& data);
+// The same for data given in pieces (written in order, never joined in memory).
+void write_synced(const std::string& path, const std::vector<std::string_view>& pieces);
 // Whole file; throws std::runtime_error naming the file when it cannot be read.
 std::string read_all(const std::string& path);
 void fsync_dir(const std::string& path);

@@ -44,6 +44,10 @@ endforeach()
 foreach(np 2 3)
   tandem_add_dist_test(dist_engine_np${np} ${np} "*Engine*" TIMEOUT 300)
 endforeach()
+# The Llama model (tandem/llama.h, a ModuleList of decoder layers, tied or untied embeddings)
+# through the Engine: ddp and zero1-3 against one process; its Sequential form under per-layer
+# ZeRO-3 and a two-stage pipeline.
+tandem_add_dist_test(dist_llama_engine_np2 2 "*LlamaEngine*:LlamaSequentialEngine.*" TIMEOUT 300)
 # Activation checkpointing through the Engine: the same gradients and training with and without
 # recomputation under ddp, zero1, zero3, tp2 and pp2, on a model with dropout.
 tandem_add_dist_test(dist_activation_checkpoint_np2 2 "*ActivationCheckpoint*" TIMEOUT 300)

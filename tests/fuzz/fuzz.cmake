@@ -1,7 +1,8 @@
-# libFuzzer targets for the checkpoint manifest parser and the IDX parser, and a bounded fuzz
-# run of each in ctest (fuzz_manifest, fuzz_idx). They are built by invoking clang++ directly
-# on the LibTorch-free sources (src/checkpoint/manifest.cpp, src/data/idx_parse.cpp) with
-# nlohmann-json and zlib, so the rest of Tandem can use any compiler. On by default when
+# libFuzzer targets for the checkpoint manifest parser, the IDX parser and the safetensors
+# header parser, and a bounded fuzz run of each in ctest (fuzz_manifest, fuzz_idx,
+# fuzz_safetensors). They are built by invoking clang++ directly on the LibTorch-free sources
+# (src/checkpoint/manifest.cpp, src/data/idx_parse.cpp, src/checkpoint/safetensors_header.cpp)
+# with nlohmann-json and zlib, so the rest of Tandem can use any compiler. On by default when
 # clang++ can link -fsanitize=fuzzer (Debian 12: packages clang and libclang-rt-14-dev).
 find_program(TANDEM_FUZZ_CLANG NAMES clang++ clang++-14)
 if(NOT DEFINED TANDEM_FUZZ)
@@ -38,7 +39,11 @@ if(TANDEM_FUZZ)
   set(fuzz_idx_sources ${_src}/data/idx_parse.cpp ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz_idx.cpp)
   set(fuzz_idx_headers ${_src}/data/idx_parse.h ${CMAKE_BINARY_DIR}/generated/tandem_build_config.h)
   set(fuzz_idx_dict "")
-  foreach(t manifest idx)
+  set(fuzz_safetensors_sources ${_src}/checkpoint/safetensors_header.cpp
+                               ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/fuzz_safetensors.cpp)
+  set(fuzz_safetensors_headers ${_src}/checkpoint/safetensors_header.h)
+  set(fuzz_safetensors_dict ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/safetensors.dict)
+  foreach(t manifest idx safetensors)
     set(_out ${CMAKE_CURRENT_BINARY_DIR}/fuzz/fuzz_${t})
     add_custom_command(OUTPUT ${_out}
                        COMMAND ${TANDEM_FUZZ_CLANG} ${_flags} ${fuzz_${t}_sources} -o ${_out} ${_libs}

@@ -2,7 +2,6 @@
 // semantics, batching helpers, and the real Fashion-MNIST files when installed.
 #include <gtest/gtest.h>
 
-#include <ftw.h>
 #include <sys/stat.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -16,6 +15,7 @@
 #include <set>
 
 #include "tandem/data.h"
+#include "temp_dir.h"
 
 using tandem::data::DistributedSampler;
 
@@ -23,24 +23,7 @@ namespace {
 
 using Bytes = std::vector<uint8_t>;
 
-// A fresh directory under $TMPDIR (or /tmp), removed with its contents at scope exit.
-// POSIX calls, not std::filesystem: pip torch's libtorch.so exports a copy of
-// std::filesystem whose remove_all crashes (null weak symbol) and interposes libstdc++'s.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/tandem_test_data_XXXXXX";
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed for " + tmpl);
-    path = tmpl;
-  }
-  ~TempDir() {
-    ::nftw(
-        path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-        FTW_DEPTH | FTW_PHYS);
-  }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
+using tandem::test::TempDir;
 
 void put_be32(Bytes& b, uint32_t v) {
   for (int s = 24; s >= 0; s -= 8) b.push_back(static_cast<uint8_t>(v >> s));

@@ -1,0 +1,180 @@
+// A Llama-architecture causal language model (RMSNorm, rotary position embeddings, SwiGLU MLP,
+// grouped-query attention, tied or untied embeddings) and its sequence-classification variant,
+// built from a Hugging Face config.json and loaded from / saved to a Hugging Face checkpoint
+// directory. The module tree mirrors transformers' LlamaForCausalLM, so every parameter name
+// is the Hugging Face name itself (model.embed_tokens.weight, model.layers.N.self_attn.q_proj.weight,
+// ..., model.norm.weight, lm_head.weight / score.weight) and the decoder layers are the children
+// of one ModuleList (model.layers), one unit each for per-layer sharding or pipeline cuts.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "tandem/safetensors.h"
+
+namespace tandem::llama {
+
+// The fields of a Hugging Face LlamaConfig that the architecture uses.
+struct LlamaConfig {
+  int64_t vocab_size = 32000;
+  int64_t hidden_size = 4096;
+  int64_t intermediate_size = 11008;  // SwiGLU width
+  int64_t num_hidden_layers = 32;
+  int64_t num_attention_heads = 32;
+  int64_t num_key_value_heads = 32;  // divides num_attention_heads (grouped-query attention)
+  int64_t head_dim = 0;              // 0: hidden_size / num_attention_heads
+  int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;  // lm_head uses embed_tokens' weight
+  bool attention_bias = false;       // q/k/v/o projections with bias
+  bool mlp_bias = false;             // gate/up/down projections with bias
+  int64_t pad_token_id = -1;         // -1: none (the classifier then pools the last position)
+  int64_t num_labels = 2;            // the sequence-classification head's outputs
+
+  int64_t head_size() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
+};
+
+// Parses config.json's text. Throws std::invalid_argument naming `where` and the field for a
+// missing or ill-typed required field, a non-positive size, heads that do not divide the
+// width or each other, an activation other than silu, or rope scaling (not supported).
+LlamaConfig parse_config(const std::string& json_text, const std::string& where = "config.json");
+// config.json of a checkpoint directory (or the file itself).
+LlamaConfig load_config(const std::string& path);
+// As transformers writes it (model_type "llama", architectures given), for save_pretrained.
+std::string config_json(const LlamaConfig& config, const std::string& architecture = "LlamaForCausalLM");
+
+// x * rsqrt(mean(x^2) + eps) * weight, computed in float32 as transformers does.
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t size, double eps);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+  double eps;
+};
+TORCH_MODULE(RMSNorm);
+
+// Causal self-attention with rotary embeddings; num_key_value_heads key/value heads shared by
+// groups of query heads. [B, T, hidden] -> [B, T, hidden].
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const LlamaConfig& config);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  int64_t heads, kv_heads, head_dim;
+};
+TORCH_MODULE(Attention);
+
+// down_proj(silu(gate_proj(x)) * up_proj(x)).
+class MLPImpl : public torch::nn::Module {
+ public:
+  explicit MLPImpl(const LlamaConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(MLP);
+
+// The rotary tables cos and sin [T, head_dim] of positions 0..T-1, in float32 (as transformers
+// computes them).
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(const LlamaConfig& config, int64_t T);
+
+// x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  explicit DecoderLayerImpl(const LlamaConfig& config);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  Attention self_attn{nullptr};
+  MLP mlp{nullptr};
+};
+TORCH_MODULE(DecoderLayer);
+
+// Token ids int64 [B, T] (T <= max_position_embeddings) -> the final norm's output [B, T, hidden].
+class LlamaModelImpl : public torch::nn::Module {
+ public:
+  explicit LlamaModelImpl(const LlamaConfig& config);
+  torch::Tensor forward(const torch::Tensor& ids);
+  LlamaConfig config;
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  RMSNorm norm{nullptr};
+};
+TORCH_MODULE(LlamaModel);
+
+// ids [B, T] -> logits [B, T, vocab_size]. Tied: no lm_head module; the logits use
+// model.embed_tokens.weight, and the parameter list holds it once.
+class LlamaForCausalLMImpl : public torch::nn::Module {
+ public:
+  explicit LlamaForCausalLMImpl(const LlamaConfig& config);
+  torch::Tensor forward(const torch::Tensor& ids);
+  LlamaModel model{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // null when tied
+};
+TORCH_MODULE(LlamaForCausalLM);
+
+// ids [B, T] -> [B, num_labels]: score (no bias) of the last token that is not pad_token_id
+// (right padding; the last position when there is no pad token), as transformers'
+// LlamaForSequenceClassification.
+class LlamaForSequenceClassificationImpl : public torch::nn::Module {
+ public:
+  explicit LlamaForSequenceClassificationImpl(const LlamaConfig& config);
+  torch::Tensor forward(const torch::Tensor& ids);
+  LlamaModel model{nullptr};
+  torch::nn::Linear score{nullptr};
+};
+TORCH_MODULE(LlamaForSequenceClassification);
+
+// A decoder layer as a child of a Sequential: forward(x) builds its rotary tables from x's
+// length (the same values as LlamaModel's, which builds them once for all layers).
+class SequentialDecoderLayerImpl : public DecoderLayerImpl {
+ public:
+  explicit SequentialDecoderLayerImpl(const LlamaConfig& config) : DecoderLayerImpl(config), config(config) {}
+  torch::Tensor forward(const torch::Tensor& x);
+  LlamaConfig config;
+};
+TORCH_MODULE(SequentialDecoderLayer);
+
+// The untied causal LM as a flat Sequential, for pipeline cuts and per-layer ZeRO-3 units:
+// children embed_tokens, layer0 .. layer<N-1> (SequentialDecoderLayer), norm, lm_head; the same
+// function of ids [B, T] as LlamaForCausalLM. Parameter names differ from the Hugging Face
+// ones only by prefix (sequential_to_hf maps them). Throws std::invalid_argument for tied
+// embeddings, which a pipeline cannot share between its first and last stage.
+torch::nn::Sequential causal_lm_sequential(const LlamaConfig& config);
+// "layer3.mlp.up_proj.weight" -> "model.layers.3.mlp.up_proj.weight", "embed_tokens.weight" ->
+// "model.embed_tokens.weight", "norm.weight" -> "model.norm.weight", "lm_head.weight" unchanged.
+// Throws std::invalid_argument for a name of no child of causal_lm_sequential.
+std::string sequential_to_hf(const std::string& name);
+
+// Copies every parameter of `module` from the checkpoint tensor of the same name (converted to
+// the parameter's dtype). Throws std::runtime_error naming the checkpoint and the tensor for a
+// missing one or a shape mismatch, and, unless `allow_unused`, for a checkpoint tensor that
+// no parameter takes (lm_head.weight of a tied model is always allowed).
+// `to_hf` maps a parameter's name to the checkpoint's (null: the same name).
+void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused = false,
+                  const std::function<std::string(const std::string&)>& to_hf = nullptr);
+
+// A causal LM from a Hugging Face directory: config.json and model.safetensors (or the shards
+// of model.safetensors.index.json).
+LlamaForCausalLM load_causal_lm(const std::string& dir);
+LlamaForSequenceClassification load_sequence_classifier(const std::string& dir);
+
+// Writes config.json and the parameters (by their Hugging Face names; a tied model without
+// lm_head.weight, as save_pretrained) into `dir`, sharded above options.max_shard_bytes.
+void save_pretrained(const LlamaForCausalLM& model, const std::string& dir,
+                     const safetensors::SaveOptions& options = {});
+void save_pretrained(const LlamaForSequenceClassification& model, const std::string& dir,
+                     const safetensors::SaveOptions& options = {});
+// The Sequential of causal_lm_sequential(config), saved under the Hugging Face names.
+void save_pretrained(const torch::nn::Sequential& model, const LlamaConfig& config, const std::string& dir,
+                     const safetensors::SaveOptions& options = {});
+
+}  // namespace tandem::llama

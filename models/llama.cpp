@@ -1,0 +1,398 @@
+#include "tandem/llama.h"
+
+#include <torch/torch.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+namespace tandem::llama {
+namespace {
+
+using nlohmann::json;
+
+[[noreturn]] void bad_config(const std::string& where, const std::string& what) {
+  throw std::invalid_argument("Llama config '" + where + "': " + what);
+}
+
+// A field that may be absent or null (then `fallback`), else of type T.
+template <typename T>
+T field(const json& j, const char* key, T fallback, const std::string& where) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  const json& v = j[key];
+  const bool ok = std::is_same_v<T, bool> ? v.is_boolean()
+                  : std::is_integral_v<T> ? v.is_number_integer()
+                                          : v.is_number();
+  if (!ok) bad_config(where, std::string("\"") + key + "\" has the wrong type: " + v.dump());
+  return v.get<T>();
+}
+
+int64_t required(const json& j, const char* key, const std::string& where) {
+  if (!j.contains(key) || !j[key].is_number_integer())
+    bad_config(where, std::string("needs the integer \"") + key + "\"");
+  return j[key].get<int64_t>();
+}
+
+// The rope theta of either spelling (top-level rope_theta, or transformers 5's rope_parameters),
+// refusing any scaling other than the default.
+double rope_theta(const json& j, const std::string& where) {
+  auto check_type = [&](const json& p, const char* key) {
+    if (!p.is_object()) return;
+    const auto type = p.value("rope_type", p.value("type", std::string("default")));
+    if (type != "default")
+      bad_config(where, std::string("\"") + key + "\" asks for rope type '" + type +
+                            "'; only the default (unscaled) rotary embedding is supported");
+  };
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) check_type(j["rope_scaling"], "rope_scaling");
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
+    check_type(j["rope_parameters"], "rope_parameters");
+    return field<double>(j["rope_parameters"], "rope_theta", field<double>(j, "rope_theta", 10000.0, where), where);
+  }
+  return field<double>(j, "rope_theta", 10000.0, where);
+}
+
+void validate(const LlamaConfig& c, const std::string& where) {
+  const std::pair<const char*, int64_t> sizes[] = {{"vocab_size", c.vocab_size},
+                                                   {"hidden_size", c.hidden_size},
+                                                   {"intermediate_size", c.intermediate_size},
+                                                   {"num_hidden_layers", c.num_hidden_layers},
+                                                   {"num_attention_heads", c.num_attention_heads},
+                                                   {"num_key_value_heads", c.num_key_value_heads},
+                                                   {"max_position_embeddings", c.max_position_embeddings},
+                                                   {"num_labels", c.num_labels}};
+  for (auto& [name, v] : sizes)
+    if (v <= 0) bad_config(where, std::string("\"") + name + "\" must be positive, not " + std::to_string(v));
+  if (c.head_dim <= 0 && c.hidden_size % c.num_attention_heads != 0)
+    bad_config(where, "hidden_size " + std::to_string(c.hidden_size) + " is not a multiple of num_attention_heads " +
+                          std::to_string(c.num_attention_heads) + " (or give head_dim)");
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    bad_config(where, "num_attention_heads " + std::to_string(c.num_attention_heads) +
+                          " is not a multiple of num_key_value_heads " + std::to_string(c.num_key_value_heads));
+  if (c.head_size() % 2 != 0) bad_config(where, "the head size " + std::to_string(c.head_size()) + " must be even");
+  if (c.rms_norm_eps <= 0) bad_config(where, "\"rms_norm_eps\" must be positive");
+  if (c.rope_theta <= 0) bad_config(where, "\"rope_theta\" must be positive");
+  if (c.pad_token_id >= c.vocab_size) bad_config(where, "\"pad_token_id\" is outside the vocabulary");
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) throw std::runtime_error("cannot read '" + path + "'");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+bool is_json_file(const std::string& path) { return path.size() >= 5 && path.substr(path.size() - 5) == ".json"; }
+
+torch::nn::Linear linear(int64_t in, int64_t out, bool bias) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+// padding_idx as transformers sets it: the pad token's embedding gets no gradient.
+torch::nn::Embedding embedding(const LlamaConfig& c) {
+  auto options = torch::nn::EmbeddingOptions(c.vocab_size, c.hidden_size);
+  if (c.pad_token_id >= 0) options.padding_idx(c.pad_token_id);
+  return torch::nn::Embedding(options);
+}
+
+// [B, H, T, D]: the second half negated and moved before the first.
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  const auto half = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// The parameters under their Hugging Face names: the module's own names, which mirror them.
+safetensors::TensorList hf_tensors(const torch::nn::Module& module,
+                                   const std::function<std::string(const std::string&)>& to_hf) {
+  safetensors::TensorList out;
+  for (auto& p : module.named_parameters(/*recurse=*/true))
+    out.emplace_back(to_hf ? to_hf(p.key()) : p.key(), p.value().detach());
+  return out;
+}
+
+void save_dir(const torch::nn::Module& module, const LlamaConfig& config, const std::string& architecture,
+              const std::string& dir, const safetensors::SaveOptions& options,
+              const std::function<std::string(const std::string&)>& to_hf = nullptr) {
+  safetensors::save_checkpoint(dir, hf_tensors(module, to_hf), options);
+  std::ofstream f(dir + "/config.json");
+  f << config_json(config, architecture) << "\n";
+  if (!f.flush()) throw std::runtime_error("cannot write '" + dir + "/config.json'");
+}
+
+}  // namespace
+
+// ---- configuration --------------------------------------------------------------------------
+
+LlamaConfig parse_config(const std::string& json_text, const std::string& where) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::exception& e) {
+    bad_config(where, std::string("not valid JSON: ") + e.what());
+  }
+  if (!j.is_object()) bad_config(where, "must be a JSON object");
+  if (j.contains("model_type") && j["model_type"] != "llama")
+    bad_config(where, "model_type is " + j["model_type"].dump() + ", not \"llama\"");
+  const auto act = j.value("hidden_act", std::string("silu"));
+  if (act != "silu") bad_config(where, "\"hidden_act\" is '" + act + "'; only silu (SwiGLU) is supported");
+  LlamaConfig c;
+  c.vocab_size = required(j, "vocab_size", where);
+  c.hidden_size = required(j, "hidden_size", where);
+  c.intermediate_size = required(j, "intermediate_size", where);
+  c.num_hidden_layers = required(j, "num_hidden_layers", where);
+  c.num_attention_heads = required(j, "num_attention_heads", where);
+  c.num_key_value_heads = field<int64_t>(j, "num_key_value_heads", c.num_attention_heads, where);
+  c.head_dim = field<int64_t>(j, "head_dim", 0, where);
+  c.max_position_embeddings = field<int64_t>(j, "max_position_embeddings", 2048, where);
+  c.rms_norm_eps = field<double>(j, "rms_norm_eps", 1e-6, where);
+  c.rope_theta = rope_theta(j, where);
+  c.tie_word_embeddings = field<bool>(j, "tie_word_embeddings", false, where);
+  c.attention_bias = field<bool>(j, "attention_bias", false, where);
+  c.mlp_bias = field<bool>(j, "mlp_bias", false, where);
+  c.pad_token_id = field<int64_t>(j, "pad_token_id", -1, where);
+  if (j.contains("id2label") && j["id2label"].is_object()) c.num_labels = static_cast<int64_t>(j["id2label"].size());
+  else c.num_labels = field<int64_t>(j, "num_labels", 2, where);
+  validate(c, where);
+  return c;
+}
+
+LlamaConfig load_config(const std::string& path) {
+  const auto file = is_json_file(path) ? path : path + "/config.json";
+  return parse_config(read_text(file), file);
+}
+
+std::string config_json(const LlamaConfig& c, const std::string& architecture) {
+  json id2label = json::object(), label2id = json::object();
+  for (int64_t i = 0; i < c.num_labels; ++i) {
+    id2label[std::to_string(i)] = "LABEL_" + std::to_string(i);
+    label2id["LABEL_" + std::to_string(i)] = i;
+  }
+  json j = {{"architectures", {architecture}},
+            {"model_type", "llama"},
+            {"vocab_size", c.vocab_size},
+            {"hidden_size", c.hidden_size},
+            {"intermediate_size", c.intermediate_size},
+            {"num_hidden_layers", c.num_hidden_layers},
+            {"num_attention_heads", c.num_attention_heads},
+            {"num_key_value_heads", c.num_key_value_heads},
+            {"head_dim", c.head_size()},
+            {"max_position_embeddings", c.max_position_embeddings},
+            {"rms_norm_eps", c.rms_norm_eps},
+            {"rope_theta", c.rope_theta},
+            {"rope_parameters", {{"rope_theta", c.rope_theta}, {"rope_type", "default"}}},
+            {"hidden_act", "silu"},
+            {"tie_word_embeddings", c.tie_word_embeddings},
+            {"attention_bias", c.attention_bias},
+            {"mlp_bias", c.mlp_bias},
+            {"pad_token_id", c.pad_token_id >= 0 ? json(c.pad_token_id) : json(nullptr)},
+            {"id2label", id2label},
+            {"label2id", label2id},
+            {"dtype", "float32"}};
+  return j.dump(2);
+}
+
+// ---- modules --------------------------------------------------------------------------------
+
+RMSNormImpl::RMSNormImpl(int64_t size, double eps) : eps(eps) {
+  weight = register_parameter("weight", torch::ones({size}));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  auto h = x.to(torch::kFloat);
+  h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+AttentionImpl::AttentionImpl(const LlamaConfig& c)
+    : heads(c.num_attention_heads), kv_heads(c.num_key_value_heads), head_dim(c.head_size()) {
+  q_proj = register_module("q_proj", linear(c.hidden_size, heads * head_dim, c.attention_bias));
+  k_proj = register_module("k_proj", linear(c.hidden_size, kv_heads * head_dim, c.attention_bias));
+  v_proj = register_module("v_proj", linear(c.hidden_size, kv_heads * head_dim, c.attention_bias));
+  o_proj = register_module("o_proj", linear(heads * head_dim, c.hidden_size, c.attention_bias));
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const auto B = x.size(0), T = x.size(1);
+  auto split = [&](const torch::Tensor& t, int64_t h) { return t.view({B, T, h, head_dim}).transpose(1, 2); };
+  auto q = split(q_proj(x), heads), k = split(k_proj(x), kv_heads), v = split(v_proj(x), kv_heads);
+  const auto c = cos.to(x.scalar_type()), s = sin.to(x.scalar_type());
+  q = q * c + rotate_half(q) * s;
+  k = k * c + rotate_half(k) * s;
+  // Each key/value head serves heads / kv_heads consecutive query heads.
+  if (kv_heads != heads) {
+    k = k.repeat_interleave(heads / kv_heads, /*dim=*/1);
+    v = v.repeat_interleave(heads / kv_heads, /*dim=*/1);
+  }
+  auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
+}
+
+MLPImpl::MLPImpl(const LlamaConfig& c) {
+  gate_proj = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+  up_proj = register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+  down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+}
+
+torch::Tensor MLPImpl::forward(const torch::Tensor& x) { return down_proj(torch::silu(gate_proj(x)) * up_proj(x)); }
+
+DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c) {
+  self_attn = register_module("self_attn", Attention(c));
+  mlp = register_module("mlp", MLP(c));
+  input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  auto h = x + self_attn(input_layernorm(x), cos, sin);
+  return h + mlp(post_attention_layernorm(h));
+}
+
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config(c) {
+  validate(c, "LlamaConfig");
+  embed_tokens = register_module("embed_tokens", embedding(c));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c));
+  norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+}
+
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(const LlamaConfig& config, int64_t T) {
+  const auto d = config.head_size();
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
+  auto inv_freq = 1.0 / torch::pow(config.rope_theta, torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / d);
+  auto freqs = torch::outer(torch::arange(T, f32), inv_freq);
+  auto emb = torch::cat({freqs, freqs}, -1);
+  return {emb.cos(), emb.sin()};
+}
+
+torch::Tensor LlamaModelImpl::forward(const torch::Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == torch::kLong, "Llama: token ids must be int64 [B, T], not ",
+              ids.scalar_type(), ids.sizes());
+  const auto T = ids.size(1);
+  TORCH_CHECK(T <= config.max_position_embeddings, "Llama: ", T, " tokens exceed max_position_embeddings ",
+              config.max_position_embeddings);
+  auto [cos, sin] = rotary_tables(config, T);
+  cos = cos.to(embed_tokens->weight.device());
+  sin = sin.to(embed_tokens->weight.device());
+  auto h = embed_tokens(ids);
+  for (auto& layer : *layers) h = layer->as<DecoderLayer>()->forward(h, cos, sin);
+  return norm(h);
+}
+
+LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) {
+  model = register_module("model", LlamaModel(c));
+  if (!c.tie_word_embeddings) lm_head = register_module("lm_head", linear(c.hidden_size, c.vocab_size, false));
+}
+
+torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& ids) {
+  auto h = model(ids);
+  return lm_head ? lm_head(h) : torch::linear(h, model->embed_tokens->weight);
+}
+
+LlamaForSequenceClassificationImpl::LlamaForSequenceClassificationImpl(const LlamaConfig& c) {
+  model = register_module("model", LlamaModel(c));
+  score = register_module("score", linear(c.hidden_size, c.num_labels, false));
+}
+
+torch::Tensor LlamaForSequenceClassificationImpl::forward(const torch::Tensor& ids) {
+  auto logits = score(model(ids));
+  const auto T = ids.size(1);
+  torch::Tensor last;
+  if (model->config.pad_token_id >= 0) {
+    // The last position holding a real token (0 when every token is padding), as transformers.
+    auto positions = torch::arange(T, ids.options());
+    last = (positions * (ids != model->config.pad_token_id).to(torch::kLong)).argmax(-1);
+  } else {
+    last = torch::full({ids.size(0)}, T - 1, ids.options());
+  }
+  return logits.index({torch::arange(ids.size(0), ids.options()), last});
+}
+
+torch::Tensor SequentialDecoderLayerImpl::forward(const torch::Tensor& x) {
+  auto [cos, sin] = rotary_tables(config, x.size(1));
+  return DecoderLayerImpl::forward(x, cos.to(x.device()), sin.to(x.device()));
+}
+
+torch::nn::Sequential causal_lm_sequential(const LlamaConfig& c) {
+  validate(c, "LlamaConfig");
+  if (c.tie_word_embeddings)
+    throw std::invalid_argument(
+        "Llama: causal_lm_sequential needs untied embeddings (tie_word_embeddings false): a pipeline "
+        "cannot share embed_tokens' weight between its first and last stage");
+  torch::nn::Sequential seq;
+  seq->push_back("embed_tokens", embedding(c));
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    seq->push_back("layer" + std::to_string(i), SequentialDecoderLayer(c));
+  seq->push_back("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  seq->push_back("lm_head", linear(c.hidden_size, c.vocab_size, false));
+  return seq;
+}
+
+std::string sequential_to_hf(const std::string& name) {
+  auto starts = [&](const std::string& p) { return name.compare(0, p.size(), p) == 0; };
+  if (starts("embed_tokens.") || starts("norm.")) return "model." + name;
+  if (starts("lm_head.")) return name;
+  if (starts("layer")) {
+    const auto dot = name.find('.');
+    const auto index = name.substr(5, dot == std::string::npos ? std::string::npos : dot - 5);
+    if (dot != std::string::npos && !index.empty() && index.find_first_not_of("0123456789") == std::string::npos)
+      return "model.layers." + index + name.substr(dot);
+  }
+  throw std::invalid_argument("Llama: '" + name + "' is not a parameter name of causal_lm_sequential");
+}
+
+// ---- loading and saving ---------------------------------------------------------------------
+
+void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused,
+                  const std::function<std::string(const std::string&)>& to_hf) {
+  torch::NoGradGuard no_grad;
+  std::set<std::string> used;
+  for (auto& p : module.named_parameters(/*recurse=*/true)) {
+    const auto name = to_hf ? to_hf(p.key()) : p.key();
+    if (!checkpoint.contains(name))
+      throw std::runtime_error("Llama checkpoint: no tensor '" + name + "' for the model's parameter of shape " +
+                               c10::str(p.value().sizes()) + "; is it a Llama checkpoint of this configuration?");
+    auto t = checkpoint.get(name);
+    if (t.sizes() != p.value().sizes())
+      throw std::runtime_error("Llama checkpoint: tensor '" + name + "' has shape " + c10::str(t.sizes()) +
+                               " but the configuration gives " + c10::str(p.value().sizes()));
+    p.value().copy_(t);
+    used.insert(name);
+  }
+  if (allow_unused) return;
+  for (auto& name : checkpoint.names()) {
+    const bool tied_head = name == "lm_head.weight" && !used.count(name);
+    if (!used.count(name) && !tied_head)
+      throw std::runtime_error("Llama checkpoint: tensor '" + name +
+                               "' matches no parameter of the model (another architecture or configuration?)");
+  }
+}
+
+LlamaForCausalLM load_causal_lm(const std::string& dir) {
+  LlamaForCausalLM m(load_config(dir));
+  load_weights(*m, safetensors::Checkpoint(dir));
+  return m;
+}
+
+LlamaForSequenceClassification load_sequence_classifier(const std::string& dir) {
+  LlamaForSequenceClassification m(load_config(dir));
+  load_weights(*m, safetensors::Checkpoint(dir));
+  return m;
+}
+
+void save_pretrained(const LlamaForCausalLM& model, const std::string& dir, const safetensors::SaveOptions& options) {
+  save_dir(*model, model->model->config, "LlamaForCausalLM", dir, options);
+}
+
+void save_pretrained(const LlamaForSequenceClassification& model, const std::string& dir,
+                     const safetensors::SaveOptions& options) {
+  save_dir(*model, model->model->config, "LlamaForSequenceClassification", dir, options);
+}
+
+void save_pretrained(const torch::nn::Sequential& model, const LlamaConfig& config, const std::string& dir,
+                     const safetensors::SaveOptions& options) {
+  save_dir(*model, config, "LlamaForCausalLM", dir, options, sequential_to_hf);
+}
+
+}  // namespace tandem::llama
