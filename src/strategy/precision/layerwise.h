@@ -47,8 +47,8 @@ class Optimizer : public torch::optim::Optimizer {
  protected:
   // This tensor's direction before weight decay and trust ratio (advances its state).
   virtual at::Tensor direction(const at::Tensor& p, const at::Tensor& g, const Options& o) = 0;
-  // What the trust ratio compares with the weights of an adapted segment (LAMB: the direction,
-  // weight decay added in place; LARS: the gradient).
+  // What the trust ratio compares with the weights of an adapted segment (LAMB: the direction
+  // plus weight decay, written into `d`; LARS: the gradient).
   virtual at::Tensor measured(const at::Tensor& w, at::Tensor d, const at::Tensor& g, const Options& o) = 0;
   // Updates the segment `w` (or its direction `d`) from its gradient `g`, whether it is adapted,
   // and the whole parameter's norms of the weights and of what measured() gave.
