@@ -14,7 +14,7 @@ struct CheckpointMeta {
   std::string model_description;  // free text (architecture, parameter count)
   std::string strategy;           // ddp | single | zero1 | zero2 | zero3 | any label
   std::string precision = "fp32";
-  std::string optimizer;      // sgd | adam | adamw: loading into another kind fails
+  std::string optimizer;      // sgd | adam | adamw | lars | lamb: loading into another kind fails
   int world_size = 1;         // set by save
   int64_t step = 0;           // optimizer steps done (all epochs)
   int64_t epoch = 0;          // epoch in progress at the save

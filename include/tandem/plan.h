@@ -188,7 +188,7 @@ struct Calibration {
 // ---------------------------------------------------------------- configurations
 struct PlanOptions {
   int64_t global_batch = 0;         // samples per step; 0: 1024 for transformers, 256 otherwise
-  std::string optimizer = "adam";   // adam | adamw | sgd (momentum) | sgd-plain
+  std::string optimizer = "adam";   // adam | adamw | sgd (momentum) | sgd-plain | lars (momentum) | lamb
   std::string precision = "mixed";  // mixed (16-bit params/grads, fp32 master) | fp32 | bf16 (pure)
   std::vector<int> zero_stages = {0, 1, 2, 3};
   std::vector<double> bucket_bytes = {25.0 * 1024 * 1024};

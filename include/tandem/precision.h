@@ -93,8 +93,9 @@ class MixedPrecisionOptimizer {
   // Model parallelism: this rank's parameters are part of the model, so the gradient norm that
   // clipping (and fp16's overflow check) uses is a global one: parameter i's squares are summed
   // over `tp` when sharded[i] (tp::sharded_parameters), counted once otherwise, and the stage's
-  // total is summed over `pp`. Either communicator may be null (no such split). Collective in
-  // step() when max_grad_norm > 0 or in fp16.
+  // total is summed over `pp`; LARS and LAMB sum the norms of the sharded parameters over `tp`
+  // too. Either communicator may be null (no such split). Collective in step() when
+  // max_grad_norm > 0, in mixed precision, or with LARS or LAMB and `tp`.
   void set_model_parallel(std::vector<bool> sharded, CommPtr tp, CommPtr pp);
   // Bytes of the fp32 masters (0 in fp32) and of the optimizer state.
   int64_t master_bytes() const;

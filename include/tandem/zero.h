@@ -3,8 +3,9 @@
 // the ranks. Rank r steps only the 1/N it owns. Stages 1 and 2 keep a full replica of the
 // parameters and all-gather the updated ones after each step; stage 3 keeps only its shard and
 // gathers each unit's parameters just before the unit's forward and again before its backward,
-// freeing them after each. In fp32 with elementwise optimizers (SGD, Adam, AdamW) a step gives
-// the same result as DistributedDataParallel followed by the same optimizer.
+// freeing them after each. In fp32 a step gives the same result as DistributedDataParallel
+// followed by the same optimizer: elementwise ones (SGD, Adam, AdamW) directly, LARS and LAMB
+// by summing each parameter's norms over the chunks that hold it.
 //
 // Mixed precision (bf16, fp16): the model's parameters, activations and gradients are in the
 // low precision; the owning rank keeps fp32 master weights of its shard, and the optimizer
@@ -168,8 +169,9 @@ class ZeroDataParallel {
   // group of one shard / stage): the norm for clipping and fp16's overflow check becomes the
   // whole model's, summing the parameters flagged in `sharded` (tp::sharded_parameters, in the
   // module's parameter order) over `tp` and everything over `pp`, so that every shard and
-  // stage clips by one coefficient and skips an overflowed step together. Either may be null.
-  // Collective in step() over both groups.
+  // stage clips by one coefficient and skips an overflowed step together. LARS and LAMB sum
+  // the flagged parameters' norms over `tp` too. Either may be null. Collective in step() over
+  // both groups.
   void set_model_parallel(const std::vector<bool>& sharded, CommPtr tp, CommPtr pp);
   const LossScaler& loss_scaler() const;
   Precision precision() const;

@@ -63,13 +63,6 @@ bool parse_step_name(const std::string& n, int64_t* step) {
   return true;
 }
 
-std::string optimizer_kind(const torch::optim::Optimizer& opt) {
-  if (dynamic_cast<const torch::optim::AdamW*>(&opt)) return "adamw";
-  if (dynamic_cast<const torch::optim::Adam*>(&opt)) return "adam";
-  if (dynamic_cast<const torch::optim::SGD*>(&opt)) return "sgd";
-  throw std::invalid_argument("checkpoints support the SGD, Adam and AdamW optimizers only");
-}
-
 std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& opt) {
   std::vector<at::Tensor> out;
   for (auto& g : opt.param_groups())

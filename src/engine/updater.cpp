@@ -62,6 +62,12 @@ bool whole_model_norm(const Layout& L) {
   return L.grid && (L.cfg.max_grad_norm > 0 || L.cfg.precision == Precision::kFP16);
 }
 
+// The strategies learn which parameters are tensor-parallel shards: for the norm above, and for
+// LARS and LAMB, whose trust ratios need each shard's norm summed over tp.
+bool model_parallel_norms(const Layout& L, const OptimizerOptions& oo) {
+  return whole_model_norm(L) || (L.grid && L.cfg.tp > 1 && is_layerwise(oo));
+}
+
 std::vector<bool> shard_flags(const Layout& L) {
   return tp::sharded_parameters(L.net_sequential(), L.pipe ? L.pipe->first_layer() : 0,
                                 L.pipe ? L.pipe->end_layer() : -1);
@@ -76,7 +82,7 @@ class Replicated final : public Updater {
     opt_ = std::make_unique<MixedPrecisionOptimizer>(L.trained, L.cfg.precision, oo, L.cfg.loss_scaler,
                                                      dp > 1 ? L.dp : nullptr);
     if (L.cfg.precision != Precision::kFP32) L.net->to(compute_dtype(L.cfg.precision));
-    if (whole_model_norm(L)) opt_->set_model_parallel(shard_flags(L), L.grid->tp(), L.grid->pp());
+    if (model_parallel_norms(L, oo)) opt_->set_model_parallel(shard_flags(L), L.grid->tp(), L.grid->pp());
     // DDP over the replicas; a pipeline stage's gradients are complete only after the whole
     // micro-batched step and are averaged in one all-reduce instead.
     if (is_ddp(L.cfg.strategy) && !L.pipe && (!L.grid || dp > 1)) {
@@ -168,7 +174,7 @@ class Sharded final : public Updater {
     o.loss_scaler = L.cfg.loss_scaler;
     o.max_grad_norm = L.cfg.max_grad_norm;
     zero_ = std::make_unique<ZeroDataParallel>(L.trained_module, L.dp, o);
-    if (whole_model_norm(L)) zero_->set_model_parallel(shard_flags(L), L.grid->tp(), L.grid->pp());
+    if (model_parallel_norms(L, oo)) zero_->set_model_parallel(shard_flags(L), L.grid->tp(), L.grid->pp());
   }
 
   void begin_step() override {

@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "tandem/launcher.h"
+#include "tandem/optim.h"
 #include "tandem/pipeline_schedule.h"
 #include "tandem/plan.h"
 
@@ -23,6 +24,19 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 std::string gb(double bytes) { return fmt("%.1f GB", bytes / 1e9); }
+
+// The optimizer's parameter-sized state tensors, counted as the strategies count them
+// (tandem/optim.h); sgd and lars with momentum.
+int state_slots(const std::string& optimizer) {
+  if (optimizer != "adam" && optimizer != "adamw" && optimizer != "sgd" && optimizer != "sgd-plain" &&
+      optimizer != "lars" && optimizer != "lamb") {
+    throw std::invalid_argument("unknown optimizer '" + optimizer + "' (adam, adamw, sgd, sgd-plain, lars, lamb)");
+  }
+  OptimizerOptions o;
+  o.kind = optimizer == "sgd-plain" ? "sgd" : optimizer;
+  o.momentum = optimizer == "sgd" || optimizer == "lars" ? 0.9 : 0.0;
+  return optimizer_state_slots(o);
+}
 
 bool is_16bit(const std::string& precision) { return precision == "mixed" || precision == "bf16"; }
 
@@ -80,7 +94,9 @@ Rates worker_rates(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& 
   // One worker on all cores: the intercept fitted with flops_all, so that the two reproduce the
   // all-core times they were fitted to (with the one-thread intercept they did not).
   if (n == 1 && threads >= cores && mr.flops_all > 0 && mr.overhead_all_s >= 0) r.overhead = mr.overhead_all_s;
-  r.opt_per_param = (o.optimizer == "adam" || o.optimizer == "adamw") ? mr.adam_s_per_param : mr.sgd_s_per_param;
+  // Two moments (adam, adamw, lamb) cost as Adam's step, the rest as SGD's.
+  const bool adam = state_slots(o.optimizer) == 2;
+  r.opt_per_param = adam ? mr.adam_s_per_param : mr.sgd_s_per_param;
   r.opt_per_param *= r.slice;
   if (n == 1 && threads > 1) {
     // One worker on several threads: the optimizer's element-wise kernels split over them too.
@@ -88,7 +104,6 @@ Rates worker_rates(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& 
     // as forward and backward scale. Priced at one thread's time, the MLP's single worker came
     // out 15-39 % slow (Adam over 1.86 M parameters takes 5.7-9.2 ms on one thread, 3.4-3.7 on
     // two).
-    const bool adam = o.optimizer == "adam" || o.optimizer == "adamw";
     const double all_threads = adam ? mr.adam_all_s_per_param : mr.sgd_all_s_per_param;
     if (all_threads > 0 && threads >= cores) r.opt_per_param = all_threads;
     else if (one > 0) r.opt_per_param /= std::max(1.0, r.flops / one);
@@ -628,11 +643,7 @@ double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std:
 
 StateBytes state_bytes(const std::string& precision, const std::string& optimizer) {
   StateBytes b;
-  double moments;
-  if (optimizer == "adam" || optimizer == "adamw") moments = 2;
-  else if (optimizer == "sgd") moments = 1;  // momentum
-  else if (optimizer == "sgd-plain") moments = 0;
-  else throw std::invalid_argument("unknown optimizer '" + optimizer + "' (adam, adamw, sgd, sgd-plain)");
+  const double moments = state_slots(optimizer);
   if (precision == "mixed") {
     // 16-bit parameters and gradients; fp32 master parameters + fp32 moments (ZeRO paper: K = 12 for Adam).
     b.param = 2;

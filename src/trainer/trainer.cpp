@@ -34,8 +34,10 @@ OptimizerOptions optimizer_options(const TrainConfig& cfg) {
   OptimizerOptions o;
   o.kind = cfg.optimizer;
   o.lr = cfg.lr;
-  o.momentum = cfg.optimizer == "sgd" ? cfg.momentum : 0.0;
+  o.momentum = cfg.optimizer == "sgd" || cfg.optimizer == "lars" ? cfg.momentum : 0.0;
   o.weight_decay = cfg.weight_decay;
+  o.trust_coefficient = cfg.trust_coefficient;
+  o.adapt_vectors = cfg.adapt_vectors;
   return o;
 }
 

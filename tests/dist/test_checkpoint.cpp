@@ -66,20 +66,6 @@ std::pair<torch::Tensor, torch::Tensor> batch_of_step(int64_t step) {
   return {x.to(torch::kDouble), y};
 }
 
-// A directory every rank of `comm` agrees on (rank 0 creates it).
-std::string shared_dir(Communicator& comm, const std::string& tag) {
-  auto buf = torch::zeros({256}, torch::kUInt8);
-  if (comm.rank() == 0) {
-    std::string tmpl = "/tmp/tandem_ckpt_" + tag + "_XXXXXX";
-    std::vector<char> t(tmpl.begin(), tmpl.end());
-    t.push_back('\0');
-    if (!::mkdtemp(t.data())) throw std::runtime_error("mkdtemp failed");
-    std::memcpy(buf.data_ptr(), t.data(), t.size());
-  }
-  comm.broadcast(buf, 0);
-  return std::string(reinterpret_cast<const char*>(buf.data_ptr()));
-}
-
 // One training step on this rank's slice of the global batch; returns the global mean loss.
 template <typename StepFn>
 double step_on_slice(Communicator& comm, int64_t step, StepFn fn) {
@@ -174,7 +160,7 @@ class CheckpointResume : public ::testing::TestWithParam<int> {};
 TEST_P(CheckpointResume, ZeroContinuesBitwise) {
   const int stage = GetParam();
   auto comm = world();
-  const auto dir = shared_dir(*comm, "bitwise");
+  const auto dir = shared_dir(*comm, "ckpt_bitwise");
   for (auto o : {adamw(), sgd_momentum()}) {
     ZeroDataParallel a(make_seq(7).ptr(), comm, zero_opts(stage, o));
     train_zero(a, *comm, 0, 3);
@@ -195,7 +181,7 @@ TEST_P(CheckpointResume, ZeroContinuesBitwise) {
 TEST_P(CheckpointResume, DdpContinuesBitwise) {
   if (GetParam() != 1) GTEST_SKIP() << "once is enough";
   auto comm = world();
-  const auto dir = shared_dir(*comm, "ddp");
+  const auto dir = shared_dir(*comm, "ckpt_ddp");
   auto ma = make_seq(7);
   auto oa = make_optimizer(ma->parameters(), adamw());
   DistributedDataParallel da(ma.ptr(), comm);
@@ -225,7 +211,7 @@ INSTANTIATE_TEST_SUITE_P(Stages, CheckpointResume, ::testing::Values(1, 2, 3));
 // resumed bf16/fp16 ZeRO run continues bitwise too, also when resumed as another stage.
 TEST(CheckpointMixed, ZeroBf16AndFp16ContinueBitwise) {
   auto comm = world();
-  const auto dir = shared_dir(*comm, "mixed");
+  const auto dir = shared_dir(*comm, "ckpt_mixed");
   for (auto prec : {Precision::kBF16, Precision::kFP16}) {
     auto opts = [&](int stage) {
       auto z = zero_opts(stage, adamw());
@@ -291,7 +277,7 @@ TEST(CheckpointReshard, AcrossWorldSizesAndStrategies) {
   const int64_t K = 3;
   const auto o = adamw();
   const auto ref = reference_losses(o, 4 * K);
-  const auto dir = shared_dir(*comm, "reshard");
+  const auto dir = shared_dir(*comm, "ckpt_reshard");
   auto near = [&](const std::vector<double>& got, int64_t from, const char* phase) {
     ASSERT_EQ(got.size(), static_cast<size_t>(K));
     for (int64_t i = 0; i < K; ++i) EXPECT_NEAR(got[i], ref[from + i], 1e-9) << phase << " step " << from + i;
@@ -344,7 +330,7 @@ TEST(CheckpointReshard, PipelineStagesToOneProcess) {
   const int64_t K = 3;
   const auto o = adamw();
   const auto ref = reference_losses(o, 2 * K);
-  const auto dir = shared_dir(*comm, "pipeline");
+  const auto dir = shared_dir(*comm, "ckpt_pipeline");
   PipelineOptions po;
   po.micro_batches = 2;
   auto loss_fn = [](const at::Tensor& out, const at::Tensor& y) {
@@ -426,7 +412,7 @@ TEST(CheckpointReshard, TensorParallelTransformer) {
   auto par = tp::tensor_parallel(make(5), comm);
   auto opt = make_optimizer(par->parameters(), o);
   train2(par, *opt);
-  const auto dir = shared_dir(*comm, "tp");
+  const auto dir = shared_dir(*comm, "ckpt_tp");
   auto state = [&](torch::nn::Sequential p, torch::nn::Sequential dense, torch::optim::Optimizer& o) {
     TensorParallelState s;
     s.parallel = p.ptr();
@@ -492,7 +478,7 @@ class CheckpointErrors : public ::testing::Test {
  protected:
   void SetUp() override {
     comm_ = tandem::make_self_communicator(CommOptions{});
-    root_ = shared_dir(*comm_, "errors");
+    root_ = shared_dir(*comm_, "ckpt_errors");
     model_ = make_seq(7);
     opt_ = make_optimizer(model_->parameters(), adamw());
     DistributedDataParallel ddp(model_.ptr(), comm_);

@@ -91,19 +91,6 @@ std::vector<double> reference_losses(int steps, NestedNet* trained = nullptr) {
   return out;
 }
 
-// A new directory under /tmp that every rank agrees on (rank 0 makes it). std::filesystem's
-// remove_all is not used: pip torch's libstdc++ mix makes it crash.
-std::string shared_tmp_dir() {
-  auto buf = torch::zeros({256}, torch::kUInt8);
-  if (world()->rank() == 0) {
-    std::string t = "/tmp/tandem_engine_XXXXXX";
-    if (!::mkdtemp(t.data())) throw std::runtime_error("mkdtemp failed");
-    std::memcpy(buf.data_ptr(), t.c_str(), t.size() + 1);
-  }
-  world()->broadcast(buf, 0);
-  return std::string(reinterpret_cast<const char*>(buf.data_ptr()));
-}
-
 ParallelConfig with(Strategy s) {
   ParallelConfig c;
   c.strategy = s;
@@ -164,7 +151,7 @@ TEST(Engine, LowLevelCallsEqualStep) {
 
 // Saved under one strategy, resumed under each: the continuation equals the run that went on.
 TEST(Engine, CheckpointResumesBitwiseAcrossStrategies) {
-  const std::string root = shared_tmp_dir();
+  const std::string root = shared_dir(*world(), "engine");
   std::vector<double> continued;
   {
     Engine eng(runtime(), make_net(), adam(), with(Strategy::kZero2));

@@ -601,8 +601,8 @@ TEST(Zero, RejectsBadOptions) {
   zo.stage = 0;
   expect_invalid(zo, "stage 0");
   zo = ZeroOptions();
-  zo.optimizer.kind = "lamb";
-  expect_invalid(zo, "optimizer lamb");
+  zo.optimizer.kind = "lion";
+  expect_invalid(zo, "optimizer lion");
   zo = ZeroOptions();
   zo.optimizer.lr = -1;
   expect_invalid(zo, "negative lr");

@@ -51,3 +51,7 @@ tandem_add_dist_test(dist_llama_engine_np2 2 "*LlamaEngine*:LlamaSequentialEngin
 # Activation checkpointing through the Engine: the same gradients and training with and without
 # recomputation under ddp, zero1, zero3, tp2 and pp2, on a model with dropout.
 tandem_add_dist_test(dist_activation_checkpoint_np2 2 "*ActivationCheckpoint*" TIMEOUT 300)
+# LARS and LAMB through the Engine against one process: ddp, zero1-3, tp2 (2 ranks), tp2 with
+# ddp and zero1 over two replicas (4 ranks), and checkpoints resumed under other strategies.
+tandem_add_dist_test(dist_layerwise_np2 2 "*Layerwise*" TIMEOUT 300)
+tandem_add_dist_test(dist_layerwise_np4 4 "*LayerwiseLayouts*tp2*" TIMEOUT 300)

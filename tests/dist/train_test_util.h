@@ -1,13 +1,20 @@
 // Helpers shared by the strategy tests (DDP, ZeRO): a deterministic global batch, each rank's
-// slice of it, the relative error against a reference, and a small transformer.
+// slice of it, the relative error against a reference, a small transformer, and a directory
+// for checkpoints.
 #pragma once
 
+#include <stdlib.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 #include <utility>
+#include <vector>
 
+#include "tandem/comm.h"
 #include "tandem/models.h"
 
 namespace tandem::test {
@@ -41,6 +48,21 @@ inline models::TransformerConfig small_lm() {
   c.seq = 6;
   c.mlp_ratio = 2;
   return c;
+}
+
+// A new directory /tmp/tandem_<tag>_XXXXXX that every rank of `comm` agrees on (rank 0 makes
+// it). std::filesystem's remove_all is not used: pip torch's libstdc++ mix makes it crash.
+inline std::string shared_dir(Communicator& comm, const std::string& tag) {
+  auto buf = torch::zeros({256}, torch::kUInt8);
+  if (comm.rank() == 0) {
+    std::string tmpl = "/tmp/tandem_" + tag + "_XXXXXX";
+    std::vector<char> t(tmpl.begin(), tmpl.end());
+    t.push_back('\0');
+    if (!::mkdtemp(t.data())) throw std::runtime_error("mkdtemp failed");
+    std::memcpy(buf.data_ptr(), t.data(), t.size());
+  }
+  comm.broadcast(buf, 0);
+  return std::string(reinterpret_cast<const char*>(buf.data_ptr()));
 }
 
 }  // namespace tandem::test

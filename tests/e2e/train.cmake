@@ -19,3 +19,6 @@ set_tests_properties(e2e_train_precision PROPERTIES TIMEOUT 900 PROCESSORS 2)
 # ZeRO-1/3, tensor parallel); DDP and ZeRO-1 communicate once per step, ZeRO-3 per micro-batch.
 add_test(NAME e2e_train_grad_accum COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_grad_accum.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_train_grad_accum PROPERTIES TIMEOUT 600 PROCESSORS 2)
+# LARS and LAMB: two workers under ZeRO follow one worker step for step.
+add_test(NAME e2e_train_layerwise COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_layerwise.sh $<TARGET_FILE:tandem_cli>)
+set_tests_properties(e2e_train_layerwise PROPERTIES TIMEOUT 300 PROCESSORS 2)

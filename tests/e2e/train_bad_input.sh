@@ -33,6 +33,10 @@ expect nprocs-not-a-number "nprocs: must be a whole number between 1 and 4096, g
 expect epochs-zero "epochs: must be between 1 and 10000, got 0$" -- "$tandem" train --epochs 0
 expect batch-zero "batch: must be between 1 and 16777216, got 0$" -- "$tandem" train --batch 0
 expect bad-lr "lr must be a positive number" -- "$tandem" train -n 1 --lr -1 --max-steps 1
+expect unknown-optimizer "unknown optimizer 'lion' \\(use sgd, adam, adamw, lars or lamb\\)" -- \
+  "$tandem" train -n 1 --optimizer lion --max-steps 1
+expect lars-trust-coefficient "LARS trust coefficient must be a positive number" -- \
+  "$tandem" train -n 1 --optimizer lars --trust-coefficient 0 --max-steps 1
 expect recompute-word "activation-checkpointing 'sometimes': use none, every, or N" -- \
   "$tandem" train -n 1 --activation-checkpointing sometimes --max-steps 1
 expect recompute-too-many "activation-checkpointing 40: the model has [0-9]+ layers; use at most" -- \

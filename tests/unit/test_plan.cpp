@@ -33,6 +33,15 @@ tp::Estimate data_parallel(const tp::ModelSpec& m, const tp::ClusterSpec& c, int
 
 }  // namespace
 
+// Optimizer state per parameter in mixed precision: fp32 masters (4 bytes) plus 4 bytes per
+// fp32 state tensor: LAMB keeps Adam's two moments, LARS one momentum buffer.
+TEST(Plan, LayerwiseOptimizerState) {
+  EXPECT_EQ(tp::state_bytes("mixed", "lamb").optimizer, 12);
+  EXPECT_EQ(tp::state_bytes("mixed", "lars").optimizer, 8);
+  EXPECT_EQ(tp::state_bytes("fp32", "lars").optimizer, 4);
+  EXPECT_THROW(tp::state_bytes("fp32", "lion"), std::invalid_argument);
+}
+
 // ZeRO paper (Rajbhandari et al. 2020), fig. 1: Psi = 7.5B, Nd = 64, K = 12 (Adam, mixed precision):
 // 120 GB, 31.4 GB, 16.6 GB, 1.9 GB for no sharding and stages 1, 2, 3.
 TEST(Plan, ZeroPaperMemoryExample) {

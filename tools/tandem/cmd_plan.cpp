@@ -168,7 +168,7 @@ int cmd_plan(int argc, char** argv) {
                  "global batch (samples per step; default 1024 transformers, 256 others; "
                  "128 on the local cluster)");
   app.add_option("--optimizer", o.optimizer,
-                 "adam | adamw | sgd (momentum) | sgd-plain (default: sgd on the "
+                 "adam | adamw | sgd (momentum) | sgd-plain | lars (momentum) | lamb (default: sgd on the "
                  "local cluster, as tandem train; adam elsewhere)");
   app.add_option("--precision", o.precision,
                  "mixed | fp32 | bf16 (default: fp32 on the local cluster, mixed elsewhere)");

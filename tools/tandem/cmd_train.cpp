@@ -62,10 +62,16 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--batch", cfg.batch, "global batch size (split across workers)")
       ->check(whole_between(1, 1 << 24))
       ->capture_default_str();
-  app.add_option("--optimizer", cfg.optimizer, "sgd | adam | adamw")->capture_default_str();
+  app.add_option("--optimizer", cfg.optimizer,
+                 "sgd | adam | adamw | lars | lamb (layer-wise trust ratios, for large batches)")
+      ->capture_default_str();
   app.add_option("--lr", cfg.lr, "learning rate")->capture_default_str();
-  app.add_option("--momentum", cfg.momentum, "SGD momentum")->capture_default_str();
+  app.add_option("--momentum", cfg.momentum, "SGD and LARS momentum")->capture_default_str();
   app.add_option("--weight-decay", cfg.weight_decay, "weight decay")->capture_default_str();
+  app.add_option("--trust-coefficient", cfg.trust_coefficient, "LARS: eta, the scale of the layer-wise learning rate")
+      ->capture_default_str();
+  app.add_flag("--adapt-vectors", cfg.adapt_vectors,
+               "LARS, LAMB: give biases and norm weights the trust ratio and weight decay too (default: excluded)");
   app.add_flag("--scale-lr", cfg.scale_lr, "linear scaling rule: lr x workers (Goyal et al.)");
   app.add_option("--warmup-steps", cfg.warmup_steps, "linear warmup steps from lr to the scaled lr")
       ->capture_default_str();

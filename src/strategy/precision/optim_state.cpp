@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 
+#include "strategy/precision/layerwise.h"
 #include "tandem/optim.h"
 #include "tandem/precision.h"
 
@@ -40,8 +41,14 @@ ParamOptimizerState get_param_state(const torch::optim::Optimizer& opt, const at
     out.step = w->step();
   } else if (auto* g = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
     if (g->momentum_buffer().defined()) out.slots["momentum_buffer"] = g->momentum_buffer();
+  } else if (auto* lb = dynamic_cast<const layerwise::LambState*>(s)) {
+    out.slots["exp_avg"] = lb->exp_avg();
+    out.slots["exp_avg_sq"] = lb->exp_avg_sq();
+    out.step = lb->step();
+  } else if (auto* ls = dynamic_cast<const layerwise::LarsState*>(s)) {
+    out.slots["momentum_buffer"] = ls->momentum_buffer();
   } else {
-    throw std::invalid_argument("get_param_state: only SGD, Adam and AdamW state is supported");
+    throw std::invalid_argument("get_param_state: only SGD, Adam, AdamW, LARS and LAMB state is supported");
   }
   return out;
 }
@@ -68,8 +75,18 @@ void set_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, cons
     auto st = std::make_unique<torch::optim::SGDParamState>();
     st->momentum_buffer(slot(s, "momentum_buffer", param, "SGD"));
     opt.state()[key] = std::move(st);
+  } else if (dynamic_cast<layerwise::Lamb*>(&opt)) {
+    auto st = std::make_unique<layerwise::LambState>();
+    st->step(s.step);
+    st->exp_avg(slot(s, "exp_avg", param, "LAMB"));
+    st->exp_avg_sq(slot(s, "exp_avg_sq", param, "LAMB"));
+    opt.state()[key] = std::move(st);
+  } else if (dynamic_cast<layerwise::Lars*>(&opt)) {
+    auto st = std::make_unique<layerwise::LarsState>();
+    st->momentum_buffer(slot(s, "momentum_buffer", param, "LARS"));
+    opt.state()[key] = std::move(st);
   } else {
-    throw std::invalid_argument("set_param_state: only SGD, Adam and AdamW state is supported");
+    throw std::invalid_argument("set_param_state: only SGD, Adam, AdamW, LARS and LAMB state is supported");
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "strategy/precision/layerwise.h"
 #include "tandem/optim.h"
 
 namespace tandem {
@@ -14,8 +15,8 @@ namespace tandem {
 // ---- optimizers
 
 void validate(const OptimizerOptions& o) {
-  if (o.kind != "sgd" && o.kind != "adam" && o.kind != "adamw") {
-    throw std::invalid_argument("unknown optimizer '" + o.kind + "' (use sgd, adam or adamw)");
+  if (o.kind != "sgd" && o.kind != "adam" && o.kind != "adamw" && !is_layerwise(o)) {
+    throw std::invalid_argument("unknown optimizer '" + o.kind + "' (use sgd, adam, adamw, lars or lamb)");
   }
   if (!(o.lr > 0.0) || !std::isfinite(o.lr)) throw std::invalid_argument("the learning rate must be a positive number");
   if (o.momentum < 0.0 || o.momentum >= 1.0) throw std::invalid_argument("momentum must be in [0, 1)");
@@ -27,6 +28,9 @@ void validate(const OptimizerOptions& o) {
     throw std::invalid_argument("Adam betas must be in [0, 1)");
   }
   if (!(o.eps > 0.0)) throw std::invalid_argument("Adam eps must be positive");
+  if (o.kind == "lars" && (!(o.trust_coefficient > 0.0) || !std::isfinite(o.trust_coefficient))) {
+    throw std::invalid_argument("the LARS trust coefficient must be a positive number (You et al. use 0.001)");
+  }
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<at::Tensor> params, const OptimizerOptions& o) {
@@ -34,6 +38,13 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<at::Tensor> 
   if (o.kind == "sgd") {
     return std::make_unique<torch::optim::SGD>(
         params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).nesterov(o.nesterov).weight_decay(o.weight_decay));
+  }
+  if (is_layerwise(o)) {
+    layerwise::Options lo;
+    lo.lr(o.lr).momentum(o.momentum).beta1(o.beta1).beta2(o.beta2).eps(o.eps).weight_decay(o.weight_decay);
+    lo.trust_coefficient(o.trust_coefficient).adapt_vectors(o.adapt_vectors);
+    if (o.kind == "lars") return std::make_unique<layerwise::Lars>(std::move(params), lo);
+    return std::make_unique<layerwise::Lamb>(std::move(params), lo);
   }
   if (o.kind == "adam") {
     return std::make_unique<torch::optim::Adam>(
@@ -43,9 +54,18 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<at::Tensor> 
       params, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
 }
 
+std::string optimizer_kind(const torch::optim::Optimizer& opt) {
+  if (dynamic_cast<const torch::optim::AdamW*>(&opt)) return "adamw";
+  if (dynamic_cast<const torch::optim::Adam*>(&opt)) return "adam";
+  if (dynamic_cast<const torch::optim::SGD*>(&opt)) return "sgd";
+  if (dynamic_cast<const layerwise::Lars*>(&opt)) return "lars";
+  if (dynamic_cast<const layerwise::Lamb*>(&opt)) return "lamb";
+  throw std::invalid_argument("checkpoints support the SGD, Adam, AdamW, LARS and LAMB optimizers only");
+}
+
 int optimizer_state_slots(const OptimizerOptions& o) {
-  if (o.kind == "adam" || o.kind == "adamw") return 2;
-  return o.kind == "sgd" && o.momentum != 0.0 ? 1 : 0;
+  if (o.kind == "adam" || o.kind == "adamw" || o.kind == "lamb") return 2;
+  return (o.kind == "sgd" || o.kind == "lars") && o.momentum != 0.0 ? 1 : 0;
 }
 
 int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt) {
@@ -65,6 +85,11 @@ int64_t optimizer_state_bytes(const torch::optim::Optimizer& opt) {
       add(w->max_exp_avg_sq());
     } else if (auto* g = dynamic_cast<const torch::optim::SGDParamState*>(s)) {
       add(g->momentum_buffer());
+    } else if (auto* lb = dynamic_cast<const layerwise::LambState*>(s)) {
+      add(lb->exp_avg());
+      add(lb->exp_avg_sq());
+    } else if (auto* ls = dynamic_cast<const layerwise::LarsState*>(s)) {
+      add(ls->momentum_buffer());
     } else if (auto* ad = dynamic_cast<const torch::optim::AdagradParamState*>(s)) {
       add(ad->sum());
     } else if (auto* rm = dynamic_cast<const torch::optim::RMSpropParamState*>(s)) {
@@ -162,6 +187,16 @@ void MixedPrecisionOptimizer::set_model_parallel(std::vector<bool> sharded, Comm
   if (sharded.size() != params_.size()) {
     throw std::invalid_argument("MixedPrecisionOptimizer::set_model_parallel: " + std::to_string(sharded.size()) +
                                 " flags for " + std::to_string(params_.size()) + " parameters");
+  }
+  if (dynamic_cast<const layerwise::Optimizer*>(optim_.get()) && tp && tp->size() > 1) {
+    LayerwiseLayout L;  // the optimizer's tensors are whole parameters (or their masters)
+    const auto& ours = masters_.empty() ? params_ : masters_;
+    for (size_t i = 0; i < ours.size(); ++i) {
+      L.segments.push_back({{0, ours[i].numel(), static_cast<int64_t>(i)}});
+      L.dims.push_back(ours[i].dim());
+    }
+    L.reduce = shard_norm_reducer(nullptr, tp, sharded);
+    set_layerwise_layout(*optim_, std::move(L));
   }
   sharded_ = std::move(sharded);
   mp_tp_ = std::move(tp);

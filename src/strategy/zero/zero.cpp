@@ -39,6 +39,7 @@
 #include <iterator>
 #include <map>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 #include "compat/torch_compat.h"
@@ -356,6 +357,34 @@ struct ZeroDataParallel::Impl {
     std::vector<at::Tensor> masters;
     for (auto& bk : buckets) masters.push_back(bk.master);
     optim = make_optimizer(masters, opts.optimizer);
+    if (is_layerwise(opts.optimizer)) set_layerwise_layout(*optim, layerwise_layout(nullptr, {}));
+  }
+
+  // LARS, LAMB: the pieces of parameters in each owned chunk (a parameter may straddle the
+  // chunks of several ranks, and a chunk holds several parameters), their norms summed over the
+  // data-parallel ranks and, for tensor-parallel shards, over `tp`.
+  LayerwiseLayout layerwise_layout(CommPtr tp, std::vector<bool> tp_sharded) const {
+    LayerwiseLayout L;
+    for (const auto& bk : buckets) {
+      std::vector<LayerwiseLayout::Segment> segs;
+      for (const auto& [i, from, to] : owned_pieces(bk)) segs.push_back({from, to - from, static_cast<int64_t>(i)});
+      L.segments.push_back(std::move(segs));
+    }
+    for (const auto& p : params) L.dims.push_back(p.dim());
+    L.reduce = shard_norm_reducer(comm, std::move(tp), std::move(tp_sharded));
+    return L;
+  }
+
+  // The parameters with elements in this rank's chunk of `bk`: (parameter, [from, to) within
+  // the chunk).
+  std::vector<std::tuple<size_t, int64_t, int64_t>> owned_pieces(const Bucket& bk) const {
+    std::vector<std::tuple<size_t, int64_t, int64_t>> out;
+    const int64_t lo = static_cast<int64_t>(rank) * bk.chunk, hi = lo + bk.chunk;
+    for (size_t i : bk.params) {
+      const int64_t from = std::max(lo, offset_of[i]), to = std::min(hi, offset_of[i] + params[i].numel());
+      if (from < to) out.emplace_back(i, from - lo, to - lo);
+    }
+    return out;
   }
 
   // ---- stage 3: gathering units
@@ -808,14 +837,10 @@ void ZeroDataParallel::set_model_parallel(const std::vector<bool>& sharded, Comm
   }
   I.sharded_ranges.assign(I.buckets.size(), {});
   for (size_t b = 0; b < I.buckets.size(); ++b) {
-    const auto& bk = I.buckets[b];
-    const int64_t lo = static_cast<int64_t>(I.rank) * bk.chunk, hi = lo + bk.chunk;
-    for (size_t i : bk.params) {
-      if (!sharded[i]) continue;
-      const int64_t from = std::max(lo, I.offset_of[i]), to = std::min(hi, I.offset_of[i] + I.params[i].numel());
-      if (from < to) I.sharded_ranges[b].emplace_back(from - lo, to - lo);
-    }
+    for (const auto& [i, from, to] : I.owned_pieces(I.buckets[b]))
+      if (sharded[i]) I.sharded_ranges[b].emplace_back(from, to);
   }
+  if (is_layerwise(I.opts.optimizer)) set_layerwise_layout(*I.optim, I.layerwise_layout(tp, sharded));
   I.mp_tp = std::move(tp);
   I.mp_pp = std::move(pp);
   I.model_parallel = true;
