@@ -4,7 +4,8 @@
 // (step time - compute time) / compute time, where compute is the stage's forwards, losses and
 // backwards and the rest is time blocked in receives (waiting for a neighbour, the bubble) or
 // posting sends. Theory for equal stages: (p - 1) / m for 1F1B, (p - 1) / (m v) interleaved.
-// Repetitions alternate between the configurations; rank 0 prints medians (markdown).
+// Repetitions alternate between the configurations, each starting at another one; rank 0 prints
+// medians (markdown).
 //   bench_interleaved [--reps 5] [--steps 4] [--width 512] [--blocks 8] [--batch 128]
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
@@ -116,8 +117,9 @@ int main(int argc, char** argv) {
     }
   };
   for (auto& c : configs) run(c, false);  // warm-up; the first step also agrees shapes
+  // Each rep starts at another configuration, so that no configuration always runs first.
   for (int64_t rep = 0; rep < reps; ++rep) {
-    for (auto& c : configs) run(c, true);
+    for (size_t k = 0; k < configs.size(); ++k) run(configs[(k + static_cast<size_t>(rep)) % configs.size()], true);
   }
 
   if (comm->rank() == 0) {
