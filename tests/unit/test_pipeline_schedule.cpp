@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -64,10 +65,12 @@ TEST(PipelineSchedule, InterleavedMatchesMegatronByHand) {
 // previous virtual stage's forward, the next one's backward; the ring wraps from rank p - 1 to
 // rank 0 between chunks). Sends never block (Tandem's are asynchronous). Returns each rank's
 // finishing time, or throws when no rank can move (a deadlock).
-std::vector<double> simulate(int p, int v, int64_t m) {
+using OrderFn = std::function<std::vector<PipelineOp>(int stage, int stages, int chunks, int64_t m)>;
+
+std::vector<double> simulate(int p, int v, int64_t m, const OrderFn& order_of = interleaved_order) {
   const int64_t V = static_cast<int64_t>(p) * v;
   std::vector<std::vector<PipelineOp>> order(p);
-  for (int r = 0; r < p; ++r) order[r] = interleaved_order(r, p, v, m);
+  for (int r = 0; r < p; ++r) order[r] = order_of(r, p, v, m);
   std::vector<std::vector<double>> fwd_done(V, std::vector<double>(m, -1)), bwd_done = fwd_done;
   std::vector<size_t> next(p, 0);
   std::vector<double> clock(p, 0.0);
@@ -169,6 +172,26 @@ TEST(PipelineSchedule, InterleavedNeverDeadlocksAndShrinksTheBubble) {
       }
     }
   }
+}
+
+// The simulation catches a wrong order: the same operations with 1F1B's p - r - 1 warm-up
+// forwards reach a chunk's backward before its forward (rank 1) or wait forever.
+TEST(PipelineSchedule, SimulationRejectsAWarmUpTooShortForTheChunks) {
+  auto short_warmup = [](int stage, int stages, int chunks, int64_t m) {
+    std::vector<PipelineOp> f, b, ops;
+    for (const auto& op : interleaved_order(stage, stages, chunks, m)) (op.forward ? f : b).push_back(op);
+    const size_t warmup = static_cast<size_t>(stages - stage - 1);
+    ops.assign(f.begin(), f.begin() + static_cast<long>(warmup));
+    for (size_t k = warmup; k < f.size(); ++k) {
+      ops.push_back(f[k]);
+      ops.push_back(b[k - warmup]);
+    }
+    ops.insert(ops.end(), b.end() - static_cast<long>(warmup), b.end());
+    return ops;
+  };
+  EXPECT_NO_THROW(simulate(2, 1, 4, short_warmup));  // one chunk: that is 1F1B, which runs
+  EXPECT_ANY_THROW(simulate(2, 2, 4, short_warmup));
+  EXPECT_ANY_THROW(simulate(4, 2, 8, short_warmup));
 }
 
 TEST(PipelineSchedule, InterleavedRefusesWhatItCannotRun) {
