@@ -5,7 +5,7 @@
 # 2 stages with ZeRO-1 over the replicas (4 workers). Its checkpoint at step 8
 # names the whole model's layers, so it resumes on one worker and as a plain 1F1B pipeline, and
 # both continue as the one-worker run does. The report names the virtual stages and the bubble
-# against (pp-1)/(m*v). Bad combinations fail at start, non-zero, naming the options.
+# against (pp-1)/(m*v), and each stage holds as many micro-batches as Megatron's warm-up says. Bad combinations fail at start, non-zero, naming the options.
 # usage: train_interleaved.sh TANDEM
 set -uo pipefail
 tandem=$1
@@ -50,6 +50,12 @@ for name, first in (("il", 1), ("il_dp2_zero1", 1), ("one", 9), ("pp", 9)):
     print(f"{name}: steps {first}-16, worst relative loss difference from one worker {worst:.2e}")
     if worst > 1e-5:
         print(f"FAIL {name}: {worst:.2e} > 1e-5"); ok = False
+# Megatron's warm-up, (pp - r - 1) * 2 + (v - 1) * pp forwards, and one more alive: 5 on rank 0, 3 on rank 1.
+rep = [d for d in map(json.loads, open(f"{out}/il.jsonl")) if d.get("report")]
+live = rep[0].get("peak_live_micro_batches") if rep else None
+print(f"il: most micro-batches alive per stage {live}")
+if live != [5, 3]:
+    print("FAIL il: expected [5, 3] micro-batches alive per stage"); ok = False
 sys.exit(0 if ok else 1)
 PY
 
