@@ -96,7 +96,9 @@ std::vector<PipelineOp> interleaved_order(int stage, int stages, int chunks, int
 std::vector<int64_t> parse_partition_option(const std::string& text, int pp) {
   if (text == "params" || text == "time") return {};
   const std::string use = "--pp-partition '" + text + "': use params, time, or the layers of each of the " +
-                          std::to_string(pp) + " stages, comma-separated (e.g. 3,7 for --pp 2)";
+                          std::to_string(pp) +
+                          " stages, comma-separated (e.g. 3,7 for --pp 2; --pp x --virtual-stages of them with the "
+                          "interleaved schedule)";
   std::vector<int64_t> parts;
   size_t pos = 0;
   while (pos <= text.size()) {
@@ -109,7 +111,7 @@ std::vector<int64_t> parse_partition_option(const std::string& text, int pp) {
     pos = end + 1;
   }
   if (static_cast<int>(parts.size()) != pp)
-    throw std::invalid_argument(use + "; it lists " + std::to_string(parts.size()) + " stage(s) for --pp " +
+    throw std::invalid_argument(use + "; it lists " + std::to_string(parts.size()) + " stage(s), not " +
                                 std::to_string(pp));
   return parts;
 }
