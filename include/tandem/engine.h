@@ -56,7 +56,8 @@ struct Partition {
   PartitionMethod method = PartitionMethod::kParameters;
   std::vector<int64_t> layers;  // kLayers: one positive count per stage
 };
-// "params" | "time" | "3,7" (one count per stage); throws std::invalid_argument otherwise.
+// "params" | "time" | "3,7" (one count per stage, virtual stage with an interleaved schedule);
+// throws std::invalid_argument otherwise.
 Partition parse_partition(const std::string& text, int stages);
 std::string to_string(const Partition& p);
 
@@ -69,6 +70,9 @@ struct ParallelConfig {
   int pp = 1;                 // pipeline stages
   int64_t micro_batches = 1;  // per replica and step, when pp > 1
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
+  // Model chunks per pipeline rank (interleaved schedule only): pp * virtual_stages virtual
+  // stages, rank r holding r, r + pp, ...; the partition then lists one count per virtual stage.
+  int virtual_stages = 1;
   Partition partition;
   // Without a pipeline: each replica's batch runs as this many micro-batches before one
   // optimizer step (DDP and ZeRO-1 communicate once per step, ZeRO-2/3 after each backward).
@@ -153,7 +157,8 @@ struct EngineStats {
   int64_t zero_pool_bytes = 0, zero_pool_misses = 0;
   int64_t peak_rss_bytes = 0;  // this process's resident peak
   // Pipeline: this stage's mean step and compute milliseconds over the steps after the first,
-  // idle over compute (theory (pp - 1) / m), and the most micro-batches held at once.
+  // idle over compute (theory (pp - 1) / (m v), v the virtual stages), and the most
+  // micro-batches (micro-batch and chunk pairs) held at once.
   double pipeline_step_ms = 0.0, pipeline_compute_ms = 0.0, bubble = 0.0;
   int64_t peak_live_micro_batches = 0;
   double loss_scale = 1.0;

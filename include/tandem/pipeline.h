@@ -2,10 +2,13 @@
 // one stage per rank of a stage communicator (e.g. ProcessGrid::pp()). A global batch is cut into
 // equal micro-batches; activations go forward and their gradients back with the Communicator's
 // send/recv. Schedules: GPipe (all forwards, then all backwards: every micro-batch's activations
-// alive at once) and 1F1B (PipeDream-Flush: after p - s - 1 warm-up forwards one forward, one
-// backward; stage s holds at most p - s micro-batches). Gradients are summed over micro-batches
-// with the loss scaled by 1/m, so after train_step the stage's parameters hold exactly the
-// gradient of the mean loss over the global batch, as single-process training would.
+// alive at once), 1F1B (PipeDream-Flush: after p - s - 1 warm-up forwards one forward, one
+// backward; stage s holds at most p - s micro-batches) and Megatron-LM's interleaved 1F1B (the
+// model cut into p * v virtual stages, rank r holding the v non-adjacent ones r, r + p, ...:
+// activations wrap from rank p - 1 to rank 0 between chunks, and the bubble shrinks from
+// (p - 1) / m to (p - 1) / (m v)). Gradients are summed over micro-batches with the loss scaled
+// by 1/m, so after train_step the stage's parameters hold exactly the gradient of the mean loss
+// over the global batch, as single-process training would.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,9 +25,9 @@
 
 namespace tandem {
 
-enum class PipelineSchedule { kGPipe, k1F1B };
+enum class PipelineSchedule { kGPipe, k1F1B, kInterleaved };
 const char* to_string(PipelineSchedule s);
-// "gpipe" or "1f1b"; throws std::invalid_argument otherwise.
+// "gpipe", "1f1b" or "interleaved"; throws std::invalid_argument otherwise.
 PipelineSchedule parse_pipeline_schedule(const std::string& s);
 
 // ---- partitions: layers (children of the Sequential) per stage, contiguous, in order ----
@@ -54,13 +57,17 @@ using PipelineLossFn = std::function<at::Tensor(const at::Tensor& output, const 
 struct PipelineOptions {
   int64_t micro_batches = 1;
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
-  // Layers per stage (one entry per stage, adding up to model->size()); empty: partition_by_parameters.
+  // Model chunks per rank (kInterleaved only; the others take 1): the model is cut into
+  // stages * virtual_stages virtual stages and chunk c of rank r is virtual stage c * stages + r.
+  int virtual_stages = 1;
+  // Layers per virtual stage (stages * virtual_stages entries, adding up to model->size());
+  // empty: partition_by_parameters.
   std::vector<int64_t> partition;
   // Broadcast the step's loss from the last stage so that train_step returns it on every stage.
   bool broadcast_loss = true;
   // Where received activations are placed when the stage has no parameters to tell (else theirs).
   c10::Device device = c10::kCPU;
-  // Called before each micro-batch's backward with (micro-batch, is it the step's last backward);
+  // Called before each backward with (micro-batch, is it the step's last backward);
   // e.g. to keep a DistributedDataParallel::NoSyncGuard alive until the last one.
   std::function<void(int64_t, bool)> before_backward;
 };
@@ -98,18 +105,27 @@ class MemoryMeter {
 class Pipeline {
  public:
   // `model` is the whole model (same on every stage, e.g. built from the same seed); this rank
-  // keeps children [first_layer(), end_layer()) of it as its stage (shared, not copied), which is
-  // stage_comm->rank(). Validates the partition (std::invalid_argument). Not collective.
+  // keeps the children of its chunks (layer_ranges()) as its stage (shared, not copied), which is
+  // stage_comm->rank(). Validates the partition and the virtual stages (std::invalid_argument).
+  // Not collective.
   Pipeline(torch::nn::Sequential model, CommPtr stage_comm, PipelineOptions opts = {});
 
   int stage() const { return stage_; }
   int stages() const { return stages_; }
-  bool is_first() const { return stage_ == 0; }
-  bool is_last() const { return stage_ == stages_ - 1; }
-  int64_t first_layer() const { return begin_; }
-  int64_t end_layer() const { return end_; }
-  const std::vector<int64_t>& partition() const { return partition_; }
+  int virtual_stages() const { return chunks_; }
+  bool is_first() const { return stage_ == 0; }           // feeds the inputs (virtual stage 0)
+  bool is_last() const { return stage_ == stages_ - 1; }  // computes the loss (the last virtual stage)
+  // The children [first, end) of the whole model that each of this rank's chunks holds, in chunk order.
+  const std::vector<std::pair<int64_t, int64_t>>& layer_ranges() const { return ranges_; }
+  // The one contiguous range of a rank with one chunk; std::logic_error with several.
+  int64_t first_layer() const;
+  int64_t end_layer() const;
+  // The rank holding each child of the whole model.
+  std::vector<int> layer_owners() const;
+  const std::vector<int64_t>& partition() const { return partition_; }  // layers per virtual stage
   const PipelineOptions& options() const { return opts_; }
+  // Every child of this rank's chunks, named by its index in the whole model (so parameter names
+  // are the whole model's); the pipeline runs the chunks, never this module's forward.
   torch::nn::Sequential stage_module() const { return stage_module_; }
   // The parameters this stage trains (build the optimizer over these).
   std::vector<at::Tensor> parameters() const;
@@ -128,17 +144,19 @@ class Pipeline {
   const PipelineStats& stats() const { return stats_; }
   void reset_stats();
 
-  // The schedule as (is_forward, micro-batch) pairs for a stage (for tests and docs).
-  static std::vector<std::pair<bool, int64_t>> schedule_for(PipelineSchedule s, int stage, int stages,
-                                                            int64_t micro_batches);
+  // The operations a stage runs in one step, in order (for tests and docs); `chunks` is the
+  // virtual stages per rank (1 unless interleaved).
+  static std::vector<PipelineOp> schedule_for(PipelineSchedule s, int stage, int stages, int64_t micro_batches,
+                                              int chunks = 1);
 
  private:
   torch::nn::Sequential stage_module_;
+  std::vector<torch::nn::Sequential> chunk_modules_;
+  std::vector<std::pair<int64_t, int64_t>> ranges_;
   CommPtr comm_;
   PipelineOptions opts_;
   std::vector<int64_t> partition_;
-  int stage_ = 0, stages_ = 1;
-  int64_t begin_ = 0, end_ = 0;
+  int stage_ = 0, stages_ = 1, chunks_ = 1;
   c10::Device device_{c10::kCPU};
   PipelineStats stats_;
 };

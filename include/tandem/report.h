@@ -35,7 +35,8 @@ struct Report {
   int64_t grad_accum = 1;
   int64_t micro_batches = 1;                      // pipeline micro-batches per replica and step (pp > 1)
   std::string pipeline_schedule;                  // pp > 1
-  std::vector<int64_t> partition;                 // layers per pipeline stage (pp > 1)
+  int virtual_stages = 1;                         // model chunks per pipeline rank (interleaved)
+  std::vector<int64_t> partition;                 // layers per (virtual) pipeline stage (pp > 1)
   std::string activation_checkpointing = "none";  // none | every | N (tandem/activation_checkpoint.h)
   double baseline_samples_per_second = 0.0;       // one worker's, when known: gives the speedup
   // Lines the command adds after the layout, as (label, text): e.g. the data and where the

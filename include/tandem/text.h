@@ -166,7 +166,9 @@ struct TextTrainConfig {
   std::string precision = "fp32";   // fp32 | bf16 | fp16 (compute; fp32 masters, loss scaling for fp16)
   int tp = 1, pp = 1;               // tensor / pipeline parallel ranks per replica (ddp or zero1 over the replicas)
   int64_t micro_batches = 1;        // pipeline micro-batches per replica batch (pp > 1)
-  int64_t grad_accum = 1;           // gradient accumulation: micro-batches per step without a pipeline
+  std::string pipeline_schedule = "1f1b";         // gpipe | 1f1b | interleaved (pp > 1)
+  int virtual_stages = 1;                         // model chunks per pipeline rank (interleaved)
+  int64_t grad_accum = 1;                         // gradient accumulation: micro-batches per step without a pipeline
   std::string activation_checkpointing = "none";  // none | every | N (tandem/activation_checkpoint.h)
   std::string pp_partition = "params";            // params | time | layers per stage "2,3" (tandem/pipeline_schedule.h)
   int64_t batch = 32;                             // global batch, split evenly over the ranks

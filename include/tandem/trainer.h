@@ -60,7 +60,8 @@ struct TrainConfig {
   // Gradient accumulation without a pipeline: each replica's batch (global batch / dp) runs
   // as this many micro-batches before one optimizer step (DDP communicates once per step).
   int64_t grad_accum = 1;
-  std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b
+  std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b | interleaved
+  int virtual_stages = 1;                  // model chunks per pipeline rank (interleaved)
   // Where the stages are cut: "params" (balanced by parameter count, as DeepSpeed's default),
   // "time" (balanced by each layer's forward+backward time on a micro-batch, measured on rank 0
   // before training) or the layers per stage, "3,7".

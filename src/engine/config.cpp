@@ -98,6 +98,24 @@ int data_parallel_size(const ParallelConfig& c, int world) { return world / std:
 
 namespace {
 
+// The interleaved schedule and its virtual stages (model chunks per pipeline rank).
+void validate_virtual_stages(const ParallelConfig& c) {
+  const std::string v = "--virtual-stages " + std::to_string(c.virtual_stages);
+  if (c.virtual_stages < 1) throw std::invalid_argument(v + ": give 1 or more model chunks per pipeline rank");
+  const bool interleaved = c.schedule == PipelineSchedule::kInterleaved;
+  if (c.virtual_stages > 1 && !interleaved) {
+    throw std::invalid_argument(v + " needs --pipeline-schedule interleaved (" + to_string(c.schedule) +
+                                " runs one chunk per rank); use --virtual-stages 1 or the interleaved schedule");
+  }
+  if (!interleaved) return;
+  check_interleaved(c.pp, c.virtual_stages, c.micro_batches);  // --pp >= 2, --micro-batches a multiple of --pp
+  if (c.tp > 1) {
+    throw std::invalid_argument(
+        "--pipeline-schedule interleaved composes with --tp 1 only (not supported yet with --tp " +
+        std::to_string(c.tp) + "); use --pipeline-schedule 1f1b for tensor x pipeline layouts");
+  }
+}
+
 // The model-parallel part: the grid against the world size and what composes with it.
 void validate_layout(const ParallelConfig& c, int world) {
   if (c.tp < 1 || c.pp < 1) {
@@ -105,9 +123,13 @@ void validate_layout(const ParallelConfig& c, int world) {
                                 std::to_string(c.pp));
   }
   if (c.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
-  if (c.partition.method == PartitionMethod::kLayers && static_cast<int>(c.partition.layers.size()) != c.pp) {
-    throw std::invalid_argument("--pp-partition lists " + std::to_string(c.partition.layers.size()) +
-                                " stage(s) for --pp " + std::to_string(c.pp));
+  validate_virtual_stages(c);
+  const int64_t cuts = static_cast<int64_t>(c.pp) * c.virtual_stages;
+  if (c.partition.method == PartitionMethod::kLayers && static_cast<int64_t>(c.partition.layers.size()) != cuts) {
+    throw std::invalid_argument(
+        "--pp-partition lists " + std::to_string(c.partition.layers.size()) + " stage(s) for --pp " +
+        std::to_string(c.pp) + (c.virtual_stages > 1 ? " x --virtual-stages " + std::to_string(c.virtual_stages) : "") +
+        "; give " + std::to_string(cuts) + " layer counts");
   }
   if (is_single(c.strategy) && world != 1) {
     throw std::invalid_argument("--strategy single runs one worker, but " + std::to_string(world) +

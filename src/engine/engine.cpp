@@ -127,7 +127,7 @@ void Engine::Impl::checkpoint_layers(std::vector<int64_t>& cut) {
                                 "its blocks in tandem::Checkpointed (tandem/activation_checkpoint.h) instead");
   }
   torch::nn::Sequential net(seq);
-  if (cfg.pp > 1 && cut.empty()) cut = partition_by_parameters(net, cfg.pp);
+  if (cfg.pp > 1 && cut.empty()) cut = partition_by_parameters(net, cfg.pp * cfg.virtual_stages);
   L.net = checkpoint_sequential(net, cfg.activation_checkpointing, cfg.pp > 1 ? cut : std::vector<int64_t>{}).ptr();
 }
 
@@ -163,7 +163,7 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
                                   "(EngineOptions::partition_sample)");
     }
     auto dense = L.dense_sequential();
-    cut = partition_by_time(dense, L.opts.partition_sample.to(L.rt->device()), cfg.pp, *L.world);
+    cut = partition_by_time(dense, L.opts.partition_sample.to(L.rt->device()), cfg.pp * cfg.virtual_stages, *L.world);
   }
   L.net = L.dense;
   if (cfg.tp > 1) {
@@ -178,6 +178,7 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     po.partition = cut;
     po.micro_batches = cfg.micro_batches;
     po.schedule = cfg.schedule;
+    po.virtual_stages = cfg.virtual_stages;
     po.device = L.rt->device();
     L.pipe = std::make_unique<Pipeline>(L.net_sequential(), L.grid->pp(), po);
   }
@@ -432,16 +433,12 @@ void Engine::Impl::gather_dense() {
                         L.pipe ? L.pipe->end_layer() : n);
   }
   if (!L.pipe) return;
-  std::vector<int64_t> owner(n, 0);
-  int64_t i = 0;
-  for (size_t s = 0; s < L.pipe->partition().size(); ++s) {
-    for (int64_t k = 0; k < L.pipe->partition()[s]; ++k) owner[i++] = static_cast<int64_t>(s);
-  }
+  const std::vector<int> owner = L.pipe->layer_owners();
   torch::NoGradGuard ng;
   for (int64_t l = 0; l < n; ++l) {
     for (auto& p : dense->ptr(l)->parameters()) {
       auto buf = p.detach().contiguous();
-      L.grid->pp()->broadcast(buf, static_cast<int>(owner[l]));
+      L.grid->pp()->broadcast(buf, owner[l]);
       if (!buf.is_same(p)) p.detach().copy_(buf);
     }
   }

@@ -52,7 +52,8 @@ void gather_pipeline(Engine& eng, const EngineStats& s, Report& rep) {
     sum += rep.bubble_per_stage.back();
   }
   rep.bubble_measured = sum / pp;
-  rep.bubble_theory = static_cast<double>(pp - 1) / static_cast<double>(eng.config().micro_batches);
+  rep.bubble_theory =
+      static_cast<double>(pp - 1) / static_cast<double>(eng.config().micro_batches * eng.config().virtual_stages);
 }
 
 // Every rank's peak, and rank 0's model state (the same figures on every rank).
@@ -87,12 +88,14 @@ void format_layout(std::ostringstream& os, const Report& r) {
   line(os, "layout") << "dp " << r.dp << " x tp " << r.tp << " x pp " << r.pp
                      << " (data x tensor x pipeline parallel)\n";
   if (r.pp > 1) {
-    line(os, "pipeline") << r.pp << " stages, layers per stage " << joined(r.partition, "/") << ", " << r.micro_batches
-                         << " micro-batches, " << r.pipeline_schedule << "\n";
+    line(os, "pipeline") << r.pp << " stages";
+    if (r.virtual_stages > 1) os << " x " << r.virtual_stages << " virtual stages (chunk c of rank r: c*pp + r)";
+    os << ", layers per " << (r.virtual_stages > 1 ? "virtual " : "") << "stage " << joined(r.partition, "/") << ", "
+       << r.micro_batches << " micro-batches, " << r.pipeline_schedule << "\n";
     if (!r.bubble_per_stage.empty()) {
       line(os, "bubble") << std::setprecision(2) << r.bubble_measured << " idle/compute measured (mean over stages:";
       for (size_t s = 0; s < r.bubble_per_stage.size(); ++s) os << (s ? "," : "") << " " << r.bubble_per_stage[s];
-      os << "), theory (pp-1)/m = " << r.bubble_theory
+      os << "), theory (pp-1)/" << (r.virtual_stages > 1 ? "(m*v)" : "m") << " = " << r.bubble_theory
          << "; most micro-batches alive per stage: " << joined(r.peak_live_micro_batches, ", ") << "\n";
     }
   }
@@ -214,6 +217,7 @@ void describe_engine(const Engine& eng, Report& rep) {
   rep.grad_accum = pc.grad_accum;
   rep.micro_batches = pc.micro_batches;
   rep.pipeline_schedule = to_string(pc.schedule);
+  rep.virtual_stages = pc.virtual_stages;
   rep.partition = eng.partition();
   rep.activation_checkpointing = to_string(pc.activation_checkpointing);
 }
@@ -320,6 +324,7 @@ std::string report_json(const Report& r) {
   if (r.pp > 1) {
     j["micro_batches"] = r.micro_batches;
     j["pipeline_schedule"] = r.pipeline_schedule;
+    j["virtual_stages"] = r.virtual_stages;
     j["partition"] = r.partition;
     j["bubble_per_stage"] = r.bubble_per_stage;
     j["pipeline_step_ms_per_stage"] = r.pipeline_step_ms_per_stage;

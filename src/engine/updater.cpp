@@ -69,8 +69,13 @@ bool model_parallel_norms(const Layout& L, const OptimizerOptions& oo) {
 }
 
 std::vector<bool> shard_flags(const Layout& L) {
-  return tp::sharded_parameters(L.net_sequential(), L.pipe ? L.pipe->first_layer() : 0,
-                                L.pipe ? L.pipe->end_layer() : -1);
+  if (!L.pipe) return tp::sharded_parameters(L.net_sequential(), 0, -1);
+  std::vector<bool> flags;  // the stage's parameters, chunk by chunk
+  for (auto [first, end] : L.pipe->layer_ranges()) {
+    const auto f = tp::sharded_parameters(L.net_sequential(), first, end);
+    flags.insert(flags.end(), f.begin(), f.end());
+  }
+  return flags;
 }
 
 // single and ddp: every replica holds the whole (stage of the) model and steps it.

@@ -102,7 +102,9 @@ ParallelConfig parallel_config(const TextTrainConfig& cfg) {
   pc.tp = cfg.tp;
   pc.pp = cfg.pp;
   pc.micro_batches = cfg.micro_batches;
-  if (cfg.pp > 1) pc.partition = parse_partition(cfg.pp_partition, cfg.pp);
+  pc.schedule = parse_pipeline_schedule(cfg.pipeline_schedule);
+  pc.virtual_stages = cfg.virtual_stages;
+  if (cfg.pp > 1) pc.partition = parse_partition(cfg.pp_partition, cfg.pp * std::max(1, cfg.virtual_stages));
   pc.grad_accum = cfg.grad_accum;
   pc.activation_checkpointing = parse_activation_checkpointing(cfg.activation_checkpointing);
   return pc;

@@ -79,6 +79,12 @@ void validate(const TrainConfig& cfg, int world) {
                                   std::to_string(layers) + " layers of --model " + cfg.model + "; use --pp " +
                                   std::to_string(layers) + " or fewer");
     }
+    if (static_cast<int64_t>(cfg.pp) * cfg.virtual_stages > layers) {
+      throw std::invalid_argument("--pp " + std::to_string(cfg.pp) + " x --virtual-stages " +
+                                  std::to_string(cfg.virtual_stages) + ": more virtual stages than the " +
+                                  std::to_string(layers) + " layers of --model " + cfg.model +
+                                  "; each needs a layer, use fewer virtual stages");
+    }
   }
   validate_batch_shares(cfg, world);
 }
@@ -301,7 +307,8 @@ ParallelConfig parallel_config(const TrainConfig& cfg) {
   pc.pp = cfg.pp;
   pc.micro_batches = cfg.micro_batches;
   pc.schedule = parse_pipeline_schedule(cfg.pipeline_schedule);
-  if (cfg.pp > 1) pc.partition = parse_partition(cfg.pp_partition, cfg.pp);
+  pc.virtual_stages = cfg.virtual_stages;
+  if (cfg.pp > 1) pc.partition = parse_partition(cfg.pp_partition, cfg.pp * std::max(1, cfg.virtual_stages));
   pc.grad_accum = cfg.grad_accum;
   pc.max_grad_norm = cfg.max_grad_norm;
   pc.activation_checkpointing = parse_activation_checkpointing(cfg.activation_checkpointing);

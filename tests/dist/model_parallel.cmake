@@ -3,6 +3,8 @@
 # training in float64.
 foreach(np 2 4)
   tandem_add_dist_test(dist_pipeline_np${np} ${np} "Pipeline.*" TIMEOUT 120)
+  # Interleaved 1F1B: chunks per rank against one process; through the Engine with dp on 4 ranks.
+  tandem_add_dist_test(dist_pipeline_interleaved_np${np} ${np} "PipelineInterleaved.*" TIMEOUT 150)
   tandem_add_dist_test(dist_tensor_parallel_np${np} ${np} "TensorParallel.*" TIMEOUT 120)
 endforeach()
 tandem_add_dist_test(dist_grid_np4 4 "Grid.*" TIMEOUT 150)

@@ -21,6 +21,7 @@
 #include "tandem/backends.h"
 #include "tandem/checkpoint.h"
 #include "tandem/ddp.h"
+#include "tandem/grid.h"
 #include "tandem/models.h"
 #include "tandem/optim.h"
 #include "tandem/pipeline.h"
@@ -321,6 +322,24 @@ TEST(CheckpointReshard, AcrossWorldSizesAndStrategies) {
   if (rank == 0) ckpt::remove_tree(dir);
 }
 
+// One process loads the checkpoint at `path` (step k) into a fresh model and trains steps k to
+// 2k - 1 as the reference did (ref: its losses); returns the checkpoint's meta.
+CheckpointMeta continue_in_one_process(const std::string& path, const OptimizerOptions& o,
+                                       const std::vector<double>& ref, int64_t k, const std::string& after) {
+  auto m = make_seq(99);
+  auto opt = make_optimizer(m->parameters(), o);
+  auto meta = load_checkpoint(path, *m, *opt, 0);
+  for (int64_t s = k; s < 2 * k; ++s) {
+    auto [x, y] = batch_of_step(s);
+    opt->zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(m->forward(x), y);
+    loss.backward();
+    opt->step();
+    EXPECT_NEAR(loss.item<double>(), ref[s], 1e-9) << "one process after " << after << ", step " << s;
+  }
+  return meta;
+}
+
 // One pipeline stage per rank (each rank writes its stage), K steps; the stages reload their
 // own parameters bit for bit, one process continues from the checkpoint as the reference does,
 // and a save with a stage nobody writes is refused on every rank.
@@ -365,21 +384,62 @@ TEST(CheckpointReshard, PipelineStagesToOneProcess) {
   }
   comm->barrier();
   if (rank == 0) {
-    auto m = make_seq(99);
-    auto opt = make_optimizer(m->parameters(), o);
-    auto meta = load_checkpoint(path, *m, *opt, 0);
-    EXPECT_EQ(meta.world_size, comm->size());
-    for (int64_t s = K; s < 2 * K; ++s) {
-      auto [x, y] = batch_of_step(s);
-      opt->zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(m->forward(x), y);
-      loss.backward();
-      opt->step();
-      EXPECT_NEAR(loss.item<double>(), ref[s], 1e-9) << "one process after the pipeline, step " << s;
-    }
+    EXPECT_EQ(continue_in_one_process(path, o, ref, K, "the pipeline").world_size, comm->size());
     ckpt::remove_tree(dir);
   }
   comm->barrier();
+}
+
+// Interleaved 1F1B over pp 2 x 2 virtual stages (each rank's chunks hold non-adjacent layers;
+// on 4 ranks two identical replicas, one writer per stage): the checkpoint names the whole
+// model's layers, so it resumes into contiguous 1F1B stages and into one process, and both
+// continue as the reference does.
+TEST(CheckpointReshard, InterleavedStagesResumeIntoOtherLayouts) {
+  auto w = world();
+  ASSERT_EQ(w->size() % 2, 0) << "run on an even number of ranks";
+  ProcessGrid g(w, /*tp=*/1, /*pp=*/2);
+  const int64_t K = 3;
+  const auto o = adamw();
+  const auto ref = reference_losses(o, 2 * K);
+  const auto dir = shared_dir(*w, "interleaved");
+  auto loss_fn = [](const at::Tensor& out, const at::Tensor& y) {
+    return torch::nn::functional::cross_entropy(out, y);
+  };
+  auto train = [&](Pipeline& pipe, torch::optim::Optimizer& opt, int64_t from, const char* phase) {
+    for (int64_t s = from; s < from + K; ++s) {
+      auto [x, y] = batch_of_step(s);
+      opt.zero_grad();
+      const double l = pipe.train_step(x, y, loss_fn).item<double>();
+      opt.step();
+      EXPECT_NEAR(l, ref[s], 1e-9) << phase << " step " << s;
+    }
+  };
+  {
+    PipelineOptions po;
+    po.schedule = PipelineSchedule::kInterleaved;
+    po.virtual_stages = 2;
+    po.micro_batches = 4;
+    Pipeline pipe(make_seq(7), g.pp(), po);
+    ASSERT_EQ(pipe.layer_ranges().size(), 2u);
+    auto opt = make_optimizer(pipe.parameters(), o);
+    train(pipe, *opt, 0, "interleaved");
+    save_checkpoint(dir, meta_at(K, "pp2 interleaved v2"), pipe, *opt, g.dp_rank() == 0, *w);
+  }
+  const auto path = latest_checkpoint(dir);
+  {
+    PipelineOptions po;
+    po.micro_batches = 2;
+    Pipeline pipe(make_seq(99), g.pp(), po);
+    auto opt = make_optimizer(pipe.parameters(), o);
+    load_checkpoint(path, pipe, *opt, w->rank());
+    train(pipe, *opt, K, "1f1b after interleaved");
+  }
+  w->barrier();
+  if (w->rank() == 0) {
+    continue_in_one_process(path, o, ref, K, "interleaved");
+    ckpt::remove_tree(dir);
+  }
+  w->barrier();
 }
 
 // A transformer split over every rank (tp = world, heads and the fused qkv cut per head): two

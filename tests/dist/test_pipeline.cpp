@@ -2,12 +2,16 @@
 // every stage's gradients after one micro-batched step (GPipe and 1F1B, several micro-batch
 // counts, uneven partitions, an MLP and a causal transformer LM), losses over several SGD steps,
 // forward-only output, partitions, bad input, and 1F1B's bounded activation memory on stage 0
-// measured by MemoryMeter against GPipe's. Run with 2 and 4 ranks: one stage per rank.
+// measured by MemoryMeter against GPipe's. Run with 2 and 4 ranks: one stage per rank. The
+// interleaved schedule (PipelineInterleaved.*): several chunks per rank, the same gradients, and
+// through the Engine the same losses as one worker, with data parallelism on 4 ranks.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 
+#include "tandem/engine.h"
+#include "tandem/grid.h"
 #include "tandem/models.h"
 #include "tandem/pipeline.h"
 #include "tests/dist/dist_env.h"
@@ -50,14 +54,27 @@ void expect_stage_grads(Pipeline& pipe, const std::map<std::string, at::Tensor>&
   }
 }
 
-TEST(Pipeline, MlpGradientsMatchSingleProcess) {
-  auto comm = world();
-  const int P = comm->size();
+// One process on a batch of 24: the batch, the MLP (seed 3), its gradients and loss.
+struct MlpReference {
+  at::Tensor x, y;
+  torch::nn::Sequential net;
+  std::map<std::string, at::Tensor> want;
+  double want_loss;
+};
+
+MlpReference mlp_reference() {
   auto [x, y] = global_batch(24, 5, 5);
   x = x.to(torch::kDouble);
   auto ref = make_mlp(3);
-  const auto want = reference_grads(ref, x, y);
-  const double want_loss = ce(ref->forward(x), y).item<double>();
+  auto want = reference_grads(ref, x, y);
+  const double loss = ce(ref->forward(x), y).item<double>();
+  return {x, y, ref, want, loss};
+}
+
+TEST(Pipeline, MlpGradientsMatchSingleProcess) {
+  auto comm = world();
+  const int P = comm->size();
+  auto [x, y, ref, want, want_loss] = mlp_reference();
   std::vector<std::vector<int64_t>> partitions = {{}};  // balanced by parameters
   // Uneven explicit partitions.
   if (P == 2) partitions.push_back({5, 3});
@@ -204,8 +221,10 @@ TEST(Pipeline, PartitionsAndSchedules) {
           EXPECT_EQ(static_cast<int64_t>(ops.size()), 2 * m);
           std::vector<int> state(m, 0);
           int64_t live = 0, peak = 0, next_f = 0, next_b = 0;
-          for (auto [f, i] : ops) {
-            if (f) {
+          for (const auto& op : ops) {
+            const int64_t i = op.micro_batch;
+            EXPECT_EQ(op.chunk, 0);
+            if (op.forward) {
               EXPECT_EQ(i, next_f++);
               EXPECT_EQ(state[i]++, 0);
               peak = std::max(peak, ++live);
@@ -357,6 +376,114 @@ TEST(Pipeline, OneFOneBBoundsStageZeroActivationMemory) {
                 "(theory: 8 - p = %d)\n",
                 slope / 1024, (g8 - f8) / slope, 8 - P);
   }
+}
+
+// Interleaved 1F1B: each rank's chunks (virtual stages r, r + p, ...) hold non-adjacent layers;
+// after one step every chunk's gradients equal single-process ones, for several micro-batch
+// counts, chunks per rank and partitions, and each rank holds as many micro-batches as
+// Megatron-LM's schedule says: its warm-up forwards and one more.
+TEST(PipelineInterleaved, GradientsMatchSingleProcess) {
+  auto comm = world();
+  const int P = comm->size();
+  auto [x, y, ref, want, want_loss] = mlp_reference();
+  std::vector<std::pair<int, std::vector<int64_t>>> cases = {{1, {}}, {2, {}}};  // (chunks, partition)
+  if (P == 2) cases.insert(cases.end(), {{2, {1, 3, 2, 2}}, {4, {}}});
+  for (auto& [v, part] : cases) {
+    for (int64_t m : {P, 2 * P, 3 * P}) {
+      SCOPED_TRACE(std::to_string(v) + " chunks per rank, " + std::to_string(m) + " micro-batches, partition " +
+                   (part.empty() ? std::string("by parameters") : c10::str(c10::IntArrayRef(part))));
+      PipelineOptions o;
+      o.schedule = PipelineSchedule::kInterleaved;
+      o.virtual_stages = v;
+      o.micro_batches = m;
+      o.partition = part;
+      Pipeline pipe(make_mlp(3), comm, o);
+      ASSERT_EQ(static_cast<int>(pipe.layer_ranges().size()), v);
+      ASSERT_EQ(static_cast<int>(pipe.partition().size()), P * v);
+      // Chunk c holds virtual stage c * P + rank: the layers after P - 1 other virtual stages.
+      for (int c = 1; c < v; ++c) EXPECT_GT(pipe.layer_ranges()[c].first, pipe.layer_ranges()[c - 1].second);
+      auto loss = pipe.train_step(x, y, ce);
+      EXPECT_NEAR(loss.item<double>(), want_loss, 1e-12 * std::abs(want_loss));
+      expect_stage_grads(pipe, want, 1e-10);
+      const int64_t warmup = m == P ? m * v : std::min<int64_t>(m * v, (P - pipe.stage() - 1) * 2 + (v - 1) * P);
+      EXPECT_EQ(pipe.stats().peak_live_micro_batches, std::min<int64_t>(m * v, warmup + 1));
+      // Forward only goes through the chunks in the same order: the reference's output.
+      auto out = pipe.forward(x);
+      if (pipe.is_last()) {
+        torch::NoGradGuard ng;
+        EXPECT_LE(rel_err(out, ref->forward(x)), 1e-12);
+      }
+    }
+  }
+}
+
+TEST(PipelineInterleaved, RefusesWhatItCannotRun) {
+  auto comm = world();
+  const int P = comm->size();
+  PipelineOptions o;
+  o.schedule = PipelineSchedule::kInterleaved;
+  o.virtual_stages = 8;  // P * 8 virtual stages, the MLP has 8 layers
+  o.micro_batches = P;
+  expect_invalid([&] { Pipeline(make_mlp(1), comm, o); },
+                 {"--virtual-stages 8", std::to_string(8 * P) + " virtual stages", "model of 8 layers"});
+  o.virtual_stages = 2;
+  o.schedule = PipelineSchedule::k1F1B;
+  expect_invalid([&] { Pipeline(make_mlp(1), comm, o); }, {"interleaved schedule, not 1f1b", "--virtual-stages 1"});
+  o.schedule = PipelineSchedule::kInterleaved;
+  o.micro_batches = P + 1;
+  Pipeline pipe(make_mlp(1), comm, o);
+  auto [x, y] = global_batch(4 * (P + 1), 1, 5);
+  expect_invalid([&] { pipe.train_step(x.to(torch::kDouble), y, ce); }, {"--micro-batches must be a multiple of --pp"});
+  o.virtual_stages = 0;
+  expect_invalid([&] { Pipeline(make_mlp(1), comm, o); }, {"virtual_stages (--virtual-stages) must be at least 1"});
+}
+
+// The Engine with pp 2 x 2 virtual stages (and dp 2 on 4 ranks) trains as one worker does:
+// Adam over 15 steps, losses within 1e-5 (float64: they differ by summation order only), then
+// the trained model's output and values. The bubble is measured on every stage.
+TEST(PipelineInterleaved, EngineLossesEqualOneWorker) {
+  auto comm = world();
+  const int W = comm->size();
+  ASSERT_EQ(W % 2, 0) << "run on an even number of ranks";
+  constexpr int kSteps = 15;
+  constexpr int64_t kBatch = 24;
+  OptimizerOptions oo;
+  oo.kind = "adam";
+  oo.lr = 1e-2;
+  auto ref = make_mlp(3);
+  torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(1e-2));
+  ParallelConfig pc;
+  pc.strategy = Strategy::kDDP;
+  pc.pp = 2;
+  pc.schedule = PipelineSchedule::kInterleaved;
+  pc.virtual_stages = 2;
+  pc.micro_batches = 4;
+  Engine eng(runtime(), make_mlp(3), oo, pc);
+  ASSERT_EQ(eng.dp_size(), W / 2);
+  for (int s = 0; s < kSteps; ++s) {
+    auto [x, y] = global_batch(kBatch, 40 + s, 5);
+    x = x.to(torch::kDouble);
+    ref_opt.zero_grad();
+    auto want = ce(ref->forward(x), y);
+    want.backward();
+    ref_opt.step();
+    auto got =
+        eng.step(slice_for_rank(x, eng.dp_rank(), eng.dp_size()), slice_for_rank(y, eng.dp_rank(), eng.dp_size()), ce);
+    auto l = got.reshape({1}).to(torch::kDouble).clone();
+    eng.dp_group()->allreduce(l, ReduceOp::kAvg);
+    EXPECT_NEAR(l.item<double>(), want.item<double>(), 1e-5) << "step " << s;
+  }
+  auto full = eng.full_parameters();  // fp32 values, gathered from the ranks owning each layer
+  for (auto& np : ref->named_parameters()) EXPECT_LE(rel_err(full.at(np.key()), np.value()), 1e-6) << np.key();
+  auto [x, y] = global_batch(8, 99, 5);
+  auto out = eng.predict(x.to(torch::kDouble));
+  if (eng.is_output_rank()) {
+    torch::NoGradGuard ng;
+    EXPECT_LE(rel_err(out, ref->forward(x.to(torch::kDouble))), 1e-9);
+  }
+  const auto st = eng.stats();
+  EXPECT_GE(st.bubble, 0.0);
+  EXPECT_GT(st.pipeline_compute_ms, 0.0);
 }
 
 }  // namespace

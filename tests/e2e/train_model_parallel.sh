@@ -284,11 +284,11 @@ expect zero2-with-tp-and-pp "composes with --strategy ddp or zero1 .* not zero2"
 expect zero3-with-pp "composes with --strategy ddp or zero1 .* not zero3" -- \
   "$tandem" train -n 2 --pp 2 --strategy zero3 "${bad[@]}"
 expect single-with-tp "strategy single runs one worker" -- "$tandem" train -n 2 --tp 2 --strategy single "${bad[@]}"
-expect bad-schedule "unknown pipeline schedule 'zigzag'; use gpipe or 1f1b" -- \
+expect bad-schedule "unknown pipeline schedule 'zigzag'; use gpipe, 1f1b or interleaved" -- \
   "$tandem" train -n 2 --pp 2 --pipeline-schedule zigzag "${bad[@]}"
 expect bad-partition-word "--pp-partition 'layers': use params, time, or the layers of each of the 2 stages" -- \
   "$tandem" train -n 2 --pp 2 --pp-partition layers "${bad[@]}"
-expect bad-partition-count "it lists 3 stage\(s\) for --pp 2" -- \
+expect bad-partition-count "it lists 3 stage\(s\), not 2" -- \
   "$tandem" train -n 2 --pp 2 --pp-partition 1,2,3 "${bad[@]}"
 expect bad-partition-zero "every stage needs at least one layer" -- \
   "$tandem" train -n 2 --pp 2 --pp-partition 0,6 "${bad[@]}"

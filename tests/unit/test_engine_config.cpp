@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <string>
 
 #include "tandem/engine.h"
@@ -92,6 +93,39 @@ TEST(EngineConfig, RefusesConflictsNamingThem) {
                 }(),
                 8),
             2);
+}
+
+// --pipeline-schedule interleaved --virtual-stages V: each bad combination is named.
+TEST(EngineConfig, InterleavedScheduleRefusesBadCombinations) {
+  ParallelConfig c;
+  c.pp = 2;
+  c.schedule = PipelineSchedule::kInterleaved;
+  c.virtual_stages = 2;
+  c.micro_batches = 4;
+  EXPECT_EQ(refusal(c, 2, 8), "");
+  EXPECT_EQ(refusal(c, 4, 16), "");  // dp 2 x pp 2
+  EXPECT_EQ(parse_pipeline_schedule("interleaved"), PipelineSchedule::kInterleaved);
+  EXPECT_STREQ(to_string(PipelineSchedule::kInterleaved), "interleaved");
+  // Each change of the valid configuration c, and what its refusal must say.
+  const std::vector<std::pair<std::function<void(ParallelConfig&)>, std::string>> cases = {
+      {[](ParallelConfig& b) { b.micro_batches = 3; }, "--micro-batches must be a multiple of --pp"},
+      {[](ParallelConfig& b) { b.virtual_stages = 0; }, "--virtual-stages 0: give 1 or more"},
+      {[](ParallelConfig& b) { b.schedule = PipelineSchedule::kGPipe; },
+       "--virtual-stages 2 needs --pipeline-schedule interleaved (gpipe"},
+      {[](ParallelConfig& b) { b.pp = 1; }, "needs --pp 2 or more"},
+      {[](ParallelConfig& b) { b.tp = 2; }, "composes with --tp 1 only"},
+      {[](ParallelConfig& b) { b.partition = parse_partition("1,2,3", 3); },
+       "lists 3 stage(s) for --pp 2 x --virtual-stages 2; give 4 layer counts"},
+  };
+  for (const auto& [change, says] : cases) {
+    ParallelConfig bad = c;
+    change(bad);
+    const std::string msg = refusal(bad, 4);
+    EXPECT_NE(msg.find(says), std::string::npos) << "\"" << msg << "\" lacks \"" << says << "\"";
+  }
+  ParallelConfig bad = c;
+  bad.partition = parse_partition("1,2,3,1", 4);
+  EXPECT_EQ(refusal(bad, 2), "");
 }
 
 TEST(EngineConfig, OneLearningRateSchedule) {

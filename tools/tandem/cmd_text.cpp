@@ -11,6 +11,7 @@
 #include "checks.h"
 #include "commands.h"
 #include "host_options.h"
+#include "pipeline_options.h"
 #include "tandem/launcher.h"
 #include "tandem/runtime.h"
 #include "tandem/text.h"
@@ -61,6 +62,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per replica batch (--pp > 1)")
       ->capture_default_str();
+  add_pipeline_schedule_options(app, cfg.pipeline_schedule, cfg.virtual_stages);
   app.add_option("--activation-checkpointing", cfg.activation_checkpointing,
                  "recompute activations in backward instead of keeping them: none, every layer, or the first N layers "
                  "(of each pipeline stage)")

@@ -12,6 +12,7 @@
 #include "checks.h"
 #include "commands.h"
 #include "host_options.h"
+#include "pipeline_options.h"
 #include "tandem/launcher.h"
 #include "tandem/registry.h"
 #include "tandem/runtime.h"
@@ -103,7 +104,7 @@ int cmd_train(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per step and replica (with --pp)")
       ->capture_default_str();
-  app.add_option("--pipeline-schedule", cfg.pipeline_schedule, "gpipe | 1f1b (with --pp)")->capture_default_str();
+  add_pipeline_schedule_options(app, cfg.pipeline_schedule, cfg.virtual_stages);
   app.add_option(
          "--grad-accum", cfg.grad_accum,
          "gradient accumulation without --pp: each replica's share of --batch runs as K micro-batches before "

@@ -1,14 +1,16 @@
-// Pipeline parallelism: partitions, the GPipe and 1F1B schedules, activation/gradient transfer
-// between stages, and the CPU memory meter used to measure activation memory.
+// Pipeline parallelism: partitions, the GPipe, 1F1B and interleaved 1F1B schedules,
+// activation/gradient transfer between stages, and the CPU memory meter used to measure
+// activation memory.
 //
 // Transfers. Receives block (the data is needed); sends are asynchronous and kept in a pending
 // list until they complete, so that two neighbours each sending before receiving (1F1B's steady
 // state) cannot deadlock on a rendezvous-size message. Shapes are agreed per step: the first
 // micro-batch's activation is preceded by a small header (dtype, rank, sizes, whether it requires
 // a gradient); the others must have the same shape (equal micro-batches), which the sender
-// checks. Gradients go back only for activations that require one: a stage whose output does
-// not depend on any trainable parameter (a leading Flatten or a frozen embedding) gets no
-// gradient, and the next stage neither computes nor sends one for its input.
+// checks. Each virtual stage's messages have tags of their own (a rank with several chunks
+// receives from the same neighbour for each). Gradients go back only for activations that require one: a stage whose
+// output does not depend on any trainable parameter (a leading Flatten or a frozen embedding) gets no gradient, and the
+// next stage neither computes nor sends one for its input.
 #include "tandem/pipeline.h"
 
 #include <c10/core/CPUAllocator.h>
@@ -22,12 +24,20 @@
 
 namespace tandem {
 
-const char* to_string(PipelineSchedule s) { return s == PipelineSchedule::kGPipe ? "gpipe" : "1f1b"; }
+const char* to_string(PipelineSchedule s) {
+  switch (s) {
+    case PipelineSchedule::kGPipe: return "gpipe";
+    case PipelineSchedule::k1F1B: return "1f1b";
+    case PipelineSchedule::kInterleaved: return "interleaved";
+  }
+  return "?";
+}
 
 PipelineSchedule parse_pipeline_schedule(const std::string& s) {
   if (s == "gpipe") return PipelineSchedule::kGPipe;
   if (s == "1f1b") return PipelineSchedule::k1F1B;
-  throw std::invalid_argument("tandem: unknown pipeline schedule '" + s + "'; use gpipe or 1f1b");
+  if (s == "interleaved") return PipelineSchedule::kInterleaved;
+  throw std::invalid_argument("tandem: unknown pipeline schedule '" + s + "'; use gpipe, 1f1b or interleaved");
 }
 
 // ---------------------------------------------------------------- partitions
@@ -213,43 +223,103 @@ Pipeline::Pipeline(torch::nn::Sequential model, CommPtr stage_comm, PipelineOpti
   if (!comm_) throw std::invalid_argument("tandem::Pipeline: no stage communicator given");
   stages_ = comm_->size();
   stage_ = comm_->rank();
+  chunks_ = opts_.virtual_stages;
   const int64_t layers = static_cast<int64_t>(model->size());
   if (opts_.micro_batches < 1) {
     throw std::invalid_argument("tandem::Pipeline: micro_batches must be >= 1, got " +
                                 std::to_string(opts_.micro_batches));
   }
-  if (stages_ > layers) validate_partition({}, layers, stages_);  // names the problem
-  partition_ = opts_.partition.empty() ? partition_by_parameters(model, stages_) : opts_.partition;
-  validate_partition(partition_, layers, stages_);
-  for (int s = 0; s < stage_; ++s) begin_ += partition_[s];
-  end_ = begin_ + partition_[stage_];
-  for (int64_t i = begin_; i < end_; ++i) stage_module_->push_back(std::to_string(i), child(model, i));
+  if (chunks_ < 1) {
+    throw std::invalid_argument("tandem::Pipeline: virtual_stages (--virtual-stages) must be at least 1, got " +
+                                std::to_string(chunks_));
+  }
+  if (chunks_ > 1 && opts_.schedule != PipelineSchedule::kInterleaved) {
+    throw std::invalid_argument(std::string("tandem::Pipeline: ") + std::to_string(chunks_) +
+                                " virtual stages per rank need the interleaved schedule, not " +
+                                to_string(opts_.schedule) +
+                                "; use --pipeline-schedule interleaved or --virtual-stages 1");
+  }
+  const int virtual_stages = stages_ * chunks_;
+  if (virtual_stages > layers) {
+    if (chunks_ == 1) validate_partition({}, layers, stages_);  // names the problem
+    throw std::invalid_argument("tandem::Pipeline: --pp " + std::to_string(stages_) + " x --virtual-stages " +
+                                std::to_string(chunks_) + " = " + std::to_string(virtual_stages) +
+                                " virtual stages for a model of " + std::to_string(layers) +
+                                " layers (children of the Sequential); each needs a layer: use fewer virtual stages");
+  }
+  partition_ = opts_.partition.empty() ? partition_by_parameters(model, virtual_stages) : opts_.partition;
+  validate_partition(partition_, layers, virtual_stages);
+  std::vector<int64_t> begin(virtual_stages + 1, 0);
+  for (int v = 0; v < virtual_stages; ++v) begin[v + 1] = begin[v] + partition_[v];
+  for (int c = 0; c < chunks_; ++c) {
+    const int v = c * stages_ + stage_;
+    ranges_.emplace_back(begin[v], begin[v + 1]);
+    torch::nn::Sequential chunk;
+    for (int64_t i = begin[v]; i < begin[v + 1]; ++i) {
+      chunk->push_back(std::to_string(i), child(model, i));
+      stage_module_->push_back(std::to_string(i), child(model, i));
+    }
+    chunk_modules_.push_back(chunk);
+  }
   auto params = stage_module_->parameters();
   device_ = params.empty() ? opts_.device : params.front().device();
+}
+
+int64_t Pipeline::first_layer() const {
+  if (chunks_ != 1) {
+    throw std::logic_error("tandem::Pipeline: a rank with " + std::to_string(chunks_) +
+                           " chunks holds several layer ranges; use layer_ranges()");
+  }
+  return ranges_.front().first;
+}
+
+int64_t Pipeline::end_layer() const {
+  (void)first_layer();  // the same check
+  return ranges_.front().second;
+}
+
+std::vector<int> Pipeline::layer_owners() const {
+  std::vector<int> owner;
+  for (size_t v = 0; v < partition_.size(); ++v)
+    owner.insert(owner.end(), partition_[v], static_cast<int>(v) % stages_);
+  return owner;
 }
 
 std::vector<at::Tensor> Pipeline::parameters() const { return stage_module_->parameters(); }
 
 void Pipeline::reset_stats() { stats_ = PipelineStats(); }
 
-std::vector<std::pair<bool, int64_t>> Pipeline::schedule_for(PipelineSchedule s, int stage, int stages, int64_t m) {
-  return pipeline_order(s == PipelineSchedule::kGPipe, stage, stages, m);
+std::vector<PipelineOp> Pipeline::schedule_for(PipelineSchedule s, int stage, int stages, int64_t m, int chunks) {
+  if (s == PipelineSchedule::kInterleaved) return interleaved_order(stage, stages, chunks, m);
+  std::vector<PipelineOp> ops;
+  for (auto [forward, i] : pipeline_order(s == PipelineSchedule::kGPipe, stage, stages, m))
+    ops.push_back({forward, 0, i});
+  return ops;
 }
 
 namespace {
 
+// What a link between two virtual stages agreed in one step: the shape, dtype and whether a
+// gradient goes back, from the header sent with its first activation.
+struct Link {
+  bool have_header = false;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+  bool grad = false;  // the activations need their gradient sent back
+};
+
+// Tags of the messages into virtual stage v (activations and headers from v - 1, gradients from v + 1).
+int tag_into(int base, int64_t v) { return base + 4 * static_cast<int>(v); }
+
 // Activation transfer state of one step on one stage.
 struct Transfer {
-  Transfer(Communicator& c, c10::Device d, PipelineStats& s) : comm(c), device(d), stats(s) {}
+  Transfer(Communicator& c, c10::Device d, PipelineStats& s, int chunks)
+      : comm(c), device(d), stats(s), in(chunks), out(chunks) {}
   Communicator& comm;
   c10::Device device;
   PipelineStats& stats;
   std::vector<std::pair<WorkPtr, at::Tensor>> pending;
-  bool have_in_header = false, sent_out_header = false;
-  std::vector<int64_t> in_shape, out_shape;
-  at::ScalarType in_dtype = at::kFloat;
-  // Whether the activations received (sent) this step need their gradient sent back (received).
-  bool in_grad = false, out_grad = false;
+  std::vector<Link> in, out;  // per chunk: its input from the previous virtual stage, its output to the next
 
   void poll() {
     pending.erase(std::remove_if(pending.begin(), pending.end(),
@@ -277,49 +347,51 @@ struct Transfer {
     stats.bytes_received += static_cast<int64_t>(buf.numel() * buf.element_size());
   }
 
-  void send_activation(const at::Tensor& y, int dst, int stage) {
+  // Virtual stage v's output of one micro-batch, to rank dst (its chunk `chunk`'s output link).
+  void send_activation(const at::Tensor& y, int dst, int64_t v, int chunk) {
+    Link& l = out[chunk];
     const bool wants_grad = y.requires_grad() && at::isFloatingType(y.scalar_type());
-    if (!sent_out_header) {
+    const std::string who = "tandem::Pipeline: virtual stage " + std::to_string(v);
+    if (!l.have_header) {
       if (y.dim() > kMaxDims) {
-        throw std::invalid_argument("tandem::Pipeline: stage " + std::to_string(stage) + " outputs a tensor of " +
-                                    std::to_string(y.dim()) + " dimensions; at most " + std::to_string(kMaxDims) +
-                                    " can cross a stage boundary");
+        throw std::invalid_argument(who + " outputs a tensor of " + std::to_string(y.dim()) + " dimensions; at most " +
+                                    std::to_string(kMaxDims) + " can cross a stage boundary");
       }
       std::vector<int64_t> h(kHeaderLen, 0);
       h[0] = static_cast<int64_t>(y.scalar_type());
       h[1] = y.dim();
       for (int64_t d = 0; d < y.dim(); ++d) h[2 + d] = y.size(d);
-      out_grad = wants_grad;
-      h[2 + kMaxDims] = out_grad ? 1 : 0;
-      send(at::tensor(h, at::kLong).to(device), dst, kTagHeader);
-      out_shape = y.sizes().vec();
-      sent_out_header = true;
-    } else if (y.sizes().vec() != out_shape) {
-      throw std::runtime_error("tandem::Pipeline: stage " + std::to_string(stage) +
-                               " produced micro-batch outputs of different shapes in one step (" + c10::str(y.sizes()) +
-                               " after " + c10::str(c10::IntArrayRef(out_shape)) +
+      l.grad = wants_grad;
+      h[2 + kMaxDims] = l.grad ? 1 : 0;
+      send(at::tensor(h, at::kLong).to(device), dst, tag_into(kTagHeader, v + 1));
+      l.shape = y.sizes().vec();
+      l.have_header = true;
+    } else if (y.sizes().vec() != l.shape) {
+      throw std::runtime_error(who + " produced micro-batch outputs of different shapes in one step (" +
+                               c10::str(y.sizes()) + " after " + c10::str(c10::IntArrayRef(l.shape)) +
                                "); every micro-batch must have the same shape");
-    } else if (wants_grad != out_grad) {
-      throw std::runtime_error("tandem::Pipeline: stage " + std::to_string(stage) +
-                               " produced micro-batch outputs that differ in requiring a gradient in one step; "
-                               "every micro-batch must take the same path through the stage");
+    } else if (wants_grad != l.grad) {
+      throw std::runtime_error(who + " produced micro-batch outputs that differ in requiring a gradient in one step; "
+                                     "every micro-batch must take the same path through the stage");
     }
-    send(y.detach(), dst, kTagActivation);
+    send(y.detach(), dst, tag_into(kTagActivation, v + 1));
   }
 
-  at::Tensor recv_activation(int src) {
-    if (!have_in_header) {
+  // Virtual stage v's input of one micro-batch, from rank src.
+  at::Tensor recv_activation(int src, int64_t v, int chunk) {
+    Link& l = in[chunk];
+    if (!l.have_header) {
       auto h = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(device));
-      recv(h, src, kTagHeader, /*host=*/true);
+      recv(h, src, tag_into(kTagHeader, v), /*host=*/true);
       auto hc = h.cpu();
       auto* p = hc.data_ptr<int64_t>();
-      in_dtype = static_cast<at::ScalarType>(p[0]);
-      in_shape.assign(p + 2, p + 2 + p[1]);
-      in_grad = p[2 + kMaxDims] != 0;
-      have_in_header = true;
+      l.dtype = static_cast<at::ScalarType>(p[0]);
+      l.shape.assign(p + 2, p + 2 + p[1]);
+      l.grad = p[2 + kMaxDims] != 0;
+      l.have_header = true;
     }
-    auto x = at::empty(in_shape, at::TensorOptions().dtype(in_dtype).device(device));
-    recv(x, src, kTagActivation, /*host=*/false);
+    auto x = at::empty(l.shape, at::TensorOptions().dtype(l.dtype).device(device));
+    recv(x, src, tag_into(kTagActivation, v), /*host=*/false);
     return x;
   }
 };
@@ -351,6 +423,7 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
     throw std::invalid_argument("tandem::Pipeline: " + std::to_string(inputs.size(0)) + " inputs but " +
                                 std::to_string(targets.size(0)) + " targets");
   }
+  const auto ops = schedule_for(opts_.schedule, stage_, stages_, m, chunks_);
 
   const auto t_step = std::chrono::steady_clock::now();
   const int64_t meter_base = MemoryMeter::installed() ? MemoryMeter::current_bytes() : 0;
@@ -359,23 +432,28 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
   stats_.bytes_sent = stats_.bytes_received = 0;
   stats_.peak_live_micro_batches = 0;
 
-  Transfer tr{*comm_, device_, stats_};
-  std::vector<Slot> slots(m);
+  Transfer tr{*comm_, device_, stats_, chunks_};
+  std::vector<Slot> slots(m * chunks_);
   int64_t live = 0;
   at::Tensor loss_sum;
   const int64_t mb_in = inputs.defined() ? inputs.size(0) / m : 0;
   const int64_t mb_tg = targets.defined() ? targets.size(0) / m : 0;
+  const int64_t last_virtual = static_cast<int64_t>(stages_) * chunks_ - 1;
+  const int prev = (stage_ + stages_ - 1) % stages_, next = (stage_ + 1) % stages_;
+  int64_t backwards_left = m * chunks_;
 
-  for (auto [forward, i] : schedule_for(opts_.schedule, stage_, stages_, m)) {
-    Slot& s = slots[i];
-    if (forward) {
-      at::Tensor x = is_first() ? inputs.narrow(0, i * mb_in, mb_in) : tr.recv_activation(stage_ - 1);
+  for (const PipelineOp& op : ops) {
+    const int64_t i = op.micro_batch, v = static_cast<int64_t>(op.chunk) * stages_ + stage_;
+    const bool first = v == 0, last = v == last_virtual;
+    Slot& s = slots[op.chunk * m + i];
+    if (op.forward) {
+      at::Tensor x = first ? inputs.narrow(0, i * mb_in, mb_in) : tr.recv_activation(prev, v, op.chunk);
       // Track the input only where the previous stage wants its gradient: a stage fed by one
       // without parameters (the MLP's leading Flatten on a stage of its own) skips computing it.
-      if (!is_first() && tr.in_grad) x.requires_grad_(true);
+      if (!first && tr.in[op.chunk].grad) x.requires_grad_(true);
       auto t0 = std::chrono::steady_clock::now();
-      at::Tensor y = stage_module_->forward(x);
-      if (is_last()) {
+      at::Tensor y = chunk_modules_[op.chunk]->forward(x);
+      if (last) {
         s.loss = loss_fn(y, targets.narrow(0, i * mb_tg, mb_tg));
         if (s.loss.numel() != 1) {
           throw std::invalid_argument("tandem::Pipeline: the loss function returned " + std::to_string(s.loss.numel()) +
@@ -385,28 +463,28 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
         s.output = y;
       }
       stats_.compute_seconds += since(t0);
-      if (!is_last()) tr.send_activation(y, stage_ + 1, stage_);
+      if (!last) tr.send_activation(y, next, v, op.chunk);
       s.input = x;
       stats_.peak_live_micro_batches = std::max(stats_.peak_live_micro_batches, ++live);
     } else {
-      if (opts_.before_backward) opts_.before_backward(i, i == m - 1);
-      if (is_last()) {
+      if (opts_.before_backward) opts_.before_backward(i, --backwards_left == 0);
+      if (last) {
         auto t0 = std::chrono::steady_clock::now();
         auto scaled = s.loss / static_cast<double>(m);
         if (scaled.requires_grad()) scaled.backward();
         stats_.compute_seconds += since(t0);
         auto l = s.loss.detach().to(at::kDouble).reshape({});
         loss_sum = loss_sum.defined() ? loss_sum + l : l;
-      } else if (tr.out_grad) {
+      } else if (tr.out[op.chunk].grad) {
         auto g = at::empty(s.output.sizes(), s.output.options().memory_format(at::MemoryFormat::Contiguous));
-        tr.recv(g, stage_ + 1, kTagGradient, /*host=*/false);
+        tr.recv(g, next, tag_into(kTagGradient, v), /*host=*/false);
         auto t0 = std::chrono::steady_clock::now();
         s.output.backward(g);
         stats_.compute_seconds += since(t0);
       }
-      if (!is_first() && tr.in_grad) {
+      if (!first && tr.in[op.chunk].grad) {
         auto gx = s.input.grad();
-        tr.send(gx.defined() ? gx : at::zeros_like(s.input), stage_ - 1, kTagGradient);
+        tr.send(gx.defined() ? gx : at::zeros_like(s.input), prev, tag_into(kTagGradient, v - 1));
       }
       s = Slot();
       --live;
@@ -430,6 +508,8 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
   return loss;
 }
 
+// Forward only: micro-batch by micro-batch, each through this rank's chunks in order; every
+// rank takes the (micro-batch, chunk) pairs in the same order, so messages match.
 at::Tensor Pipeline::forward(const at::Tensor& inputs) {
   const int64_t m = opts_.micro_batches;
   if (inputs.defined() && (inputs.dim() == 0 || inputs.size(0) % m != 0)) {
@@ -440,18 +520,23 @@ at::Tensor Pipeline::forward(const at::Tensor& inputs) {
   if (is_first() && !inputs.defined()) throw std::invalid_argument("tandem::Pipeline: stage 0 needs the inputs");
   torch::NoGradGuard ng;
   PipelineStats scratch;
-  Transfer tr{*comm_, device_, scratch};
+  Transfer tr{*comm_, device_, scratch, chunks_};
   std::vector<at::Tensor> outs;
   const int64_t mb = inputs.defined() ? inputs.size(0) / m : 0;
+  const int64_t last_virtual = static_cast<int64_t>(stages_) * chunks_ - 1;
+  const int prev = (stage_ + stages_ - 1) % stages_, next = (stage_ + 1) % stages_;
   for (int64_t i = 0; i < m; ++i) {
-    at::Tensor x = is_first() ? inputs.narrow(0, i * mb, mb) : tr.recv_activation(stage_ - 1);
-    at::Tensor y = stage_module_->forward(x);
-    if (is_last()) {
-      outs.push_back(y);
-    } else {
-      tr.send_activation(y, stage_ + 1, stage_);
+    for (int c = 0; c < chunks_; ++c) {
+      const int64_t v = static_cast<int64_t>(c) * stages_ + stage_;
+      at::Tensor x = v == 0 ? inputs.narrow(0, i * mb, mb) : tr.recv_activation(prev, v, c);
+      at::Tensor y = chunk_modules_[c]->forward(x);
+      if (v == last_virtual) {
+        outs.push_back(y);
+      } else {
+        tr.send_activation(y, next, v, c);
+      }
+      tr.poll();
     }
-    tr.poll();
   }
   tr.drain();
   return is_last() ? at::cat(outs) : at::Tensor();

@@ -60,10 +60,45 @@ std::vector<std::pair<bool, int64_t>> pipeline_order(bool gpipe, int stage, int 
   return ops;
 }
 
+void check_interleaved(int stages, int chunks, int64_t m) {
+  const std::string opts = "--pipeline-schedule interleaved with --pp " + std::to_string(stages) +
+                           " --virtual-stages " + std::to_string(chunks) + " --micro-batches " + std::to_string(m);
+  if (stages < 2) throw std::invalid_argument(opts + ": the interleaved schedule needs --pp 2 or more");
+  if (chunks < 1) throw std::invalid_argument(opts + ": --virtual-stages must be at least 1");
+  if (m < 1 || m % stages != 0) {
+    throw std::invalid_argument(opts + ": the micro-batches go through the stages in groups of --pp, so " +
+                                "--micro-batches must be a multiple of --pp (e.g. " + std::to_string(2 * stages) + ")");
+  }
+}
+
+std::vector<PipelineOp> interleaved_order(int stage, int stages, int chunks, int64_t m) {
+  check_interleaved(stages, chunks, m);
+  if (stage < 0 || stage >= stages) {
+    throw std::invalid_argument("tandem::interleaved_order: stage " + std::to_string(stage) + " of " +
+                                std::to_string(stages));
+  }
+  const int64_t p = stages, v = chunks, total = m * v;
+  auto op = [&](int64_t k, bool forward) {
+    const int64_t c = (k % (p * v)) / p;
+    return PipelineOp{forward, static_cast<int>(forward ? c : v - 1 - c), (k / (p * v)) * p + k % p};
+  };
+  const int64_t warmup = m == p ? total : std::min(total, (p - stage - 1) * 2 + (v - 1) * p);
+  std::vector<PipelineOp> ops;
+  for (int64_t k = 0; k < warmup; ++k) ops.push_back(op(k, true));
+  for (int64_t k = 0; k < total - warmup; ++k) {
+    ops.push_back(op(warmup + k, true));
+    ops.push_back(op(k, false));
+  }
+  for (int64_t k = total - warmup; k < total; ++k) ops.push_back(op(k, false));
+  return ops;
+}
+
 std::vector<int64_t> parse_partition_option(const std::string& text, int pp) {
   if (text == "params" || text == "time") return {};
   const std::string use = "--pp-partition '" + text + "': use params, time, or the layers of each of the " +
-                          std::to_string(pp) + " stages, comma-separated (e.g. 3,7 for --pp 2)";
+                          std::to_string(pp) +
+                          " stages, comma-separated (e.g. 3,7 for --pp 2; --pp x --virtual-stages of them with the "
+                          "interleaved schedule)";
   std::vector<int64_t> parts;
   size_t pos = 0;
   while (pos <= text.size()) {
@@ -76,7 +111,7 @@ std::vector<int64_t> parse_partition_option(const std::string& text, int pp) {
     pos = end + 1;
   }
   if (static_cast<int>(parts.size()) != pp)
-    throw std::invalid_argument(use + "; it lists " + std::to_string(parts.size()) + " stage(s) for --pp " +
+    throw std::invalid_argument(use + "; it lists " + std::to_string(parts.size()) + " stage(s), not " +
                                 std::to_string(pp));
   return parts;
 }

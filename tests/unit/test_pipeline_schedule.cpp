@@ -1,0 +1,214 @@
+// The interleaved 1F1B order (tandem/pipeline_schedule.h): Megatron-LM's order for one case
+// written out by hand, the properties every (stages, chunks, micro-batches) must have (each
+// forward once, before its backward; messages between two ranks sent in the order they are
+// received), and a simulation of all ranks running their orders with blocking receives, which
+// must finish (no deadlock) and whose idle time matches (p - 1) / (m v) for equal stages.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "tandem/pipeline_schedule.h"
+
+namespace tandem {
+namespace {
+
+std::vector<PipelineOp> ops(std::initializer_list<std::tuple<char, int, int64_t>> list) {
+  std::vector<PipelineOp> out;
+  for (auto [k, c, i] : list) out.push_back({k == 'F', c, i});
+  return out;
+}
+
+// Megatron-LM's schedule for p = 2, v = 2, m = 4: rank 0 warms up with (2 - 0 - 1) * 2 + 2 = 4
+// forwards, rank 1 with 2; micro-batches go through the chunks in groups of p = 2.
+TEST(PipelineSchedule, InterleavedMatchesMegatronByHand) {
+  EXPECT_EQ(interleaved_order(0, 2, 2, 4), ops({{'F', 0, 0},
+                                                {'F', 0, 1},
+                                                {'F', 1, 0},
+                                                {'F', 1, 1},
+                                                {'F', 0, 2},
+                                                {'B', 1, 0},
+                                                {'F', 0, 3},
+                                                {'B', 1, 1},
+                                                {'F', 1, 2},
+                                                {'B', 0, 0},
+                                                {'F', 1, 3},
+                                                {'B', 0, 1},
+                                                {'B', 1, 2},
+                                                {'B', 1, 3},
+                                                {'B', 0, 2},
+                                                {'B', 0, 3}}));
+  EXPECT_EQ(interleaved_order(1, 2, 2, 4), ops({{'F', 0, 0},
+                                                {'F', 0, 1},
+                                                {'F', 1, 0},
+                                                {'B', 1, 0},
+                                                {'F', 1, 1},
+                                                {'B', 1, 1},
+                                                {'F', 0, 2},
+                                                {'B', 0, 0},
+                                                {'F', 0, 3},
+                                                {'B', 0, 1},
+                                                {'F', 1, 2},
+                                                {'B', 1, 2},
+                                                {'F', 1, 3},
+                                                {'B', 1, 3},
+                                                {'B', 0, 2},
+                                                {'B', 0, 3}}));
+}
+
+// Runs every rank's order, one operation at a time per rank of `cost` (forward 1, backward 2),
+// on its own clock: an operation starts when the rank is free and its input has arrived (the
+// previous virtual stage's forward, the next one's backward; the ring wraps from rank p - 1 to
+// rank 0 between chunks). Sends never block (Tandem's are asynchronous). Returns each rank's
+// finishing time, or throws when no rank can move (a deadlock).
+using OrderFn = std::function<std::vector<PipelineOp>(int stage, int stages, int chunks, int64_t m)>;
+
+std::vector<double> simulate(int p, int v, int64_t m, const OrderFn& order_of = interleaved_order) {
+  const int64_t V = static_cast<int64_t>(p) * v;
+  std::vector<std::vector<PipelineOp>> order(p);
+  for (int r = 0; r < p; ++r) order[r] = order_of(r, p, v, m);
+  std::vector<std::vector<double>> fwd_done(V, std::vector<double>(m, -1)), bwd_done = fwd_done;
+  std::vector<size_t> next(p, 0);
+  std::vector<double> clock(p, 0.0);
+  for (;;) {
+    bool moved = false, done = true;
+    for (int r = 0; r < p; ++r) {
+      if (next[r] == order[r].size()) continue;
+      done = false;
+      const PipelineOp& op = order[r][next[r]];
+      const int64_t s = static_cast<int64_t>(op.chunk) * p + r;
+      double ready = 0.0;
+      if (op.forward && s > 0) ready = fwd_done[s - 1][op.micro_batch];
+      if (!op.forward) {
+        if (fwd_done[s][op.micro_batch] < 0) throw std::logic_error("backward before its forward");
+        if (s < V - 1) ready = bwd_done[s + 1][op.micro_batch];
+      }
+      if (ready < 0) continue;  // blocked in a receive
+      clock[r] = std::max(clock[r], ready) + (op.forward ? 1.0 : 2.0);
+      (op.forward ? fwd_done : bwd_done)[s][op.micro_batch] = clock[r];
+      ++next[r];
+      moved = true;
+    }
+    if (done) return clock;
+    if (!moved) {
+      throw std::runtime_error("deadlock with p " + std::to_string(p) + " v " + std::to_string(v) + " m " +
+                               std::to_string(m));
+    }
+  }
+}
+
+TEST(PipelineSchedule, InterleavedRunsEveryOperationOnceAndForwardFirst) {
+  for (int p : {2, 3, 4}) {
+    for (int v : {1, 2, 3}) {
+      for (int64_t m : {p, 2 * p, 3 * p, 8 * p}) {
+        SCOPED_TRACE("p " + std::to_string(p) + " v " + std::to_string(v) + " m " + std::to_string(m));
+        for (int r = 0; r < p; ++r) {
+          auto o = interleaved_order(r, p, v, m);
+          ASSERT_EQ(static_cast<int64_t>(o.size()), 2 * m * v);
+          std::map<std::pair<int, int64_t>, int> state;
+          int64_t live = 0, peak = 0;
+          for (const auto& op : o) {
+            ASSERT_TRUE(op.chunk >= 0 && op.chunk < v && op.micro_batch >= 0 && op.micro_batch < m);
+            int& st = state[{op.chunk, op.micro_batch}];
+            EXPECT_EQ(st++, op.forward ? 0 : 1);  // forward once, then backward once
+            live += op.forward ? 1 : -1;
+            peak = std::max(peak, live);
+          }
+          EXPECT_EQ(static_cast<int64_t>(state.size()), m * v);
+          // Megatron's bound on the activations held: the warm-up forwards and one more.
+          const int64_t warmup = m == p ? m * v : std::min<int64_t>(m * v, (p - r - 1) * 2 + (v - 1) * p);
+          EXPECT_EQ(peak, std::min<int64_t>(m * v, warmup + 1));
+        }
+      }
+    }
+  }
+}
+
+// Messages between two ranks are matched in order: what a rank sends to a neighbour (forwards:
+// to the next virtual stage, backwards: to the previous one) comes in the order the neighbour
+// receives it.
+TEST(PipelineSchedule, InterleavedMessagesArriveInTheOrderReceived) {
+  for (int p : {2, 3, 4}) {
+    for (int v : {1, 2, 4}) {
+      for (int64_t m : {p, 2 * p, 4 * p}) {
+        SCOPED_TRACE("p " + std::to_string(p) + " v " + std::to_string(v) + " m " + std::to_string(m));
+        const int64_t V = static_cast<int64_t>(p) * v;
+        // sent[{from, to, forward}] / received[...]: (virtual stage received into, micro-batch).
+        std::map<std::tuple<int, int, bool>, std::vector<std::pair<int64_t, int64_t>>> sent, received;
+        for (int r = 0; r < p; ++r) {
+          for (const auto& op : interleaved_order(r, p, v, m)) {
+            const int64_t s = static_cast<int64_t>(op.chunk) * p + r;
+            const int64_t to = op.forward ? s + 1 : s - 1, from = op.forward ? s - 1 : s + 1;
+            if (to >= 0 && to < V) sent[{r, static_cast<int>(to % p), op.forward}].push_back({to, op.micro_batch});
+            if (from >= 0 && from < V) {
+              received[{static_cast<int>(from % p), r, op.forward}].push_back({s, op.micro_batch});
+            }
+          }
+        }
+        EXPECT_EQ(sent, received);
+      }
+    }
+  }
+}
+
+TEST(PipelineSchedule, InterleavedNeverDeadlocksAndShrinksTheBubble) {
+  for (int p : {2, 3, 4, 8}) {
+    for (int v : {1, 2, 3, 4}) {
+      for (int64_t m : {p, 2 * p, 4 * p}) {
+        SCOPED_TRACE("p " + std::to_string(p) + " v " + std::to_string(v) + " m " + std::to_string(m));
+        std::vector<double> end;
+        ASSERT_NO_THROW(end = simulate(p, v, m));
+        // Each rank computes m v forwards of 1 and backwards of 2 (chunks of 1/v of a stage's
+        // layers cost 1/v: here every chunk costs 1 + 2, so the work is 3 m v chunk units).
+        const double work = 3.0 * m * v;
+        const double step = *std::max_element(end.begin(), end.end());
+        const double bubble = (step - work) / work;
+        // Megatron's figure for equal stages: (p - 1) / (m v).
+        EXPECT_NEAR(bubble, static_cast<double>(p - 1) / (m * v), 1e-9);
+      }
+    }
+  }
+}
+
+// The simulation catches a wrong order: the same operations with 1F1B's p - r - 1 warm-up
+// forwards reach a chunk's backward before its forward (rank 1) or wait forever.
+TEST(PipelineSchedule, SimulationRejectsAWarmUpTooShortForTheChunks) {
+  auto short_warmup = [](int stage, int stages, int chunks, int64_t m) {
+    std::vector<PipelineOp> f, b, ops;
+    for (const auto& op : interleaved_order(stage, stages, chunks, m)) (op.forward ? f : b).push_back(op);
+    const size_t warmup = static_cast<size_t>(stages - stage - 1);
+    ops.assign(f.begin(), f.begin() + static_cast<long>(warmup));
+    for (size_t k = warmup; k < f.size(); ++k) {
+      ops.push_back(f[k]);
+      ops.push_back(b[k - warmup]);
+    }
+    ops.insert(ops.end(), b.end() - static_cast<long>(warmup), b.end());
+    return ops;
+  };
+  EXPECT_NO_THROW(simulate(2, 1, 4, short_warmup));  // one chunk: that is 1F1B, which runs
+  EXPECT_ANY_THROW(simulate(2, 2, 4, short_warmup));
+  EXPECT_ANY_THROW(simulate(4, 2, 8, short_warmup));
+}
+
+TEST(PipelineSchedule, InterleavedRefusesWhatItCannotRun) {
+  auto fails = [](int p, int v, int64_t m, const std::string& says) {
+    try {
+      interleaved_order(0, p, v, m);
+      ADD_FAILURE() << "p " << p << " v " << v << " m " << m << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  fails(2, 2, 3, "--micro-batches must be a multiple of --pp");
+  fails(4, 2, 6, "--micro-batches must be a multiple of --pp");
+  fails(1, 2, 4, "needs --pp 2 or more");
+  fails(2, 0, 4, "--virtual-stages must be at least 1");
+  EXPECT_NO_THROW(check_interleaved(2, 2, 8));
+}
+
+}  // namespace
+}  // namespace tandem
