@@ -111,6 +111,7 @@ TEST(LlamaSequentialEngine, PerLayerZero3AndPipelineFollowOneProcess) {
   auto initial = make_llama(false);
   const auto want = reference_losses(ref, 5);
   for (int pp : {1, 2}) {
+    if (world()->size() % pp != 0) continue;  // pp 2 needs an even number of ranks
     auto seq = llama::causal_lm_sequential(initial->model->config);
     {
       torch::NoGradGuard g;

@@ -444,7 +444,7 @@ TEST(PipelineInterleaved, RefusesWhatItCannotRun) {
 TEST(PipelineInterleaved, EngineLossesEqualOneWorker) {
   auto comm = world();
   const int W = comm->size();
-  ASSERT_EQ(W % 2, 0) << "run on an even number of ranks";
+  if (W % 2 != 0) GTEST_SKIP() << "pp 2 needs an even number of ranks, not " << W;
   constexpr int kSteps = 15;
   constexpr int64_t kBatch = 24;
   OptimizerOptions oo;
