@@ -41,12 +41,14 @@ set title "tandem plan: predicted against measured step ({within} of {len(rows)}
 set xlabel 'measured step (ms)'
 set ylabel 'predicted step (ms)'
 set logscale xy
+set xtics (10, 15, 20, 30, 50, 70, 100, 150, 200, 300)
+set ytics (10, 15, 20, 30, 50, 70, 100, 150, 200, 300)
 set xrange [{lo}:{hi}]
 set yrange [{lo}:{hi}]
 set key left top
 set grid
 plot x title 'exact' with lines lc rgb '#444444', 1.2*x title '±20 %' with lines dashtype 2 lc rgb '#999999', \\
-     0.8*x notitle with lines dashtype 2 lc rgb '#999999', {pts}
+     0.8*x notitle with lines dashtype 2 lc rgb "#999999", {pts}
 """
         subprocess.run(["gnuplot"], input=script, text=True, check=True)
     print(f"wrote {out}: {len(rows)} rows, {within} within 20 %")
