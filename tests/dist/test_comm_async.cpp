@@ -219,6 +219,30 @@ TEST(Split, EvenAndOddColors) {
   EXPECT_EQ(one.item<int64_t>(), R);
 }
 
+// A communicator destroyed while its sends are still in flight (4 MiB each: above the eager
+// limit, a send completes only once received) waits for them: the late receivers get the data.
+TEST(Split, DestroyedWithSendsInFlightDeliversThem) {
+  auto w = world();
+  const int R = w->size(), me = w->rank();
+  const int64_t n = 1 << 20;
+  auto sub = w->split(0, me);
+  if (me == 0) {
+    std::vector<WorkPtr> sends;
+    for (int r = 1; r < R; ++r)
+      sends.push_back(sub->send_async(at::full({n}, static_cast<float>(r), at::kFloat), r, 7));
+    std::this_thread::sleep_for(milliseconds(50));  // the progress thread has started them
+    sub.reset();                                    // unwaited: the destructor drains them
+    for (auto& s : sends) EXPECT_TRUE(s->is_completed());
+  } else {
+    std::this_thread::sleep_for(milliseconds(300));
+    auto got = at::zeros({n}, at::kFloat);
+    sub->recv(got, 0, 7);
+    sub.reset();
+    EXPECT_TRUE(at::equal(got, at::full({n}, static_cast<float>(me), at::kFloat)));
+  }
+  w->barrier();
+}
+
 TEST(Split, KeysOrderTheNewRanks) {
   auto w = world();
   const int R = w->size(), me = w->rank();

@@ -7,6 +7,7 @@
 //    and aborts the job, which is the clean way out while rank 1 is still silent.
 //  - Stall, second form: rank 1 waits in a barrier while the others wait in an allreduce;
 //    every rank must get CommTimeout.
+//  - Abandon: a send that timed out is abandoned when its communicator is destroyed.
 //  - EarlyExit: rank 1 leaves in the middle of a run of collectives (_exit(3) or SIGKILL);
 //    mpirun must stop the other ranks, blocked in an allreduce with a 120 s timeout (so a
 //    launcher that does not stop them fails the e2e test's time limit).
@@ -104,6 +105,38 @@ TEST(Stall, DISABLED_RankInAnotherCollectiveMakesAllTimeOut) {
   vote_and_abort(me, ok, verdict,
                  "ranks got CommTimeout naming their rank and operation within 2 s + 5 s while rank " +
                      std::to_string(skipper) + " waited in a barrier instead of the allreduce");
+}
+
+// Rank 0 sends 4 MiB (above the eager limit: the send stays in flight until received) that
+// rank 1 never receives. Its wait times out; destroying the communicator must then abandon the
+// send at once (the wait already failed) instead of waiting again or leaving its progress thread
+// running over a freed object, and the abandoned operation's Work reports why.
+TEST(Stall, DISABLED_DestroyedCommunicatorAbandonsWhatCannotComplete) {
+  auto w = world();
+  const int me = w->rank();
+  auto verdict = w->split(0, me);
+  auto sub = w->split(0, me);
+  w->barrier();
+  bool ok = true;
+  if (me == 0) {
+    sub->set_timeout(milliseconds(2000));
+    auto work = sub->send_async(at::ones({1 << 20}, at::kFloat), 1, 7);
+    ok = times_out_naming(me, "rank 0: send(to 1, tag 7)", [&] { work->wait(); });
+    const auto t0 = std::chrono::steady_clock::now();
+    sub.reset();
+    const double took = seconds_since(t0);
+    std::string why = "(no exception)";
+    try {
+      work->wait();
+    } catch (const CommError& e) {
+      why = e.what();
+    }
+    const bool abandoned = took < 1.0 && why.find("abandoned") != std::string::npos;
+    std::cout << "rank 0: destroying the communicator took " << took << " s; the send's wait: " << why << std::endl;
+    ok = ok && abandoned;
+  }
+  vote_and_abort(me, ok, verdict,
+                 "ranks saw a send that timed out abandoned within 1 s when its communicator was destroyed");
 }
 
 void leave_midway(bool kill_self) {

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <iostream>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -124,6 +125,7 @@ class MpiWork : public Work {
       bool ok = cv_.wait_for(lk, timeout_, [&] { return done_; });
       waiters_->fetch_sub(1);
       if (!ok) {
+        broken_->store(true);
         std::ostringstream os;
         os << what_ << " timed out after " << std::chrono::duration<double>(timeout_).count()
            << " s; is every rank alive and calling the same operations in the same order?";
@@ -149,6 +151,7 @@ class MpiWork : public Work {
   }
 
   std::atomic<int>* waiters_ = nullptr;  // the owner's count of blocked callers
+  std::atomic<bool>* broken_ = nullptr;  // the owner's flag: an operation failed or timed out
   const std::string what_;
 
  private:
@@ -228,25 +231,22 @@ class MpiCommunicator : public Communicator {
     thread_ = std::thread([this] { loop(); });
   }
 
+  // Waits for the operations still in flight (an isend whose peer has not received yet is
+  // normal at the end of a schedule): the progress thread drains them and ends, bounded by the
+  // timeout, at once where an operation already failed (see loop()). Requests it abandoned keep
+  // the communicator from being freed.
   ~MpiCommunicator() override {
     {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
     }
     cv_.notify_all();
-    // A thread stuck on an operation whose peer is gone cannot be joined; leave it to
-    // process exit (the runtime aborts the job in that case).
-    if (stuck_.load()) {
-      thread_.detach();
-    } else {
-      thread_.join();
-    }
+    thread_.join();
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (comm_ != MPI_COMM_WORLD && comm_ != MPI_COMM_NULL && !stuck_.load()) {
-      if (!finalized) MPI_Comm_free(&comm_);
-    }
-    if (check_comm_ != MPI_COMM_NULL && !finalized && !stuck_.load()) MPI_Comm_free(&check_comm_);
+    if (finalized || abandoned_) return;
+    if (comm_ != MPI_COMM_WORLD && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+    if (check_comm_ != MPI_COMM_NULL) MPI_Comm_free(&check_comm_);
   }
 
   int rank() const override { return rank_; }
@@ -621,6 +621,7 @@ class MpiCommunicator : public Communicator {
     op->bytes = bytes;
     op->work = std::make_shared<MpiWork>(what, timeout());
     op->work->waiters_ = &waiters_;
+    op->work->broken_ = &broken_;
     op->start = std::move(start);
     op->finish = std::move(finish);
     op->blocking = std::move(blocking);
@@ -641,6 +642,7 @@ class MpiCommunicator : public Communicator {
       op.finish();
     } catch (...) {
       err = std::current_exception();
+      broken_.store(true);
     }
     double secs = std::chrono::duration<double>(Clock::now() - op.started).count();
     if (op.name.compare(0, 4, "shm_") != 0) {
@@ -654,17 +656,42 @@ class MpiCommunicator : public Communicator {
     op.work->finish(secs, err);
   }
 
+  // The communicator is being destroyed and `inflight` cannot complete in time (a peer is gone,
+  // or an operation already failed): fail their Works and keep their buffers for good, since MPI
+  // may still write into them; the communicator is then not freed either.
+  void abandon(std::vector<std::shared_ptr<PendingOp>>& inflight) {
+    std::cerr << "tandem: a communicator of " << size_ << " ranks was destroyed with " << inflight.size()
+              << " operation(s) still in flight (the first: " << inflight.front()->work->what_
+              << "); they were abandoned\n";
+    for (auto& op : inflight) {
+      op->work->finish(0.0, std::make_exception_ptr(CommError(
+                                op->work->what_ + ": abandoned, the communicator was destroyed before it completed")));
+    }
+    new std::vector<std::shared_ptr<PendingOp>>(std::move(inflight));  // NOLINT: deliberately never freed
+    abandoned_ = true;
+  }
+
   void loop() {
     trace::name_thread("communication (a group of " + std::to_string(size_) + ")");
     std::vector<std::shared_ptr<PendingOp>> inflight;
     std::deque<std::shared_ptr<PendingOp>> fresh;
     int idle_rounds = 0;
+    bool draining = false;
+    Clock::time_point drain_until;
     for (;;) {
       {
         std::unique_lock<std::mutex> lk(mu_);
         if (inflight.empty()) cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
         if (stop_ && queue_.empty() && inflight.empty()) return;
+        if (stop_ && !draining) {
+          draining = true;
+          drain_until = Clock::now() + (broken_.load() ? std::chrono::milliseconds(0) : timeout());
+        }
         fresh.swap(queue_);
+      }
+      if (draining && !inflight.empty() && Clock::now() >= drain_until) {
+        abandon(inflight);
+        return;
       }
       for (auto& op : fresh) {
         op->started = Clock::now();
@@ -691,6 +718,7 @@ class MpiCommunicator : public Communicator {
         if (!op->reqs.empty())
           rc = MPI_Testall(static_cast<int>(op->reqs.size()), op->reqs.data(), &flag, MPI_STATUSES_IGNORE);
         if (rc != MPI_SUCCESS) {
+          broken_.store(true);
           op->work->finish(0.0, std::make_exception_ptr(
                                     CommError(op->work->what_ + " failed in MPI: " + mpi_error_string(rc))));
         } else if (flag) {
@@ -702,7 +730,6 @@ class MpiCommunicator : public Communicator {
         progressed = true;
         inflight.erase(inflight.begin() + static_cast<long>(i));
       }
-      stuck_.store(!inflight.empty());
       if (!inflight.empty() && !progressed) {
         // After 16 polls without progress: nobody blocked on us and poll_us_ set: poll every
         // poll_us_ (the cores go to compute); otherwise every wait_sleep_us_ where it is set
@@ -873,7 +900,8 @@ class MpiCommunicator : public Communicator {
   std::deque<std::shared_ptr<PendingOp>> queue_;
   bool stop_ = false;
   std::atomic<int> waiters_{0};
-  std::atomic<bool> stuck_{false};
+  std::atomic<bool> broken_{false};  // an operation failed or a wait timed out
+  bool abandoned_ = false;           // the progress thread left requests pending (see loop())
 };
 
 }  // namespace
