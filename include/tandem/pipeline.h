@@ -70,6 +70,9 @@ struct PipelineOptions {
   // Called before each backward with (micro-batch, is it the step's last backward);
   // e.g. to keep a DistributedDataParallel::NoSyncGuard alive until the last one.
   std::function<void(int64_t, bool)> before_backward;
+  // Runs the model's children [first, end) (one of this rank's chunks) on an input; empty: the
+  // chunk's own forward. ZeRO-3 sets it to gather each layer's parameters around its forward.
+  std::function<at::Tensor(int64_t first, int64_t end, const at::Tensor& input)> run_layers;
 };
 
 // Accounting of the last train_step (and totals since reset_stats()).
@@ -124,6 +127,10 @@ class Pipeline {
   std::vector<int> layer_owners() const;
   const std::vector<int64_t>& partition() const { return partition_; }  // layers per virtual stage
   const PipelineOptions& options() const { return opts_; }
+  // PipelineOptions::run_layers, for a strategy built after the pipeline.
+  void set_run_layers(std::function<at::Tensor(int64_t, int64_t, const at::Tensor&)> run) {
+    opts_.run_layers = std::move(run);
+  }
   // Every child of this rank's chunks, named by its index in the whole model (so parameter names
   // are the whole model's); the pipeline runs the chunks, never this module's forward.
   torch::nn::Sequential stage_module() const { return stage_module_; }
@@ -150,6 +157,8 @@ class Pipeline {
                                               int chunks = 1);
 
  private:
+  at::Tensor run_chunk(int chunk, const at::Tensor& x);
+
   torch::nn::Sequential stage_module_;
   std::vector<torch::nn::Sequential> chunk_modules_;
   std::vector<std::pair<int64_t, int64_t>> ranges_;

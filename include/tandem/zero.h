@@ -140,6 +140,9 @@ class ZeroDataParallel {
   // parameters (the only correct way to run such a model: its parameters are not resident
   // outside). Otherwise the module's own forward (Sequential: input -> output tensor).
   at::Tensor forward(const at::Tensor& input);
+  // The Sequential's children [first, end) only (a pipeline stage's chunk), unit by unit as
+  // above for stage 3; std::invalid_argument for another module or a range out of bounds.
+  at::Tensor forward(const at::Tensor& input, int64_t first, int64_t end);
   // The loss to call backward() on: loss * the loss scale (fp16), else loss itself.
   at::Tensor scale_loss(const at::Tensor& loss) const;
   // Zeroes the gradients (stage 1: the full flat buffer; stages 2, 3: this rank's shard).

@@ -142,15 +142,12 @@ void validate_layout(const ParallelConfig& c, int world) {
                                 " ranks per replica does not divide the " + std::to_string(world) +
                                 " workers; use -n a multiple of " + std::to_string(c.tp * c.pp));
   }
-  // ZeRO-2 and 3 reduce-scatter gradients in backward hooks: a pipeline's backward runs once per
-  // micro-batch, so they compose with tensor parallelism only (as in DeepSpeed).
-  const int stage = zero_stage(c.strategy);
-  const bool ok = is_ddp(c.strategy) || (stage > 0 && (c.pp == 1 || stage == 1));
-  if (!ok) {
-    throw std::invalid_argument(layout + " composes with --strategy ddp or zero1 over the data-parallel ranks" +
-                                std::string(c.pp == 1 ? " (zero2 and zero3 too)" : "") + ", not " +
-                                to_string(c.strategy) +
-                                (is_single(c.strategy) ? " (one worker)" : " (not supported yet)"));
+  // Every strategy but single composes with tp and pp over the data-parallel ranks. Under a
+  // pipeline ZeRO-2 and 3 reduce-scatter after every micro-batch's backward (and ZeRO-3 gathers
+  // each layer per micro-batch), which DeepSpeed refuses for its cost; here it is the user's call.
+  if (is_single(c.strategy)) {
+    throw std::invalid_argument(layout + " composes with --strategy ddp, zero1, zero2 or zero3 over the "
+                                         "data-parallel ranks, not single (one worker)");
   }
   if (c.pp > 1 && c.compress != Compression::kNone) {
     throw std::invalid_argument("--pp " + std::to_string(c.pp) +

@@ -180,6 +180,7 @@ class Sharded final : public Updater {
     o.max_grad_norm = L.cfg.max_grad_norm;
     zero_ = std::make_unique<ZeroDataParallel>(L.trained_module, L.dp, o);
     if (model_parallel_norms(L, oo)) zero_->set_model_parallel(shard_flags(L), L.grid->tp(), L.grid->pp());
+    if (L.pipe && o.stage == 3) run_pipeline_layers_unit_by_unit(*L.pipe);
   }
 
   void begin_step() override {
@@ -242,6 +243,19 @@ class Sharded final : public Updater {
   }
 
  private:
+  // ZeRO-3 keeps only shards resident: the pipeline runs its chunks through the stage's units,
+  // each gathered around its forward (per micro-batch) and again for its backward. The stage's
+  // children are named by their index in the whole model, chunk after chunk.
+  void run_pipeline_layers_unit_by_unit(Pipeline& pipe) {
+    std::map<int64_t, int64_t> position;
+    int64_t k = 0;
+    for (const auto& child : pipe.stage_module()->named_children()) position[std::stoll(child.key())] = k++;
+    ZeroDataParallel* z = zero_.get();
+    pipe.set_run_layers([z, position](int64_t first, int64_t end, const at::Tensor& x) {
+      return first == end ? x : z->forward(x, position.at(first), position.at(end - 1) + 1);
+    });
+  }
+
   Layout& L_;
   std::unique_ptr<ZeroDataParallel> zero_;
   bool sequential_;

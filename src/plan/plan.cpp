@@ -809,9 +809,6 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
       return infeasible("tensor-parallel group of " + std::to_string(tp) + " spans nodes (" + std::to_string(dpn) +
                         " devices per node): its per-layer all-reduces need the intra-node link");
   }
-  if (pp > 1 && l.zero >= 2)
-    return infeasible("ZeRO-" + std::to_string(l.zero) +
-                      " with pipeline parallelism: gradients of every micro-batch would be re-partitioned");
   const double limit = o.memory_headroom * dev.memory_bytes;
   if (e.memory.total() > limit) {
     return infeasible("out of memory: " + gb(e.memory.total()) + " per device (parameters " + gb(e.memory.parameters) +

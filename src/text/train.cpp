@@ -305,11 +305,10 @@ void save_model(const fs::path& dir, const char* kind, const std::map<std::strin
 void validate(const TextTrainConfig& cfg, int world) {
   const ParallelConfig pc = parallel_config(cfg);  // throws naming a bad strategy, precision or partition
   if (!cfg.trace.empty()) trace::check_path(cfg.trace);
-  const int split = cfg.tp * cfg.pp;
   // ZeRO-2/3 reduce-scatter in backward hooks, which the transformer's tensor-parallel blocks
-  // and a pipeline's micro-batches do not compose with yet.
-  if (split > 1 && zero_stage(pc.strategy) > 1) {
-    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " x --pp " + std::to_string(cfg.pp) +
+  // do not compose with yet (a pipeline's stages do).
+  if (cfg.tp > 1 && zero_stage(pc.strategy) > 1) {
+    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) +
                                 " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
                                 cfg.strategy);
   }

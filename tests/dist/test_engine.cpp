@@ -194,9 +194,6 @@ TEST(Engine, RefusesWhatCannotWork) {
   odd.pp = world + 1;
   expect_refused(odd, "does not divide the " + std::to_string(world) + " workers");
   expect_refused(with(Strategy::kSingle), "strategy single runs one worker");
-  ParallelConfig zpp = with(Strategy::kZero3);
-  zpp.pp = world;
-  expect_refused(zpp, "composes with --strategy ddp or zero1");
   ParallelConfig comp = with(Strategy::kZero1);
   comp.compress = Compression::kBF16;
   expect_refused(comp, "--compress applies to --strategy ddp only");

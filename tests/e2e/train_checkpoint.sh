@@ -9,7 +9,8 @@
 # worker, 2 DDP workers and 2 replicas x 2 stages within 1e-5; the checkpoint the latter saves
 # at step 20 (written by one rank per stage of 4) resumes on one worker within 1e-5 too. With
 # --strategy zero1 over the 2 replicas of each stage: bitwise resume, and on one worker within
-# 1e-5; the DDP pipeline's checkpoint resumes as ZeRO-1 within 1e-5.
+# 1e-5; the DDP pipeline's checkpoint resumes as ZeRO-1 within 1e-5. ZeRO-2 and ZeRO-3 the same
+# way: bitwise resume, and on one worker within 1e-5.
 # Mode "tp": a 2-way tensor-parallel run (--tp 2) saves the whole model at 10 and 20 (the
 # shards gathered, rank 0 writes); it runs bit for bit as without checkpoints; resuming from
 # step 10 with --tp 2 gives the same losses bit for bit, and as one worker, 2 DDP workers and
@@ -172,6 +173,18 @@ if [[ "$mode" == pipeline ]]; then
   run zfromddp -n 4 --pp 2 --strategy zero1 --max-steps 24 --checkpoint-dir "$out/zfromddp" --resume
   compare full pp:bitwise:11-24 one:tol:11-24 ddp:tol:11-24 pp4:tol:11-24 one20:tol:21-24 zfromddp:tol:11-24
   compare zfull zpp:bitwise:11-24 zone:tol:11-24
+  # ZeRO-2 and ZeRO-3 over the replicas of each stage: resumed bit for bit, and on one worker.
+  for z in zero2 zero3; do
+    run ${z}full -n 4 --pp 2 --strategy $z --max-steps 24 --checkpoint-dir "$out/${z}full"
+    for d in ${z}pp ${z}one; do
+      mkdir -p "$out/$d"
+      cp -r "$out/${z}full/step-00000010" "$out/$d/"
+    done
+    run ${z}pp -n 4 --pp 2 --strategy $z --max-steps 24 --checkpoint-dir "$out/${z}pp" --resume
+    run ${z}one -n 1 --strategy single --max-steps 24 --checkpoint-dir "$out/${z}one" --resume
+    grep -q "saved by $z x pp2 on 4 worker" "$out/log_${z}one"
+    compare ${z}full ${z}pp:bitwise:11-24 ${z}one:tol:11-24
+  done
   echo "checkpoint pipeline ok"
   exit 0
 fi

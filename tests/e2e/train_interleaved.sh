@@ -2,7 +2,7 @@
 # `tandem train --pp 2 --pipeline-schedule interleaved --virtual-stages 2` (each rank holds two
 # non-adjacent chunks of the MLP's layers) against one worker: the same per-step losses within
 # 1e-5 relative over 16 steps (float32; only the order of sums differs), and so do 2 replicas x
-# 2 stages with ZeRO-1 over the replicas (4 workers). Its checkpoint at step 8
+# 2 stages with ZeRO-1 or ZeRO-3 over the replicas (4 workers). Its checkpoint at step 8
 # names the whole model's layers, so it resumes on one worker and as a plain 1F1B pipeline, and
 # both continue as the one-worker run does. The report names the virtual stages and the bubble
 # against (pp-1)/(m*v), and each stage holds as many micro-batches as Megatron's warm-up says. Bad combinations fail at start, non-zero, naming the options.
@@ -24,6 +24,7 @@ run() {  # run NAME ARGS...
 run single -n 1 --strategy single
 run il -n 2 --pp 2 --micro-batches 4 --pipeline-schedule interleaved --virtual-stages 2 --checkpoint-every 8 --checkpoint-dir "$out/il"
 run il_dp2_zero1 -n 4 --pp 2 --micro-batches 4 --pipeline-schedule interleaved --virtual-stages 2 --strategy zero1
+run il_dp2_zero3 -n 4 --pp 2 --micro-batches 4 --pipeline-schedule interleaved --virtual-stages 2 --strategy zero3
 for re in '^pipeline +2 stages x 2 virtual stages .*, layers per virtual stage [0-9]+/[0-9]+/[0-9]+/[0-9]+, 4 micro-batches, interleaved' \
           '^bubble +[0-9.]+ idle/compute measured .*theory \(pp-1\)/\(m\*v\) = 0\.1[23]'; do
   grep -qE -- "$re" "$out/il.log" || fail "report: no line matches /$re/"
@@ -41,7 +42,7 @@ def steps(name):
     except FileNotFoundError:
         return {}
 ref, ok = steps("single"), True
-for name, first in (("il", 1), ("il_dp2_zero1", 1), ("one", 9), ("pp", 9)):
+for name, first in (("il", 1), ("il_dp2_zero1", 1), ("il_dp2_zero3", 1), ("one", 9), ("pp", 9)):
     got = steps(name)
     want = list(range(first, 17))
     if sorted(got) != want or sorted(ref) != list(range(1, 17)):

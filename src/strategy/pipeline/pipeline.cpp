@@ -265,6 +265,11 @@ Pipeline::Pipeline(torch::nn::Sequential model, CommPtr stage_comm, PipelineOpti
   device_ = params.empty() ? opts_.device : params.front().device();
 }
 
+at::Tensor Pipeline::run_chunk(int chunk, const at::Tensor& x) {
+  if (!opts_.run_layers) return chunk_modules_[chunk]->forward(x);
+  return opts_.run_layers(ranges_[chunk].first, ranges_[chunk].second, x);
+}
+
 int64_t Pipeline::first_layer() const {
   if (chunks_ != 1) {
     throw std::logic_error("tandem::Pipeline: a rank with " + std::to_string(chunks_) +
@@ -452,7 +457,7 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
       // without parameters (the MLP's leading Flatten on a stage of its own) skips computing it.
       if (!first && tr.in[op.chunk].grad) x.requires_grad_(true);
       auto t0 = std::chrono::steady_clock::now();
-      at::Tensor y = chunk_modules_[op.chunk]->forward(x);
+      at::Tensor y = run_chunk(op.chunk, x);
       if (last) {
         s.loss = loss_fn(y, targets.narrow(0, i * mb_tg, mb_tg));
         if (s.loss.numel() != 1) {
@@ -529,7 +534,7 @@ at::Tensor Pipeline::forward(const at::Tensor& inputs) {
     for (int c = 0; c < chunks_; ++c) {
       const int64_t v = static_cast<int64_t>(c) * stages_ + stage_;
       at::Tensor x = v == 0 ? inputs.narrow(0, i * mb, mb) : tr.recv_activation(prev, v, c);
-      at::Tensor y = chunk_modules_[c]->forward(x);
+      at::Tensor y = run_chunk(c, x);
       if (v == last_virtual) {
         outs.push_back(y);
       } else {

@@ -439,38 +439,45 @@ struct ZeroDataParallel::Impl {
     for (auto& bk : buckets) release(bk);
   }
 
-  at::Tensor forward(const at::Tensor& input) {
+  // Children [first, end) of the Sequential; prefetching stays inside the range (a pipeline
+  // stage runs its chunks at other times).
+  at::Tensor forward(const at::Tensor& input, int64_t first, int64_t end) {
     const bool grad = at::GradMode::is_enabled();
-    const int U = static_cast<int>(unit_bucket.size());
+    int lo = -1, hi = -1;  // the units in the range
+    for (int64_t k = first; k < end; ++k) {
+      if (child_unit[k] < 0) continue;
+      if (lo < 0) lo = child_unit[k];
+      hi = child_unit[k];
+    }
     at::Tensor x = input;
-    size_t k = 0;
-    for (auto it = sequential->begin(); it != sequential->end(); ++it, ++k) {
+    for (int64_t k = first; k < end; ++k) {
+      auto& child = *(sequential->begin() + k);
       const int u = child_unit[k];
       if (u < 0) {
-        x = it->forward(x);
+        x = child.forward(x);
         continue;
       }
       auto& bk = buckets[unit_bucket[u]];
       ensure_gathered(bk);
-      for (int d = 1; d <= opts.prefetch && u + d < U; ++d) start_gather(buckets[unit_bucket[u + d]]);
-      x = it->forward(x);
+      for (int d = 1; d <= opts.prefetch && u + d <= hi; ++d) start_gather(buckets[unit_bucket[u + d]]);
+      x = child.forward(x);
       const bool backward_comes = grad && x.requires_grad();
       if (backward_comes) {
         std::weak_ptr<Impl*> weak = self;
-        x.register_hook([weak, u](const at::TensorBase&) {
-          if (auto s = weak.lock()) (*s)->pre_backward(u);
+        x.register_hook([weak, u, lo](const at::TensorBase&) {
+          if (auto s = weak.lock()) (*s)->pre_backward(u, lo);
         });
       }
-      // The last unit's backward runs first: keep it.
-      if (!(backward_comes && u == U - 1)) release(bk);
+      // The range's last unit's backward runs first: keep it.
+      if (!(backward_comes && u == hi)) release(bk);
     }
     return x;
   }
 
-  void pre_backward(int u) {
+  void pre_backward(int u, int lo) {
     arm_final_callback();
     ensure_gathered(buckets[unit_bucket[u]]);
-    for (int d = 1; d <= opts.prefetch && u - d >= 0; ++d) {
+    for (int d = 1; d <= opts.prefetch && u - d >= lo; ++d) {
       auto& prev = buckets[unit_bucket[u - d]];
       if (prev.pending > 0) start_gather(prev);
     }
@@ -776,9 +783,25 @@ void ZeroDataParallel::prepare_forward() {
     for (auto& bk : I.buckets) I.ensure_gathered(bk);
 }
 
+at::Tensor ZeroDataParallel::forward(const at::Tensor& input, int64_t first, int64_t end) {
+  auto& I = *impl_;
+  auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(module_.get());
+  if (!seq)
+    throw std::invalid_argument(I.where() + ": forward(input, first, end) runs children of a torch::nn::Sequential");
+  const auto n = static_cast<int64_t>(seq->size());
+  if (first < 0 || first > end || end > n) {
+    throw std::invalid_argument(I.where() + ": children [" + std::to_string(first) + ", " + std::to_string(end) +
+                                ") out of the Sequential's " + std::to_string(n));
+  }
+  if (I.opts.stage == 3) return I.forward(input, first, end);
+  at::Tensor x = input;
+  for (int64_t k = first; k < end; ++k) x = (seq->begin() + k)->forward(x);
+  return x;
+}
+
 at::Tensor ZeroDataParallel::forward(const at::Tensor& input) {
   auto& I = *impl_;
-  if (I.opts.stage == 3 && I.sequential) return I.forward(input);
+  if (I.opts.stage == 3 && I.sequential) return I.forward(input, 0, static_cast<int64_t>(I.sequential->size()));
   if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(module_.get())) {
     if (I.opts.stage == 3) I.release_all();  // not reached: stage 3 Sequentials take the path above
     return seq->forward(input);
