@@ -14,9 +14,12 @@
 #pragma once
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -49,8 +52,10 @@ struct ZeroOptions {
   // Stage 3 units. When the module is a torch::nn::Sequential, each child that holds
   // parameters is a unit and forward() gathers it just before it runs (all-gathering the next
   // `prefetch` units meanwhile), frees it after, and gathers it again when the gradient of its
-  // output arrives in backward. Any other module is a single unit, gathered by
-  // prepare_forward() and freed after backward.
+  // output arrives in backward. In any other module each ShardedUnit (below), at any depth, is
+  // a unit handled the same way around its own forward, and the parameters outside every
+  // ShardedUnit form the root unit, gathered by prepare_forward() and freed after backward (with
+  // no ShardedUnit, that is the whole module).
   int prefetch = 1;
   // Mixed precision: the module is converted to compute_dtype(precision) at construction;
   // fp32 masters of the shard are taken from its values before the conversion.
@@ -117,6 +122,33 @@ struct ZeroShardState {
   std::vector<Bucket> buckets;
   int64_t optimizer_step = 0;  // Adam's step count (0 for SGD or before the first step)
 };
+
+// A block of a model that ZeRO-3 gathers as one unit around its forward (FSDP's wrapped
+// module). LibTorch modules have no forward hooks, so the unit boundaries of a model that is
+// not a Sequential are marked by wrapping: `blocks->push_back(tandem::ShardedUnit(Block(...)))`,
+// then `blocks[i]->as<tandem::ShardedUnitImpl>()->forward(h)`. Units nest (a unit's parameters
+// are those outside the units inside it). The wrapper takes the wrapped module's children,
+// parameters and buffers as its own under the same names (as Checkpointed does), so parameter
+// names and checkpoints are those of the unwrapped model; outside ZeRO-3 it is the wrapped
+// module's forward.
+class ShardedUnitImpl : public torch::nn::Module {
+ public:
+  explicit ShardedUnitImpl(torch::nn::AnyModule inner);
+  template <typename M>
+  explicit ShardedUnitImpl(torch::nn::ModuleHolder<M> inner)
+      : ShardedUnitImpl(torch::nn::AnyModule(std::move(inner))) {}
+  at::Tensor forward(const at::Tensor& x);
+  void train(bool on = true) override;
+  const torch::nn::AnyModule& inner() const { return inner_; }
+  // Set by ZeroDataParallel (stage 3): runs the wrapped module with the unit gathered.
+  using Runner = std::function<at::Tensor(torch::nn::AnyModule& inner, const at::Tensor& x)>;
+  void set_runner(Runner run) { runner_ = std::move(run); }
+
+ private:
+  torch::nn::AnyModule inner_;
+  Runner runner_;
+};
+TORCH_MODULE(ShardedUnit);
 
 class ZeroDataParallel {
  public:

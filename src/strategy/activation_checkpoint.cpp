@@ -8,6 +8,8 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "strategy/module_wrapper.h"
+
 namespace tandem {
 
 namespace {
@@ -120,11 +122,7 @@ at::Tensor checkpoint(const SegmentFn& fn, const at::Tensor& input, const std::v
 CheckpointedImpl::CheckpointedImpl(torch::nn::AnyModule inner) : inner_(std::move(inner)) {
   if (inner_.is_empty()) throw std::invalid_argument("tandem::Checkpointed: no module given");
   auto m = inner_.ptr();
-  for (const auto& c : m->named_children()) register_module(c.key(), c.value());
-  for (const auto& p : m->named_parameters(/*recurse=*/false)) {
-    register_parameter(p.key(), p.value(), p.value().requires_grad());
-  }
-  for (const auto& b : m->named_buffers(/*recurse=*/false)) register_buffer(b.key(), b.value());
+  detail::adopt_members(*this, *m);
   Module::train(m->is_training());
   params_ = parameters();
 }

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "tandem/engine.h"
+#include "tandem/zero.h"
 #include "tests/dist/dist_env.h"
 #include "tests/dist/train_test_util.h"
 
@@ -175,6 +176,90 @@ TEST(Engine, CheckpointResumesBitwiseAcrossStrategies) {
       }
     }
   }
+}
+
+// The same model with each block a ZeRO-3 unit: same names, same initial values (the blocks
+// are built in the same order), so the reference above applies.
+struct UnitNetImpl : torch::nn::Module {
+  UnitNetImpl() {
+    stem = register_module("stem", torch::nn::Linear(13, 24));
+    body = register_module("body", torch::nn::ModuleList());
+    for (int i = 0; i < 3; ++i) body->push_back(ShardedUnit(ResidualBlock(24)));
+    head = register_module("head", torch::nn::Linear(24, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::relu(stem(x));
+    for (const auto& b : *body) h = b->as<ShardedUnitImpl>()->forward(h);
+    return head(h);
+  }
+  torch::nn::Linear stem{nullptr}, head{nullptr};
+  torch::nn::ModuleList body{nullptr};
+};
+TORCH_MODULE(UnitNet);
+
+int64_t fp32_bytes(const std::vector<at::Tensor>& ps) {
+  int64_t n = 0;
+  for (const auto& p : ps) n += p.numel() * 4;
+  return n;
+}
+
+// ZeRO-3 with a unit per block inside a ModuleList: the steps and inference follow one process,
+// and at most the root (stem, head) and two blocks (the one running and the one prefetched)
+// are gathered at once, less than the whole model.
+TEST(EngineShardedUnits, BlocksInAModuleListAreUnits) {
+  NestedNet trained{nullptr};
+  const auto ref = reference_losses(6, &trained);
+  torch::manual_seed(7);
+  UnitNet net;
+  const int64_t whole = fp32_bytes(net->parameters());
+  const int64_t block = fp32_bytes(net->body[0]->parameters());
+  Engine eng(runtime(), net, adam(), with(Strategy::kZero3));
+  const auto got = train_losses(eng, 6);
+  for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(got[i], ref[i], 1e-5) << "step " << i;
+  auto [x, y] = global_batch(10, 300, 5);
+  torch::NoGradGuard ng;
+  EXPECT_LT(rel_err(eng.predict(x), trained->forward(x)), 1e-5);
+  const int64_t peak = eng.stats().peak_gathered_bytes;
+  const int64_t slack = 3 * 4 * eng.world_size();  // each unit padded to a multiple of the ranks
+  EXPECT_GT(peak, 0);
+  EXPECT_LE(peak, whole - block + slack) << "whole model " << whole << " bytes, a block " << block;
+  EXPECT_TRUE(eng.full_parameters().count("body.2.fc2.weight"));
+}
+
+// Units nest: an outer unit holding its own layer and two inner units. ZeRO-3 follows DDP on
+// the same model.
+struct TwoBlocksImpl : torch::nn::Module {
+  TwoBlocksImpl() {
+    mix = register_module("mix", torch::nn::Linear(24, 24));
+    a = register_module("a", ShardedUnit(ResidualBlock(24)));
+    b = register_module("b", ShardedUnit(ResidualBlock(24)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return b(torch::tanh(a(mix(x)))); }
+  torch::nn::Linear mix{nullptr};
+  ShardedUnit a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(TwoBlocks);
+
+struct NestedUnitsImpl : torch::nn::Module {
+  NestedUnitsImpl() {
+    stem = register_module("stem", torch::nn::Linear(13, 24));
+    body = register_module("body", ShardedUnit(TwoBlocks()));
+    head = register_module("head", torch::nn::Linear(24, 5));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(body(torch::relu(stem(x)))); }
+  torch::nn::Linear stem{nullptr}, head{nullptr};
+  ShardedUnit body{nullptr};
+};
+TORCH_MODULE(NestedUnits);
+
+TEST(EngineShardedUnits, NestedUnitsFollowDDP) {
+  std::vector<std::vector<double>> losses;
+  for (Strategy s : {Strategy::kDDP, Strategy::kZero3}) {
+    torch::manual_seed(11);
+    Engine eng(runtime(), NestedUnits(), adam(), with(s));
+    losses.push_back(train_losses(eng, 6));
+  }
+  for (size_t i = 0; i < losses[0].size(); ++i) EXPECT_NEAR(losses[1][i], losses[0][i], 1e-5) << "step " << i;
 }
 
 TEST(Engine, RefusesWhatCannotWork) {

@@ -45,6 +45,7 @@
 #include "compat/torch_compat.h"
 #include "strategy/autograd_hooks.h"
 #include "strategy/model_sync.h"
+#include "strategy/module_wrapper.h"
 
 namespace tandem {
 namespace {
@@ -154,6 +155,11 @@ struct ZeroDataParallel::Impl {
   std::vector<std::shared_ptr<void>> accumulators;
   std::shared_ptr<Impl*> self;                      // hooks hold a weak_ptr to this
   torch::nn::SequentialImpl* sequential = nullptr;  // stage 3 per-unit forward
+  torch::nn::Module* module = nullptr;
+  // Stage 3, not a Sequential: units from ShardedUnit wrappers; the root unit's bucket (the
+  // parameters outside them, gathered for the whole step), or -1.
+  bool wrapped_units = false;
+  int root_bucket = -1;
 
   std::vector<Bucket> buckets;
   std::vector<size_t> bucket_of;
@@ -263,9 +269,7 @@ struct ZeroDataParallel::Impl {
         }
       }
     } else {
-      std::vector<size_t> all(params.size());
-      for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-      if (!all.empty()) units.push_back(std::move(all));
+      units = wrapped_unit_params(index);
     }
     unit_bucket.assign(units.size(), 0);
     for (size_t k = 0; k < units.size(); ++k) {
@@ -276,6 +280,66 @@ struct ZeroDataParallel::Impl {
       unit_bucket[u] = buckets.size();
       buckets.push_back(std::move(bk));
     }
+    if (wrapped_units && has_root) root_bucket = static_cast<int>(unit_bucket[0]);
+  }
+
+  // The units of a module that is not a Sequential: unit 0 the parameters outside every
+  // ShardedUnit (the root; absent when empty, the whole module when there is no ShardedUnit),
+  // then one per ShardedUnit in pre-order (forward order as models are usually written), each
+  // holding its parameters outside the units nested in it. Each wrapper's runner is set here.
+  bool has_root = false;
+  std::vector<std::vector<size_t>> wrapped_unit_params(const std::unordered_map<const void*, size_t>& index) {
+    std::vector<std::shared_ptr<ShardedUnitImpl>> found;
+    for (const auto& m : module->modules(/*include_self=*/true))
+      if (auto w = std::dynamic_pointer_cast<ShardedUnitImpl>(m)) found.push_back(w);
+    std::vector<char> taken(params.size(), 0);
+    std::vector<std::vector<size_t>> own(found.size());
+    for (size_t k = found.size(); k-- > 0;) {  // inner units first: they keep their parameters
+      for (auto& p : found[k]->parameters(/*recurse=*/true)) {
+        auto it = index.find(p.unsafeGetTensorImpl());
+        if (it == index.end() || taken[it->second]) continue;  // frozen, or in a nested unit
+        taken[it->second] = 1;
+        own[k].push_back(it->second);
+      }
+      std::sort(own[k].begin(), own[k].end());
+    }
+    std::vector<std::vector<size_t>> units;
+    std::vector<size_t> root;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!taken[i]) root.push_back(i);
+    has_root = !root.empty();
+    if (has_root) units.push_back(std::move(root));
+    wrapped_units = !found.empty();
+    std::weak_ptr<Impl*> weak = self;
+    for (size_t k = 0; k < found.size(); ++k) {
+      if (own[k].empty()) continue;  // nothing of its own to gather
+      const int u = static_cast<int>(units.size());
+      units.push_back(std::move(own[k]));
+      found[k]->set_runner([weak, u](torch::nn::AnyModule& inner, const at::Tensor& x) {
+        if (auto s = weak.lock()) return (*s)->run_unit(u, inner, x);
+        return inner.forward<at::Tensor>(x);
+      });
+    }
+    return units;
+  }
+
+  // A ShardedUnit's forward: gathered (the next unit prefetched), run, freed; its output's
+  // gradient gathers it again for backward.
+  at::Tensor run_unit(int u, torch::nn::AnyModule& inner, const at::Tensor& x) {
+    auto& bk = buckets[unit_bucket[u]];
+    ensure_gathered(bk);
+    const int U = static_cast<int>(unit_bucket.size());
+    for (int d = 1; d <= opts.prefetch && u + d < U; ++d) start_gather(buckets[unit_bucket[u + d]]);
+    at::Tensor y = inner.forward<at::Tensor>(x);
+    if (at::GradMode::is_enabled() && y.requires_grad()) {
+      std::weak_ptr<Impl*> weak = self;
+      const int lo = root_bucket >= 0 ? 1 : 0;  // the root stays gathered through the step
+      y.register_hook([weak, u, lo](const at::TensorBase&) {
+        if (auto s = weak.lock()) (*s)->pre_backward(u, lo);
+      });
+    }
+    release(bk);
+    return y;
   }
 
   void build_layout() {
@@ -737,6 +801,7 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
   I.self = std::make_shared<Impl*>(impl_.get());
   I.scaler = LossScaler(opts.precision == Precision::kFP16, opts.loss_scaler);
   if (opts.stage == 3) I.sequential = dynamic_cast<torch::nn::SequentialImpl*>(module_.get());
+  I.module = module_.get();
   for (auto& kv : module_->named_parameters(/*recurse=*/true)) {
     if (!kv.value().requires_grad()) continue;
     I.names.push_back(kv.key());
@@ -772,6 +837,22 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
   });
 }
 
+ShardedUnitImpl::ShardedUnitImpl(torch::nn::AnyModule inner) : inner_(std::move(inner)) {
+  if (inner_.is_empty()) throw std::invalid_argument("tandem::ShardedUnit: no module given");
+  auto m = inner_.ptr();
+  detail::adopt_members(*this, *m);
+  Module::train(m->is_training());
+}
+
+at::Tensor ShardedUnitImpl::forward(const at::Tensor& x) {
+  return runner_ ? runner_(inner_, x) : inner_.forward<at::Tensor>(x);
+}
+
+void ShardedUnitImpl::train(bool on) {
+  Module::train(on);
+  inner_.ptr()->train(on);
+}
+
 ZeroDataParallel::~ZeroDataParallel() = default;
 
 void ZeroDataParallel::prepare_forward() {
@@ -779,8 +860,13 @@ void ZeroDataParallel::prepare_forward() {
   if (I.opts.broadcast_buffers && !I.buffers.empty()) {
     detail::broadcast_from_rank0(*I.comm, I.params, I.buffers, /*include_params=*/false);
   }
-  if (I.opts.stage == 3 && !I.sequential)
-    for (auto& bk : I.buckets) I.ensure_gathered(bk);
+  if (I.opts.stage == 3 && !I.sequential) {
+    if (!I.wrapped_units) {
+      for (auto& bk : I.buckets) I.ensure_gathered(bk);
+    } else if (I.root_bucket >= 0) {
+      I.ensure_gathered(I.buckets[static_cast<size_t>(I.root_bucket)]);
+    }
+  }
 }
 
 at::Tensor ZeroDataParallel::forward(const at::Tensor& input, int64_t first, int64_t end) {
