@@ -86,8 +86,8 @@ struct Sources {
   // The id of a special token ("bos", ...) by the precedence of read_special_tokens.
   int64_t resolve(const std::string& name, int64_t fallback) const {
     const std::string tkey = name + "_token", ikey = name + "_token_id";
-    const std::pair<const std::optional<json>*, const char*> by_text[] = {
-        {&tokenizer_config, "tokenizer_config.json"}, {&special_map, "special_tokens_map.json"}};
+    const std::pair<const std::optional<json>*, const char*> by_text[] = {{&tokenizer_config, "tokenizer_config.json"},
+                                                                          {&special_map, "special_tokens_map.json"}};
     for (auto [j, file] : by_text) {
       if (!*j) continue;
       if (auto t = token_text(**j, tkey.c_str())) return id_of(*t, file, tkey.c_str());
