@@ -40,6 +40,8 @@ expect bad-task "--task 'regress' is not one of lm, classify" -- "${run[@]}" --i
 expect tp "--tp 2: the Llama model has no tensor-parallel form" -- "$tandem" finetune -n 2 --tp 2 --no-progress --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl"
 expect classify-pp "--task classify runs without --pp" -- "$tandem" finetune -n 2 --pp 2 --batch 2 --no-progress \
   --init-from "$tmp/fx/cls" --task classify --data "$tmp/cls.jsonl"
+expect tied-pp "ties its input and output embeddings, which a pipeline cannot split" -- "$tandem" finetune -n 2 --pp 2 \
+  --batch 2 --steps 2 --no-progress --init-from "$tmp/fx/lm_tied" --data "$tmp/lm.jsonl"
 expect seq-too-long "--seq 4096 exceeds the model's max_position_embeddings 128" -- "$tandem" finetune -n 1 --strategy single \
   --no-progress --seq 4096 --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl"
 expect resume-nothing "--resume: '.*' holds no complete checkpoint" -- "${run[@]}" --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --checkpoint-dir "$tmp/empty" --resume

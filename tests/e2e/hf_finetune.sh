@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # `tandem finetune --init-from HF_DIR` on a tiny random Llama that transformers made
 # (tests/hf/hf_fixture.py): 20 steps of language modelling on fortune cookies under ddp, zero2 and
-# a 2-stage pipeline on 2 workers give one worker's per-step losses within 1e-4; classification
-# under ddp gives one worker's too; a run resumed under zero2 from the pipeline's step-10
-# checkpoint continues one worker's losses; `tandem export --to hf` of the pipeline's checkpoint
-# loads in transformers. Skipped (exit 77) without .venv-hf or the fortunes corpus.
+# a 2-stage pipeline on 2 workers give one worker's per-step losses within 1e-4, and so does a
+# model with tied embeddings under zero2; classification under ddp gives one worker's too; a run
+# resumed under zero2 from the pipeline's step-10 checkpoint continues one worker's losses;
+# `tandem export --to hf` of the pipeline's and the tied model's checkpoints loads in
+# transformers. Skipped (exit 77) without .venv-hf or the fortunes corpus.
 # usage: hf_finetune.sh TANDEM SOURCE_DIR
 set -uo pipefail
 tandem=$1
@@ -68,23 +69,31 @@ if [ -n "$newest" ]; then
 else
   echo "FAIL no step-20 checkpoint in $tmp/ck: $(ls "$tmp/ck")"; fails=$((fails + 1))
 fi
+# Tied embeddings: transformers' module tree instead of the Sequential, under zero2.
+tied=(--init-from "$tmp/fx/lm_tied" --data "$tmp/lm.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2 --no-eval)
+run tied_single -n 1 --strategy single "${tied[@]}"
+run tied_zero2 -n 2 --strategy zero2 --checkpoint-dir "$tmp/ck_tied" "${tied[@]}" && same tied_single tied_zero2
 cls=(--init-from "$tmp/fx/cls" --task classify --data "$tmp/cls.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2)
 run cls_single -n 1 --strategy single "${cls[@]}"
 run cls_ddp -n 2 --strategy ddp "${cls[@]}" && same cls_single cls_ddp 1 -1e9
 grep -q "accuracy" "$tmp/cls_ddp.log" || { echo "FAIL cls_ddp: no validation accuracy"; fails=$((fails + 1)); }
-# The pipeline's last checkpoint as a Hugging Face directory, loaded by transformers.
-if timeout 120 "$tandem" export --to hf "$tmp/export" --checkpoint "$tmp/ck" >"$tmp/export.log" 2>&1 &&
-  "$py" - "$tmp/export" <<'PY'
+# The pipeline's and the tied model's last checkpoints as Hugging Face directories, loaded by
+# transformers.
+for ck in ck ck_tied; do
+if timeout 120 "$tandem" export --to hf "$tmp/export_$ck" --checkpoint "$tmp/$ck" >"$tmp/export.log" 2>&1 &&
+  "$py" - "$tmp/export_$ck" <<'PY'
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 m = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
 t = AutoTokenizer.from_pretrained(sys.argv[1])
 ids = t("You will be married within a year.", return_tensors="pt")["input_ids"]
 with torch.no_grad():
-    print("ok   export: transformers loads it; loss on a sentence", round(m(ids, labels=ids).loss.item(), 4))
+    print("ok   export", sys.argv[1].rsplit("_", 1)[1], "loads in transformers; loss on a sentence",
+          round(m(ids, labels=ids).loss.item(), 4), "tied" if m.config.tie_word_embeddings else "untied")
 PY
 then :; else
-  echo "FAIL export:"; tail -20 "$tmp/export.log"; fails=$((fails + 1))
+  echo "FAIL export of $ck:"; tail -20 "$tmp/export.log"; fails=$((fails + 1))
 fi
+done
 [ $fails -eq 0 ] && echo "all passed" || echo "$fails failed"
 exit $((fails > 0))

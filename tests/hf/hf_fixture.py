@@ -6,6 +6,7 @@
       /usr/share/games/fortunes; Llama's settings: byte fallback, identity normalisation, unk 0,
       bos 1, eos 2, no pad), and writes with save_pretrained
         DIR/lm   a tiny random LlamaForCausalLM (2 layers, width 64, 4 heads, 2 KV heads) + tokenizer
+        DIR/lm_tied  the same with tied input and output embeddings
         DIR/cls  a tiny random LlamaForSequenceClassification (3 labels, pad token) + tokenizer
       and DIR/tokens.json: for each of some texts, the ids of transformers' tokenizer (loaded back
       from DIR/lm with AutoTokenizer) with and without special tokens, and its decoding.
@@ -76,10 +77,10 @@ def transformers_tokenizer(sp_file, **special):
     return LlamaTokenizer(vocab=vocab, merges=generate_merges(vocab), **special)
 
 
-def config(vocab, **extra):
+def config(vocab, tied=False, **extra):
     return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                       rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.1, bos_token_id=1,
+                       rms_norm_eps=1e-5, tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=1,
                        eos_token_id=2, **extra)
 
 
@@ -91,6 +92,10 @@ def make(d, root):
     LlamaForCausalLM(config(vocab)).save_pretrained(os.path.join(d, "lm"))
     # Llama 2's tokenizer_config.json: a BOS before every text, no EOS.
     transformers_tokenizer(sp_file, add_bos_token=True, add_eos_token=False).save_pretrained(os.path.join(d, "lm"))
+    torch.manual_seed(2)
+    LlamaForCausalLM(config(vocab, tied=True)).save_pretrained(os.path.join(d, "lm_tied"))
+    transformers_tokenizer(sp_file, add_bos_token=True, add_eos_token=False).save_pretrained(
+        os.path.join(d, "lm_tied"))
     torch.manual_seed(1)
     labels = ["negative", "neutral", "positive"]
     cls = LlamaForSequenceClassification(config(vocab, pad_token_id=2, num_labels=3,
@@ -100,7 +105,7 @@ def make(d, root):
     # The classifier pads with EOS and ends every text with it (pooling reads the last real token).
     transformers_tokenizer(sp_file, add_bos_token=True, add_eos_token=True, pad_token="</s>").save_pretrained(
         os.path.join(d, "cls"))
-    for sub in ("lm", "cls"):  # Tandem reads the SentencePiece model itself, as Llama 1/2 ship it
+    for sub in ("lm", "lm_tied", "cls"):  # Tandem reads the SentencePiece model itself, as Llama 1/2 ship it
         with open(sp_file, "rb") as src, open(os.path.join(d, sub, "tokenizer.model"), "wb") as dst:
             dst.write(src.read())
     sp = spm.SentencePieceProcessor(model_file=sp_file)
