@@ -261,7 +261,7 @@ void copy_tokenizer(const std::string& from, const std::string& to) {
   }
 }
 
-// Validation: loss per predicted token (LM) or per example and accuracy (classify). Collective.
+// Validation: loss per predicted token (LM) or accuracy (classify). Collective.
 void evaluate(Runtime& rt, Engine& eng, const Encoded& valid, bool lm, int64_t limit, TextReport& rep) {
   const int64_t n = limit >= 0 ? std::min<int64_t>(limit, valid.ids.size(0)) : valid.ids.size(0);
   double sum = 0.0, count = 0.0, correct = 0.0;
@@ -274,8 +274,9 @@ void evaluate(Runtime& rt, Engine& eng, const Encoded& valid, bool lm, int64_t l
   auto t = torch::tensor({sum, count, correct}, torch::kDouble).to(rt.device());
   rt.world()->allreduce(t, ReduceOp::kSum);
   auto h = t.cpu();
-  rep.eval_loss = h[1].item<double>() > 0 ? h[0].item<double>() / h[1].item<double>() : -1.0;
-  if (!lm) {
+  if (lm) {  // the report's validation loss is per token
+    rep.eval_loss = h[1].item<double>() > 0 ? h[0].item<double>() / h[1].item<double>() : -1.0;
+  } else {
     rep.test_samples = static_cast<int64_t>(h[1].item<double>());
     rep.test_unit = "validation examples";
     rep.test_accuracy = rep.test_samples > 0 ? h[2].item<double>() / h[1].item<double>() : 0.0;
@@ -335,7 +336,11 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
                                        (lm ? "" : ", " + std::to_string(labels.size()) + " labels"));
   rep.context.emplace_back("initialised", "from " + cfg.model_dir);
 
-  nlohmann::json run = {{"task", to_string(cfg.task)}, {"labels", labels}, {"form", model.form}};
+  nlohmann::json run = {{"task", to_string(cfg.task)},
+                        {"labels", labels},
+                        {"form", model.form},
+                        {"batch", cfg.loop.batch},
+                        {"seed", cfg.loop.seed}};
   run["config"] = nlohmann::json::parse(llama::config_json(mc));
   auto save = [&](int64_t steps_done) {
     CheckpointMeta meta;
@@ -358,10 +363,17 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
     if (dir.empty()) throw std::runtime_error("--resume: '" + cfg.checkpoint_dir + "' holds no complete checkpoint");
     const auto meta = eng.load(dir);
     const auto saved = nlohmann::json::parse(meta.extra_json, nullptr, false);
-    if (saved.is_discarded() || !saved.contains("hf_finetune") || saved["hf_finetune"]["task"] != run["task"] ||
-        saved["hf_finetune"]["labels"] != run["labels"]) {
-      throw std::runtime_error("--resume: checkpoint '" + dir +
-                               "' is not of this task and labels; use another --checkpoint-dir");
+    if (saved.is_discarded() || !saved.contains("hf_finetune")) {
+      throw std::runtime_error("--resume: checkpoint '" + dir + "' was not made by tandem finetune --init-from");
+    }
+    // The data position holds only with the same examples, global batch and seed.
+    for (const char* key : {"task", "labels", "batch", "seed"}) {
+      const auto was = saved["hf_finetune"].value(key, nlohmann::json());
+      if (was != run[key]) {
+        throw std::runtime_error("--resume: checkpoint '" + dir + "' was saved with " + key + " " + was.dump() +
+                                 ", this run has " + run[key].dump() +
+                                 "; resume with the same --task, labels, --batch and --seed");
+      }
     }
     hooks.first_step = meta.step;
   }

@@ -45,6 +45,11 @@ expect tied-pp "ties its input and output embeddings, which a pipeline cannot sp
 expect seq-too-long "--seq 4096 exceeds the model's max_position_embeddings 128" -- "$tandem" finetune -n 1 --strategy single \
   --no-progress --seq 4096 --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl"
 expect resume-nothing "--resume: '.*' holds no complete checkpoint" -- "${run[@]}" --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --checkpoint-dir "$tmp/empty" --resume
+"${run[@]}" --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --checkpoint-dir "$tmp/ck" >"$tmp/ck.log" 2>&1 ||
+  { echo "FAIL could not make a checkpoint:"; tail "$tmp/ck.log"; fails=$((fails + 1)); }
+expect resume-other-batch "--resume: checkpoint '.*' was saved with batch 2, this run has 4" -- \
+  "$tandem" finetune -n 1 --strategy single --steps 3 --batch 4 --seq 16 --no-progress --init-from "$tmp/fx/lm" \
+  --data "$tmp/lm.jsonl" --checkpoint-dir "$tmp/ck" --resume
 expect export-missing "checkpoint '/nonexistent/ck' not found" -- "$tandem" export --to hf "$tmp/out" --checkpoint /nonexistent/ck
 expect export-format "--to 'gguf' is not a known format; use --to hf" -- "$tandem" export --to gguf "$tmp/out" --checkpoint "$tmp"
 expect export-empty "holds no complete checkpoint" -- "$tandem" export --to hf "$tmp/out" --checkpoint "$tmp/fx"
