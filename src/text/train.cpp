@@ -19,6 +19,7 @@
 #include "tandem/progress.h"
 #include "tandem/text.h"
 #include "tandem/trace.h"
+#include "text/loop.h"
 
 namespace tandem::text {
 
@@ -89,141 +90,16 @@ models::TransformerConfig model_config(const ModelShape& s, int64_t num_classes)
   return c;
 }
 
+EngineOptions transformer_options() {
+  EngineOptions eo;
+  eo.model_name = "transformer";
+  return eo;
+}
+
 std::string join(const std::vector<std::string>& v) {
   std::string s;
   for (const auto& x : v) s += (s.empty() ? "" : ",") + x;
   return s;
-}
-
-ParallelConfig parallel_config(const TextTrainConfig& cfg) {
-  ParallelConfig pc;
-  pc.strategy = parse_strategy(cfg.strategy);
-  pc.precision = parse_precision(cfg.precision);
-  pc.tp = cfg.tp;
-  pc.pp = cfg.pp;
-  pc.micro_batches = cfg.micro_batches;
-  pc.schedule = parse_pipeline_schedule(cfg.pipeline_schedule);
-  pc.virtual_stages = cfg.virtual_stages;
-  if (cfg.pp > 1) pc.partition = parse_partition(cfg.pp_partition, cfg.pp * std::max(1, cfg.virtual_stages));
-  pc.grad_accum = cfg.grad_accum;
-  pc.activation_checkpointing = parse_activation_checkpointing(cfg.activation_checkpointing);
-  return pc;
-}
-
-// The model under the configured layout, trained with AdamW. `ids`: the training documents'
-// token ids; with --pp-partition time their first micro-batch is timed layer by layer.
-std::unique_ptr<Engine> make_engine(Runtime& rt, const TextTrainConfig& cfg, torch::nn::Sequential net,
-                                    const at::Tensor& ids) {
-  const ParallelConfig pc = parallel_config(cfg);
-  OptimizerOptions oo;
-  oo.kind = "adamw";
-  oo.lr = cfg.lr;
-  oo.weight_decay = cfg.weight_decay;
-  EngineOptions eo;
-  eo.model_name = "transformer";
-  if (pc.pp > 1 && pc.partition.method == PartitionMethod::kTime) {
-    const int64_t micro = cfg.batch / data_parallel_size(pc, rt.world_size()) / cfg.micro_batches;
-    eo.partition_sample = ids.narrow(0, 0, std::max<int64_t>(1, std::min<int64_t>(micro, ids.size(0))));
-  }
-  return std::make_unique<Engine>(rt, net, oo, pc, eo);
-}
-
-LrSchedule lr_schedule(const TextTrainConfig& cfg) {  // warmup from 0, cosine decay to 10%
-  LrSchedule s;
-  s.peak = cfg.lr;
-  s.warmup_steps = cfg.warmup_steps;
-  s.total_steps = cfg.steps;
-  s.min_ratio = 0.1;
-  return s;
-}
-
-std::vector<std::string> texts_of(const std::vector<Document>& docs) {
-  std::vector<std::string> v;
-  v.reserve(docs.size());
-  for (const auto& d : docs) v.push_back(d.text);
-  return v;
-}
-
-// The global batches: a seeded permutation per epoch, the same on every rank.
-class Batches {
- public:
-  Batches(int64_t n, uint64_t seed) : n_(n), rng_(seed) { reshuffle(); }
-  std::vector<int64_t> next(int64_t b) {
-    std::vector<int64_t> out;
-    while (static_cast<int64_t>(out.size()) < b) {
-      if (pos_ >= n_) reshuffle();
-      out.push_back(perm_[pos_++]);
-    }
-    return out;
-  }
-
- private:
-  void reshuffle() {
-    perm_.resize(n_);
-    for (int64_t i = 0; i < n_; ++i) perm_[i] = i;
-    std::shuffle(perm_.begin(), perm_.end(), rng_);
-    pos_ = 0;
-  }
-  int64_t n_, pos_ = 0;
-  std::mt19937_64 rng_;
-  std::vector<int64_t> perm_;
-};
-
-torch::Tensor rows(const torch::Tensor& t, const std::vector<int64_t>& idx, int64_t from, int64_t to) {
-  std::vector<int64_t> sub(idx.begin() + from, idx.begin() + to);
-  return t.index_select(0, torch::tensor(sub, torch::kLong));
-}
-
-// The common loop: `batch_of(global_indices, from, to)` gives the inputs and targets of this
-// replica's slice [from, to) of the global batch; `loss_sum_fn(outputs, targets)` their summed
-// loss; `terms_of(global_indices, from, to)` how many loss terms a slice holds (its real tokens,
-// its samples). Every rank counts the whole global batch's itself: no communication. Returns
-// the engine's statistics of the loop.
-template <typename BatchFn, typename TermsFn>
-EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of,
-                       const LossFn& loss_sum_fn, TermsFn terms_of, TextReport& rep) {
-  const int rank = eng.world()->rank(), world = eng.world_size();
-  const int dp = eng.dp_size(), dp_rank = eng.dp_rank();
-  const int64_t per = cfg.batch / dp;
-  const LrSchedule schedule = lr_schedule(cfg);
-  Batches batches(n, cfg.seed + 1);
-  Progress progress(rank == 0 && cfg.progress, cfg.steps, cfg.log_every);
-  std::vector<double> step_ms;
-  if (!cfg.trace.empty()) trace::start(*rt.cpu_world());
-  auto t_start = Clock::now();
-  double last = 0.0;
-  for (int64_t step = 0; step < cfg.steps; ++step) {
-    auto t0 = Clock::now();
-    auto idx = batches.next(cfg.batch);
-    eng.set_lr(schedule.at(step));
-    torch::Tensor x, y;
-    {
-      trace::Span span("data", "data");
-      std::tie(x, y) = batch_of(idx, dp_rank * per, (dp_rank + 1) * per);
-    }
-    StepOptions so;
-    so.reduction = LossReduction::kSum;
-    so.terms = terms_of(idx, 0, dp * per);
-    torch::Tensor loss = eng.step(x, y, loss_sum_fn, so);
-    torch::Tensor l = loss.detach().reshape({1}).to(torch::kFloat).clone();
-    if (world > 1) eng.world()->allreduce(l, ReduceOp::kAvg);
-    last = l.item<double>();
-    rep.losses.push_back(last);
-    if (!std::isfinite(last)) {
-      throw std::runtime_error("loss is " + std::to_string(last) + " at step " + std::to_string(step) + "; lower --lr");
-    }
-    step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-    progress.update(1, 1, step + 1, last, (step + 1) * cfg.batch, Clock::now() - t_start);
-  }
-  progress.finish();
-  const double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
-  if (!cfg.trace.empty()) {
-    trace::stop();
-    trace::write(cfg.trace, *rt.cpu_world());
-  }
-  rep.final_loss = last;
-  record_loop(rep, cfg.steps, cfg.steps * cfg.batch, wall, step_ms);
-  return eng.stats();
 }
 
 Tokenizer load_checked_tokenizer(const TextTrainConfig& cfg, const Manifest* m, const std::string& path) {
@@ -371,7 +247,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   TextReport rep;
   rep.command = "pretrain";
   rep.shape = shape;
-  auto engine = make_engine(rt, cfg, net, train.ids);
+  auto engine = make_engine(rt, cfg, net, train.ids, transformer_options());
   Engine& eng = *engine;
   describe_run(eng, cfg, corpus, rep);
   const auto device = rt.device();
@@ -490,7 +366,7 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
     }
     rep.initialised_from_checkpoint = true;
   }
-  auto engine = make_engine(rt, cfg, net, train_x);
+  auto engine = make_engine(rt, cfg, net, train_x, transformer_options());
   Engine& eng = *engine;
   describe_run(eng, cfg, corpus, rep);
   const auto device = rt.device();

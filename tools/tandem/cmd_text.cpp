@@ -24,7 +24,9 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   CLI::App app{pretraining ? "Pre-train a small transformer as a causal language model on text, training a "
                              "SentencePiece tokenizer on the training split; writes a checkpoint directory."
                            : "Fine-tune a pre-trained transformer (tandem pretrain's checkpoint) to classify text "
-                             "by language (or category), under any strategy and worker count.",
+                             "by language (or category), under any strategy and worker count. With --init-from "
+                             "HF_DIR: a Hugging Face Llama directory on JSON lines instead (see tandem finetune "
+                             "--init-from X --help).",
                cmd};
   text::TextTrainConfig cfg;
   cfg.strategy = "ddp";
@@ -202,6 +204,11 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
 }  // namespace
 
 int cmd_pretrain(int argc, char** argv) { return run_text("pretrain", true, argc, argv); }
-int cmd_finetune(int argc, char** argv) { return run_text("finetune", false, argc, argv); }
+int cmd_finetune(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]).rfind("--init-from", 0) == 0) return cmd_finetune_hf(argc, argv);
+  }
+  return run_text("finetune", false, argc, argv);
+}
 
 }  // namespace tandem::cli

@@ -21,7 +21,10 @@ inline int dashdash_index(int argc, char** argv) {
   return argc;
 }
 int cmd_bench(int argc, char** argv);
+int cmd_export(int argc, char** argv);
 int cmd_finetune(int argc, char** argv);
+// tandem finetune --init-from HF_DIR: cmd_finetune hands over when it sees --init-from.
+int cmd_finetune_hf(int argc, char** argv);
 int cmd_k8s(int argc, char** argv);
 int cmd_launch(int argc, char** argv);
 int cmd_plan(int argc, char** argv);

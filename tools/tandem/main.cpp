@@ -19,7 +19,9 @@ const char* kUsage =
     "  plan       predict memory and step time of parallel layouts on a cluster, ranked\n"
     "  k8s        write Kubernetes manifests (MPIJob, checkpoint claim) that run tandem train on a cluster\n"
     "  pretrain   pre-train a transformer language model on text (fortune cookies), with its tokenizer\n"
-    "  finetune   fine-tune it to classify text by language, under any strategy and worker count\n"
+    "  finetune   fine-tune it to classify text by language, under any strategy and worker count;\n"
+    "             or a Hugging Face Llama directory: tandem finetune --init-from DIR --data FILE.jsonl\n"
+    "  export     write a checkpoint as a Hugging Face directory: tandem export --to hf OUT --checkpoint DIR\n"
     "\n"
     "Run 'tandem COMMAND --help' for a command's options.\n";
 }
@@ -40,6 +42,7 @@ int main(int argc, char** argv) {
     if (cmd == "k8s") return tandem::cli::cmd_k8s(argc - 1, argv + 1);
     if (cmd == "pretrain") return tandem::cli::cmd_pretrain(argc - 1, argv + 1);
     if (cmd == "finetune") return tandem::cli::cmd_finetune(argc - 1, argv + 1);
+    if (cmd == "export") return tandem::cli::cmd_export(argc - 1, argv + 1);
     if (cmd == "-h" || cmd == "--help" || cmd == "help") {
       std::cout << kUsage;
       return 0;

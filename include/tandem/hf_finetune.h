@@ -1,0 +1,73 @@
+// Fine-tuning a local Hugging Face Llama-architecture directory (config.json, safetensors
+// weights, SentencePiece tokenizer.model) on JSON lines, on the text commands' Engine and loop,
+// under ddp, zero1-3 or a pipeline; and exporting any of its checkpoints (whatever layout saved
+// it) back to a directory transformers' from_pretrained loads. Every error names the file (and
+// line) at fault and what to do.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tandem/runtime.h"
+#include "tandem/text.h"
+
+namespace tandem::text {
+
+// lm: next-token prediction on {"text": ...}; classify: {"text": ..., "label": ...} through
+// LlamaForSequenceClassification.
+enum class HfTask { kLm, kClassify };
+HfTask parse_hf_task(const std::string& name);  // "lm" | "classify"; else std::invalid_argument
+const char* to_string(HfTask t);
+
+struct JsonlExample {
+  std::string text;
+  std::string label;  // classify: as written ("positive", or an integer's digits)
+  bool integer_label = false;
+  int64_t line = 0;  // 1-based line of the file
+};
+
+// The non-empty lines of a JSON lines file, each an object with a string "text" (and, when
+// `labels`, a "label" string or non-negative integer). Throws std::runtime_error naming
+// FILE:LINE and the problem (not JSON, no "text", a label of another type), or the file when it
+// is missing or holds no example.
+std::vector<JsonlExample> read_jsonl(const std::string& path, bool labels);
+
+// The class names by id. `model_labels`: the model's id2label when it names its classes (not
+// transformers' default LABEL_i), and then every data label must be one of them (else
+// std::runtime_error naming the line and the model's labels). Otherwise: integer labels are their
+// own ids (names "0".."max"); string labels are sorted, a name's rank its id.
+std::vector<std::string> map_labels(const std::vector<JsonlExample>& data, const std::vector<std::string>& model_labels,
+                                    const std::string& path);
+
+struct HfFinetuneConfig {
+  std::string model_dir;  // --init-from: the Hugging Face directory
+  HfTask task = HfTask::kLm;
+  std::string data;              // JSON lines
+  double valid_fraction = 0.1;   // examples held out for validation, chosen by a hash of the text
+  int64_t seq = 128;             // tokens per example, truncated and right-padded (<= max_position_embeddings)
+  std::string checkpoint_dir;    // step-N/ checkpoints (any layout; tandem export reads them)
+  int64_t checkpoint_every = 0;  // 0: only at the end (when checkpoint_dir is given)
+  bool resume = false;           // continue from the newest checkpoint in checkpoint_dir
+  // Layout, batch, steps, optimizer, progress, metrics and trace (its corpus, tokenizer and
+  // shape fields are not used).
+  TextTrainConfig loop;
+};
+
+// Checks the configuration without reading the data (layout against the world size, tp, the
+// checkpoint settings); std::invalid_argument.
+void validate(const HfFinetuneConfig& cfg, int world);
+
+// Collective: every rank reads the model directory and the data, trains, and, with a
+// checkpoint directory, saves step-N checkpoints whose metadata records the model's config, the
+// task and the labels, and copies the tokenizer files into checkpoint_dir/tokenizer.
+TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg);
+
+// From a checkpoint of finetune_hf (a step-N directory or its root, whose newest is taken) to
+// `out`: config.json (with the labels), the weights (model.safetensors, sharded above
+// max_shard_bytes) and the tokenizer files. Local. Throws std::runtime_error naming the
+// checkpoint when it is missing or was not made by finetune_hf.
+void export_hf(const std::string& checkpoint, const std::string& out, int64_t max_shard_bytes);
+
+}  // namespace tandem::text

@@ -1,0 +1,464 @@
+// Fine-tuning a Hugging Face Llama directory on JSON lines, and exporting its checkpoints.
+#include "tandem/hf_finetune.h"
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "tandem/checkpoint.h"
+#include "tandem/engine.h"
+#include "tandem/hf_tokenizer.h"
+#include "tandem/llama.h"
+#include "tandem/safetensors.h"
+#include "text/loop.h"
+
+namespace tandem::text {
+
+namespace fs = std::filesystem;
+
+HfTask parse_hf_task(const std::string& name) {
+  if (name == "lm") return HfTask::kLm;
+  if (name == "classify") return HfTask::kClassify;
+  throw std::invalid_argument("--task '" + name + "' is not one of lm, classify");
+}
+
+const char* to_string(HfTask t) { return t == HfTask::kLm ? "lm" : "classify"; }
+
+std::vector<JsonlExample> read_jsonl(const std::string& path, bool labels) {
+  std::ifstream f(path);
+  if (!f) throw std::runtime_error("data file '" + path + "' not found or unreadable; give a JSON lines file");
+  std::vector<JsonlExample> out;
+  std::string line;
+  for (int64_t n = 1; std::getline(f, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(n) + ": ";
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      throw std::runtime_error(where + "not a JSON object (" + e.what() + "); each line must be one object");
+    }
+    if (!j.is_object()) throw std::runtime_error(where + "not a JSON object; each line must be {\"text\": ...}");
+    auto t = j.find("text");
+    if (t == j.end() || !t->is_string()) {
+      throw std::runtime_error(where + "has no string field \"text\"; each line must be {\"text\": \"...\"" +
+                               (labels ? ", \"label\": ...}" : "}"));
+    }
+    JsonlExample ex{t->get<std::string>(), "", false, n};
+    if (labels) {
+      auto l = j.find("label");
+      if (l != j.end() && l->is_number_unsigned()) {
+        ex.label = std::to_string(l->get<uint64_t>());
+        ex.integer_label = true;
+      } else if (l != j.end() && l->is_string() && !l->get<std::string>().empty()) {
+        ex.label = l->get<std::string>();
+      } else {
+        throw std::runtime_error(where + "needs a \"label\": a non-empty string or a non-negative integer");
+      }
+    }
+    out.push_back(std::move(ex));
+  }
+  if (out.empty()) throw std::runtime_error("data file '" + path + "' holds no examples");
+  return out;
+}
+
+std::vector<std::string> map_labels(const std::vector<JsonlExample>& data, const std::vector<std::string>& model_labels,
+                                    const std::string& path) {
+  if (!model_labels.empty()) {
+    for (const auto& ex : data) {
+      if (std::find(model_labels.begin(), model_labels.end(), ex.label) == model_labels.end()) {
+        std::string known;
+        for (const auto& l : model_labels) known += (known.empty() ? "" : ", ") + l;
+        throw std::runtime_error(path + ":" + std::to_string(ex.line) + ": label '" + ex.label +
+                                 "' is not one of the model's labels {" + known +
+                                 "}; fix the data or fine-tune from a model without named labels");
+      }
+    }
+    return model_labels;
+  }
+  const bool all_int = std::all_of(data.begin(), data.end(), [](const JsonlExample& e) { return e.integer_label; });
+  if (all_int) {
+    uint64_t top = 0;
+    for (const auto& ex : data) top = std::max<uint64_t>(top, std::stoull(ex.label));
+    if (top >= 100000) throw std::runtime_error(path + ": integer label " + std::to_string(top) + " is too large");
+    std::vector<std::string> names;
+    for (uint64_t i = 0; i <= top; ++i) names.push_back(std::to_string(i));
+    return names;
+  }
+  std::set<std::string> names;
+  for (const auto& ex : data) names.insert(ex.label);
+  return {names.begin(), names.end()};
+}
+
+void validate(const HfFinetuneConfig& cfg, int world) {
+  if (cfg.loop.tp > 1) {
+    throw std::invalid_argument(
+        "--tp " + std::to_string(cfg.loop.tp) +
+        ": the Llama model has no tensor-parallel form yet; use --strategy ddp/zero1-3 or --pp");
+  }
+  if (cfg.model_dir.empty()) throw std::invalid_argument("--init-from needs a Hugging Face model directory");
+  if (cfg.task == HfTask::kClassify && cfg.loop.pp > 1) {
+    throw std::invalid_argument("--task classify runs without --pp (the classifier is not cut into stages)");
+  }
+  if (cfg.seq < 2) throw std::invalid_argument("--seq must be >= 2, got " + std::to_string(cfg.seq));
+  if (cfg.valid_fraction < 0 || cfg.valid_fraction >= 1)
+    throw std::invalid_argument("--valid-fraction must be in [0, 1)");
+  if (cfg.checkpoint_every < 0) throw std::invalid_argument("--checkpoint-every must be >= 0");
+  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.checkpoint_dir.empty()) {
+    throw std::invalid_argument(std::string(cfg.resume ? "--resume" : "--checkpoint-every") +
+                                " needs --checkpoint-dir DIR");
+  }
+  validate(cfg.loop, world);
+}
+
+namespace hf_impl {
+
+// The model's class names from config.json's id2label, unless they are transformers' defaults.
+std::vector<std::string> named_labels(const std::string& dir) {
+  std::ifstream f(fs::path(dir) / "config.json");
+  auto j = nlohmann::json::parse(f, nullptr, false);
+  if (j.is_discarded() || !j.contains("id2label") || !j["id2label"].is_object()) return {};
+  std::vector<std::string> names(j["id2label"].size());
+  for (auto& [k, v] : j["id2label"].items()) {
+    const size_t i = std::stoul(k);
+    if (i >= names.size() || !v.is_string()) return {};
+    names[i] = v.get<std::string>();
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i] != "LABEL_" + std::to_string(i)) return names;
+  }
+  return {};
+}
+
+// The module that trains and how its parameter names read as Hugging Face names.
+struct Model {
+  std::shared_ptr<torch::nn::Module> module;
+  std::unique_ptr<Engine> engine;
+  std::string form;  // "sequential" (pipeline-ready) or "tree" (transformers' module tree)
+};
+
+// "3.mlp.up_proj.weight" of the positional Sequential (embed_tokens, the decoder layers, norm,
+// lm_head) -> "model.layers.2.mlp.up_proj.weight"; the tree's names are the Hugging Face ones.
+std::string hf_name(const std::string& form, const std::string& name, int64_t layers) {
+  if (form != "sequential") return name;
+  const auto dot = name.find('.');
+  const int64_t i = std::stoll(name.substr(0, dot));
+  const std::string rest = name.substr(dot);
+  if (i == 0) return "model.embed_tokens" + rest;
+  if (i <= layers) return "model.layers." + std::to_string(i - 1) + rest;
+  return (i == layers + 1 ? "model.norm" : "lm_head") + rest;
+}
+
+// Rows of token ids [N, seq] and their targets: for the LM the ids with -100 at padding, for
+// classification the class ids [N].
+struct Encoded {
+  torch::Tensor ids, targets;
+};
+
+Encoded encode(const hf::Tokenizer& tok, const std::vector<const JsonlExample*>& rows, int64_t seq, bool lm,
+               int64_t pad, const std::vector<std::string>& labels) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  auto ids = torch::full({n, seq}, pad, torch::kLong);
+  auto targets = lm ? torch::full({n, seq}, int64_t{-100}, torch::kLong) : torch::zeros({n}, torch::kLong);
+  auto* pi = ids.data_ptr<int64_t>();
+  auto* pt = targets.data_ptr<int64_t>();
+  const auto& s = tok.special();
+  for (int64_t i = 0; i < n; ++i) {
+    auto v = tok.encode(rows[i]->text);
+    // The LM learns where a text ends: EOS after it even when the tokenizer does not add one.
+    if (lm && !s.add_eos && s.eos >= 0) v.push_back(s.eos);
+    const int64_t len = std::min<int64_t>(seq, static_cast<int64_t>(v.size()));
+    for (int64_t k = 0; k < len; ++k) pi[i * seq + k] = v[k];
+    if (lm) {
+      for (int64_t k = 0; k < len; ++k) pt[i * seq + k] = v[k];
+    } else {
+      pt[i] = std::find(labels.begin(), labels.end(), rows[i]->label) - labels.begin();
+    }
+  }
+  return {ids, targets};
+}
+
+torch::Tensor lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets) {
+  const int64_t v = logits.size(2), t = targets.size(1);
+  auto pred = logits.narrow(1, 0, t - 1).reshape({-1, v}).to(torch::kFloat);
+  auto o = torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum);
+  return torch::nn::functional::cross_entropy(pred, targets.narrow(1, 1, t - 1).reshape({-1}), o);
+}
+
+torch::Tensor cls_loss_sum(const torch::Tensor& logits, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y,
+                                              torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+}
+
+// Loss terms: predicted tokens that are not padding (LM), or rows (classification).
+double terms(const torch::Tensor& targets) {
+  if (targets.dim() == 1) return static_cast<double>(targets.size(0));
+  return static_cast<double>(targets.narrow(1, 1, targets.size(1) - 1).ne(-100).sum().item<int64_t>());
+}
+
+// The model of the task, initialised from the directory's weights; a classification head the
+// directory lacks starts at random (seeded, the same on every rank after the Engine's broadcast).
+Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& mc, const at::Tensor& sample) {
+  const safetensors::Checkpoint weights(cfg.model_dir);
+  Model m;
+  EngineOptions eo;
+  if (cfg.task == HfTask::kClassify) {
+    llama::LlamaForSequenceClassification net(mc);
+    const auto names = weights.names();
+    if (std::find(names.begin(), names.end(), "score.weight") != names.end()) {
+      llama::load_weights(*net, weights, true);
+    } else {
+      llama::load_weights(*net->model, weights, true, [](const std::string& n) { return "model." + n; });
+    }
+    eo.model_name = "llama-classify";
+    m.engine = make_engine(rt, cfg.loop, net, sample, eo);
+    m.module = net.ptr();
+    m.form = "tree";
+  } else if (mc.tie_word_embeddings) {
+    if (cfg.loop.pp > 1) {
+      throw std::invalid_argument("'" + cfg.model_dir +
+                                  "' ties its input and output embeddings, which a pipeline cannot split; run "
+                                  "without --pp");
+    }
+    llama::LlamaForCausalLM net(mc);
+    llama::load_weights(*net, weights);
+    eo.model_name = "llama-lm";
+    m.engine = make_engine(rt, cfg.loop, net, sample, eo);
+    m.module = net.ptr();
+    m.form = "tree";
+  } else {
+    // The children by position: a pipeline stage names its layers so, and every layout then
+    // saves and loads the same names.
+    auto named = llama::causal_lm_sequential(mc);
+    llama::load_weights(*named, weights, false, llama::sequential_to_hf);
+    torch::nn::Sequential net;
+    for (const auto& child : *named) net->push_back(child);
+    eo.model_name = "llama-lm";
+    m.engine = make_engine(rt, cfg.loop, net, sample, eo);
+    m.module = net.ptr();
+    m.form = "sequential";
+  }
+  return m;
+}
+
+void copy_bytes(const fs::path& from, const fs::path& to) {
+  std::ifstream in(from, std::ios::binary);
+  std::ofstream out(to, std::ios::binary);
+  out << in.rdbuf();
+  if (!out) throw std::runtime_error("copying '" + from.string() + "' to '" + to.string() + "' failed");
+}
+
+void copy_tokenizer(const std::string& from, const std::string& to) {
+  fs::create_directories(to);
+  for (const auto& name : hf::Tokenizer::file_names()) {
+    if (fs::exists(fs::path(from) / name)) copy_bytes(fs::path(from) / name, fs::path(to) / name);
+  }
+}
+
+// Validation: loss per predicted token (LM) or accuracy (classify). Collective.
+void evaluate(Runtime& rt, Engine& eng, const Encoded& valid, bool lm, int64_t limit, TextReport& rep) {
+  const int64_t n = limit >= 0 ? std::min<int64_t>(limit, valid.ids.size(0)) : valid.ids.size(0);
+  double sum = 0.0, count = 0.0, correct = 0.0;
+  eng.evaluate(valid.ids, n, 64, [&](const torch::Tensor& out, int64_t from, int64_t to) {
+    auto y = valid.targets.narrow(0, from, to - from).to(out.device());
+    sum += (lm ? lm_loss_sum(out, y) : cls_loss_sum(out, y)).item<double>();
+    count += terms(y);
+    if (!lm) correct += out.argmax(1).eq(y).sum().item<double>();
+  });
+  auto t = torch::tensor({sum, count, correct}, torch::kDouble).to(rt.device());
+  rt.world()->allreduce(t, ReduceOp::kSum);
+  auto h = t.cpu();
+  if (lm) {  // the report's validation loss is per token
+    rep.eval_loss = h[1].item<double>() > 0 ? h[0].item<double>() / h[1].item<double>() : -1.0;
+  } else {
+    rep.test_samples = static_cast<int64_t>(h[1].item<double>());
+    rep.test_unit = "validation examples";
+    rep.test_accuracy = rep.test_samples > 0 ? h[2].item<double>() / h[1].item<double>() : 0.0;
+  }
+}
+
+}  // namespace hf_impl
+
+TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
+  using namespace hf_impl;
+  validate(cfg, rt.world_size());
+  const bool lm = cfg.task == HfTask::kLm;
+  auto tok = hf::Tokenizer::load(cfg.model_dir);
+  auto mc = llama::load_config(cfg.model_dir);
+  if (tok.vocab_size() > mc.vocab_size) {
+    throw std::runtime_error("'" + cfg.model_dir + "': tokenizer.model has " + std::to_string(tok.vocab_size()) +
+                             " pieces, more than config.json's vocab_size " + std::to_string(mc.vocab_size));
+  }
+  if (cfg.seq > mc.max_position_embeddings) {
+    throw std::invalid_argument("--seq " + std::to_string(cfg.seq) + " exceeds the model's max_position_embeddings " +
+                                std::to_string(mc.max_position_embeddings));
+  }
+  const auto data = read_jsonl(cfg.data, !lm);
+  std::vector<std::string> labels;
+  if (!lm) {
+    labels = map_labels(data, named_labels(cfg.model_dir), cfg.data);
+    if (labels.size() < 2) throw std::runtime_error("'" + cfg.data + "' has one label only; classification needs two");
+    mc.num_labels = static_cast<int64_t>(labels.size());
+    // The classifier pools the last token that is not padding: padding needs an id.
+    if (mc.pad_token_id < 0) mc.pad_token_id = tok.special().pad >= 0 ? tok.special().pad : tok.special().eos;
+  }
+  const auto& s = tok.special();
+  const int64_t pad = mc.pad_token_id >= 0 ? mc.pad_token_id : (s.pad >= 0 ? s.pad : std::max<int64_t>(s.eos, 0));
+  std::vector<const JsonlExample*> train, valid;
+  for (const auto& ex : data) {
+    (split_of(ex.text, cfg.valid_fraction, 0.0) == Split::kValid ? valid : train).push_back(&ex);
+  }
+  if (train.empty())
+    throw std::runtime_error("'" + cfg.data + "': every example fell into validation; lower --valid-fraction");
+  const auto tr = encode(tok, train, cfg.seq, lm, pad, labels);
+  const auto va = encode(tok, valid, cfg.seq, lm, pad, labels);
+
+  torch::manual_seed(cfg.loop.seed);
+  Model model = build(rt, cfg, mc, tr.ids);
+  Engine& eng = *model.engine;
+  TextReport rep;
+  rep.command = "finetune";
+  rep.model = "Llama " + std::to_string(mc.num_hidden_layers) + " layers, hidden " + std::to_string(mc.hidden_size) +
+              ", vocabulary " + std::to_string(mc.vocab_size) + ", seq " + std::to_string(cfg.seq) + " (" +
+              to_string(cfg.task) + ")";
+  rep.global_batch = cfg.loop.batch;
+  rep.labels = labels;
+  rep.initialised_from_checkpoint = true;
+  describe_engine(eng, rep);
+  rep.context.emplace_back("data", std::to_string(train.size()) + " train / " + std::to_string(valid.size()) +
+                                       " validation examples" +
+                                       (lm ? "" : ", " + std::to_string(labels.size()) + " labels"));
+  rep.context.emplace_back("initialised", "from " + cfg.model_dir);
+
+  nlohmann::json run = {{"task", to_string(cfg.task)},
+                        {"labels", labels},
+                        {"form", model.form},
+                        {"batch", cfg.loop.batch},
+                        {"seed", cfg.loop.seed}};
+  run["config"] = nlohmann::json::parse(llama::config_json(mc));
+  auto save = [&](int64_t steps_done) {
+    CheckpointMeta meta;
+    meta.step = steps_done;
+    meta.seed = cfg.loop.seed;
+    meta.extra_json = nlohmann::json{{"hf_finetune", run}}.dump();
+    eng.save(cfg.checkpoint_dir, meta);
+  };
+  LoopHooks hooks;
+  if (!cfg.checkpoint_dir.empty()) {
+    if (rt.rank() == 0) copy_tokenizer(cfg.model_dir, (fs::path(cfg.checkpoint_dir) / "tokenizer").string());
+    if (cfg.checkpoint_every > 0) {
+      hooks.after_step = [&](int64_t done) {
+        if (done % cfg.checkpoint_every == 0) save(done);
+      };
+    }
+  }
+  if (cfg.resume) {
+    const auto dir = latest_checkpoint(cfg.checkpoint_dir);
+    if (dir.empty()) throw std::runtime_error("--resume: '" + cfg.checkpoint_dir + "' holds no complete checkpoint");
+    const auto meta = eng.load(dir);
+    const auto saved = nlohmann::json::parse(meta.extra_json, nullptr, false);
+    if (saved.is_discarded() || !saved.contains("hf_finetune")) {
+      throw std::runtime_error("--resume: checkpoint '" + dir + "' was not made by tandem finetune --init-from");
+    }
+    // The data position holds only with the same examples, global batch and seed.
+    for (const char* key : {"task", "labels", "batch", "seed"}) {
+      const auto was = saved["hf_finetune"].value(key, nlohmann::json());
+      if (was != run[key]) {
+        throw std::runtime_error("--resume: checkpoint '" + dir + "' was saved with " + key + " " + was.dump() +
+                                 ", this run has " + run[key].dump() +
+                                 "; resume with the same --task, labels, --batch and --seed");
+      }
+    }
+    hooks.first_step = meta.step;
+  }
+  const EngineStats loop = train_loop(
+      rt, cfg.loop, eng, tr.ids.size(0),
+      [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
+        return std::make_pair(rows(tr.ids, idx, from, to).to(rt.device()),
+                              rows(tr.targets, idx, from, to).to(rt.device()));
+      },
+      lm ? LossFn(lm_loss_sum) : LossFn(cls_loss_sum),
+      [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) { return terms(rows(tr.targets, idx, from, to)); },
+      rep, hooks);
+  if (!cfg.checkpoint_dir.empty() && !(cfg.checkpoint_every > 0 && cfg.loop.steps % cfg.checkpoint_every == 0) &&
+      hooks.first_step < cfg.loop.steps) {
+    save(cfg.loop.steps);
+  }
+  if (cfg.loop.evaluate && va.ids.size(0) > 0) evaluate(rt, eng, va, lm, cfg.loop.eval_limit, rep);
+  collect_engine_report(eng, loop, rep);
+  if (rt.rank() == 0 && !cfg.loop.metrics_path.empty()) write_metrics(cfg.loop.metrics_path, rep);
+  return rep;
+}
+
+void export_hf(const std::string& checkpoint, const std::string& out, int64_t max_shard_bytes) {
+  using namespace hf_impl;
+  if (!fs::is_directory(checkpoint)) throw std::runtime_error("checkpoint '" + checkpoint + "' not found");
+  // A root of step-N/ checkpoints (its newest is taken), or one step-N directory inside one.
+  std::string dir = latest_checkpoint(checkpoint), root = checkpoint;
+  if (dir.empty()) {
+    if (!fs::exists(fs::path(checkpoint) / "manifest.json")) {
+      throw std::runtime_error("'" + checkpoint +
+                               "' holds no complete checkpoint; give the --checkpoint-dir of tandem finetune "
+                               "--init-from, or one step-N directory in it");
+    }
+    dir = checkpoint;
+    root = fs::path(checkpoint).lexically_normal().parent_path().string();
+  }
+  auto full = read_full_checkpoint(dir);
+  const auto extra = nlohmann::json::parse(full.meta.extra_json, nullptr, false);
+  if (extra.is_discarded() || !extra.contains("hf_finetune")) {
+    throw std::runtime_error("checkpoint '" + dir +
+                             "' was not made by tandem finetune --init-from; export --to hf needs one that was");
+  }
+  const auto& run = extra["hf_finetune"];
+  const auto mc = llama::parse_config(run["config"].dump(), dir);
+  const std::string form = run["form"];
+  safetensors::SaveOptions so;
+  so.max_shard_bytes = max_shard_bytes;
+  auto fill = [&](torch::nn::Module& m, const std::function<std::string(const std::string&)>& name_of) {
+    std::map<std::string, at::Tensor> by_hf;
+    for (auto& [n, t] : full.params) by_hf[name_of(n)] = t;
+    torch::NoGradGuard ng;
+    for (auto& p : m.named_parameters()) {
+      auto it = by_hf.find(p.key());
+      if (it == by_hf.end())
+        throw std::runtime_error("checkpoint '" + dir + "' has no parameter for '" + p.key() + "'");
+      p.value().copy_(it->second);
+    }
+  };
+  if (run["task"] == "classify") {
+    llama::LlamaForSequenceClassification m(mc);
+    fill(*m, [](const std::string& n) { return n; });
+    llama::save_pretrained(m, out, so);
+  } else {
+    llama::LlamaForCausalLM m(mc);
+    fill(*m, [&](const std::string& n) { return hf_name(form, n, mc.num_hidden_layers); });
+    llama::save_pretrained(m, out, so);
+  }
+  const auto labels = run["labels"].get<std::vector<std::string>>();
+  if (!labels.empty()) {  // the class names, for pipelines and the model card
+    const auto file = fs::path(out) / "config.json";
+    std::ifstream in(file);
+    auto j = nlohmann::json::parse(in);
+    j["id2label"] = nlohmann::json::object();
+    j["label2id"] = nlohmann::json::object();
+    for (size_t i = 0; i < labels.size(); ++i) {
+      j["id2label"][std::to_string(i)] = labels[i];
+      j["label2id"][labels[i]] = i;
+    }
+    std::ofstream(file) << j.dump(2) << '\n';
+  }
+  const auto tok_dir = fs::path(root) / "tokenizer";
+  if (!fs::exists(tok_dir / "tokenizer.model")) {
+    throw std::runtime_error("'" + tok_dir.string() + "' holds no tokenizer.model; the checkpoint is incomplete");
+  }
+  copy_tokenizer(tok_dir.string(), out);
+}
+
+}  // namespace tandem::text

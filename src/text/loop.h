@@ -1,0 +1,170 @@
+// The training loop the text commands share (pretrain, finetune, and fine-tuning a Hugging Face
+// model): the layout from the command's configuration, the Engine with AdamW, the seeded global
+// batches, and the steps with progress, per-step losses, trace and checkpoint cadence. Private
+// to src/text.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "tandem/engine.h"
+#include "tandem/progress.h"
+#include "tandem/text.h"
+#include "tandem/trace.h"
+
+namespace tandem::text {
+
+// Where a loop starts and what runs after each step: a resumed run starts at first_step (the
+// batches and the learning rate continue where the saved run stopped); after_step(s) runs after
+// step s (1-based count of steps done), e.g. to save a checkpoint. Collective when it is.
+struct LoopHooks {
+  int64_t first_step = 0;
+  std::function<void(int64_t steps_done)> after_step;
+};
+
+inline ParallelConfig parallel_config(const TextTrainConfig& cfg) {
+  ParallelConfig pc;
+  pc.strategy = parse_strategy(cfg.strategy);
+  pc.precision = parse_precision(cfg.precision);
+  pc.tp = cfg.tp;
+  pc.pp = cfg.pp;
+  pc.micro_batches = cfg.micro_batches;
+  pc.schedule = parse_pipeline_schedule(cfg.pipeline_schedule);
+  pc.virtual_stages = cfg.virtual_stages;
+  if (cfg.pp > 1) pc.partition = parse_partition(cfg.pp_partition, cfg.pp * std::max(1, cfg.virtual_stages));
+  pc.grad_accum = cfg.grad_accum;
+  pc.activation_checkpointing = parse_activation_checkpointing(cfg.activation_checkpointing);
+  return pc;
+}
+
+// The model under the configured layout, trained with AdamW. `ids`: the training documents'
+// token ids; with --pp-partition time their first micro-batch is timed layer by layer.
+template <typename M>
+std::unique_ptr<Engine> make_engine(Runtime& rt, const TextTrainConfig& cfg, torch::nn::ModuleHolder<M> net,
+                                    const at::Tensor& ids, EngineOptions eo = {}) {
+  const ParallelConfig pc = parallel_config(cfg);
+  OptimizerOptions oo;
+  oo.kind = "adamw";
+  oo.lr = cfg.lr;
+  oo.weight_decay = cfg.weight_decay;
+  if (pc.pp > 1 && pc.partition.method == PartitionMethod::kTime) {
+    const int64_t micro = cfg.batch / data_parallel_size(pc, rt.world_size()) / cfg.micro_batches;
+    eo.partition_sample = ids.narrow(0, 0, std::max<int64_t>(1, std::min<int64_t>(micro, ids.size(0))));
+  }
+  return std::make_unique<Engine>(rt, net, oo, pc, eo);
+}
+
+inline LrSchedule lr_schedule(const TextTrainConfig& cfg) {  // warmup from 0, cosine decay to 10%
+  LrSchedule s;
+  s.peak = cfg.lr;
+  s.warmup_steps = cfg.warmup_steps;
+  s.total_steps = cfg.steps;
+  s.min_ratio = 0.1;
+  return s;
+}
+
+inline std::vector<std::string> texts_of(const std::vector<Document>& docs) {
+  std::vector<std::string> v;
+  v.reserve(docs.size());
+  for (const auto& d : docs) v.push_back(d.text);
+  return v;
+}
+
+// The global batches: a seeded permutation per epoch, the same on every rank.
+class Batches {
+ public:
+  Batches(int64_t n, uint64_t seed) : n_(n), rng_(seed) { reshuffle(); }
+  std::vector<int64_t> next(int64_t b) {
+    std::vector<int64_t> out;
+    while (static_cast<int64_t>(out.size()) < b) {
+      if (pos_ >= n_) reshuffle();
+      out.push_back(perm_[pos_++]);
+    }
+    return out;
+  }
+
+ private:
+  void reshuffle() {
+    perm_.resize(n_);
+    for (int64_t i = 0; i < n_; ++i) perm_[i] = i;
+    std::shuffle(perm_.begin(), perm_.end(), rng_);
+    pos_ = 0;
+  }
+  int64_t n_, pos_ = 0;
+  std::mt19937_64 rng_;
+  std::vector<int64_t> perm_;
+};
+
+inline torch::Tensor rows(const torch::Tensor& t, const std::vector<int64_t>& idx, int64_t from, int64_t to) {
+  std::vector<int64_t> sub(idx.begin() + from, idx.begin() + to);
+  return t.index_select(0, torch::tensor(sub, torch::kLong));
+}
+
+// The common loop: `batch_of(global_indices, from, to)` gives the inputs and targets of this
+// replica's slice [from, to) of the global batch; `loss_sum_fn(outputs, targets)` their summed
+// loss; `terms_of(global_indices, from, to)` how many loss terms a slice holds (its real tokens,
+// its samples). Every rank counts the whole global batch's itself: no communication. Returns
+// the engine's statistics of the loop.
+template <typename BatchFn, typename TermsFn>
+EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int64_t n, BatchFn batch_of,
+                       const LossFn& loss_sum_fn, TermsFn terms_of, TextReport& rep, const LoopHooks& hooks = {}) {
+  using Clock = std::chrono::steady_clock;
+  const int rank = eng.world()->rank(), world = eng.world_size();
+  const int dp = eng.dp_size(), dp_rank = eng.dp_rank();
+  const int64_t per = cfg.batch / dp;
+  const LrSchedule schedule = lr_schedule(cfg);
+  Batches batches(n, cfg.seed + 1);
+  for (int64_t step = 0; step < hooks.first_step; ++step) batches.next(cfg.batch);  // the batches already seen
+  Progress progress(rank == 0 && cfg.progress, cfg.steps - hooks.first_step, cfg.log_every);
+  std::vector<double> step_ms;
+  if (!cfg.trace.empty()) trace::start(*rt.cpu_world());
+  auto t_start = Clock::now();
+  double last = 0.0;
+  rep.first_step = hooks.first_step;
+  for (int64_t step = hooks.first_step; step < cfg.steps; ++step) {
+    auto t0 = Clock::now();
+    auto idx = batches.next(cfg.batch);
+    eng.set_lr(schedule.at(step));
+    torch::Tensor x, y;
+    {
+      trace::Span span("data", "data");
+      std::tie(x, y) = batch_of(idx, dp_rank * per, (dp_rank + 1) * per);
+    }
+    StepOptions so;
+    so.reduction = LossReduction::kSum;
+    so.terms = terms_of(idx, 0, dp * per);
+    torch::Tensor loss = eng.step(x, y, loss_sum_fn, so);
+    torch::Tensor l = loss.detach().reshape({1}).to(torch::kFloat).clone();
+    if (world > 1) eng.world()->allreduce(l, ReduceOp::kAvg);
+    last = l.item<double>();
+    rep.losses.push_back(last);
+    if (!std::isfinite(last)) {
+      throw std::runtime_error("loss is " + std::to_string(last) + " at step " + std::to_string(step) + "; lower --lr");
+    }
+    step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    const int64_t done = step + 1 - hooks.first_step;
+    progress.update(1, 1, done, last, done * cfg.batch, Clock::now() - t_start);
+    if (hooks.after_step) hooks.after_step(step + 1);
+  }
+  progress.finish();
+  const double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
+  if (!cfg.trace.empty()) {
+    trace::stop();
+    trace::write(cfg.trace, *rt.cpu_world());
+  }
+  rep.final_loss = last;
+  const int64_t ran = cfg.steps - hooks.first_step;
+  record_loop(rep, ran, ran * cfg.batch, wall, step_ms);
+  return eng.stats();
+}
+
+}  // namespace tandem::text

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# `tandem finetune --init-from HF_DIR` on a tiny random Llama that transformers made
+# (tests/hf/hf_fixture.py): 20 steps of language modelling on fortune cookies under ddp, zero2 and
+# a 2-stage pipeline on 2 workers give one worker's per-step losses within 1e-4, and so does a
+# model with tied embeddings under zero2; classification under ddp gives one worker's too; a run
+# resumed under zero2 from the pipeline's step-10 checkpoint continues one worker's losses;
+# `tandem export --to hf` of the pipeline's and the tied model's checkpoints loads in
+# transformers. Skipped (exit 77) without .venv-hf or the fortunes corpus.
+# usage: hf_finetune.sh TANDEM SOURCE_DIR
+set -uo pipefail
+tandem=$1
+src=$2
+. "$src/tests/e2e/hf_lib.sh"
+# Fortune cookies as {"text"}, and as {"text", "label"} with the classifier's label names.
+"$py" - "$tmp" <<'PY'
+import json, os, sys
+root, out = "/usr/share/games/fortunes", sys.argv[1]
+docs = []
+for name in sorted(os.listdir(root)):
+    p = os.path.join(root, name)
+    if os.path.isfile(p) and not os.path.islink(p) and not name.endswith((".dat", ".u8")):
+        docs += [d.strip() for d in open(p, encoding="utf-8", errors="replace").read().split("\n%\n") if d.strip()]
+    if len(docs) >= 300:
+        break
+labels = ["negative", "neutral", "positive"]
+with open(os.path.join(out, "lm.jsonl"), "w") as f, open(os.path.join(out, "cls.jsonl"), "w") as g:
+    for i, d in enumerate(docs[:300]):
+        f.write(json.dumps({"text": d}) + "\n")
+        g.write(json.dumps({"text": d, "label": labels[(len(d) > 80) + (len(d) > 250)]}) + "\n")
+PY
+fails=0
+run() {  # run NAME ARGS...: one fine-tuning run, its metrics in $tmp/NAME.jsonl
+  local name=$1; shift
+  local start=$SECONDS
+  if ! timeout 300 "$tandem" finetune "$@" --metrics "$tmp/$name.jsonl" --no-progress --threads 1 >"$tmp/$name.log" 2>&1; then
+    echo "FAIL $name: exit non-zero; output:"; tail -20 "$tmp/$name.log"; fails=$((fails + 1)); return 1
+  fi
+  echo "ran  $name ($((SECONDS - start)) s)"
+}
+same() {  # same REF NAME [FROM [DROP]]: NAME's losses (from step FROM on) equal REF's within 1e-4, and REF's fell by more than DROP (-1e9: no check)
+  "$py" - "$src/tests/e2e" "$tmp/$1.jsonl" "$tmp/$2.jsonl" "${3:-1}" "${4:-0.05}" <<'PY' || fails=$((fails + 1))
+import sys
+sys.path.insert(0, sys.argv[1])
+import metrics
+ref, _ = metrics.load(sys.argv[2])
+got, _ = metrics.load(sys.argv[3])
+first, drop = int(sys.argv[4]), float(sys.argv[5])
+want = ref[first - 1:]
+diff = max(abs(a - b) for a, b in zip(want, got)) if len(got) == len(want) else float("inf")
+name = sys.argv[3].rsplit("/", 1)[1]
+ok = len(want) == 20 - first + 1 and diff <= 1e-4 and (first != 1 or want[0] - want[-1] > drop)
+print(f"{'ok  ' if ok else 'FAIL'} {name}: {len(got)} steps from step {first}, max |loss - one worker's| {diff:.2g}"
+      f" (one worker: {want[0]:.4f} -> {want[-1]:.4f})")
+sys.exit(0 if ok else 1)
+PY
+}
+lm=(--init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2 --no-eval)
+run single -n 1 --strategy single "${lm[@]}"
+run ddp -n 2 --strategy ddp "${lm[@]}" && same single ddp
+run zero2 -n 2 --strategy zero2 "${lm[@]}" && same single zero2
+run pp2 -n 2 --strategy ddp --pp 2 --micro-batches 2 --checkpoint-dir "$tmp/ck" --checkpoint-every 10 "${lm[@]}" &&
+  same single pp2
+# The pipeline's step-10 checkpoint resumed under zero2: steps 11-20 as one worker's.
+newest=$(ls -d "$tmp"/ck/step-*20* 2>/dev/null | head -1)
+if [ -n "$newest" ]; then
+  mv "$newest" "$tmp/step20-aside"
+  run resumed -n 2 --strategy zero2 --checkpoint-dir "$tmp/ck" --resume "${lm[@]}" && same single resumed 11
+  mv "$tmp/step20-aside" "$newest"
+else
+  echo "FAIL no step-20 checkpoint in $tmp/ck: $(ls "$tmp/ck")"; fails=$((fails + 1))
+fi
+# Tied embeddings: transformers' module tree instead of the Sequential, under zero2.
+tied=(--init-from "$tmp/fx/lm_tied" --data "$tmp/lm.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2 --no-eval)
+run tied_single -n 1 --strategy single "${tied[@]}"
+run tied_zero2 -n 2 --strategy zero2 --checkpoint-dir "$tmp/ck_tied" "${tied[@]}" && same tied_single tied_zero2
+cls=(--init-from "$tmp/fx/cls" --task classify --data "$tmp/cls.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2)
+run cls_single -n 1 --strategy single "${cls[@]}"
+run cls_ddp -n 2 --strategy ddp "${cls[@]}" && same cls_single cls_ddp 1 -1e9
+grep -q "accuracy" "$tmp/cls_ddp.log" || { echo "FAIL cls_ddp: no validation accuracy"; fails=$((fails + 1)); }
+# The pipeline's and the tied model's last checkpoints as Hugging Face directories, loaded by
+# transformers.
+for ck in ck ck_tied; do
+if timeout 120 "$tandem" export --to hf "$tmp/export_$ck" --checkpoint "$tmp/$ck" >"$tmp/export.log" 2>&1 &&
+  "$py" - "$tmp/export_$ck" <<'PY'
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+t = AutoTokenizer.from_pretrained(sys.argv[1])
+ids = t("You will be married within a year.", return_tensors="pt")["input_ids"]
+with torch.no_grad():
+    print("ok   export", sys.argv[1].rsplit("_", 1)[1], "loads in transformers; loss on a sentence",
+          round(m(ids, labels=ids).loss.item(), 4), "tied" if m.config.tie_word_embeddings else "untied")
+PY
+then :; else
+  echo "FAIL export of $ck:"; tail -20 "$tmp/export.log"; fails=$((fails + 1))
+fi
+done
+[ $fails -eq 0 ] && echo "all passed" || echo "$fails failed"
+exit $((fails > 0))

@@ -1,0 +1,192 @@
+// `tandem finetune --init-from HF_DIR`: fine-tune a local Hugging Face Llama directory on JSON
+// lines (language modelling or classification), launching N workers of itself; and `tandem
+// export --to hf OUT_DIR --checkpoint DIR`: any of its checkpoints as a Hugging Face directory.
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+#include <iostream>
+#include <memory>
+
+#include "checks.h"
+#include "commands.h"
+#include "host_options.h"
+#include "pipeline_options.h"
+#include "tandem/hf_finetune.h"
+#include "tandem/hf_tokenizer.h"
+#include "tandem/launcher.h"
+#include "tandem/llama.h"
+#include "tandem/runtime.h"
+
+namespace tandem::cli {
+namespace {
+
+// The flags of the run; `task` and `nprocs` as typed.
+struct HfFlags {
+  text::HfFinetuneConfig cfg;
+  std::string task = "lm";
+  int nprocs = 2, threads = 0;
+  double timeout_s = 300;
+  bool no_eval = false, no_progress = false;
+  LaunchOptions lo;
+};
+
+void add_hf_flags(CLI::App& app, HfFlags& f) {
+  auto& c = f.cfg;
+  auto& l = c.loop;
+  add_host_options(app, f.lo);
+  app.add_option("--init-from", c.model_dir, "Hugging Face model directory (config.json, safetensors, tokenizer.model)")
+      ->required();
+  app.add_option("--task", f.task, "lm (JSON lines {\"text\"}) | classify ({\"text\", \"label\"})")
+      ->capture_default_str();
+  app.add_option("--data", c.data, "JSON lines file of examples")->required();
+  app.add_option("--valid-fraction", c.valid_fraction, "share of examples held out for validation (by text hash)")
+      ->capture_default_str();
+  app.add_option("--seq", c.seq, "tokens per example (truncated, padded)")->capture_default_str();
+  app.add_option("-n,--nprocs", f.nprocs, "workers to launch")
+      ->check(whole_between(1, kMaxWorkers))
+      ->capture_default_str();
+  app.add_option("--strategy", l.strategy, "single | ddp | zero1 | zero2 | zero3")->capture_default_str();
+  app.add_option("--precision", l.precision, "fp32 | bf16 | fp16 (mixed precision: fp32 master weights)")
+      ->capture_default_str();
+  app.add_option("--tp", l.tp, "tensor-parallel ranks (not available for Llama: 1)")->capture_default_str();
+  app.add_option("--pp", l.pp, "pipeline stages per replica (lm; with ddp or zero1)")->capture_default_str();
+  app.add_option("--pp-partition", l.pp_partition, "params | time | layers per stage, e.g. 2,3")->capture_default_str();
+  app.add_option("--micro-batches", l.micro_batches, "pipeline micro-batches per replica batch")->capture_default_str();
+  add_pipeline_schedule_options(app, l.pipeline_schedule, l.virtual_stages);
+  app.add_option("--grad-accum", l.grad_accum, "micro-batches per optimizer step without --pp")->capture_default_str();
+  app.add_option("--batch", l.batch, "global batch size (split across workers)")->capture_default_str();
+  app.add_option("--steps", l.steps, "optimizer steps")->capture_default_str();
+  app.add_option("--lr", l.lr, "peak learning rate (AdamW, linear warmup, cosine to 10%)")->capture_default_str();
+  app.add_option("--warmup-steps", l.warmup_steps, "linear warmup steps")->capture_default_str();
+  app.add_option("--weight-decay", l.weight_decay, "AdamW weight decay")->capture_default_str();
+  app.add_option("--seed", l.seed, "seed for the shuffling and a new classification head")->capture_default_str();
+  app.add_option("--threads", f.threads, "compute threads per worker (0: cores / workers)")->capture_default_str();
+  app.add_option("--eval-limit", l.eval_limit, "validate on at most this many examples (-1: all)")
+      ->capture_default_str();
+  app.add_flag("--no-eval", f.no_eval, "skip the validation");
+  app.add_flag("--no-progress", f.no_progress, "no progress display");
+  app.add_option("--log-every", l.log_every, "plain progress line every N steps")->capture_default_str();
+  app.add_option("--metrics", l.metrics_path, "write per-step loss and time, then the report, as JSON lines");
+  app.add_option("--trace", l.trace, "write a timeline of every rank's training loop to FILE (Chrome trace JSON)");
+  app.add_option("--checkpoint-dir", c.checkpoint_dir,
+                 "write step-N checkpoints here (at the end, and every --checkpoint-every steps); tandem export "
+                 "--to hf reads them");
+  app.add_option("--checkpoint-every", c.checkpoint_every, "save every N steps (0: at the end only)")
+      ->capture_default_str();
+  app.add_flag("--resume", c.resume, "continue from the newest checkpoint in --checkpoint-dir (any layout)");
+  app.add_option("--timeout", f.timeout_s, "seconds any communication may block before failing")->capture_default_str();
+}
+
+}  // namespace
+
+int cmd_finetune_hf(int argc, char** argv) {
+  CLI::App app{"Fine-tune a local Hugging Face Llama-architecture model (SentencePiece tokenizer) on JSON lines, "
+               "as a language model or a classifier, under any strategy and worker count.",
+               "tandem finetune"};
+  HfFlags f;
+  f.cfg.loop.strategy = "ddp";
+  f.cfg.loop.batch = 8;
+  f.cfg.loop.steps = 100;
+  f.cfg.loop.lr = 1e-4;
+  f.cfg.loop.warmup_steps = 10;
+  f.cfg.loop.log_every = 10;
+  add_hf_flags(app, f);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  auto& cfg = f.cfg;
+  cfg.loop.evaluate = !f.no_eval;
+  cfg.loop.progress = !f.no_progress;
+  const bool is_worker = detect_process_info().launcher != "none";
+  if (!is_worker) {
+    try {  // the cheap checks before starting workers
+      cfg.task = text::parse_hf_task(f.task);
+      text::validate(cfg, f.nprocs);
+      hf::Tokenizer::load(cfg.model_dir);  // finetune_hf reads both again on every worker
+      llama::load_config(cfg.model_dir);
+      auto data = text::read_jsonl(cfg.data, cfg.task == text::HfTask::kClassify);
+      std::cout << "data             " << cfg.data << ": " << data.size() << " examples" << std::endl;
+    } catch (const std::exception& e) {
+      std::cerr << "tandem finetune: " << e.what() << "\n";
+      return 2;
+    }
+    if (f.nprocs > 1) {
+      std::vector<std::string> args = {self_executable(), "finetune"};
+      for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+      f.lo.nprocs = f.nprocs;
+      f.lo.prefix_output = false;
+      f.lo.env.push_back(std::string("TANDEM_PROGRESS_TTY=") + (isatty(1) ? "1" : "0"));
+      std::cout << "launching " << f.nprocs << " workers (" << cfg.loop.strategy << ")" << std::endl;
+      return launch(f.lo, args);
+    }
+  }
+  cfg.task = text::parse_hf_task(f.task);
+  RuntimeOptions ro;
+  ro.threads = f.threads;
+  ro.device = "cpu";
+  ro.comm.timeout = std::chrono::milliseconds(static_cast<int64_t>(f.timeout_s * 1000));
+  std::unique_ptr<Runtime> rt;
+  try {
+    rt = std::make_unique<Runtime>(ro);
+  } catch (const std::exception& e) {
+    std::cerr << "tandem finetune: " << e.what() << "\n";
+    return 1;
+  }
+  try {
+    auto report = text::finetune_hf(*rt, cfg);
+    if (rt->rank() == 0) {
+      std::cout << format_report(report);
+      if (!cfg.checkpoint_dir.empty()) std::cout << "checkpoints      " << cfg.checkpoint_dir << "\n";
+      std::cout << std::flush;
+    }
+  } catch (const std::exception& e) {
+    auto* ce = dynamic_cast<const c10::Error*>(&e);
+    std::cerr << "tandem finetune: rank " + std::to_string(rt->rank()) + ": " +
+                     (ce ? ce->what_without_backtrace() : e.what()) + "\n"
+              << std::flush;
+    if (rt->world_size() > 1) rt->abort(1);
+    return 1;
+  }
+  return 0;
+}
+
+int cmd_export(int argc, char** argv) {
+  CLI::App app{"Write a checkpoint of tandem finetune --init-from (any layout) as a Hugging Face directory: "
+               "config.json, model.safetensors (sharded above --max-shard-size) and the tokenizer.",
+               "tandem export"};
+  std::string to, out, checkpoint;
+  double max_shard_mb = 5 * 1024;
+  app.add_option("--to", to, "the format: hf")->required();
+  app.add_option("out", out, "output directory")->required();
+  app.add_option("--checkpoint", checkpoint, "checkpoint directory (--checkpoint-dir of the run, or one step-N)")
+      ->required();
+  app.add_option("--max-shard-size", max_shard_mb, "largest safetensors file in MiB before sharding")
+      ->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (to != "hf") {
+    std::cerr << "tandem export: --to '" << to << "' is not a known format; use --to hf\n";
+    return 2;
+  }
+  if (max_shard_mb <= 0) {
+    std::cerr << "tandem export: --max-shard-size must be > 0 (MiB)\n";
+    return 2;
+  }
+  try {
+    text::export_hf(checkpoint, out, static_cast<int64_t>(max_shard_mb * 1024 * 1024));
+  } catch (const std::exception& e) {
+    auto* ce = dynamic_cast<const c10::Error*>(&e);
+    std::cerr << "tandem export: " << (ce ? ce->what_without_backtrace() : e.what()) << "\n";
+    return 1;
+  }
+  std::cout << "exported         " << out << "\n";
+  return 0;
+}
+
+}  // namespace tandem::cli
