@@ -32,6 +32,7 @@ expect max-above-slots "MAX is above the 3 slot\(s\) of hostfile '$tmp/hostfile'
   "$tandem" train -n 2:4 --batch 64 --hostfile "$tmp/hostfile" "${ck[@]}"
 expect no-count-fits "-n 4:5: no worker count from 4 to 5 can run this job \(the global --batch 63" -- \
   "$tandem" train -n 4:5 --batch 63 "${ck[@]}"
+expect elastic-batch-unknown "elastic-batch.*sideways" -- "$tandem" train -n 1:2 --elastic-batch sideways "${ck[@]}"
 expect text-elastic "elastic runs .*-n MIN:MAX.* are not available for pretrain" -- \
   "$tandem" pretrain -n 1:2 --out "$tmp/pt"
 exit $((fails > 0))

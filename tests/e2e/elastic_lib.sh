@@ -9,9 +9,9 @@
 #                        $out/stderr) and takes h1's link down once the first checkpoint is in
 #   el_wait_for FILE S   waits up to S seconds for FILE while $job runs (fails otherwise)
 #   el_newest            the newest complete checkpoint's step
-#   el_same_as_manual FROM WORKERS
-#                        runs a manual `--resume` on WORKERS workers of this machine from a copy
-#                        of checkpoint step FROM to step $steps, and fails unless its per-step
+#   el_same_as_manual FROM WORKERS [ARGS...]
+#                        runs a manual `--resume` on WORKERS workers of this machine (and ARGS)
+#                        from a copy of checkpoint step FROM to step $steps, and fails unless its per-step
 #                        losses equal those of $out/elastic.jsonl (the elastic run's last part)
 #                        within 1e-6
 source "$(dirname "${BASH_SOURCE[0]}")/multinode_lib.sh"
@@ -65,11 +65,12 @@ el_wait_ok() {
 
 el_same_as_manual() {
   local from=$1 workers=$2
+  shift 2
   rm -rf "$out/manual"
   mkdir -p "$out/manual"
   cp -r "$out/ck/step-$(printf '%08d' "$from")" "$out/manual/"
   "$tandem" train -n "$workers" "${el_common[@]}" --checkpoint-dir "$out/manual" --resume --max-steps "$steps" \
-    --metrics "$out/manual.jsonl" >"$out/stdout-manual" 2>&1 || el_fail "the manual --resume failed"
+    --metrics "$out/manual.jsonl" "$@" >"$out/stdout-manual" 2>&1 || el_fail "the manual --resume failed"
   python3 - "$(dirname "${BASH_SOURCE[0]}")" "$out" "$from" "$steps" "$workers" <<'PY' || el_fail "losses differ"
 import sys
 sys.path.insert(0, sys.argv[1])

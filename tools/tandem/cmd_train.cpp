@@ -24,10 +24,24 @@
 namespace tandem::cli {
 namespace {
 
-// Whether `workers` workers can run `cfg`: the global batch divides over the replicas and the
-// layout is valid.
-bool workers_fit(const TrainConfig& cfg, int workers) {
-  if (cfg.tp * cfg.pp == 1 && cfg.batch_shares.empty() && cfg.batch % workers != 0) return false;
+// How an elastic run keeps the global batch on fewer workers than MAX.
+struct ElasticBatch {
+  bool accumulate = false;  // false: each worker's share grows; true: --grad-accum grows by MAX / W
+  int max = 1;
+  // The --grad-accum for `workers` workers (0: no whole number keeps the micro-batch).
+  int64_t grad_accum(const TrainConfig& cfg, int workers) const {
+    if (!accumulate) return cfg.grad_accum;
+    return cfg.grad_accum * max % workers == 0 ? cfg.grad_accum * max / workers : 0;
+  }
+};
+
+// Whether `workers` workers can run `cfg`: the global batch divides over the replicas (and their
+// micro-batches) and the layout is valid.
+bool workers_fit(const TrainConfig& cfg_in, const ElasticBatch& eb, int workers) {
+  TrainConfig cfg = cfg_in;
+  cfg.grad_accum = eb.grad_accum(cfg_in, workers);
+  if (cfg.grad_accum == 0) return false;
+  if (cfg.tp * cfg.pp == 1 && cfg.batch_shares.empty() && cfg.batch % (workers * cfg.grad_accum) != 0) return false;
   try {
     validate_config(cfg, workers);
     return true;
@@ -37,31 +51,46 @@ bool workers_fit(const TrainConfig& cfg, int workers) {
 }
 
 // Checks an elastic run's flags before anything starts; "" when they can work.
-std::string elastic_problem(const TrainConfig& cfg, const WorkerRange& range) {
+std::string elastic_problem(const TrainConfig& cfg, const WorkerRange& range, const ElasticBatch& eb) {
   const std::string n = "-n " + std::to_string(range.min) + ":" + std::to_string(range.max);
   if (cfg.checkpoint_dir.empty() || cfg.checkpoint_every <= 0) {
     return n + " (elastic) relaunches from checkpoints: give --checkpoint-dir DIR and --checkpoint-every N";
   }
   for (int w = range.max; w >= range.min; --w) {
-    if (workers_fit(cfg, w)) return {};
+    if (workers_fit(cfg, eb, w)) return {};
   }
   return n + ": no worker count from " + std::to_string(range.min) + " to " + std::to_string(range.max) +
-         " can run this job (the global --batch " + std::to_string(cfg.batch) +
-         " must split evenly over the workers); change --batch or the range";
+         " can run this job (the global --batch " + std::to_string(cfg.batch) + " must split evenly over the workers" +
+         (eb.accumulate ? " and their micro-batches" : "") + "); change --batch or the range";
+}
+
+// `args` without --grad-accum (either spelling), then --grad-accum K.
+std::vector<std::string> with_grad_accum(const std::vector<std::string>& args, int64_t k) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--grad-accum") {
+      ++i;  // and its value
+    } else if (args[i].rfind("--grad-accum=", 0) != 0) {
+      out.push_back(args[i]);
+    }
+  }
+  out.insert(out.end(), {"--grad-accum", std::to_string(k)});
+  return out;
 }
 
 // -n MIN:MAX: the workers under tandem/elastic.h's restart loop. The global batch is the same at
-// every worker count (each worker's share grows as workers go), so a relaunch on W workers
-// computes what `--resume` on W workers would.
-int train_elastic(const TrainConfig& cfg, const WorkerRange& range, int max_failures, const LaunchOptions& lo,
-                  const std::vector<std::string>& args) {
+// every worker count (each worker's share grows, or with --elastic-batch accumulate its
+// accumulation steps), so a relaunch on W workers computes what `--resume` on W workers with the
+// same flags would.
+int train_elastic(const TrainConfig& cfg, const WorkerRange& range, const ElasticBatch& eb, int max_failures,
+                  const LaunchOptions& lo, const std::vector<std::string>& args) {
   ElasticOptions eo;
   eo.workers = range;
   eo.checkpoint_dir = cfg.checkpoint_dir;
   eo.stop_file = cfg.checkpoint_dir + "/elastic-stop";
   eo.max_failures = max_failures;
-  auto command = [&](int, bool resume) {
-    auto a = args;
+  auto command = [&](int workers, bool resume) {
+    auto a = eb.accumulate ? with_grad_accum(args, eb.grad_accum(cfg, workers)) : args;
     a.insert(a.end(), {"--elastic-stop-file", eo.stop_file});
     if (resume && std::find(a.begin(), a.end(), "--resume") == a.end()) a.push_back("--resume");
     return a;
@@ -70,7 +99,7 @@ int train_elastic(const TrainConfig& cfg, const WorkerRange& range, int max_fail
             << "'" << std::endl;
   ElasticResult r;
   try {
-    r = run_elastic(lo, eo, command, [&cfg](int w) { return workers_fit(cfg, w); });
+    r = run_elastic(lo, eo, command, [&](int w) { return workers_fit(cfg, eb, w); });
   } catch (const std::invalid_argument& e) {
     std::cerr << "tandem train: " << e.what() << "\n";
     return 2;
@@ -184,6 +213,13 @@ int cmd_train(int argc, char** argv) {
   app.add_flag("--checkpoint-async", cfg.checkpoint_async,
                "write checkpoints on a background thread while training continues (committed atomically when "
                "complete)");
+  std::string elastic_batch = "grow";
+  app.add_option("--elastic-batch", elastic_batch,
+                 "-n MIN:MAX on fewer than MAX workers keeps the global batch by: grow (each worker's share of "
+                 "--batch grows) | accumulate (each worker's micro-batch stays as on MAX workers; --grad-accum is "
+                 "multiplied by MAX / workers)")
+      ->check(CLI::IsMember({"grow", "accumulate"}))
+      ->capture_default_str();
   auto* restarts_opt =
       app.add_option("--max-restarts", max_restarts,
                      "after a failed run of the workers, relaunch up to K times from the newest checkpoint "
@@ -223,6 +259,7 @@ int cmd_train(int argc, char** argv) {
     return 2;
   }
   const int nprocs = range.max;
+  const ElasticBatch elastic{elastic_batch == "accumulate", range.max};
 
   RuntimeOptions ro;
   ro.threads = threads;
@@ -247,7 +284,7 @@ int cmd_train(int argc, char** argv) {
       return 2;
     }
     if (range.elastic()) {
-      if (auto problem = elastic_problem(cfg, range); !problem.empty()) {
+      if (auto problem = elastic_problem(cfg, range, elastic); !problem.empty()) {
         std::cerr << "tandem train: " << problem << "\n";
         return 2;
       }
@@ -315,7 +352,9 @@ int cmd_train(int argc, char** argv) {
     lo.prefix_output = false;
     // Explicit either way: mpirun gives the workers a pty, so their own isatty() says yes.
     lo.env.push_back(std::string("TANDEM_PROGRESS_TTY=") + (isatty(1) ? "1" : "0"));
-    if (range.elastic()) return train_elastic(cfg, range, restarts_opt->count() > 0 ? max_restarts : 3, lo, args);
+    if (range.elastic()) {
+      return train_elastic(cfg, range, elastic, restarts_opt->count() > 0 ? max_restarts : 3, lo, args);
+    }
     std::cout << "launching " << nprocs << " workers (" << cfg.strategy;
     if (cfg.tp * cfg.pp > 1) {
       std::cout << ", dp " << nprocs / (cfg.tp * cfg.pp) << " x tp " << cfg.tp << " x pp " << cfg.pp;
