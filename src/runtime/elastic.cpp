@@ -234,8 +234,10 @@ void ElasticRun::watch(int workers, const std::atomic<bool>& done) {
       const auto back = hosts_to_grow(workers);
       if (!back.empty()) {
         stop_asked_ = true;
-        std::cout << "elastic: after checkpoint step " << now << ", " << comma_list(back)
-                  << " answer(s) again; the workers stop at their next checkpoint to take them in" << std::endl;
+        // One write: the workers' output goes to the same stream from the launching thread.
+        std::cout << "elastic: after checkpoint step " + std::to_string(now) + ", " + comma_list(back) +
+                         " answer(s) again; the workers stop at their next checkpoint to take them in\n"
+                  << std::flush;
       }
     } catch (const std::exception&) {
     }
