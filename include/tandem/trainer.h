@@ -79,6 +79,10 @@ struct TrainConfig {
   // (tandem/trace.h); "" for none.
   std::string trace;
   bool resume = false;
+  // A file that asks the run to end early (an elastic launcher's request, tandem/elastic.h):
+  // at each checkpoint boundary rank 0 looks for it and all ranks agree; when it exists, the run
+  // ends after that checkpoint is committed and rank 0 deletes it. "" for none.
+  std::string stop_file;
   // Heterogeneous clusters (tandem/shares.h): each data-parallel rank's share of the global
   // batch: "" equal, "auto" (calibrated over the first calibration_steps steps), "3,1"
   // (weights) or "counts:96,32" (samples per step); slow_rank "R:MS" sleeps MS ms per sample

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <tuple>
@@ -151,11 +152,22 @@ void save_checkpoint_now(const TrainConfig& cfg, Engine& eng, int64_t epoch, int
   eng.save(cfg.checkpoint_dir, m, so);
 }
 
+// Whether the run is asked to end at this checkpoint boundary (TrainConfig::stop_file): rank 0
+// looks, every rank gets its answer, so that all of them leave the loop at the same step.
+bool stop_requested(const TrainConfig& cfg, Engine& eng, const c10::Device& dev) {
+  if (cfg.stop_file.empty()) return false;
+  const bool here = eng.world()->rank() == 0 && access(cfg.stop_file.c_str(), F_OK) == 0;
+  auto flag = torch::tensor({here ? 1.0 : 0.0}, torch::kDouble).to(dev);
+  eng.world()->allreduce(flag, ReduceOp::kSum);
+  return flag.cpu().item<double>() > 0;
+}
+
 // What the loop collects on this rank.
 struct LoopRecord {
   std::vector<double> losses, loss_shares, step_ms;  // per step: local loss, this rank's share of the batch
   int64_t steps = 0, samples = 0;
   bool weighted = false;  // unequal batch shares: the global loss is the sample-weighted mean
+  bool stopped = false;   // ended early at a checkpoint, as cfg.stop_file asked
 };
 
 // The training loop: epochs of this replica's batches, the learning rate, checkpoints, progress
@@ -191,7 +203,7 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
   eng.train(true);
   eng.reset_stats();
   auto t_start = Clock::now();
-  for (int epoch = static_cast<int>(start.epoch); epoch < cfg.epochs && step < total_steps; ++epoch) {
+  for (int epoch = static_cast<int>(start.epoch); epoch < cfg.epochs && step < total_steps && !rec.stopped; ++epoch) {
     sampler.set_epoch(epoch);
     auto chunks = shares.epoch_batches(sampler, local_batch, drop_last);
     int64_t in_epoch = 0;  // batches of this epoch consumed (a resumed epoch skips those done before)
@@ -234,8 +246,13 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
       rec.step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
       progress.update(epoch + 1, cfg.epochs, step, l, rec.samples, Clock::now() - t_start);
       ++in_epoch;
-      if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0)
+      if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0) {
         save_checkpoint_now(cfg, eng, epoch, in_epoch, step);
+        if (stop_requested(cfg, eng, dev)) {
+          rec.stopped = true;
+          break;
+        }
+      }
       // --batch-shares auto: after the calibration steps, re-plan the rest of the epoch.
       if (shares.calibrate_if_due(step - start.step, *eng.dp_group(), dev)) {
         chunks = shares.epoch_batches(sampler, local_batch, drop_last);
@@ -243,6 +260,11 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
     }
   }
   eng.wait_checkpoint();  // the last asynchronous save is committed inside the loop's time
+  if (rec.stopped && rank == 0) {
+    std::remove(cfg.stop_file.c_str());  // the launcher's sign that the checkpoint is committed
+    std::cout << "stopping at step " << step << " (checkpoint committed) as '" << cfg.stop_file << "' asks"
+              << std::endl;
+  }
   rep.wall_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
   rep.checkpoint_async = cfg.checkpoint_async;
   progress.finish();
@@ -378,7 +400,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   }
   const EngineStats loop = eng.stats();
   report_losses(eng, rec, dev, rep);
-  if (cfg.evaluate && test_set.size() > 0) evaluate(cfg, eng, test_set, dev, rep);
+  if (cfg.evaluate && test_set.size() > 0 && !rec.stopped) evaluate(cfg, eng, test_set, dev, rep);
   collect_engine_report(eng, loop, rep);
   if (rank == 0 && !cfg.metrics_path.empty()) write_metrics(cfg.metrics_path, rep);
   return rep;

@@ -1,5 +1,5 @@
 """Reads the metrics file of `tandem train --metrics FILE` (JSON lines): one line per step,
-then the report. For the e2e scripts' checks: import it with sys.path set to tests/e2e."""
+then the report, then an elastic run's membership changes. For the e2e scripts' checks: import it with sys.path set to tests/e2e."""
 import json
 
 
@@ -10,6 +10,8 @@ def load(path):
         d = json.loads(line)
         if d.get("report"):
             report = d
+        elif "membership" in d:  # an elastic run's membership change (tandem/elastic.h)
+            continue
         else:
             losses.append(d["loss"])
     return losses, report

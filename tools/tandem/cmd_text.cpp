@@ -15,6 +15,7 @@
 #include "tandem/launcher.h"
 #include "tandem/runtime.h"
 #include "tandem/text.h"
+#include "worker_options.h"
 
 namespace tandem::cli {
 namespace {
@@ -33,7 +34,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   cfg.steps = pretraining ? 300 : 200;
   cfg.lr = pretraining ? 2e-3 : 1e-3;
   cfg.corpus.max_per_label = 3000;
-  int nprocs = 2;
+  WorkerFlags workers;
   int threads = 0;
   double timeout_s = 300;
   bool no_eval = false, no_progress = false;
@@ -49,9 +50,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-per-label", cfg.corpus.max_per_label, "documents kept per label at most (-1: all)")
       ->capture_default_str();
-  app.add_option("-n,--nprocs", nprocs, "workers to launch")
-      ->check(whole_between(1, kMaxWorkers))
-      ->capture_default_str();
+  add_worker_options(app, workers, "2");
   app.add_option("--strategy", cfg.strategy, "single | ddp | zero1 | zero2 | zero3")->capture_default_str();
   app.add_option("--precision", cfg.precision, "fp32 | bf16 | fp16 (mixed precision: fp32 master weights)")
       ->capture_default_str();
@@ -114,6 +113,18 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  int nprocs = 0;
+  try {
+    const WorkerRange range = worker_range(workers);
+    if (range.elastic()) {
+      throw std::invalid_argument("elastic runs (-n MIN:MAX, --min-workers) are not available for pretrain and "
+                                  "finetune: they write no checkpoints to resume from while training; give -n N");
+    }
+    nprocs = range.max;
+  } catch (const std::invalid_argument& e) {
+    std::cerr << cmd << ": " << e.what() << "\n";
+    return 2;
   }
   if (pretraining) cfg.checkpoint = out;
   cfg.evaluate = !no_eval;

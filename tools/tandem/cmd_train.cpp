@@ -7,24 +7,119 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 
 #include "checks.h"
 #include "commands.h"
 #include "host_options.h"
 #include "pipeline_options.h"
+#include "tandem/elastic.h"
 #include "tandem/launcher.h"
 #include "tandem/registry.h"
 #include "tandem/runtime.h"
 #include "tandem/trainer.h"
+#include "worker_options.h"
 
 namespace tandem::cli {
+namespace {
+
+// How an elastic run keeps the global batch on fewer workers than MAX.
+struct ElasticBatch {
+  bool accumulate = false;  // false: each worker's share grows; true: --grad-accum grows by MAX / W
+  int max = 1;
+  // The --grad-accum for `workers` workers (0: no whole number keeps the micro-batch).
+  int64_t grad_accum(const TrainConfig& cfg, int workers) const {
+    if (!accumulate) return cfg.grad_accum;
+    return cfg.grad_accum * max % workers == 0 ? cfg.grad_accum * max / workers : 0;
+  }
+};
+
+// Whether `workers` workers can run `cfg`: the global batch divides over the replicas (and their
+// micro-batches) and the layout is valid.
+bool workers_fit(const TrainConfig& cfg_in, const ElasticBatch& eb, int workers) {
+  TrainConfig cfg = cfg_in;
+  cfg.grad_accum = eb.grad_accum(cfg_in, workers);
+  if (cfg.grad_accum == 0) return false;
+  if (cfg.tp * cfg.pp == 1 && cfg.batch_shares.empty() && cfg.batch % (workers * cfg.grad_accum) != 0) return false;
+  try {
+    validate_config(cfg, workers);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+// Checks an elastic run's flags before anything starts; "" when they can work.
+std::string elastic_problem(const TrainConfig& cfg, const WorkerRange& range, const ElasticBatch& eb) {
+  const std::string n = "-n " + std::to_string(range.min) + ":" + std::to_string(range.max);
+  if (cfg.checkpoint_dir.empty() || cfg.checkpoint_every <= 0) {
+    return n + " (elastic) relaunches from checkpoints: give --checkpoint-dir DIR and --checkpoint-every N";
+  }
+  for (int w = range.max; w >= range.min; --w) {
+    if (workers_fit(cfg, eb, w)) return {};
+  }
+  return n + ": no worker count from " + std::to_string(range.min) + " to " + std::to_string(range.max) +
+         " can run this job (the global --batch " + std::to_string(cfg.batch) + " must split evenly over the workers" +
+         (eb.accumulate ? " and their micro-batches" : "") + "); change --batch or the range";
+}
+
+// `args` without --grad-accum (either spelling), then --grad-accum K.
+std::vector<std::string> with_grad_accum(const std::vector<std::string>& args, int64_t k) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--grad-accum") {
+      ++i;  // and its value
+    } else if (args[i].rfind("--grad-accum=", 0) != 0) {
+      out.push_back(args[i]);
+    }
+  }
+  out.insert(out.end(), {"--grad-accum", std::to_string(k)});
+  return out;
+}
+
+// -n MIN:MAX: the workers under tandem/elastic.h's restart loop. The global batch is the same at
+// every worker count (each worker's share grows, or with --elastic-batch accumulate its
+// accumulation steps), so a relaunch on W workers computes what `--resume` on W workers with the
+// same flags would.
+int train_elastic(const TrainConfig& cfg, const WorkerRange& range, const ElasticBatch& eb, int max_failures,
+                  const LaunchOptions& lo, const std::vector<std::string>& args) {
+  ElasticOptions eo;
+  eo.workers = range;
+  eo.checkpoint_dir = cfg.checkpoint_dir;
+  eo.stop_file = cfg.checkpoint_dir + "/elastic-stop";
+  eo.max_failures = max_failures;
+  auto command = [&](int workers, bool resume) {
+    auto a = eb.accumulate ? with_grad_accum(args, eb.grad_accum(cfg, workers)) : args;
+    a.insert(a.end(), {"--elastic-stop-file", eo.stop_file});
+    if (resume && std::find(a.begin(), a.end(), "--resume") == a.end()) a.push_back("--resume");
+    return a;
+  };
+  std::cout << "elastic run: " << range.min << " to " << range.max << " workers, checkpoints in '" << cfg.checkpoint_dir
+            << "'" << std::endl;
+  ElasticResult r;
+  try {
+    r = run_elastic(lo, eo, command, [&](int w) { return workers_fit(cfg, eb, w); });
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "tandem train: " << e.what() << "\n";
+    return 2;
+  }
+  if (!r.changes.empty()) {
+    std::cout << "membership changes\n" << format_membership(r.changes) << std::flush;
+    if (!cfg.metrics_path.empty() && std::filesystem::exists(cfg.metrics_path)) {
+      std::ofstream(cfg.metrics_path, std::ios::app) << membership_json_lines(r.changes);
+    }
+  }
+  return r.exit_code;
+}
+
+}  // namespace
 
 int cmd_train(int argc, char** argv) {
   CLI::App app{"Train a model on N workers. With no options: the CNN on Fashion-MNIST, 2 workers, DDP, one epoch.",
                "tandem train"};
   TrainConfig cfg;
-  int nprocs = 2;
+  WorkerFlags workers;
   int threads = 0;
   std::string device = "cpu";
   double timeout_s = 300;
@@ -56,9 +151,7 @@ int cmd_train(int argc, char** argv) {
          "fp16: the dynamic loss scale to start from (halved on every overflow, doubled after 1000 clean steps)")
       ->check(number_between(0, 4294967296.0, /*above_lo=*/true))
       ->capture_default_str();
-  app.add_option("-n,--nprocs", nprocs, "workers to launch")
-      ->check(whole_between(1, kMaxWorkers))
-      ->capture_default_str();
+  add_worker_options(app, workers, "2");
   app.add_option("--epochs", cfg.epochs, "epochs")->check(whole_between(1, 10000))->capture_default_str();
   app.add_option("--batch", cfg.batch, "global batch size (split across workers)")
       ->check(whole_between(1, 1 << 24))
@@ -120,10 +213,19 @@ int cmd_train(int argc, char** argv) {
   app.add_flag("--checkpoint-async", cfg.checkpoint_async,
                "write checkpoints on a background thread while training continues (committed atomically when "
                "complete)");
-  app.add_option("--max-restarts", max_restarts,
-                 "after a failed run of the workers, relaunch up to K times from the newest checkpoint")
-      ->check(whole_between(0, 100))
+  std::string elastic_batch = "grow";
+  app.add_option("--elastic-batch", elastic_batch,
+                 "-n MIN:MAX on fewer than MAX workers keeps the global batch by: grow (each worker's share of "
+                 "--batch grows) | accumulate (each worker's micro-batch stays as on MAX workers; --grad-accum is "
+                 "multiplied by MAX / workers)")
+      ->check(CLI::IsMember({"grow", "accumulate"}))
       ->capture_default_str();
+  auto* restarts_opt =
+      app.add_option("--max-restarts", max_restarts,
+                     "after a failed run of the workers, relaunch up to K times from the newest checkpoint "
+                     "(elastic runs: 3 unless given)")
+          ->check(whole_between(0, 100))
+          ->capture_default_str();
   app.add_flag("--resume", cfg.resume,
                "continue from the newest checkpoint in --checkpoint-dir (any strategy / worker count)");
   LaunchOptions lo;  // several machines: the hosts and their network
@@ -139,6 +241,8 @@ int cmd_train(int argc, char** argv) {
                  "R:MS: rank R sleeps MS milliseconds per sample of its share each step (models a slower device; "
                  "for tests and demos)");
   app.add_option("--baseline-sps", cfg.baseline_samples_per_second, "(internal) one worker's samples/s")->group("");
+  app.add_option("--elastic-stop-file", cfg.stop_file, "(internal) stop at a checkpoint when this file exists")
+      ->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -147,6 +251,15 @@ int cmd_train(int argc, char** argv) {
   cfg.evaluate = !no_eval;
   cfg.progress = !no_progress;
   cfg.overlap = !no_overlap;
+  WorkerRange range;
+  try {
+    range = worker_range(workers);
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "tandem train: " << e.what() << "\n";
+    return 2;
+  }
+  const int nprocs = range.max;
+  const ElasticBatch elastic{elastic_batch == "accumulate", range.max};
 
   RuntimeOptions ro;
   ro.threads = threads;
@@ -170,8 +283,13 @@ int cmd_train(int argc, char** argv) {
                 << "' not found; install Fashion-MNIST (apt-get install dataset-fashion-mnist) or pass --data DIR\n";
       return 2;
     }
-    if (cfg.tp * cfg.pp == 1 && cfg.batch % nprocs != 0 &&
-        cfg.batch_shares.empty()) {  // with --tp/--pp: over the replicas, below
+    if (range.elastic()) {
+      if (auto problem = elastic_problem(cfg, range, elastic); !problem.empty()) {
+        std::cerr << "tandem train: " << problem << "\n";
+        return 2;
+      }
+    } else if (cfg.tp * cfg.pp == 1 && cfg.batch % nprocs != 0 &&
+               cfg.batch_shares.empty()) {  // with --tp/--pp: over the replicas, below
       std::cerr << "tandem train: --batch " << cfg.batch << " (global) does not split evenly over " << nprocs
                 << " workers; use a multiple of " << nprocs << "\n";
       return 2;
@@ -182,7 +300,7 @@ int cmd_train(int argc, char** argv) {
       return 2;
     }
     try {
-      validate_config(cfg, nprocs);  // the rest of the flags, before starting anything
+      if (!range.elastic()) validate_config(cfg, nprocs);  // the rest of the flags, before starting anything
     } catch (const std::exception& e) {
       std::cerr << "tandem train: " << e.what() << "\n";
       return 2;
@@ -195,7 +313,7 @@ int cmd_train(int argc, char** argv) {
     }
   }
   // One worker is launched as a child too when --max-restarts may have to relaunch it.
-  if (!is_worker && (nprocs > 1 || max_restarts > 0)) {
+  if (!is_worker && (nprocs > 1 || max_restarts > 0 || range.elastic())) {
     std::vector<std::string> args = {self_executable(), "train"};
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
     if (nprocs > 1 && !no_baseline && cfg.baseline_samples_per_second <= 0) {
@@ -234,6 +352,9 @@ int cmd_train(int argc, char** argv) {
     lo.prefix_output = false;
     // Explicit either way: mpirun gives the workers a pty, so their own isatty() says yes.
     lo.env.push_back(std::string("TANDEM_PROGRESS_TTY=") + (isatty(1) ? "1" : "0"));
+    if (range.elastic()) {
+      return train_elastic(cfg, range, elastic, restarts_opt->count() > 0 ? max_restarts : 3, lo, args);
+    }
     std::cout << "launching " << nprocs << " workers (" << cfg.strategy;
     if (cfg.tp * cfg.pp > 1) {
       std::cout << ", dp " << nprocs / (cfg.tp * cfg.pp) << " x tp " << cfg.tp << " x pp " << cfg.pp;

@@ -1,0 +1,18 @@
+# Elastic runs (tandem train -n MIN:MAX, tandem/elastic.h) on network-namespace hosts
+# (tests/netns; root, else SKIPPED). NET_IDs 21-24, used by no other test.
+# A host lost for good: the job finishes on the rest; its losses after the cut equal a manual
+# --resume on that many workers (1e-6).
+# --elastic-batch grow (the default) and accumulate.
+add_test(NAME e2e_elastic_shrink COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/elastic_shrink.sh $<TARGET_FILE:tandem_cli> 21
+         grow)
+add_test(NAME e2e_elastic_shrink_accumulate COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/elastic_shrink.sh
+         $<TARGET_FILE:tandem_cli> 24 accumulate)
+# The host comes back: the job grows again at a checkpoint.
+add_test(NAME e2e_elastic_regrow COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/elastic_regrow.sh $<TARGET_FILE:tandem_cli> 22)
+# Below MIN: a non-zero exit naming the lost host.
+add_test(NAME e2e_elastic_below_min COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/elastic_below_min.sh
+         $<TARGET_FILE:tandem_cli> 23)
+set_tests_properties(e2e_elastic_shrink e2e_elastic_shrink_accumulate e2e_elastic_regrow e2e_elastic_below_min
+                     PROPERTIES TIMEOUT 180 PROCESSORS 2 SKIP_RETURN_CODE 77)
+add_test(NAME e2e_elastic_bad_input COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/elastic_bad_input.sh $<TARGET_FILE:tandem_cli>)
+set_tests_properties(e2e_elastic_bad_input PROPERTIES TIMEOUT 120)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Elastic run, a host lost for good: `train -n 1:2` on 2 network-namespace hosts; after the
+# first checkpoint host 1's link goes down and stays down. The launcher must probe the hosts,
+# drop host 1, relaunch 1 worker on host 0 from the newest checkpoint and finish; its per-step
+# losses after the cut must equal (1e-6) those of a manual `--resume` with 1 worker from a copy of
+# that checkpoint; the report and the metrics file list the change. MODE is --elastic-batch:
+# grow (the worker takes the whole global batch) or accumulate (2 micro-batches of 32, as a
+# manual --resume with --grad-accum 2).
+# usage: elastic_shrink.sh TANDEM NET_ID grow|accumulate   (exit 77: no netns here)
+set -euo pipefail
+tandem=$1
+NET_ID=$2
+mode=$3
+source "$(dirname "$0")/elastic_lib.sh"
+steps=160
+
+el_start_and_cut -n 1:2 --elastic-batch "$mode" --max-steps "$steps" --metrics "$out/elastic.jsonl"
+el_wait_ok
+grep -E "elastic: .*2 -> 1 workers \(failure\); lost $h1; resuming from step [0-9]+" "$out/stdout" ||
+  el_fail "no membership change 2 -> 1 naming $h1"
+resumed=$(grep -oE "2 -> 1 workers \(failure\); lost $h1; resuming from step [0-9]+" "$out/stdout" | head -n1 |
+  grep -oE "[0-9]+$")
+grep -q "^steps *$steps " "$out/stdout" || el_fail "the run did not reach step $steps"
+
+manual=()
+if [[ $mode == accumulate ]]; then
+  grep -q "gradient accumulation: 2 micro-batches of about 32 per replica" "$out/stdout" ||
+    el_fail "the relaunch on 1 worker does not accumulate 2 micro-batches"
+  manual=(--grad-accum 2)
+fi
+el_same_as_manual "$resumed" 1 ${manual[@]+"${manual[@]}"}
+python3 - "$out" "$resumed" "$h1" <<'PY' || el_fail "the metrics file does not list the change"
+import json, sys
+out, resumed, lost = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+changes = [json.loads(l)["membership"] for l in open(f"{out}/elastic.jsonl") if "membership" in l]
+print(f"metrics: {changes}")
+assert len(changes) == 1, changes
+c = changes[0]
+assert (c["old_workers"], c["new_workers"], c["lost"], c["regained"], c["resume_step"], c["reason"]) == \
+    (2, 1, [lost], [], resumed, "failure"), c
+PY
+echo "elastic shrink ok"
