@@ -152,6 +152,9 @@ void run_replicas(const ReplicaOptions& opts, const std::function<void(Runtime&)
         p.world = world[r];
         p.cpu_world = process ? world[r] : cpu[r];
         Runtime rt(std::move(p));
+        // at::set_num_threads also resets process-wide pools and caches (MKL's thread count,
+        // oneDNN's primitive cache): no replica computes until every one has set its threads.
+        cpu[r]->barrier();
         fn(rt);
       } catch (...) {
         auto e = std::current_exception();
