@@ -166,7 +166,7 @@ void run_replicas(const ReplicaOptions& opts, const std::function<void(Runtime&)
             first_rank = rank;
           }
         }
-        if (process && process->world_size() > 1) {  // the other processes wait in MPI: end them all now
+        if (process && process->world_size() > 1) {  // the other processes wait in MPI: end the job at once
           std::cerr << "tandem: replica " + std::to_string(rank) + ": " + msg + "\n" << std::flush;
           process->abort(1);
         }

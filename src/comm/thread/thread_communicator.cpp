@@ -4,7 +4,9 @@
 // rank reduces or copies its own share of the elements directly from and into the peers'
 // tensors, and a second rendezvous keeps every tensor alive and unchanged until all shares
 // are done. Sums run in rank order on one rank per element range and are copied to all, so
-// every rank gets the same bits (as the MPI backend's shared-memory path).
+// every rank gets the same bits (as the MPI backend's shared-memory path). The hierarchical
+// form (make_hierarchical_communicator) composes a thread group with a communicator over the
+// processes.
 #include <ATen/ATen.h>
 
 #include <algorithm>
