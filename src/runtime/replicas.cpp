@@ -68,9 +68,10 @@ void validate_replicas(const ReplicaOptions& opts) {
     }
     const int n = static_cast<int>(torch::cuda::device_count());
     if (k > n) {
-      throw std::invalid_argument("--replicas " + std::to_string(k) + " needs one CUDA device per replica, and this "
-                                  "process sees " + std::to_string(n) + "; use --replicas " + std::to_string(n) +
-                                  " or fewer (or --device cpu)");
+      const std::string devices = std::to_string(n);
+      throw std::invalid_argument("--replicas " + std::to_string(k) +
+                                  " needs one CUDA device per replica, and this process sees " + devices +
+                                  "; use --replicas " + devices + " or fewer (or --device cpu)");
     }
   }
   if (opts.runtime.threads < 0) {
@@ -152,7 +153,7 @@ void run_replicas(const ReplicaOptions& opts, const std::function<void(Runtime&)
         p.world = world[r];
         p.cpu_world = process ? world[r] : cpu[r];
         Runtime rt(std::move(p));
-        // at::set_num_threads also resets process-wide pools and caches (MKL's thread count,
+        // at::set_num_threads also resets process-wide state (the shared pthreadpool's size,
         // oneDNN's primitive cache): no replica computes until every one has set its threads.
         cpu[r]->barrier();
         fn(rt);

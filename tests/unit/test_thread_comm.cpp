@@ -88,13 +88,12 @@ TEST_P(ThreadAllreduce, MatchesReferenceAndIsBitwiseEqualOnEveryRank) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, ThreadAllreduce,
-    ::testing::Values(Case{at::kFloat, ReduceOp::kSum}, Case{at::kFloat, ReduceOp::kAvg},
-                      Case{at::kFloat, ReduceOp::kMax}, Case{at::kDouble, ReduceOp::kSum},
-                      Case{at::kDouble, ReduceOp::kAvg}, Case{at::kBFloat16, ReduceOp::kSum},
-                      Case{at::kHalf, ReduceOp::kAvg}, Case{at::kInt, ReduceOp::kSum},
-                      Case{at::kLong, ReduceOp::kMax}));
+INSTANTIATE_TEST_SUITE_P(All, ThreadAllreduce,
+                         ::testing::Values(Case{at::kFloat, ReduceOp::kSum}, Case{at::kFloat, ReduceOp::kAvg},
+                                           Case{at::kFloat, ReduceOp::kMax}, Case{at::kDouble, ReduceOp::kSum},
+                                           Case{at::kDouble, ReduceOp::kAvg}, Case{at::kBFloat16, ReduceOp::kSum},
+                                           Case{at::kHalf, ReduceOp::kAvg}, Case{at::kInt, ReduceOp::kSum},
+                                           Case{at::kLong, ReduceOp::kMax}));
 
 TEST(ThreadComm, AllreduceOfNonContiguousTensor) {
   std::vector<at::Tensor> outs(2);
@@ -110,7 +109,8 @@ TEST(ThreadComm, AllreduceOfNonContiguousTensor) {
 }
 
 TEST(ThreadComm, AvgOfIntegersIsRefused) {
-  EXPECT_THROW(on_threads(group(2), [](tandem::Communicator& c, int) { c.allreduce(at::ones({4}, at::kInt), ReduceOp::kAvg); }),
+  EXPECT_THROW(on_threads(group(2),
+                          [](tandem::Communicator& c, int) { c.allreduce(at::ones({4}, at::kInt), ReduceOp::kAvg); }),
                tandem::CommError);
 }
 

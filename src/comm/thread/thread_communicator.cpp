@@ -210,7 +210,22 @@ class TaskWork : public Work {
 // within the timeout.
 class Worker {
  public:
-  Worker() : thread_([this] { run(); }) {}
+  // ATen's first parallel operation on a thread calls at::set_num_threads, which also resets
+  // process-wide state (the shared pthreadpool's size, oneDNN's primitive cache): the worker
+  // runs one before the constructor returns, so that it never happens while a replica computes.
+  Worker()
+      : thread_([this] {
+          at::ones({1 << 16}, at::kFloat).add_(1);
+          {
+            std::lock_guard<std::mutex> lk(mu_);
+            started_ = true;
+          }
+          cv_.notify_all();
+          run();
+        }) {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return started_; });
+  }
   ~Worker() {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -261,7 +276,7 @@ class Worker {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
-  bool stop_ = false;
+  bool stop_ = false, started_ = false;
   std::thread thread_;  // last: started once the rest is built
 };
 
@@ -544,14 +559,8 @@ class ThreadCommunicator : public Communicator {
 class HierarchicalCommunicator : public Communicator {
  public:
   HierarchicalCommunicator(CommPtr local, CommPtr procs, const CommOptions& o)
-      : Communicator(o),
-        local_(std::move(local)),
-        procs_(std::move(procs)),
-        k_(local_->rank()),
-        kk_(local_->size()),
-        p_(procs_->rank()),
-        pp_(procs_->size()),
-        worker_(std::make_unique<Worker>()) {}
+      : Communicator(o), local_(std::move(local)), procs_(std::move(procs)), k_(local_->rank()), kk_(local_->size()),
+        p_(procs_->rank()), pp_(procs_->size()), worker_(std::make_unique<Worker>()) {}
   ~HierarchicalCommunicator() override { worker_.reset(); }
 
   int rank() const override { return p_ * kk_ + k_; }
@@ -660,8 +669,8 @@ class HierarchicalCommunicator : public Communicator {
 
   void check_peer(int peer, const char* op, const at::Tensor& t) const {
     if (peer < 0 || peer >= size() || peer == rank()) {
-      throw CommError(describe(rank(), op, t) + ": peer " + std::to_string(peer) + " is not another rank of world size " +
-                      std::to_string(size()));
+      throw CommError(describe(rank(), op, t) + ": peer " + std::to_string(peer) +
+                      " is not another rank of world size " + std::to_string(size()));
     }
   }
 
