@@ -19,7 +19,7 @@ struct ProcessInfo {
   int world_size = 1;
   int local_rank = 0;
   int local_size = 1;
-  std::string launcher = "none";  // "mpirun", "srun", "env" or "none"
+  std::string launcher = "none";  // "mpirun", "srun", "env", "none", or "threads" for a replica thread
 };
 
 // Reads the environment only; never initializes anything.
@@ -60,9 +60,23 @@ struct RuntimeOptions {
   std::string store_dir;
 };
 
+// One replica of a process that trains several on its own threads (tandem/replicas.h): where it
+// sits in the job and its communicators, filled in by run_replicas.
+struct ReplicaPlacement {
+  ProcessInfo info;  // counted in replicas: rank, world size, local rank and size on this host
+  int threads = 1;   // compute threads of this replica's thread
+  c10::Device device{c10::kCPU};
+  CommPtr world, cpu_world;
+  std::vector<HostInfo> hosts;
+  std::vector<int> host_of;  // rank -> index in hosts
+};
+
 class Runtime {
  public:
   explicit Runtime(const RuntimeOptions& opts = {});
+  // The Runtime of one replica thread: initializes nothing, sets the calling thread's compute
+  // threads.
+  explicit Runtime(ReplicaPlacement placement);
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;

@@ -190,6 +190,19 @@ Runtime::Runtime(const RuntimeOptions& opts) : info_(detect_process_info()) {
   exchange_hosts();
 }
 
+Runtime::Runtime(ReplicaPlacement p)
+    : info_(p.info), threads_(std::max(1, p.threads)), device_(p.device), cpu_world_(std::move(p.cpu_world)),
+      world_(std::move(p.world)), hosts_(std::move(p.hosts)), host_of_(std::move(p.host_of)) {
+  if (!world_ || !cpu_world_ || world_->size() != info_.world_size ||
+      static_cast<int>(host_of_.size()) != info_.world_size) {
+    throw std::invalid_argument("ReplicaPlacement of rank " + std::to_string(info_.rank) +
+                                ": its communicators and hosts must span its world size " +
+                                std::to_string(info_.world_size));
+  }
+  at::set_num_threads(threads_);  // OpenMP's team size is a setting of the calling thread
+  probe_port_.assign(info_.world_size, 0);
+}
+
 // Every rank contributes "hostname\naddress,address\nport" in a fixed-size record.
 void Runtime::exchange_hosts() {
   char name[256] = {};

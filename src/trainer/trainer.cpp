@@ -23,6 +23,7 @@
 #include "tandem/precision.h"
 #include "tandem/progress.h"
 #include "tandem/registry.h"
+#include "tandem/replicas.h"
 #include "tandem/shares.h"
 #include "tandem/trace.h"
 
@@ -378,7 +379,12 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
     }
   }
 
-  torch::manual_seed(cfg.seed);
+  std::shared_ptr<torch::nn::Module> model;
+  {
+    std::lock_guard<std::mutex> lk(default_generator_mutex());  // replica threads share the generator
+    torch::manual_seed(cfg.seed);
+    model = make_registered_model(cfg.model);
+  }
   EngineOptions eo;
   eo.model_name = cfg.model;
   eo.make_dense = [&cfg] { return models::make_model(cfg.model); };
@@ -386,7 +392,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
     const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(cfg.batch / dp / cfg.micro_batches, train_set.size()));
     eo.partition_sample = train_set.images.narrow(0, 0, rows);
   }
-  Engine eng(rt, make_registered_model(cfg.model), nullptr, optimizer_options(cfg), pc, eo);
+  Engine eng(rt, model, nullptr, optimizer_options(cfg), pc, eo);
   TrainReport rep = describe_run(cfg, eng);
 
   StartPoint start;

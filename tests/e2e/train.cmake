@@ -22,3 +22,7 @@ set_tests_properties(e2e_train_grad_accum PROPERTIES TIMEOUT 600 PROCESSORS 2)
 # LARS and LAMB: two workers under ZeRO follow one worker step for step.
 add_test(NAME e2e_train_layerwise COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_layerwise.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_train_layerwise PROPERTIES TIMEOUT 300 PROCESSORS 2)
+# --replicas K (threads of one process) against -n K processes: DDP and ZeRO-2 losses within
+# 1e-5 over 20 steps; bad input to --replicas.
+add_test(NAME e2e_train_replicas COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_replicas.sh $<TARGET_FILE:tandem_cli>)
+set_tests_properties(e2e_train_replicas PROPERTIES TIMEOUT 600 PROCESSORS 2)

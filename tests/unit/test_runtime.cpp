@@ -106,6 +106,13 @@ TEST(TuneAllocator, KeepsFreedMemoryForReuse) {
   ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 8 << 20), 1);
   ASSERT_EQ(mallopt(M_TRIM_THRESHOLD, 16 << 20), 1);
   const long before = faults_per_round();
+  if (before < 3000) {
+    // The control depends on the process's heap: in the whole unit binary with the replica
+    // tests linked it faults 0 times per round (run alone, ~6,000), i.e. freed memory stays
+    // mapped whatever the thresholds say, and there is nothing to measure.
+    GTEST_SKIP() << "the control faulted " << before << " times per round (expected ~6,000): this process's heap "
+                 << "does not shrink, so the allocator settings cannot be measured here; run the test alone";
+  }
   EnvGuard g;
   g.set("TANDEM_MALLOC_TUNE", "0");
   EXPECT_FALSE(tandem::tune_allocator());

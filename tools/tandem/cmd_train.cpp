@@ -17,6 +17,7 @@
 #include "tandem/elastic.h"
 #include "tandem/launcher.h"
 #include "tandem/registry.h"
+#include "tandem/replicas.h"
 #include "tandem/runtime.h"
 #include "tandem/trainer.h"
 #include "worker_options.h"
@@ -115,11 +116,80 @@ int train_elastic(const TrainConfig& cfg, const WorkerRange& range, const Elasti
 
 }  // namespace
 
+namespace {
+
+// Why --replicas K cannot run with the other flags ("" when it can).
+std::string replica_conflict(int replicas, int nprocs, int max_restarts, const std::string& device,
+                             const TrainConfig& cfg) {
+  if (replicas < 1) return "--replicas " + std::to_string(replicas) + ": a process trains at least 1 replica";
+  const std::string both = "--replicas " + std::to_string(replicas) + " with -n " + std::to_string(nprocs);
+  if (nprocs > 1 && device != "cpu") {
+    return both + " runs on the CPU only (--device cpu); on CUDA use --replicas alone or -n alone";
+  }
+  if (nprocs > 1 && cfg.tp * cfg.pp > 1) {
+    return both + ": --tp and --pp split the replicas into groups, which is not supported across processes; use "
+                  "--replicas alone or -n alone";
+  }
+  if (max_restarts > 0) return "--max-restarts relaunches worker processes; it does not apply to --replicas";
+  if (!cfg.trace.empty()) return "--trace records one timeline per process; it does not apply to --replicas yet";
+  return "";
+}
+
+// One worker, the same per-worker threads and global batch, a few steps: the reference for the
+// speedup figure, as samples per second in *sps (0 when unmeasured). False after printing a failure.
+bool measure_baseline(const TrainConfig& cfg, const RuntimeOptions& ro, int workers, int64_t steps, double* sps) {
+  TrainConfig b = cfg;
+  b.max_steps = steps;
+  b.evaluate = false;
+  b.progress = false;
+  b.metrics_path.clear();
+  b.checkpoint_every = 0;  // the measurement neither saves nor resumes
+  b.resume = false;
+  b.strategy = "single";
+  b.tp = b.pp = 1;         // the whole model on one worker
+  b.batch_shares.clear();  // one worker takes the whole batch, at full speed
+  b.slow_rank.clear();
+  RuntimeOptions bro = ro;
+  bro.threads = ro.threads > 0 ? ro.threads : std::max(1u, std::thread::hardware_concurrency() / workers);
+  bro.backend = "self";
+  std::cout << "measuring one worker (" << steps << " steps, " << bro.threads << " thread(s)) for the speedup figure..."
+            << std::endl;
+  try {
+    Runtime rt(bro);
+    auto r = train(rt, b);
+    *sps = r.step_ms_median > 0 ? cfg.batch * 1000.0 / r.step_ms_median : 0.0;
+  } catch (const std::exception& e) {
+    std::cerr << "tandem train: " << e.what() << "\n";
+    return false;
+  }
+  return true;
+}
+
+// --replicas K: K replica threads in this process; replica 0 prints the report.
+int train_replicas(const TrainConfig& cfg, const ReplicaOptions& opts, bool announce) {
+  if (announce) {
+    std::cout << "training " << opts.replicas << " replicas in this process (" << cfg.strategy << ")" << std::endl;
+  }
+  try {
+    run_replicas(opts, [&](Runtime& rt) {
+      auto report = train(rt, cfg);
+      if (rt.rank() == 0) std::cout << format_report(report) << std::flush;
+    });
+  } catch (const std::exception& e) {
+    std::cerr << "tandem train: " << e.what() << "\n" << std::flush;
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
 int cmd_train(int argc, char** argv) {
   CLI::App app{"Train a model on N workers. With no options: the CNN on Fashion-MNIST, 2 workers, DDP, one epoch.",
                "tandem train"};
   TrainConfig cfg;
   WorkerFlags workers;
+  int replicas = 1;
   int threads = 0;
   std::string device = "cpu";
   double timeout_s = 300;
@@ -152,6 +222,10 @@ int cmd_train(int argc, char** argv) {
       ->check(number_between(0, 4294967296.0, /*above_lo=*/true))
       ->capture_default_str();
   add_worker_options(app, workers, "2");
+  app.add_option("--replicas", replicas,
+                 "replicas per process, each on its own thread (and CUDA device), gradients reduced inside the "
+                 "process (no MPI needed); alone it means one process: --replicas 2 trains 2 replicas")
+      ->capture_default_str();
   app.add_option("--epochs", cfg.epochs, "epochs")->check(whole_between(1, 10000))->capture_default_str();
   app.add_option("--batch", cfg.batch, "global batch size (split across workers)")
       ->check(whole_between(1, 1 << 24))
@@ -248,6 +322,10 @@ int cmd_train(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  // --replicas alone: one process, the replicas are the workers.
+  if (app.count("--replicas") > 0 && app.count("--nprocs") == 0 && app.count("--min-workers") == 0) {
+    workers.count = "1";
+  }
   cfg.evaluate = !no_eval;
   cfg.progress = !no_progress;
   cfg.overlap = !no_overlap;
@@ -283,15 +361,24 @@ int cmd_train(int argc, char** argv) {
                 << "' not found; install Fashion-MNIST (apt-get install dataset-fashion-mnist) or pass --data DIR\n";
       return 2;
     }
+    if (replicas != 1) {
+      std::string why = range.elastic() ? "--replicas does not combine with an elastic -n MIN:MAX; use -n N"
+                                        : replica_conflict(replicas, nprocs, max_restarts, device, cfg);
+      if (!why.empty()) {
+        std::cerr << "tandem train: " << why << "\n";
+        return 2;
+      }
+    }
+    const int total = nprocs * replicas;
     if (range.elastic()) {
       if (auto problem = elastic_problem(cfg, range, elastic); !problem.empty()) {
         std::cerr << "tandem train: " << problem << "\n";
         return 2;
       }
-    } else if (cfg.tp * cfg.pp == 1 && cfg.batch % nprocs != 0 &&
+    } else if (cfg.tp * cfg.pp == 1 && cfg.batch % total != 0 &&
                cfg.batch_shares.empty()) {  // with --tp/--pp: over the replicas, below
-      std::cerr << "tandem train: --batch " << cfg.batch << " (global) does not split evenly over " << nprocs
-                << " workers; use a multiple of " << nprocs << "\n";
+      std::cerr << "tandem train: --batch " << cfg.batch << " (global) does not split evenly over " << total
+                << " workers; use a multiple of " << total << "\n";
       return 2;
     }
     if (max_restarts > 0 && cfg.checkpoint_dir.empty()) {
@@ -300,7 +387,7 @@ int cmd_train(int argc, char** argv) {
       return 2;
     }
     try {
-      if (!range.elastic()) validate_config(cfg, nprocs);  // the rest of the flags, before starting anything
+      if (!range.elastic()) validate_config(cfg, total);  // the rest of the flags, before starting anything
     } catch (const std::exception& e) {
       std::cerr << "tandem train: " << e.what() << "\n";
       return 2;
@@ -317,35 +404,11 @@ int cmd_train(int argc, char** argv) {
     std::vector<std::string> args = {self_executable(), "train"};
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
     if (nprocs > 1 && !no_baseline && cfg.baseline_samples_per_second <= 0) {
-      // One worker, the same per-worker threads and global batch, a few steps: the reference
-      // for the speedup figure.
-      TrainConfig b = cfg;
-      b.max_steps = baseline_steps;
-      b.evaluate = false;
-      b.progress = false;
-      b.metrics_path.clear();
-      b.checkpoint_every = 0;  // the measurement neither saves nor resumes
-      b.resume = false;
-      b.strategy = "single";
-      b.tp = b.pp = 1;         // the whole model on one worker
-      b.batch_shares.clear();  // one worker takes the whole batch, at full speed
-      b.slow_rank.clear();
-      RuntimeOptions bro = ro;
-      bro.threads = threads > 0 ? threads : std::max(1u, std::thread::hardware_concurrency() / nprocs);
-      bro.backend = "self";
-      std::cout << "measuring one worker (" << baseline_steps << " steps, " << bro.threads
-                << " thread(s)) for the speedup figure..." << std::endl;
-      try {
-        Runtime rt(bro);
-        auto r = train(rt, b);
-        if (r.step_ms_median > 0) {
-          double sps = cfg.batch * 1000.0 / r.step_ms_median;
-          args.push_back("--baseline-sps");
-          args.push_back(std::to_string(sps));
-        }
-      } catch (const std::exception& e) {
-        std::cerr << "tandem train: " << e.what() << "\n";
-        return 1;
+      double sps = 0;
+      if (!measure_baseline(cfg, ro, nprocs * replicas, baseline_steps, &sps)) return 1;
+      if (sps > 0) {
+        args.push_back("--baseline-sps");
+        args.push_back(std::to_string(sps));
       }
     }
     lo.nprocs = nprocs;
@@ -356,6 +419,7 @@ int cmd_train(int argc, char** argv) {
       return train_elastic(cfg, range, elastic, restarts_opt->count() > 0 ? max_restarts : 3, lo, args);
     }
     std::cout << "launching " << nprocs << " workers (" << cfg.strategy;
+    if (replicas > 1) std::cout << ", " << replicas << " replicas each";
     if (cfg.tp * cfg.pp > 1) {
       std::cout << ", dp " << nprocs / (cfg.tp * cfg.pp) << " x tp " << cfg.tp << " x pp " << cfg.pp;
     }
@@ -369,6 +433,23 @@ int cmd_train(int argc, char** argv) {
       rc = launch(lo, args);
     }
     return rc;
+  }
+
+  if (replicas != 1) {  // one process (not launched) or each launched worker
+    ReplicaOptions opts;
+    opts.replicas = replicas;
+    opts.runtime = ro;
+    try {
+      validate_replicas(opts);  // before the baseline, which would fail on the same device
+    } catch (const std::exception& e) {
+      std::cerr << "tandem train: " << e.what() << "\n";
+      return 2;
+    }
+    if (!is_worker && !no_baseline && cfg.baseline_samples_per_second <= 0 &&
+        !measure_baseline(cfg, ro, replicas, baseline_steps, &cfg.baseline_samples_per_second)) {
+      return 1;
+    }
+    return train_replicas(cfg, opts, !is_worker);
   }
 
   std::unique_ptr<Runtime> rt;

@@ -1083,4 +1083,31 @@ CommPtr make_nccl_communicator(int device_index, Bootstrap& bootstrap, const Com
   return std::make_shared<NcclCommunicator>(comm, static_cast<c10::DeviceIndex>(device_index), blocking, opts);
 }
 
+std::vector<CommPtr> make_nccl_device_communicators(const std::vector<int>& devices, const CommOptions& opts) {
+  using namespace detail;
+  const std::string where = "NCCL initialization of " + std::to_string(devices.size()) + " devices in one process";
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    ndev = 0;
+  }
+  for (int d : devices) {
+    if (d < 0 || d >= ndev) {
+      throw CommError(where + ": no CUDA device " + std::to_string(d) + " (this process sees " + std::to_string(ndev) +
+                      "); use at most " + std::to_string(ndev) + " replicas");
+    }
+  }
+  // ncclCommInitAll initializes every device's communicator in one blocking call (there is no
+  // configurable form); the collectives afterwards are issued by one thread per device.
+  std::vector<ncclComm_t> comms(devices.size(), nullptr);
+  ncclResult_t rc = ncclCommInitAll(comms.data(), static_cast<int>(devices.size()), devices.data());
+  if (rc != ncclSuccess) throw CommError(where + " failed: " + nccl_message(rc) + "; set NCCL_DEBUG=WARN for details");
+  std::vector<CommPtr> out;
+  for (size_t r = 0; r < devices.size(); ++r) {
+    out.push_back(std::make_shared<NcclCommunicator>(comms[r], static_cast<c10::DeviceIndex>(devices[r]),
+                                                     /*blocking=*/true, opts));
+  }
+  return out;
+}
+
 }  // namespace tandem
