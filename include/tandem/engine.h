@@ -156,6 +156,10 @@ struct EngineStats {
   int64_t peak_gathered_bytes = 0;  // ZeRO-3: most gathered parameters alive at once
   int64_t zero_pool_bytes = 0, zero_pool_misses = 0;
   int64_t peak_rss_bytes = 0;  // this process's resident peak
+  // The most CPU memory allocated above a step's start during its forward and backward passes:
+  // activations and the step's transient buffers, measured by MemoryMeter (tandem/pipeline.h)
+  // where the process installed it, else -1.
+  int64_t peak_activation_bytes = -1;
   // Pipeline: this stage's mean step and compute milliseconds over the steps after the first,
   // idle over compute (theory (pp - 1) / (m v), v the virtual stages), and the most
   // micro-batches (micro-batch and chunk pairs) held at once.

@@ -16,6 +16,7 @@
 #include "tandem/ddp.h"
 #include "tandem/grid.h"
 #include "tandem/models.h"
+#include "tandem/pipeline.h"
 #include "tandem/tensor_parallel.h"
 #include "tandem/trace.h"
 #include "tandem/zero.h"
@@ -68,6 +69,7 @@ struct Engine::Impl {
   std::vector<CommPtr> comms;
   std::vector<std::map<std::string, OpStats>> comm_before;
   int64_t steps = 0, pipe_steps = 0, peak_live = 0;
+  int64_t peak_activation = -1;  // see EngineStats::peak_activation_bytes
   double pipe_step_s = 0.0, pipe_compute_s = 0.0;
   int uncounted_depth = 0;
   std::shared_ptr<AsyncCheckpoint> pending_save;  // an asynchronous save not yet committed
@@ -262,7 +264,13 @@ at::Tensor Engine::forward_backward(const at::Tensor& inputs, const at::Tensor& 
   auto& I = *impl_;
   I.fresh_step = false;
   auto x = I.cast_input(inputs);
-  return I.L.pipe ? I.pipeline_pass(x, targets, loss_fn, options) : I.accumulate_pass(x, targets, loss_fn, options);
+  const bool meter = MemoryMeter::installed();
+  const int64_t base = meter ? MemoryMeter::current_bytes() : 0;
+  if (meter) MemoryMeter::reset_peak();
+  auto loss =
+      I.L.pipe ? I.pipeline_pass(x, targets, loss_fn, options) : I.accumulate_pass(x, targets, loss_fn, options);
+  if (meter) I.peak_activation = std::max(I.peak_activation, MemoryMeter::peak_bytes() - base);
+  return loss;
 }
 
 // The pipeline back-propagates each micro-batch's loss / m and returns their mean. kSum: the
@@ -516,6 +524,7 @@ EngineStats Engine::stats() const {
   }
   I.up->memory(s);
   s.peak_rss_bytes = peak_rss_bytes();
+  s.peak_activation_bytes = I.peak_activation;
   if (I.L.pipe) {
     double step_s = I.pipe_step_s, compute_s = I.pipe_compute_s;
     int64_t n = I.pipe_steps;

@@ -59,11 +59,19 @@ void gather_pipeline(Engine& eng, const EngineStats& s, Report& rep) {
 // Every rank's peak, and rank 0's model state (the same figures on every rank).
 void gather_memory(Engine& eng, const EngineStats& s, Report& rep) {
   const int world = eng.world_size();
-  auto mine = torch::tensor({s.peak_rss_bytes}, torch::kLong).to(eng.device());
-  auto all = torch::empty({world}, mine.options());
+  auto mine = torch::tensor({s.peak_rss_bytes, s.peak_activation_bytes}, torch::kLong).to(eng.device());
+  auto all = torch::empty({2 * world}, mine.options());
   eng.world()->allgather(all, mine);
-  auto host = all.cpu();
-  rep.peak_rss_bytes.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + world);
+  auto host = all.cpu().view({world, 2});
+  rep.peak_rss_bytes.clear();
+  rep.peak_activation_bytes.clear();
+  bool measured = true;
+  for (int r = 0; r < world; ++r) {
+    rep.peak_rss_bytes.push_back(host[r][0].item<int64_t>());
+    rep.peak_activation_bytes.push_back(host[r][1].item<int64_t>());
+    measured = measured && rep.peak_activation_bytes.back() >= 0;
+  }
+  if (!measured) rep.peak_activation_bytes.clear();
   auto t = torch::tensor({s.parameter_bytes, s.gradient_bytes, s.optimizer_state_bytes}, torch::kLong).to(eng.device());
   eng.world()->broadcast(t, 0);
   auto h = t.cpu();
@@ -162,6 +170,13 @@ void format_memory(std::ostringstream& os, const Report& r) {
     os << (i ? ", " : "") << "rank " << i << " " << r.peak_rss_bytes[i] / kMiB << " MiB";
   }
   os << "\n";
+  if (!r.peak_activation_bytes.empty()) {
+    line(os, "activations") << std::setprecision(1);
+    for (size_t i = 0; i < r.peak_activation_bytes.size(); ++i) {
+      os << (i ? ", " : "") << "rank " << i << " " << static_cast<double>(r.peak_activation_bytes[i]) / kMiB << " MiB";
+    }
+    os << " at most above a step's start (measured: activations and the step's transient buffers)\n";
+  }
   line(os, "model state") << std::setprecision(2) << "parameters " << r.parameter_bytes / kMiB << " MiB, gradients "
                           << r.gradient_bytes / kMiB << " MiB, optimizer state " << r.optimizer_state_bytes / kMiB
                           << " MiB" << (r.precision != "fp32" ? " incl. fp32 masters" : "") << " (rank 0)\n";
@@ -303,6 +318,7 @@ std::string report_json(const Report& r) {
                       {"test_accuracy", r.test_accuracy},
                       {"test_samples", r.test_samples},
                       {"peak_rss_bytes", r.peak_rss_bytes},
+                      {"peak_activation_bytes", r.peak_activation_bytes},
                       {"parameter_bytes", r.parameter_bytes},
                       {"gradient_bytes", r.gradient_bytes},
                       {"optimizer_state_bytes", r.optimizer_state_bytes},

@@ -7,7 +7,7 @@
 # --max-grad-norm tp 2 x dp 2 (DDP, ZeRO-1, ZeRO-2), pp 2, pp 2 x dp 2 (ZeRO-1) and tp 2 x pp 2 one
 # clipping worker; in fp16 from a loss scale that overflows tp 2, pp 2 and tp 2 x pp 2 skip the
 # same steps as one fp16 worker (pp 2 with ZeRO-1 too), and ZeRO-1 over tp 2 x dp 2 as DDP there. The report
-# and the metrics name the layout and the pipeline's bubble next to (pp-1)/m. The CNN cut by
+# and the metrics name the layout, every rank's measured activation peak, and the pipeline's bubble next to (pp-1)/m. The CNN cut by
 # --pp-partition time and by a list follows one worker too. Bad
 # input fails at start, non-zero, with a message naming the problem.
 # usage: train_model_parallel.sh TANDEM
@@ -80,6 +80,9 @@ for name, (dp, tp, pp) in layouts.items():
           f"(first {l[0]:.6f} vs {ref[0]:.6f}, last {l[-1]:.6f} vs {ref[-1]:.6f})")
     if worst > tol:
         print(f"FAIL {name}: {worst:.2e} > {tol:g}"); ok = False
+    acts = r.get("peak_activation_bytes", [])
+    if len(acts) != dp * tp * pp or min(acts) <= 0:
+        print(f"FAIL {name}: measured activation peaks {acts}, expected one positive figure per rank"); ok = False
     if (r["dp"], r["tp"], r["pp"]) != (dp, tp, pp) or r["layout"] != f"dp {dp} x tp {tp} x pp {pp}":
         print(f"FAIL {name}: metrics give layout {r.get('layout')}, expected dp {dp} x tp {tp} x pp {pp}"); ok = False
     if pp > 1:

@@ -56,7 +56,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--tp", cfg.tp, "tensor-parallel ranks per replica (Megatron blocks; with ddp or zero1)")
       ->capture_default_str();
-  app.add_option("--pp", cfg.pp, "pipeline stages per replica (with ddp or zero1)")->capture_default_str();
+  app.add_option("--pp", cfg.pp, "pipeline stages per replica (with ddp or zero1-3)")->capture_default_str();
   app.add_option("--pp-partition", cfg.pp_partition,
                  "where the stages are cut: params (balanced parameter counts) | time (balanced forward+backward "
                  "time of a micro-batch, measured before training) | the layers per stage, e.g. 2,3")

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "commands.h"
+#include "tandem/pipeline.h"
 #include "tandem/runtime.h"
 
 namespace {
@@ -27,7 +28,8 @@ const char* kUsage =
 }
 
 int main(int argc, char** argv) {
-  tandem::tune_allocator();  // before anything allocates (the calibration times compute in this process)
+  tandem::tune_allocator();        // before anything allocates (the calibration times compute in this process)
+  tandem::MemoryMeter::install();  // counts CPU tensor bytes for the report's activation peak
   if (argc < 2) {
     // The main job: training with its defaults.
     return tandem::cli::cmd_train(argc, argv);
