@@ -66,6 +66,9 @@ struct Report {
   std::vector<int64_t> peak_rss_bytes;  // every rank's resident peak
   // Every rank's EngineStats::peak_activation_bytes (empty where not measured).
   std::vector<int64_t> peak_activation_bytes;
+  // tandem plan's memory model of this run's layout, per rank: parameters, gradients, optimizer
+  // state, activations (empty where the model has no description for the planner).
+  std::vector<double> plan_memory_bytes;
   // Rank 0's model state after training: for ZeRO the sharded figures, masters included in
   // the optimizer state (tandem/zero.h, ZeroMemory).
   int64_t parameter_bytes = 0, gradient_bytes = 0, optimizer_state_bytes = 0;

@@ -177,6 +177,12 @@ void format_memory(std::ostringstream& os, const Report& r) {
     }
     os << " at most above a step's start (measured: activations and the step's transient buffers)\n";
   }
+  if (r.plan_memory_bytes.size() == 4) {
+    const auto& p = r.plan_memory_bytes;
+    line(os, "plan predicts") << std::setprecision(2) << "parameters " << p[0] / kMiB << " MiB, gradients "
+                              << p[1] / kMiB << " MiB, optimizer state " << p[2] / kMiB << " MiB, activations "
+                              << p[3] / kMiB << " MiB per rank (tandem plan's model of this layout)\n";
+  }
   line(os, "model state") << std::setprecision(2) << "parameters " << r.parameter_bytes / kMiB << " MiB, gradients "
                           << r.gradient_bytes / kMiB << " MiB, optimizer state " << r.optimizer_state_bytes / kMiB
                           << " MiB" << (r.precision != "fp32" ? " incl. fp32 masters" : "") << " (rank 0)\n";
@@ -319,6 +325,7 @@ std::string report_json(const Report& r) {
                       {"test_samples", r.test_samples},
                       {"peak_rss_bytes", r.peak_rss_bytes},
                       {"peak_activation_bytes", r.peak_activation_bytes},
+                      {"plan_memory_bytes", r.plan_memory_bytes},
                       {"parameter_bytes", r.parameter_bytes},
                       {"gradient_bytes", r.gradient_bytes},
                       {"optimizer_state_bytes", r.optimizer_state_bytes},

@@ -7,7 +7,8 @@
 # --max-grad-norm tp 2 x dp 2 (DDP, ZeRO-1, ZeRO-2), pp 2, pp 2 x dp 2 (ZeRO-1) and tp 2 x pp 2 one
 # clipping worker; in fp16 from a loss scale that overflows tp 2, pp 2 and tp 2 x pp 2 skip the
 # same steps as one fp16 worker (pp 2 with ZeRO-1 too), and ZeRO-1 over tp 2 x dp 2 as DDP there. The report
-# and the metrics name the layout, every rank's measured activation peak, and the pipeline's bubble next to (pp-1)/m. The CNN cut by
+# and the metrics name the layout, every rank's measured activation peak, tandem plan's memory for the
+# layout (its parameters equal the measured ones without a pipeline), and the pipeline's bubble next to (pp-1)/m. The CNN cut by
 # --pp-partition time and by a list follows one worker too. Bad
 # input fails at start, non-zero, with a message naming the problem.
 # usage: train_model_parallel.sh TANDEM
@@ -83,6 +84,10 @@ for name, (dp, tp, pp) in layouts.items():
     acts = r.get("peak_activation_bytes", [])
     if len(acts) != dp * tp * pp or min(acts) <= 0:
         print(f"FAIL {name}: measured activation peaks {acts}, expected one positive figure per rank"); ok = False
+    plan = r.get("plan_memory_bytes", [])
+    # The planner's per-rank model state; with a pipeline it assumes evenly cut stages, which rank 0's are not.
+    if len(plan) != 4 or (pp == 1 and abs(plan[0] - r["parameter_bytes"]) > 0.01 * r["parameter_bytes"]):
+        print(f"FAIL {name}: plan's memory {plan} against measured parameters {r['parameter_bytes']}"); ok = False
     if (r["dp"], r["tp"], r["pp"]) != (dp, tp, pp) or r["layout"] != f"dp {dp} x tp {tp} x pp {pp}":
         print(f"FAIL {name}: metrics give layout {r.get('layout')}, expected dp {dp} x tp {tp} x pp {pp}"); ok = False
     if pp > 1:
