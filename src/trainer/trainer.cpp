@@ -353,7 +353,7 @@ void validate_config(const TrainConfig& cfg_in, int world) {
 
 // tandem plan's per-rank memory for this run's layout on this machine: parameters, gradients,
 // optimizer state, activations; empty for a model the planner has no description of.
-std::vector<double> planned_memory(const TrainConfig& cfg, int world, int dp) {
+std::vector<double> planned_memory(const TrainConfig& cfg, const ParallelConfig& pc, int world, int dp) {
   plan::ModelSpec m;
   try {
     m = plan::builtin_model(cfg.model);
@@ -363,14 +363,14 @@ std::vector<double> planned_memory(const TrainConfig& cfg, int world, int dp) {
   plan::PlanOptions o;
   o.global_batch = cfg.batch;
   o.optimizer = cfg.optimizer;
-  o.precision = cfg.precision == "fp32" ? "fp32" : "mixed";
-  o.activation_checkpointing = cfg.activation_checkpointing != "none";
+  o.precision = pc.precision == Precision::kFP32 ? "fp32" : "mixed";
+  o.activation_checkpointing = pc.activation_checkpointing.enabled();
   plan::Layout l;
   l.dp = dp;
-  l.tp = cfg.tp;
-  l.pp = cfg.pp;
-  l.zero = zero_stage(parse_strategy(cfg.strategy));
-  l.micro_batches = cfg.pp > 1 ? cfg.micro_batches : cfg.grad_accum;
+  l.tp = pc.tp;
+  l.pp = pc.pp;
+  l.zero = zero_stage(pc.strategy);
+  l.micro_batches = pc.pp > 1 ? pc.micro_batches : pc.grad_accum;
   l.micro_batch = std::max<int64_t>(1, cfg.batch / dp / l.micro_batches);
   plan::ClusterSpec c = plan::cluster_preset("local");
   c.groups.at(0).devices_per_node = std::max(c.groups.at(0).devices_per_node, world);
@@ -441,7 +441,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   report_losses(eng, rec, dev, rep);
   if (cfg.evaluate && test_set.size() > 0 && !rec.stopped) evaluate(cfg, eng, test_set, dev, rep);
   collect_engine_report(eng, loop, rep);
-  if (rank == 0) rep.plan_memory_bytes = planned_memory(cfg, world, dp);
+  if (rank == 0) rep.plan_memory_bytes = planned_memory(cfg, pc, world, dp);
   if (rank == 0 && !cfg.metrics_path.empty()) write_metrics(cfg.metrics_path, rep);
   return rep;
 }

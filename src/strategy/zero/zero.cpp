@@ -249,6 +249,7 @@ struct ZeroDataParallel::Impl {
     std::unordered_map<const void*, size_t> index;
     for (size_t i = 0; i < params.size(); ++i) index[params[i].unsafeGetTensorImpl()] = i;
     std::vector<std::vector<size_t>> units;
+    bool has_root = false;
     if (sequential) {
       std::vector<char> taken(params.size(), 0);
       for (auto& child : sequential->children()) {
@@ -269,7 +270,7 @@ struct ZeroDataParallel::Impl {
         }
       }
     } else {
-      units = wrapped_unit_params(index);
+      units = wrapped_unit_params(index, &has_root);
     }
     unit_bucket.assign(units.size(), 0);
     for (size_t k = 0; k < units.size(); ++k) {
@@ -287,8 +288,8 @@ struct ZeroDataParallel::Impl {
   // ShardedUnit (the root; absent when empty, the whole module when there is no ShardedUnit),
   // then one per ShardedUnit in pre-order (forward order as models are usually written), each
   // holding its parameters outside the units nested in it. Each wrapper's runner is set here.
-  bool has_root = false;
-  std::vector<std::vector<size_t>> wrapped_unit_params(const std::unordered_map<const void*, size_t>& index) {
+  std::vector<std::vector<size_t>> wrapped_unit_params(const std::unordered_map<const void*, size_t>& index,
+                                                       bool* has_root) {
     std::vector<std::shared_ptr<ShardedUnitImpl>> found;
     for (const auto& m : module->modules(/*include_self=*/true))
       if (auto w = std::dynamic_pointer_cast<ShardedUnitImpl>(m)) found.push_back(w);
@@ -307,8 +308,8 @@ struct ZeroDataParallel::Impl {
     std::vector<size_t> root;
     for (size_t i = 0; i < params.size(); ++i)
       if (!taken[i]) root.push_back(i);
-    has_root = !root.empty();
-    if (has_root) units.push_back(std::move(root));
+    *has_root = !root.empty();
+    if (*has_root) units.push_back(std::move(root));
     wrapped_units = !found.empty();
     std::weak_ptr<Impl*> weak = self;
     for (size_t k = 0; k < found.size(); ++k) {
