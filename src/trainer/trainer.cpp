@@ -191,7 +191,9 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
   if (cfg.max_steps >= 0) total_steps = std::min(total_steps, cfg.max_steps);
   LrSchedule schedule;
   schedule.peak = cfg.lr * (cfg.scale_lr ? dp : 1);
-  schedule.warmup_start = cfg.lr;
+  // Goyal et al.'s warmup climbs from the unscaled rate to the scaled one; without --scale-lr
+  // there is nothing to climb from, so the warmup starts at 0.
+  schedule.warmup_start = cfg.scale_lr ? cfg.lr : 0.0;
   schedule.warmup_steps = cfg.warmup_steps;
   schedule.total_steps = total_steps;
   schedule.cosine = cfg.schedule == "cosine";

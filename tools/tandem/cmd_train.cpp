@@ -241,7 +241,8 @@ int cmd_train(int argc, char** argv) {
   app.add_flag("--adapt-vectors", cfg.adapt_vectors,
                "LARS, LAMB: give biases and norm weights the trust ratio and weight decay too (default: excluded)");
   app.add_flag("--scale-lr", cfg.scale_lr, "linear scaling rule: lr x workers (Goyal et al.)");
-  app.add_option("--warmup-steps", cfg.warmup_steps, "linear warmup steps from lr to the scaled lr")
+  app.add_option("--warmup-steps", cfg.warmup_steps,
+                 "linear warmup steps: from 0 to --lr, or with --scale-lr from lr to the scaled lr")
       ->capture_default_str();
   app.add_option("--schedule", cfg.schedule, "learning rate after warmup: cosine (to 0 at the end) | constant")
       ->capture_default_str();
