@@ -248,6 +248,11 @@ struct Estimate {
   double efficiency = 0;                     // useful compute time at the device rate / step time
   std::map<std::string, double> comm_parts;  // seconds by collective
   std::vector<int64_t> partition;            // children per pipeline stage (models that list them)
+  // Per pipeline stage (pp > 1, models that list their children): the state of the stage's own
+  // parameters, and the activations of its children times the micro-batches alive on it (1F1B:
+  // pp - s on stage s; GPipe: all). `memory` above is the heaviest stage's model state with
+  // evenly spread activations.
+  std::vector<MemoryBreakdown> stage_memory;
 };
 
 Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, const PlanOptions& o);

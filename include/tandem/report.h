@@ -69,6 +69,11 @@ struct Report {
   // tandem plan's memory model of this run's layout, per rank: parameters, gradients, optimizer
   // state, activations (empty where the model has no description for the planner).
   std::vector<double> plan_memory_bytes;
+  // The same four figures for each pipeline stage (pp > 1, models that list their children).
+  std::vector<std::vector<double>> plan_memory_bytes_per_stage;
+  // Every rank's model state (parameter, gradient, optimizer state bytes) and pipeline stage.
+  std::vector<std::vector<int64_t>> model_state_bytes_per_rank;
+  std::vector<int64_t> pipeline_stage_per_rank;
   // Rank 0's model state after training: for ZeRO the sharded figures, masters included in
   // the optimizer state (tandem/zero.h, ZeroMemory).
   int64_t parameter_bytes = 0, gradient_bytes = 0, optimizer_state_bytes = 0;

@@ -56,28 +56,35 @@ void gather_pipeline(Engine& eng, const EngineStats& s, Report& rep) {
       static_cast<double>(pp - 1) / static_cast<double>(eng.config().micro_batches * eng.config().virtual_stages);
 }
 
-// Every rank's peak, and rank 0's model state (the same figures on every rank).
+// Every rank's peaks, model state and pipeline stage; rank 0's model state alone as well.
 void gather_memory(Engine& eng, const EngineStats& s, Report& rep) {
   const int world = eng.world_size();
-  auto mine = torch::tensor({s.peak_rss_bytes, s.peak_activation_bytes}, torch::kLong).to(eng.device());
-  auto all = torch::empty({2 * world}, mine.options());
+  const int64_t stage = eng.grid() ? eng.grid()->pp_rank() : 0;
+  auto mine = torch::tensor({s.peak_rss_bytes, s.peak_activation_bytes, s.parameter_bytes, s.gradient_bytes,
+                             s.optimizer_state_bytes, stage},
+                            torch::kLong)
+                  .to(eng.device());
+  constexpr int kFields = 6;
+  auto all = torch::empty({kFields * world}, mine.options());
   eng.world()->allgather(all, mine);
-  auto host = all.cpu().view({world, 2});
+  auto host = all.cpu().view({world, kFields});
   rep.peak_rss_bytes.clear();
   rep.peak_activation_bytes.clear();
+  rep.model_state_bytes_per_rank.clear();
+  rep.pipeline_stage_per_rank.clear();
   bool measured = true;
   for (int r = 0; r < world; ++r) {
-    rep.peak_rss_bytes.push_back(host[r][0].item<int64_t>());
-    rep.peak_activation_bytes.push_back(host[r][1].item<int64_t>());
+    auto v = [&](int f) { return host[r][f].item<int64_t>(); };
+    rep.peak_rss_bytes.push_back(v(0));
+    rep.peak_activation_bytes.push_back(v(1));
     measured = measured && rep.peak_activation_bytes.back() >= 0;
+    rep.model_state_bytes_per_rank.push_back({v(2), v(3), v(4)});
+    rep.pipeline_stage_per_rank.push_back(v(5));
   }
   if (!measured) rep.peak_activation_bytes.clear();
-  auto t = torch::tensor({s.parameter_bytes, s.gradient_bytes, s.optimizer_state_bytes}, torch::kLong).to(eng.device());
-  eng.world()->broadcast(t, 0);
-  auto h = t.cpu();
-  rep.parameter_bytes = h[0].item<int64_t>();
-  rep.gradient_bytes = h[1].item<int64_t>();
-  rep.optimizer_state_bytes = h[2].item<int64_t>();
+  rep.parameter_bytes = rep.model_state_bytes_per_rank[0][0];
+  rep.gradient_bytes = rep.model_state_bytes_per_rank[0][1];
+  rep.optimizer_state_bytes = rep.model_state_bytes_per_rank[0][2];
   rep.peak_gathered_bytes = s.peak_gathered_bytes;
   rep.zero_pool_bytes = s.zero_pool_bytes;
   rep.zero_pool_misses = s.zero_pool_misses;
@@ -164,6 +171,43 @@ void format_evaluation(std::ostringstream& os, const Report& r) {
   }
 }
 
+void format_plan_memory(std::ostringstream& os, const Report& r) {
+  auto four = [&](const std::vector<double>& p) -> std::ostream& {
+    return os << std::setprecision(2) << "parameters " << p[0] / kMiB << " MiB, gradients " << p[1] / kMiB
+              << " MiB, optimizer state " << p[2] / kMiB << " MiB, activations " << p[3] / kMiB << " MiB";
+  };
+  if (!r.plan_memory_bytes_per_stage.empty()) {
+    for (size_t s = 0; s < r.plan_memory_bytes_per_stage.size(); ++s) {
+      line(os, s ? "" : "plan predicts") << "stage " << s << ": ";
+      four(r.plan_memory_bytes_per_stage[s]) << (s ? "\n" : " (tandem plan's model of this layout)\n");
+    }
+  } else if (r.plan_memory_bytes.size() == 4) {
+    line(os, "plan predicts");
+    four(r.plan_memory_bytes) << " per rank (tandem plan's model of this layout)\n";
+  }
+}
+
+// Rank 0's model state, or every rank's where they differ (pipeline stages, uneven shards).
+void format_model_state(std::ostringstream& os, const Report& r) {
+  const auto& all = r.model_state_bytes_per_rank;
+  const bool same = std::all_of(all.begin(), all.end(), [&](const auto& v) { return v == all.front(); });
+  const std::string masters = r.precision != "fp32" ? " incl. fp32 masters" : "";
+  auto three = [&](int64_t p, int64_t g, int64_t o) -> std::ostream& {
+    return os << std::setprecision(2) << "parameters " << p / kMiB << " MiB, gradients " << g / kMiB
+              << " MiB, optimizer state " << o / kMiB << " MiB";
+  };
+  if (same || all.size() != r.pipeline_stage_per_rank.size()) {
+    line(os, "model state");
+    three(r.parameter_bytes, r.gradient_bytes, r.optimizer_state_bytes)
+        << masters << (same ? " (every rank)\n" : " (rank 0)\n");
+    return;
+  }
+  for (size_t i = 0; i < all.size(); ++i) {
+    line(os, i ? "" : "model state") << "rank " << i << " (stage " << r.pipeline_stage_per_rank[i] << "): ";
+    three(all[i][0], all[i][1], all[i][2]) << (i ? "\n" : masters + "\n");
+  }
+}
+
 void format_memory(std::ostringstream& os, const Report& r) {
   line(os, "peak memory") << std::setprecision(0);
   for (size_t i = 0; i < r.peak_rss_bytes.size(); ++i) {
@@ -177,15 +221,8 @@ void format_memory(std::ostringstream& os, const Report& r) {
     }
     os << " at most above a step's start (measured: activations and the step's transient buffers)\n";
   }
-  if (r.plan_memory_bytes.size() == 4) {
-    const auto& p = r.plan_memory_bytes;
-    line(os, "plan predicts") << std::setprecision(2) << "parameters " << p[0] / kMiB << " MiB, gradients "
-                              << p[1] / kMiB << " MiB, optimizer state " << p[2] / kMiB << " MiB, activations "
-                              << p[3] / kMiB << " MiB per rank (tandem plan's model of this layout)\n";
-  }
-  line(os, "model state") << std::setprecision(2) << "parameters " << r.parameter_bytes / kMiB << " MiB, gradients "
-                          << r.gradient_bytes / kMiB << " MiB, optimizer state " << r.optimizer_state_bytes / kMiB
-                          << " MiB" << (r.precision != "fp32" ? " incl. fp32 masters" : "") << " (rank 0)\n";
+  format_plan_memory(os, r);
+  format_model_state(os, r);
   if (r.peak_gathered_bytes > 0) {
     line(os, "gathered (zero3)") << r.peak_gathered_bytes / kMiB << " MiB of full parameters alive at most (rank 0)\n";
   }
@@ -326,6 +363,9 @@ std::string report_json(const Report& r) {
                       {"peak_rss_bytes", r.peak_rss_bytes},
                       {"peak_activation_bytes", r.peak_activation_bytes},
                       {"plan_memory_bytes", r.plan_memory_bytes},
+                      {"plan_memory_bytes_per_stage", r.plan_memory_bytes_per_stage},
+                      {"model_state_bytes_per_rank", r.model_state_bytes_per_rank},
+                      {"pipeline_stage_per_rank", r.pipeline_stage_per_rank},
                       {"parameter_bytes", r.parameter_bytes},
                       {"gradient_bytes", r.gradient_bytes},
                       {"optimizer_state_bytes", r.optimizer_state_bytes},

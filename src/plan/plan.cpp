@@ -466,6 +466,30 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
   out.bubble = std::max(0.0, out.step - out.slot * mcount);
   return out;
 }
+
+// Estimate::stage_memory: each stage's own model state, and the even-spread activation figure
+// of `e` rescaled to the stage's share of the children's inputs (what a child keeps for its
+// backward scales with them) and to the micro-batches alive on it.
+void fill_stage_memory(const ModelSpec& m, const std::vector<double>& stage_params, const Layout& l, StateBytes sb,
+                       const PlanOptions& o, Estimate& e) {
+  if (stage_params.empty() || e.partition.size() != stage_params.size()) return;
+  const int pp = static_cast<int>(stage_params.size());
+  const double mcount = static_cast<double>(std::max<int64_t>(1, l.micro_batches));
+  const double even_share = std::ceil(static_cast<double>(m.layers) / pp) / static_cast<double>(m.layers);
+  const double even_flight = std::min<double>(pp, mcount);
+  double all_inputs = 0;
+  for (const auto& c : m.children) all_inputs += c.input_elems;
+  size_t i = 0;
+  for (int s = 0; s < pp; ++s) {
+    double inputs = 0;
+    for (int64_t k = 0; k < e.partition[s]; ++k, ++i) inputs += m.children[i].input_elems;
+    MemoryBreakdown b = zero_model_states(stage_params[s], l.zero, l.dp, sb);
+    const double flight = o.pipeline_schedule == "gpipe" ? mcount : std::min<double>(pp - s, mcount);
+    const double share = all_inputs > 0 ? inputs / all_inputs : 1.0 / pp;
+    b.activations = e.memory.activations * (share / even_share) * (flight / even_flight);
+    e.stage_memory.push_back(b);
+  }
+}
 }  // namespace
 
 // ---------------------------------------------------------------- model helpers
@@ -771,6 +795,8 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   } else {
     e.memory.activations = act_layer * layers_here * in_flight * mb;
   }
+
+  fill_stage_memory(m, stage_params, l, sb, o, e);
 
   if (used > total_devices(c) && !c.cpu)
     return infeasible("needs " + std::to_string(used) + " devices, the cluster has " +

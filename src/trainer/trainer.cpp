@@ -353,14 +353,16 @@ void validate_config(const TrainConfig& cfg_in, int world) {
   validate_checkpointing(cfg);
 }
 
-// tandem plan's per-rank memory for this run's layout on this machine: parameters, gradients,
-// optimizer state, activations; empty for a model the planner has no description of.
-std::vector<double> planned_memory(const TrainConfig& cfg, const ParallelConfig& pc, int world, int dp) {
+// tandem plan's per-rank memory for this run's layout on this machine (parameters, gradients,
+// optimizer state, activations), and per pipeline stage for the partition the run used; left
+// empty for a model the planner has no description of.
+void add_planned_memory(const TrainConfig& cfg, const ParallelConfig& pc, int world, int dp,
+                        const std::vector<int64_t>& partition, Report& rep) {
   plan::ModelSpec m;
   try {
     m = plan::builtin_model(cfg.model);
   } catch (const std::exception&) {
-    return {};  // a plugin's model, or one the planner does not describe
+    return;  // a plugin's model, or one the planner does not describe
   }
   plan::PlanOptions o;
   o.global_batch = cfg.batch;
@@ -376,13 +378,22 @@ std::vector<double> planned_memory(const TrainConfig& cfg, const ParallelConfig&
   l.micro_batch = std::max<int64_t>(1, cfg.batch / dp / l.micro_batches);
   plan::ClusterSpec c = plan::cluster_preset("local");
   c.groups.at(0).devices_per_node = std::max(c.groups.at(0).devices_per_node, world);
+  if (pc.pp > 1 && pc.virtual_stages == 1 && static_cast<int>(partition.size()) == pc.pp) {
+    o.pipeline_partition.clear();
+    for (int64_t k : partition) o.pipeline_partition += (o.pipeline_partition.empty() ? "" : ",") + std::to_string(k);
+    o.pipeline_schedule = to_string(pc.schedule);
+  }
   plan::Estimate e;
   try {
     e = plan::estimate(m, c, l, o);
   } catch (const std::exception&) {
-    return {};  // a setting the planner does not model (an optimizer it does not know)
+    return;  // a setting the planner does not model (an optimizer it does not know)
   }
-  return {e.memory.parameters, e.memory.gradients, e.memory.optimizer, e.memory.activations};
+  auto four = [](const plan::MemoryBreakdown& b) {
+    return std::vector<double>{b.parameters, b.gradients, b.optimizer, b.activations};
+  };
+  rep.plan_memory_bytes = four(e.memory);
+  for (const auto& s : e.stage_memory) rep.plan_memory_bytes_per_stage.push_back(four(s));
 }
 
 TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
@@ -443,7 +454,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   report_losses(eng, rec, dev, rep);
   if (cfg.evaluate && test_set.size() > 0 && !rec.stopped) evaluate(cfg, eng, test_set, dev, rep);
   collect_engine_report(eng, loop, rep);
-  if (rank == 0) rep.plan_memory_bytes = planned_memory(cfg, pc, world, dp);
+  if (rank == 0) add_planned_memory(cfg, pc, world, dp, pc.pp > 1 ? eng.partition() : std::vector<int64_t>{}, rep);
   if (rank == 0 && !cfg.metrics_path.empty()) write_metrics(cfg.metrics_path, rep);
   return rep;
 }

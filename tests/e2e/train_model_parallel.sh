@@ -85,9 +85,17 @@ for name, (dp, tp, pp) in layouts.items():
     if len(acts) != dp * tp * pp or min(acts) <= 0:
         print(f"FAIL {name}: measured activation peaks {acts}, expected one positive figure per rank"); ok = False
     plan = r.get("plan_memory_bytes", [])
-    # The planner's per-rank model state; with a pipeline it assumes evenly cut stages, which rank 0's are not.
     if len(plan) != 4 or (pp == 1 and abs(plan[0] - r["parameter_bytes"]) > 0.01 * r["parameter_bytes"]):
         print(f"FAIL {name}: plan's memory {plan} against measured parameters {r['parameter_bytes']}"); ok = False
+    # With a pipeline, the plan's figures per stage (for the partition the run used) against every
+    # rank's measured parameters on that stage.
+    stages, states = r.get("plan_memory_bytes_per_stage", []), r.get("model_state_bytes_per_rank", [])
+    if pp > 1 and r.get("pipeline_schedule") != "interleaved":
+        on = r.get("pipeline_stage_per_rank", [])
+        if len(stages) != pp or len(states) != dp * tp * pp or sorted(set(on)) != list(range(pp)) or any(
+                abs(stages[s][0] - st[0]) > 0.01 * st[0] for s, st in zip(on, states)):
+            print(f"FAIL {name}: plan per stage {stages} against measured model state {states} on stages {on}")
+            ok = False
     if (r["dp"], r["tp"], r["pp"]) != (dp, tp, pp) or r["layout"] != f"dp {dp} x tp {tp} x pp {pp}":
         print(f"FAIL {name}: metrics give layout {r.get('layout')}, expected dp {dp} x tp {tp} x pp {pp}"); ok = False
     if pp > 1:

@@ -799,6 +799,42 @@ TEST(Plan, PipelinePartitionFollowsTheOption) {
   EXPECT_THROW(tp::estimate(m, gpu, l, o), std::invalid_argument);
 }
 
+// Per stage: each stage's own parameters' state, and activations by the stage's share of the
+// children's inputs and the micro-batches alive on it.
+TEST(Plan, StageMemoryFollowsThePartitionAndSchedule) {
+  const tp::ModelSpec m = tp::builtin_model("cnn");
+  const auto gpu = tp::cluster_preset("h100x8");
+  tp::PlanOptions o;
+  o.global_batch = 64;
+  o.precision = "fp32";
+  o.optimizer = "adam";
+  o.pipeline_partition = "3,7";
+  tp::Layout l;
+  l.pp = 2;
+  l.micro_batch = 16;
+  l.micro_batches = 4;
+  const tp::Estimate e = tp::estimate(m, gpu, l, o);
+  ASSERT_EQ(e.stage_memory.size(), 2u);
+  double first = 0, inputs_first = 0, inputs_all = 0;
+  for (size_t i = 0; i < m.children.size(); ++i) {
+    if (i < 3) first += m.children[i].parameters, inputs_first += m.children[i].input_elems;
+    inputs_all += m.children[i].input_elems;
+  }
+  EXPECT_DOUBLE_EQ(e.stage_memory[0].parameters, 4 * first);
+  EXPECT_DOUBLE_EQ(e.stage_memory[1].parameters, 4 * (m.parameters - first));
+  EXPECT_DOUBLE_EQ(e.stage_memory[1].optimizer, 8 * (m.parameters - first));  // Adam: two fp32 moments
+  // 1F1B: 2 micro-batches alive on stage 0, 1 on stage 1.
+  const double per_input = e.stage_memory[0].activations / (2 * inputs_first);
+  EXPECT_NEAR(e.stage_memory[1].activations, per_input * (inputs_all - inputs_first), 1e-6 * per_input);
+  o.pipeline_schedule = "gpipe";  // every micro-batch alive on every stage
+  const tp::Estimate g = tp::estimate(m, gpu, l, o);
+  EXPECT_NEAR(g.stage_memory[0].activations, 2 * e.stage_memory[0].activations, 1e-6);
+  EXPECT_NEAR(g.stage_memory[1].activations, 4 * e.stage_memory[1].activations, 1e-6);
+  l.pp = 1;
+  o.pipeline_partition = "params";
+  EXPECT_TRUE(tp::estimate(m, gpu, l, o).stage_memory.empty());
+}
+
 // tandem plan's default: the faster of the two cuts, named in Estimate::partition.
 TEST(Plan, PipelinePartitionAutoTakesTheFasterCut) {
   const tp::ModelSpec m = tp::builtin_model("cnn");
