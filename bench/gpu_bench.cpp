@@ -30,6 +30,7 @@
 #include "tandem/comm.h"
 #include "tandem/ddp.h"
 #include "tandem/runtime.h"
+#include "tandem/trace.h"
 
 #ifdef TANDEM_WITH_CUDA
 #include <ATen/cuda/Sleep.h>
@@ -38,6 +39,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <torch/cuda.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "compat/torch_compat.h"
 #endif
@@ -525,6 +529,43 @@ class Checker {
   int passed_ = 0, failed_ = 0;
 };
 
+// --trace on CUDA: three allreduces on the NCCL communicator appear on the trace's NCCL stream
+// track with their size, on the trace's clock inside the span the host waited for them.
+bool check_trace(tandem::Runtime& rt, const CommPtr& comm, int rank) {
+  namespace trace = tandem::trace;
+  CommPtr cpu = rt.cpu_world();
+  if (!cpu) {
+    std::cout << "check SKIPPED rank " << rank << ": trace (no CPU communicator)" << std::endl;
+    return true;
+  }
+  trace::start(*cpu);
+  const int64_t bytes = int64_t{4} << 20, t0 = trace::now_us();
+  auto t = at::ones({bytes / 4}, at::TensorOptions().dtype(at::kFloat).device(rt.device()));
+  for (int i = 0; i < 3; ++i) comm->allreduce_async(t, ReduceOp::kSum)->synchronize();
+  const int64_t t1 = trace::now_us();
+  trace::stop();
+  const std::string path = "/tmp/tandem-gpu-check-trace-" + std::to_string(rank) + ".json";
+  trace::write(path, *cpu);
+  if (cpu->rank() != 0) return true;
+  const auto j = nlohmann::json::parse(std::ifstream(path));
+  const std::string track = "NCCL stream (a group of " + std::to_string(comm->size()) + ")";
+  int tid = -1, good = 0, seen = 0;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "thread_name" && e["args"]["name"] == track) tid = e["tid"];
+  }
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] != "X" || e["tid"] != tid || e["name"] != "allreduce") continue;
+    ++seen;
+    const int64_t ts = e["ts"], dur = e["dur"];
+    good += e["args"]["bytes"] == bytes && ts >= t0 - 1000 && ts + dur <= t1 + 1000 && dur >= 0;
+  }
+  const bool ok = tid >= 0 && seen == 3 && good == 3;
+  std::cout << "check " << (ok ? "ok     " : "FAILED ") << "rank " << rank << ": trace: " << seen
+            << " allreduce event(s) on the track '" << track << "', " << good << " with their size inside [" << t0
+            << ", " << t1 << "] us (" << path << ")" << std::endl;
+  return ok;
+}
+
 int run_check(const Args& a) {
   if (!torch::cuda::is_available()) {
     std::cerr << "gpu_bench check: no CUDA device visible\n";
@@ -557,6 +598,12 @@ int run_check(const Args& a) {
   Checker c(comm, rt->device(), !a.flag("--skip-timeout-test"));
   int rc = c.run();
   torch::cuda::synchronize();
+  try {
+    if (!check_trace(*rt, comm, comm->rank())) rc = 1;
+  } catch (const std::exception& e) {
+    std::cout << "check FAILED rank " << comm->rank() << ": trace (threw) -- " << e.what() << std::endl;
+    rc = 1;
+  }
   return rc;
 }
 

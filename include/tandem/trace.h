@@ -32,6 +32,17 @@ int64_t now_us();
 // others until named).
 void name_thread(const std::string& name);
 
+// The number of start() calls so far: a recorder that maps another clock onto the trace's (a
+// CUDA stream's events) takes a new reference point whenever it changes.
+uint64_t generation();
+
+// A track of its own, not a thread's (e.g. a device stream's), named `name`.
+int named_track(const std::string& name);
+
+// One complete event on `track` (a named_track()); ignored while off.
+void record_on(int track, const char* name, const char* category, int64_t begin_us, int64_t end_us,
+               const std::string& args_json = "");
+
 // One complete event [begin_us, end_us) on the calling thread's track. `args_json`: "" or the
 // members of a JSON object without braces, e.g. "\"bytes\":4096". Ignored while off.
 void record(const char* name, const char* category, int64_t begin_us, int64_t end_us,

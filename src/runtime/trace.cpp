@@ -28,6 +28,7 @@ struct Buffer {
   std::string events;  // comma-separated JSON objects, pid left for the merge
   std::map<int, std::string> thread_names;
   int next_tid = 0;
+  uint64_t generation = 0;
 };
 
 Buffer& buffer() {
@@ -66,6 +67,7 @@ void start(Communicator& comm) {
     std::lock_guard<std::mutex> lk(b.mu);
     b.events.clear();
     b.epoch = Clock::now();
+    ++b.generation;
   }
   name_thread("main");
   detail::on.store(true);
@@ -84,9 +86,27 @@ void name_thread(const std::string& name) {
   b.thread_names[tid] = name;
 }
 
+uint64_t generation() {
+  auto& b = buffer();
+  std::lock_guard<std::mutex> lk(b.mu);
+  return b.generation;
+}
+
+int named_track(const std::string& name) {
+  auto& b = buffer();
+  std::lock_guard<std::mutex> lk(b.mu);
+  const int tid = b.next_tid++;
+  b.thread_names[tid] = name;
+  return tid;
+}
+
 void record(const char* name, const char* category, int64_t begin_us, int64_t end_us, const std::string& args_json) {
+  if (enabled()) record_on(thread_track(), name, category, begin_us, end_us, args_json);
+}
+
+void record_on(int tid, const char* name, const char* category, int64_t begin_us, int64_t end_us,
+               const std::string& args_json) {
   if (!enabled()) return;
-  const int tid = thread_track();
   char head[160];
   std::snprintf(head, sizeof head, "{\"ph\":\"X\",\"tid\":%d,\"ts\":%lld,\"dur\":%lld,\"cat\":\"", tid,
                 static_cast<long long>(begin_us), static_cast<long long>(std::max<int64_t>(0, end_us - begin_us)));

@@ -39,6 +39,7 @@
 #include "comm/backends.h"
 #include "compat/torch_compat.h"
 #include "tandem/comm.h"
+#include "tandem/trace.h"
 
 namespace tandem {
 
@@ -118,6 +119,9 @@ class CudaEvent {
     check(e, what);
     return false;
   }
+  void synchronize(const std::string& what) const {
+    if (ev_) check(cudaEventSynchronize(ev_), what);
+  }
   // Milliseconds from `from` to this event; both complete.
   float elapsed_ms_since(const CudaEvent& from) const {
     float ms = 0.f;
@@ -148,6 +152,8 @@ struct OpTiming {
   CudaEvent end{true};
   std::atomic<bool> launched{false};
   std::exception_ptr launch_error;  // set (under the engine's lock) when launching failed
+  int64_t bytes = 0;                // the payload, for the trace
+  uint64_t trace_generation = 0;    // trace::generation() at launch while tracing, else 0
 
   bool done(const std::string& what) const { return launched.load() && end.query(what); }
   // Seconds on the engine once complete, else 0.
@@ -181,6 +187,7 @@ struct PendingP2P {
   std::unique_ptr<CudaEvent> ready;  // recorded on the poster's current stream
   TimingPtr timing;
   std::string what;
+  int64_t bytes = 0;
 };
 
 ncclConfig_t make_config(bool blocking) {
@@ -214,6 +221,7 @@ class Engine {
         stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)), comm_(comm) {}
 
   ~Engine() {
+    if (trace_stream_) cudaStreamDestroy(trace_stream_);  // idle: its one event was waited for
     std::lock_guard<std::mutex> lk(mu_);
     on_seconds_ = nullptr;
     if (!comm_) return;
@@ -266,7 +274,7 @@ class Engine {
   // Launches a collective: `call` is invoked with the communicator and the stream to use.
   // `touched` are all tensors the stream reads or writes; `copy_back` runs on the stream
   // after the call (staging copies into non-contiguous outputs).
-  TimingPtr launch(const char* op, const std::string& what, milliseconds timeout,
+  TimingPtr launch(const char* op, const std::string& what, int64_t bytes, milliseconds timeout,
                    const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& call,
                    const std::vector<at::Tensor>& touched, const std::function<void()>& copy_back) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -277,6 +285,7 @@ class Engine {
     ready_.record(c10::cuda::getCurrentCUDAStream(device_).stream(), what);
     ready_.block(s, what);
     auto timing = std::make_shared<OpTiming>(op);
+    trace_begin_locked(*timing, bytes);
     timing->start.record(s, what);
     ncclResult_t rc = call(comm_, s);
     check_locked(rc, what, timeout);
@@ -424,7 +433,10 @@ class Engine {
       c10::cuda::CUDAGuard g(device_);
       cudaStream_t s = stream_.stream();
       for (auto& p : ops) p.ready->block(s, p.what);
-      for (auto& p : ops) p.timing->start.record(s, p.what);
+      for (auto& p : ops) {
+        trace_begin_locked(*p.timing, p.bytes);
+        p.timing->start.record(s, p.what);
+      }
       ncclResult_t rc = ncclGroupStart();
       if (rc == ncclSuccess) {
         for (auto& p : ops) {
@@ -479,8 +491,39 @@ class Engine {
       }
       if (!complete) break;
       if (on_seconds_) on_seconds_(t->name, t->seconds());
+      trace_end_locked(*t);
       in_flight_.pop_front();
     }
+  }
+
+  // The trace (tandem/trace.h) of this stream's operations: their CUDA events are placed on the
+  // trace's clock through a reference event. That event is recorded on a stream of its own that
+  // nothing else uses, so it completes at once and its host time is its GPU time; this stream is
+  // never waited on for it (it may hold receives whose peers wait for this rank).
+  void trace_begin_locked(OpTiming& t, int64_t bytes) {
+    t.bytes = bytes;
+    t.trace_generation = 0;
+    if (!trace::enabled()) return;
+    const uint64_t gen = trace::generation();
+    if (gen != trace_generation_) {
+      const std::string what = "rank " + std::to_string(rank_) + ": the trace's reference event";
+      if (!trace_stream_) CudaEvent::check(cudaStreamCreateWithFlags(&trace_stream_, cudaStreamNonBlocking), what);
+      trace_ref_.record(trace_stream_, what);
+      trace_ref_.synchronize(what);
+      trace_ref_us_ = trace::now_us();
+      trace_generation_ = gen;
+      if (trace_track_ < 0) trace_track_ = trace::named_track("NCCL stream (a group of " + std::to_string(size_) + ")");
+    }
+    t.trace_generation = gen;
+  }
+
+  void trace_end_locked(OpTiming& t) {
+    if (t.trace_generation == 0 || t.trace_generation != trace_generation_ || !trace::enabled()) return;
+    auto us = [&](const CudaEvent& e) {
+      return trace_ref_us_ + static_cast<int64_t>(e.elapsed_ms_since(trace_ref_) * 1000.0);
+    };
+    trace::record_on(trace_track_, t.name.c_str(), "communication", us(t.start), us(t.end),
+                     "\"bytes\":" + std::to_string(t.bytes));
   }
 
   const int rank_, size_;
@@ -497,6 +540,11 @@ class Engine {
   std::deque<TimingPtr> in_flight_;  // launched, seconds not yet accounted
   TimingPtr last_;
   std::function<void(const std::string&, double)> on_seconds_;
+  cudaStream_t trace_stream_ = nullptr;
+  CudaEvent trace_ref_{true};
+  int64_t trace_ref_us_ = 0;
+  uint64_t trace_generation_ = 0;
+  int trace_track_ = -1;
 };
 
 class NcclWork : public Work {
@@ -740,12 +788,13 @@ class NcclCommunicator : public Communicator {
                  const std::vector<at::Tensor>& touched, const std::function<void()>& copy_back,
                  bool host_wait = false) {
     record(op, bytes);
-    auto timing = engine_->launch(op, what, timeout(), call, touched, copy_back);
+    auto timing = engine_->launch(op, what, bytes, timeout(), call, touched, copy_back);
     return std::make_shared<NcclWork>(engine_, std::move(timing), what, timeout(), host_wait);
   }
 
   WorkPtr post(PendingP2P p, int64_t bytes) {
     record(p.is_send ? "send" : "recv", bytes);
+    p.bytes = bytes;
     std::string what = p.what;
     auto timing = engine_->post(std::move(p));
     return std::make_shared<NcclWork>(engine_, std::move(timing), what, timeout(), false);
