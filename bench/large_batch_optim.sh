@@ -3,6 +3,7 @@
 # (SGD, tandem train's defaults) and at larger batches with SGD (linear scaling rule, warmup), LARS
 # and LAMB, each at a small learning-rate sweep. Test accuracy and final training loss of every
 # run, as a markdown table on stdout and as TSV rows in RESULTS (for bench/large_batch_plot.sh).
+# Runs already in RESULTS are not repeated, so an interrupted study continues where it stopped.
 # Every run: 2 workers (ZeRO-1), seed 3, cosine schedule, weight decay 1e-4; the large batches
 # warm up linearly from 0 over the first 2 epochs. Not a test: a study of the optimizers.
 # Usage: bench/large_batch_optim.sh [tandem binary] [epochs] [results.tsv] [model] [batches...]
@@ -19,12 +20,17 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 common=(-n 2 --model "$model" --strategy zero1 --epochs "$epochs" --seed 3 --threads 1 --no-baseline --no-progress
         --schedule cosine --weight-decay 1e-4)
-printf "optimizer\tbatch\tlr\taccuracy\tfinal_loss\tseconds\n" >"$results"
+[[ -s $results ]] || printf "optimizer\tbatch\tlr\taccuracy\tfinal_loss\tseconds\n" >"$results"
 echo "| optimizer | global batch | lr | test accuracy | final loss | seconds |"
 echo "|---|---|---|---|---|---|"
 run() {  # run OPTIMIZER BATCH LR OPTIONS...
   local name=$1 b=$2 lr=$3; shift 3
-  local warmup=0 t0=$SECONDS acc=diverged loss=-
+  local warmup=0 t0=$SECONDS acc=diverged loss=- done
+  if done=$(grep -P "^$name\t$b\t$lr\t" "$results"); then
+    IFS=$'\t' read -r _ _ _ acc loss t0 <<<"$done"
+    echo "| $name | $b | $lr | $acc | $loss | $t0 |"
+    return
+  fi
   ((b > 128)) && warmup=$((2 * 60000 / b))
   rm -f "$out/run.jsonl"
   if "$tandem" train "${common[@]}" --batch "$b" --warmup-steps "$warmup" --optimizer "$name" --lr "$lr" "$@" \
@@ -41,9 +47,8 @@ print("%.2f %.4f" % (100 * rep["test_accuracy"], rep["final_loss"]))' "$out/run.
 }
 run sgd 128 0.05 --momentum 0.9
 for b in "${batches[@]}"; do
-  # SGD: 0.05 at batch 128 scaled linearly (Goyal et al.), and half of that.
-  linear=$(python3 -c "print(0.05 * $b / 128)")
-  for lr in "$linear" "$(python3 -c "print($linear / 2)")"; do run sgd "$b" "$lr" --momentum 0.9; done
+  # SGD: 0.05 at batch 128 scaled linearly (Goyal et al.).
+  run sgd "$b" "$(python3 -c "print(0.05 * $b / 128)")" --momentum 0.9
   # LARS (eta 0.001) and LAMB: two rates each, the larger for the larger batch.
   if ((b <= 1024)); then lars=(3 8) lamb=(0.01 0.02); else lars=(6 15) lamb=(0.02 0.04); fi
   for lr in "${lars[@]}"; do run lars "$b" "$lr" --momentum 0.9 --trust-coefficient 0.001; done
