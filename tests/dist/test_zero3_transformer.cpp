@@ -1,7 +1,9 @@
 // ZeRO-3 with a unit per block on the 8-block transformer (models::transformer, a Sequential:
 // embedding, 8 blocks, final LayerNorm and head are the units) through the Engine: losses follow
 // DDP on the same ranks, at most three units are gathered at once, and a checkpoint saved on N
-// workers resumes on another count (4 -> 2, 2 -> 1) continuing the uninterrupted run.
+// workers resumes on another count (4 -> 2, 2 -> 1) continuing the uninterrupted run. Units
+// chosen by a WrapPolicy (the blocks by type, path or size) follow DDP too, with the gathered peak
+// following the units chosen, and every bad policy is refused naming what is wrong.
 // The model has no dropout (TransformerConfig has none), so every layout computes one function.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -12,6 +14,7 @@
 #include "checkpoint/shard_io.h"
 #include "tandem/engine.h"
 #include "tandem/models.h"
+#include "tandem/wrap_policy.h"
 #include "tests/dist/dist_env.h"
 #include "tests/dist/train_test_util.h"
 
@@ -157,6 +160,115 @@ TEST(Zero3Transformer, FollowsDdpWithinThreeUnitsAndResumesOnOtherCounts) {
   }
   world()->barrier();
   if (rank == 0) ckpt::remove_tree(root);
+}
+
+// The blocks as units by each rule; the embedding, final LayerNorm and head form the root unit,
+// gathered through the step. Parameter names are the Sequential's (checkpoints keep them).
+WrapPolicy blocks_by(const std::string& rule, int64_t block_params) {
+  WrapPolicy p;
+  if (rule == "type") p.types = {"TransformerBlock"};
+  if (rule == "size") p.min_parameters = block_params;
+  if (rule == "path") {
+    for (int i = 1; i <= 8; ++i) p.paths.push_back(std::to_string(i));
+  }
+  return p;
+}
+
+std::vector<std::string> names_of(torch::nn::Module& m) {
+  std::vector<std::string> out;
+  for (const auto& kv : m.named_parameters()) out.push_back(kv.key());
+  return out;
+}
+
+// The root (embedding, final LayerNorm, head) stays gathered through the step; besides it the
+// running block and the prefetched one, three blocks at most as above. Blocks 1-4 alone as units
+// leave blocks 5-8 in the root: a higher peak.
+TEST(Zero3WrapPolicy, BlockUnitsByTypePathOrSizeFollowDdp) {
+  const int N = world()->size();
+  std::vector<double> ddp;
+  {
+    Engine eng(runtime(), make_lm(5), adamw(), with(Strategy::kDDP));
+    ddp = train(eng, 0, 6);
+  }
+  auto plain = make_lm(5);
+  const int64_t block = fp32_bytes(*plain->ptr(1)), whole = fp32_bytes(*plain);
+  const int64_t root = fp32_bytes(*plain->ptr(0)) + fp32_bytes(*plain->ptr(9)) + fp32_bytes(*plain->ptr(10));
+  const std::vector<std::string> blocks{"1", "2", "3", "4", "5", "6", "7", "8"};
+  int64_t peak_blocks = 0;
+  for (const std::string rule : {"type", "path", "size"}) {
+    auto wrapped = apply_wrap_policy(make_lm(5), blocks_by(rule, block / 4));
+    EXPECT_EQ(wrapped->units(), blocks) << rule;
+    EXPECT_EQ(names_of(*wrapped), names_of(*plain)) << rule;
+    Engine eng(runtime(), wrapped, adamw(), with(Strategy::kZero3));
+    const auto got = train(eng, 0, 6);
+    for (size_t i = 0; i < ddp.size(); ++i) EXPECT_NEAR(got[i], ddp[i], 1e-5) << rule << ", step " << i;
+    peak_blocks = eng.stats().peak_gathered_bytes;
+    EXPECT_GE(peak_blocks, root + block) << rule;
+    EXPECT_LE(peak_blocks, root + 3 * block + 9 * 4 * N) << rule << ": root " << root << ", a block " << block;
+    EXPECT_LT(peak_blocks, whole) << rule;
+  }
+  WrapPolicy half;
+  half.paths = {"1", "2", "3", "4"};
+  Engine eng(runtime(), apply_wrap_policy(make_lm(5), half), adamw(), with(Strategy::kZero3));
+  const auto got = train(eng, 0, 6);
+  for (size_t i = 0; i < ddp.size(); ++i) EXPECT_NEAR(got[i], ddp[i], 1e-5) << "blocks 1-4, step " << i;
+  EXPECT_GE(eng.stats().peak_gathered_bytes, root + 4 * block) << "blocks 5-8 belong to the root unit";
+  EXPECT_GT(eng.stats().peak_gathered_bytes, peak_blocks);
+}
+
+// A user module keeping its layers in a ModuleList: its entries are not children of the Sequential.
+struct ListBlockImpl : torch::nn::Module {
+  ListBlockImpl() {
+    body = register_module("body", torch::nn::ModuleList(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (const auto& m : *body) x = m->as<torch::nn::Linear>()->forward(x);
+    return x;
+  }
+  torch::nn::ModuleList body{nullptr};
+};
+TORCH_MODULE(ListBlock);
+
+TEST(Zero3WrapPolicy, RefusesPoliciesThatCannotWork) {
+  auto refused = [](const torch::nn::Sequential& model, const WrapPolicy& p, const std::string& needle) {
+    try {
+      apply_wrap_policy(model, p);
+      ADD_FAILURE() << "accepted; expected an error containing '" << needle << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  auto lm = make_lm(5);
+  refused(lm, {}, "no rule given");
+  WrapPolicy p;
+  p.types = {"Conv2d"};
+  refused(lm, p, "type 'Conv2d' matches no module of the model; its types are: tandem::models::TokenEmbeddingImpl");
+  p = {};
+  p.paths = {"12"};
+  refused(lm, p, "path '12' names no module of the model; the Sequential's children are: 0, 1, 2");
+  p.paths = {"1", "1"};
+  refused(lm, p, "path '1' is listed twice");
+  p.paths = {"3.qkv"};
+  refused(lm, p, "'3.qkv' (torch::nn::LinearImpl), a member of '3' (tandem::models::TransformerBlockImpl)");
+  refused(lm, p, "Wrap it with tandem::ShardedUnit in the model");
+  p = {};
+  p.types = {"Linear"};  // the head, but also every block's layers
+  refused(lm, p, "type 'Linear' matches '1.qkv'");
+  p = {};
+  p.min_parameters = 1 << 30;
+  refused(lm, p, "min_parameters 1073741824 chooses no child: the largest holds");
+  p = {};
+  p.min_parameters = -1;
+  refused(lm, p, "min_parameters must be >= 0");
+  p = {};
+  p.module_list_children = true;
+  refused(lm, p, "the model holds no ModuleList");
+  refused(torch::nn::Sequential(ListBlock(), torch::nn::Linear(4, 2)), p,
+          "module_list_children matches '0.body.0' (torch::nn::LinearImpl), a member of '0.body'");
+  p = {};
+  p.types = {"Tanh"};
+  refused(torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::Tanh(), torch::nn::Linear(4, 2)), p,
+          "child '1' (torch::nn::TanhImpl) holds no parameters");
 }
 
 }  // namespace
