@@ -78,7 +78,8 @@ int64_t shared_resident_bytes() {
   while (std::getline(in, line)) {
     if (line.rfind("Pss:", 0) == 0) {
       if (shared) kb += std::stoll(line.substr(4));
-    } else if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') != std::string::npos) {
+    } else if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) &&
+               line.find('-') != std::string::npos) {
       const auto sp = line.find(' ');
       shared = sp != std::string::npos && line.size() > sp + 4 && line[sp + 4] == 's';
     }
@@ -150,7 +151,8 @@ int main(int argc, char** argv) {
     }
     const auto t0 = std::chrono::steady_clock::now();
     const double loss = eng.step(x, y, loss_fn).item<double>();
-    if (s >= warmup) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    if (s >= warmup)
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (s == 0) loss_first = loss;
     loss_last = loss;
   }
@@ -158,8 +160,7 @@ int main(int argc, char** argv) {
   // Per rank: heap peak above the start, activation peak, model state, gathered peak, step ms,
   // shared memory resident, ZeRO's block reserved.
   const int64_t heap = heap_base < 0 ? -1 : heap_call("heap_peak_bytes") - heap_base;
-  auto mine = torch::tensor({static_cast<double>(heap),
-                             static_cast<double>(st.peak_activation_bytes),
+  auto mine = torch::tensor({static_cast<double>(heap), static_cast<double>(st.peak_activation_bytes),
                              static_cast<double>(st.parameter_bytes + st.gradient_bytes + st.optimizer_state_bytes),
                              static_cast<double>(st.peak_gathered_bytes), median(ms),
                              static_cast<double>(shared_resident_bytes()), static_cast<double>(st.zero_pool_bytes)},
