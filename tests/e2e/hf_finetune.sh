@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # `tandem finetune --init-from HF_DIR` on a tiny random Llama that transformers made
-# (tests/hf/hf_fixture.py): 20 steps of language modelling on fortune cookies under ddp, zero2 and
-# a 2-stage pipeline on 2 workers give one worker's per-step losses within 1e-4, and so does a
-# model with tied embeddings under zero2; classification under ddp gives one worker's too; a run
-# resumed under zero2 from the pipeline's step-10 checkpoint continues one worker's losses;
-# `tandem export --to hf` of the pipeline's and the tied model's checkpoints loads in
+# (tests/hf/hf_fixture.py): 20 steps of language modelling on fortune cookies under ddp, zero2,
+# a 2-stage pipeline and tp2 on 2 workers, and dp2 x tp2 and tp2 x pp2 on 4, give one worker's
+# per-step losses within 1e-4, and so does a model with tied embeddings under zero2; bf16 and
+# fp16 (ddp) and bf16 under tp2 follow its losses within 5e-3 relative; classification under
+# ddp gives one worker's too; a run resumed under zero2 from the pipeline's step-10 checkpoint
+# continues one worker's losses;
+# `tandem export --to hf` of the pipeline's, tp2's and the tied model's checkpoints loads in
 # transformers. Skipped (exit 77) without .venv-hf or the fortunes corpus.
 # usage: hf_finetune.sh TANDEM SOURCE_DIR
 set -uo pipefail
@@ -54,6 +56,22 @@ print(f"{'ok  ' if ok else 'FAIL'} {name}: {len(got)} steps from step {first}, m
 sys.exit(0 if ok else 1)
 PY
 }
+near() {  # near REF NAME TOL: NAME's losses within TOL relative of REF's at every step
+  "$py" - "$src/tests/e2e" "$tmp/$1.jsonl" "$tmp/$2.jsonl" "$3" <<'PY' || fails=$((fails + 1))
+import sys
+sys.path.insert(0, sys.argv[1])
+import metrics
+ref, _ = metrics.load(sys.argv[2])
+got, _ = metrics.load(sys.argv[3])
+tol = float(sys.argv[4])
+worst = max(abs(a - b) / abs(a) for a, b in zip(ref, got)) if len(got) == len(ref) else float("inf")
+name = sys.argv[3].rsplit("/", 1)[1]
+ok = len(got) == 20 and worst <= tol and got[0] - got[-1] > 0.05
+print(f"{'ok  ' if ok else 'FAIL'} {name}: {len(got)} steps, max |loss - fp32's| / fp32's {worst:.2g} (bound {tol:g};"
+      f" {got[0]:.4f} -> {got[-1]:.4f})")
+sys.exit(0 if ok else 1)
+PY
+}
 lm=(--init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2 --no-eval)
 run single -n 1 --strategy single "${lm[@]}"
 run ddp -n 2 --strategy ddp "${lm[@]}" && same single ddp
@@ -69,6 +87,19 @@ if [ -n "$newest" ]; then
 else
   echo "FAIL no step-20 checkpoint in $tmp/ck: $(ls "$tmp/ck")"; fails=$((fails + 1))
 fi
+# Tensor parallelism (the vocabulary-parallel head and loss), alone and with data parallelism or
+# a pipeline.
+run tp2 -n 2 --strategy ddp --tp 2 --checkpoint-dir "$tmp/ck_tp" "${lm[@]}" && same single tp2
+run dp2tp2 -n 4 --strategy ddp --tp 2 "${lm[@]}" && same single dp2tp2
+run tp2pp2 -n 4 --strategy ddp --tp 2 --pp 2 --micro-batches 2 "${lm[@]}" && same single tp2pp2
+# bf16 and fp16 compute (fp32 master weights, fp16 with loss scaling) on 2 workers, under ddp and
+# tp2, follow the fp32 worker's losses. Tolerance: bf16 keeps 8 significant bits (a rounding is
+# off by up to 2^-9 = 0.2%), fp16 11; the losses are means over ~200 tokens, whose rounding
+# errors mostly cancel (measured: 5e-4 relative for bf16, 5e-5 for fp16, over 20 steps). 5e-3
+# relative is 10 times bf16's and still below a loss's change per step (~1%).
+run bf16 -n 2 --strategy ddp --precision bf16 "${lm[@]}" && near single bf16 5e-3
+run fp16 -n 2 --strategy ddp --precision fp16 "${lm[@]}" && near single fp16 5e-3
+run tp2_bf16 -n 2 --strategy ddp --tp 2 --precision bf16 "${lm[@]}" && near single tp2_bf16 5e-3
 # Tied embeddings: transformers' module tree instead of the Sequential, under zero2.
 tied=(--init-from "$tmp/fx/lm_tied" --data "$tmp/lm.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2 --no-eval)
 run tied_single -n 1 --strategy single "${tied[@]}"
@@ -79,7 +110,7 @@ run cls_ddp -n 2 --strategy ddp "${cls[@]}" && same cls_single cls_ddp 1 -1e9
 grep -q "accuracy" "$tmp/cls_ddp.log" || { echo "FAIL cls_ddp: no validation accuracy"; fails=$((fails + 1)); }
 # The pipeline's and the tied model's last checkpoints as Hugging Face directories, loaded by
 # transformers.
-for ck in ck ck_tied; do
+for ck in ck ck_tp ck_tied; do
 if timeout 120 "$tandem" export --to hf "$tmp/export_$ck" --checkpoint "$tmp/$ck" >"$tmp/export.log" 2>&1 &&
   "$py" - "$tmp/export_$ck" <<'PY'
 import sys, torch
