@@ -4,8 +4,8 @@
 # a 2-stage pipeline and tp2 on 2 workers, and dp2 x tp2 and tp2 x pp2 on 4, give one worker's
 # per-step losses within 1e-4, and so does a model with tied embeddings under zero2; bf16 and
 # fp16 (ddp) and bf16 under tp2 follow its losses within 5e-3 relative; classification under
-# ddp gives one worker's too; a run resumed under zero2 from the pipeline's step-10 checkpoint
-# continues one worker's losses;
+# ddp gives one worker's too; runs resumed under zero2 and tp2 from the pipeline's step-10
+# checkpoint, and on one worker from tp2's, continue one worker's losses;
 # `tandem export --to hf` of the pipeline's, tp2's and the tied model's checkpoints loads in
 # transformers. Skipped (exit 77) without .venv-hf or the fortunes corpus.
 # usage: hf_finetune.sh TANDEM SOURCE_DIR
@@ -78,18 +78,24 @@ run ddp -n 2 --strategy ddp "${lm[@]}" && same single ddp
 run zero2 -n 2 --strategy zero2 "${lm[@]}" && same single zero2
 run pp2 -n 2 --strategy ddp --pp 2 --micro-batches 2 --checkpoint-dir "$tmp/ck" --checkpoint-every 10 "${lm[@]}" &&
   same single pp2
-# The pipeline's step-10 checkpoint resumed under zero2: steps 11-20 as one worker's.
-newest=$(ls -d "$tmp"/ck/step-*20* 2>/dev/null | head -1)
-if [ -n "$newest" ]; then
+resume() {  # resume CK NAME ARGS...: CK's step-10 checkpoint resumed under ARGS gives one worker's steps 11-20
+  local ck=$tmp/$1 name=$2 newest
+  shift 2
+  newest=$(ls -d "$ck"/step-*20* 2>/dev/null | head -1)
+  if [ -z "$newest" ]; then
+    echo "FAIL no step-20 checkpoint in $ck: $(ls "$ck")"; fails=$((fails + 1)); return 1
+  fi
   mv "$newest" "$tmp/step20-aside"
-  run resumed -n 2 --strategy zero2 --checkpoint-dir "$tmp/ck" --resume "${lm[@]}" && same single resumed 11
-  mv "$tmp/step20-aside" "$newest"
-else
-  echo "FAIL no step-20 checkpoint in $tmp/ck: $(ls "$tmp/ck")"; fails=$((fails + 1))
-fi
+  run "$name" "$@" --checkpoint-dir "$ck" --resume "${lm[@]}" && same single "$name" 11
+  rm -rf "$newest" && mv "$tmp/step20-aside" "$newest"  # the layout's own step 20, for export
+}
+# The pipeline's step-10 checkpoint resumed under zero2 and under tp2 (its whole values cut).
+resume ck resumed -n 2 --strategy zero2
+resume ck resumed_tp2 -n 2 --strategy ddp --tp 2
 # Tensor parallelism (the vocabulary-parallel head and loss), alone and with data parallelism or
-# a pipeline.
-run tp2 -n 2 --strategy ddp --tp 2 --checkpoint-dir "$tmp/ck_tp" "${lm[@]}" && same single tp2
+# a pipeline; tp2's step-10 checkpoint (gathered whole) resumed on one worker.
+run tp2 -n 2 --strategy ddp --tp 2 --checkpoint-dir "$tmp/ck_tp" --checkpoint-every 10 "${lm[@]}" && same single tp2
+resume ck_tp resumed_from_tp2 -n 1 --strategy single
 run dp2tp2 -n 4 --strategy ddp --tp 2 "${lm[@]}" && same single dp2tp2
 run tp2pp2 -n 4 --strategy ddp --tp 2 --pp 2 --micro-batches 2 "${lm[@]}" && same single tp2pp2
 # bf16 and fp16 compute (fp32 master weights, fp16 with loss scaling) on 2 workers, under ddp and
