@@ -433,7 +433,37 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr
   tp::TensorParallelOptions o;
   o.vocab_parallel_output = true;
   o.gather_logits_in_eval = true;
-  return tp::tensor_parallel(std::move(dense), tp, o);
+  auto out = tp::tensor_parallel(std::move(dense), tp, o);
+  const auto n = out->size();
+  if (n < 2 || !out->ptr(n - 1)->as<TiedHeadImpl>()) return out;
+  // The tied head (shared with the dense model by the converter) gets its own module over the
+  // vocabulary-parallel embedding's shard.
+  auto* embedding = out->ptr(0)->as<tp::VocabParallelEmbeddingImpl>();
+  if (!embedding) throw std::invalid_argument("Llama: a TiedHead needs the embedding as the Sequential's first child");
+  torch::nn::Sequential tied;
+  auto child = out->begin();
+  for (size_t i = 0; i + 1 < n; ++i, ++child) tied->push_back(*child);
+  tied->push_back(TiedHead(embedding->weight, tp));
+  return tied;
+}
+
+torch::Tensor TiedHeadImpl::forward(const torch::Tensor& x) {
+  if (!tp) return torch::linear(x, weight);
+  auto y = torch::linear(tp::copy_to_tp(x, tp), weight);
+  return is_training() ? y : tp::gather_from_tp(y, tp);
+}
+
+torch::nn::Sequential tied_causal_lm_sequential(const LlamaConfig& c) {
+  if (!c.tie_word_embeddings) throw std::invalid_argument("Llama: tied_causal_lm_sequential needs tied embeddings");
+  validate(c, "LlamaConfig");
+  torch::nn::Sequential seq;
+  auto embed = embedding(c);
+  seq->push_back("embed_tokens", embed);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    seq->push_back("layer" + std::to_string(i), SequentialDecoderLayer(c));
+  seq->push_back("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  seq->push_back("lm_head", TiedHead(embed->weight));
+  return seq;
 }
 
 torch::nn::Sequential causal_lm_sequential(const LlamaConfig& c) {

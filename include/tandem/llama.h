@@ -197,9 +197,9 @@ void check_tensor_parallel(const LlamaConfig& config, int tp_size);
 
 // The Engine's converter (EngineOptions::tensor_parallel) for the causal LM's Sequential:
 // tp::tensor_parallel with the embedding vocabulary-parallel and the LM head column-parallel over
-// the vocabulary, its logits left split ([B, T, V/tp], for tp::vocab_parallel_cross_entropy) in
-// training mode and gathered in evaluation mode. Throws std::invalid_argument naming the
-// configuration field that tp does not divide.
+// the vocabulary (a TiedHead: over the embedding's shard), its logits left split ([B, T, V/tp],
+// for tp::vocab_parallel_cross_entropy) in training mode and gathered in evaluation mode. Throws std::invalid_argument
+// naming the configuration field that tp does not divide.
 torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr& tp);
 
 // The untied causal LM as a flat Sequential, for pipeline cuts and per-layer ZeRO-3 units:
@@ -208,6 +208,25 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr
 // ones only by prefix (sequential_to_hf maps them). Throws std::invalid_argument for tied
 // embeddings, which a pipeline cannot share between its first and last stage.
 torch::nn::Sequential causal_lm_sequential(const LlamaConfig& config);
+// The tied LM head as the last child of a Sequential: logits x W^T with W the weight of the
+// embedding (the Sequential's first child), held without registering it, so the parameter list
+// holds W once, under the embedding. Given `tp`, W is this rank's vocabulary shard (a
+// VocabParallelEmbedding's) and the logits stay split in training, gathered in evaluation.
+class TiedHeadImpl : public torch::nn::Module {
+ public:
+  explicit TiedHeadImpl(torch::Tensor weight, CommPtr tp = nullptr) : weight(std::move(weight)), tp(std::move(tp)) {}
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+  CommPtr tp;
+};
+TORCH_MODULE(TiedHead);
+
+// causal_lm_sequential's form of a tied model: the last child a TiedHead over embed_tokens'
+// weight. For tensor parallelism (llama::tensor_parallel shares the embedding's shard), not for
+// a pipeline (the head's use of the weight would not reach the first stage) or ZeRO-3 (which
+// frees the weight outside its unit). Throws std::invalid_argument for untied embeddings.
+torch::nn::Sequential tied_causal_lm_sequential(const LlamaConfig& config);
+
 // "layer3.mlp.up_proj.weight" -> "model.layers.3.mlp.up_proj.weight", "embed_tokens.weight" ->
 // "model.embed_tokens.weight", "norm.weight" -> "model.norm.weight", "lm_head.weight" unchanged.
 // Throws std::invalid_argument for a name of no child of causal_lm_sequential.

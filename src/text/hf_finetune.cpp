@@ -140,10 +140,10 @@ struct Model {
   std::string form;  // "sequential" (pipeline-ready) or "tree" (transformers' module tree)
 };
 
-// The untied causal LM's children by position: a pipeline stage names its layers so, and every
-// layout then saves and loads the same names.
+// The causal LM's children by position: a pipeline stage names its layers so, and every layout
+// then saves and loads the same names. Tied: tied_causal_lm_sequential's (for tp only).
 torch::nn::Sequential positional(const llama::LlamaConfig& mc) {
-  const auto named = llama::causal_lm_sequential(mc);
+  const auto named = mc.tie_word_embeddings ? llama::tied_causal_lm_sequential(mc) : llama::causal_lm_sequential(mc);
   torch::nn::Sequential net;
   for (const auto& child : *named) net->push_back(child);
   return net;
@@ -237,12 +237,7 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
     m.engine = make_engine(rt, cfg.loop, net, sample, eo);
     m.module = net.ptr();
     m.form = "tree";
-  } else if (mc.tie_word_embeddings) {
-    if (cfg.loop.pp > 1) {
-      throw std::invalid_argument("'" + cfg.model_dir +
-                                  "' ties its input and output embeddings, which a pipeline cannot split; run "
-                                  "without --pp");
-    }
+  } else if (mc.tie_word_embeddings && cfg.loop.tp == 1) {
     llama::LlamaForCausalLM net(mc);
     llama::load_weights(*net, weights);
     eo.model_name = "llama-lm";
@@ -313,12 +308,12 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
     throw std::runtime_error("'" + cfg.model_dir + "': tokenizer.model has " + std::to_string(tok.vocab_size()) +
                              " pieces, more than config.json's vocab_size " + std::to_string(mc.vocab_size));
   }
+  if (mc.tie_word_embeddings && cfg.loop.pp > 1) {
+    throw std::invalid_argument("'" + cfg.model_dir +
+                                "' ties its input and output embeddings, which a pipeline cannot split; run without "
+                                "--pp");
+  }
   if (cfg.loop.tp > 1) {
-    if (mc.tie_word_embeddings) {
-      throw std::invalid_argument("'" + cfg.model_dir +
-                                  "' ties its input and output embeddings, which the tensor-parallel form does not "
-                                  "share; run without --tp (ddp or zero1-3)");
-    }
     try {
       llama::check_tensor_parallel(mc, cfg.loop.tp);
     } catch (const std::invalid_argument& e) {

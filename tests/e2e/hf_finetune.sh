@@ -2,12 +2,12 @@
 # `tandem finetune --init-from HF_DIR` on a tiny random Llama that transformers made
 # (tests/hf/hf_fixture.py): 20 steps of language modelling on fortune cookies under ddp, zero2,
 # a 2-stage pipeline and tp2 on 2 workers, and dp2 x tp2 and tp2 x pp2 on 4, give one worker's
-# per-step losses within 1e-4, and so does a model with tied embeddings under zero2; bf16 and
+# per-step losses within 1e-4, and so does a model with tied embeddings under zero2 and tp2; bf16 and
 # fp16 (ddp) and bf16 under tp2 follow its losses within 5e-3 relative; classification under
 # ddp gives one worker's too; runs resumed under zero2 and tp2 from the pipeline's step-10
 # checkpoint, and on one worker from tp2's, continue one worker's losses;
-# `tandem export --to hf` of the pipeline's, tp2's and the tied model's checkpoints loads in
-# transformers. Skipped (exit 77) without .venv-hf or the fortunes corpus.
+# `tandem export --to hf` of the pipeline's, tp2's and the tied model's (zero2, tp2) checkpoints
+# loads in transformers. Skipped (exit 77) without .venv-hf or the fortunes corpus.
 # usage: hf_finetune.sh TANDEM SOURCE_DIR
 set -uo pipefail
 tandem=$1
@@ -110,13 +110,15 @@ run tp2_bf16 -n 2 --strategy ddp --tp 2 --precision bf16 "${lm[@]}" && near sing
 tied=(--init-from "$tmp/fx/lm_tied" --data "$tmp/lm.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2 --no-eval)
 run tied_single -n 1 --strategy single "${tied[@]}"
 run tied_zero2 -n 2 --strategy zero2 --checkpoint-dir "$tmp/ck_tied" "${tied[@]}" && same tied_single tied_zero2
+# Tied under tp2: the head over the vocabulary-parallel embedding's shard.
+run tied_tp2 -n 2 --strategy ddp --tp 2 --checkpoint-dir "$tmp/ck_tied_tp" "${tied[@]}" && same tied_single tied_tp2
 cls=(--init-from "$tmp/fx/cls" --task classify --data "$tmp/cls.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2)
 run cls_single -n 1 --strategy single "${cls[@]}"
 run cls_ddp -n 2 --strategy ddp "${cls[@]}" && same cls_single cls_ddp 1 -1e9
 grep -q "accuracy" "$tmp/cls_ddp.log" || { echo "FAIL cls_ddp: no validation accuracy"; fails=$((fails + 1)); }
 # The pipeline's and the tied model's last checkpoints as Hugging Face directories, loaded by
 # transformers.
-for ck in ck ck_tp ck_tied; do
+for ck in ck ck_tp ck_tied ck_tied_tp; do
 if timeout 120 "$tandem" export --to hf "$tmp/export_$ck" --checkpoint "$tmp/$ck" >"$tmp/export.log" 2>&1 &&
   "$py" - "$tmp/export_$ck" <<'PY'
 import sys, torch
@@ -125,7 +127,7 @@ m = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
 t = AutoTokenizer.from_pretrained(sys.argv[1])
 ids = t("You will be married within a year.", return_tensors="pt")["input_ids"]
 with torch.no_grad():
-    print("ok   export", sys.argv[1].rsplit("_", 1)[1], "loads in transformers; loss on a sentence",
+    print("ok   export", sys.argv[1].rsplit("/", 1)[1], "loads in transformers; loss on a sentence",
           round(m(ids, labels=ids).loss.item(), 4), "tied" if m.config.tie_word_embeddings else "untied")
 PY
 then :; else

@@ -50,7 +50,7 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
   app.add_option("--precision", l.precision, "fp32 | bf16 | fp16 (mixed precision: fp32 master weights)")
       ->capture_default_str();
   app.add_option("--tp", l.tp,
-                 "tensor-parallel ranks (untied causal LM; divides the heads, KV heads, MLP width and vocabulary)")
+                 "tensor-parallel ranks (causal LM; must divide the heads, KV heads, MLP width and vocabulary)")
       ->capture_default_str();
   app.add_option("--pp", l.pp, "pipeline stages per replica (lm; with ddp or zero1)")->capture_default_str();
   app.add_option("--pp-partition", l.pp_partition, "params | time | layers per stage, e.g. 2,3")->capture_default_str();
