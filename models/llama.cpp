@@ -427,9 +427,7 @@ void ParallelDecoderLayerImpl::gather_into(torch::nn::Module& dense, Communicato
 }
 
 torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr& tp) {
-  for (const auto& child : *dense) {
-    if (auto* layer = child.ptr()->as<SequentialDecoderLayerImpl>()) check_tensor_parallel(layer->config, tp->size());
-  }
+  // tp::tensor_parallel checks every decoder layer (check_tensor_parallel) before any collective.
   tp::TensorParallelOptions o;
   o.vocab_parallel_output = true;
   o.gather_logits_in_eval = true;
