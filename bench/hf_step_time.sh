@@ -1,60 +1,118 @@
 #!/usr/bin/env bash
-# Fine-tuning step time of a Llama made locally with transformers: `tandem finetune --init-from`
-# (DDP, 2 workers of one thread) against PyTorch DDP running transformers' own LlamaForCausalLM
-# (gloo, 2 processes of one thread, bench/hf_torch_peer.py), with the same shape, batch,
-# sequence, optimizer and schedule, in the order Tandem, PyTorch, PyTorch, Tandem, ... (ROUNDS
-# pairs). Prints every run's median step (the first step left out) and the median ratio, and the
-# two loss curves averaged over fifths of the run (the data order differs, so the curves are
-# compared in windows, not step by step). Needs .venv-hf (scripts/setup-hf-venv.sh).
-# Usage: bench/hf_step_time.sh [tandem binary] [rounds] [steps] [layers] [hidden]
+# Step time of `tandem finetune --init-from` (ddp, 2 workers, 1 thread each) against PyTorch DDP
+# (gloo, 2 processes, 1 thread each) running transformers' own LlamaForCausalLM, on the same
+# model (made here with transformers: LAYERS layers, width 256, 4 heads, SwiGLU 688, the
+# fortune-cookie SentencePiece vocabulary), data, batch, optimizer (AdamW, cosine decay to 10%)
+# and sequence (128). The data set is BATCH texts of at least 128 tokens, so every step's global
+# batch is the whole set whatever order a sampler picks: the loss curves are comparable. The
+# runs alternate Tandem, PyTorch, Tandem, ... REPS times; per run the median step time after the
+# first SKIP steps, then the median over the runs, the ratio, and both loss curves.
+# usage: bench/hf_step_time.sh [TANDEM] [STEPS] [REPS] [LAYERS]
 set -euo pipefail
-tandem=${1:-build/tandem}
-rounds=${2:-3}
-steps=${3:-30}
+src=$(cd "$(dirname "$0")/.." && pwd)
+tandem=${1:-$src/build/tandem}
+steps=${2:-30}
+reps=${3:-3}
 layers=${4:-4}
-hidden=${5:-256}
-here=$(cd "$(dirname "$0")" && pwd)
-export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
-py=$here/../.venv-hf/bin/python
-[[ -x $py ]] || { echo "needs .venv-hf: scripts/setup-hf-venv.sh" >&2; exit 1; }
-dir=$(mktemp -d)
-trap 'rm -rf "$dir"' EXIT
-intermediate=$((hidden * 43 / 16))
-"$py" "$here/hf_torch_peer.py" make "$dir" --layers "$layers" --hidden "$hidden" --intermediate "$intermediate" >/dev/null
-common=(--steps "$steps" --batch 16 --seq 128 --lr 3e-4 --warmup 5)
-tandem_run() {
-  "$tandem" finetune --init-from "$dir/model" --task lm --data "$dir/data.jsonl" -n 2 --threads 1 --strategy ddp \
-    --steps "$steps" --batch 16 --seq 128 --lr 3e-4 --warmup-steps 5 --no-eval --no-progress \
-    --metrics "$dir/tandem.jsonl" >"$dir/log" 2>&1 || { cat "$dir/log"; exit 1; }
-  python3 -c '
-import json, sys
-steps = [d for d in map(json.loads, open(sys.argv[1])) if "loss" in d and not d.get("report")]
-json.dump({"step_ms": [d["step_ms"] for d in steps], "losses": [d["loss"] for d in steps]}, open(sys.argv[2], "w"))' \
-    "$dir/tandem.jsonl" "$1"
-}
-torch_run() { "$py" "$here/hf_torch_peer.py" run "$dir" "${common[@]}" --workers 2 --out "$1"; }
-for ((r = 0; r < rounds; ++r)); do
-  if ((r % 2 == 0)); then tandem_run "$dir/t$r.json"; torch_run "$dir/p$r.json"
-  else torch_run "$dir/p$r.json"; tandem_run "$dir/t$r.json"; fi
+batch=16
+skip=5
+py=$src/.venv-hf/bin/python
+[ -x "$py" ] || { echo "$py missing: run scripts/setup-hf-venv.sh"; exit 1; }
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+"$py" "$src/tests/hf/hf_fixture.py" make "$out/fx" >"$out/fx.log" 2>&1 || { cat "$out/fx.log"; exit 1; }
+"$py" - "$out" "$layers" "$batch" <<'PY'
+import json, os, shutil, sys, torch
+import sentencepiece as spm
+from transformers import LlamaConfig, LlamaForCausalLM
+out, layers, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+fx = os.path.join(out, "fx", "lm")
+sp = spm.SentencePieceProcessor(model_file=os.path.join(fx, "tokenizer.model"))
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=sp.get_piece_size(), hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+LlamaForCausalLM(cfg).save_pretrained(os.path.join(out, "model"))
+for f in os.listdir(fx):
+    if f.startswith("tokenizer") or f == "special_tokens_map.json":
+        shutil.copy(os.path.join(fx, f), os.path.join(out, "model", f))
+# Texts of >= 128 tokens: fortune cookies joined until long enough.
+root, docs = "/usr/share/games/fortunes", []
+for name in sorted(os.listdir(root)):
+    p = os.path.join(root, name)
+    if os.path.isfile(p) and not os.path.islink(p) and not name.endswith((".dat", ".u8")):
+        docs += [d.strip() for d in open(p, encoding="utf-8", errors="replace").read().split("\n%\n") if d.strip()]
+texts, cur = [], ""
+for d in docs:
+    cur = (cur + " " + d).strip()
+    if len(sp.encode(cur)) >= 140:
+        texts.append(cur)
+        cur = ""
+    if len(texts) == batch:
+        break
+with open(os.path.join(out, "data.jsonl"), "w") as f:
+    for t in texts:
+        f.write(json.dumps({"text": t}) + "\n")
+# The ids Tandem trains on: BOS, the pieces, cut at 128.
+ids = torch.tensor([([1] + sp.encode(t))[:128] for t in texts])
+torch.save(ids, os.path.join(out, "ids.pt"))
+PY
+cat >"$out/torch_ddp.py" <<'PY'
+import json, math, os, sys, time, torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import LlamaForCausalLM
+out, steps, lr = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+model = LlamaForCausalLM.from_pretrained(os.path.join(out, "model"), attn_implementation="sdpa").train()
+ddp = DDP(model)
+opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+ids = torch.load(os.path.join(out, "ids.pt"))
+mine = ids.chunk(world)[rank]
+rows = []
+for step in range(steps):
+    for g in opt.param_groups:  # Tandem's schedule: cosine from lr to 10% of it, no warmup
+        g["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps))))
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss = ddp(input_ids=mine, labels=mine).loss
+    loss.backward()
+    opt.step()
+    ms = (time.perf_counter() - t0) * 1e3
+    l = loss.detach().clone()
+    dist.all_reduce(l)
+    rows.append({"loss": l.item() / world, "step_ms": ms})
+if rank == 0:
+    with open(sys.argv[4], "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+PY
+lr=1e-3
+echo "Llama $layers layers, width 256, seq 128, global batch $batch, $steps steps, $reps reps, $(nproc) cores"
+for rep in $(seq 1 "$reps"); do
+  "$tandem" finetune -n 2 --strategy ddp --threads 1 --init-from "$out/model" --data "$out/data.jsonl" \
+    --valid-fraction 0 --seq 128 --batch $batch --steps "$steps" --lr $lr --warmup-steps 0 --no-eval --no-progress \
+    --metrics "$out/tandem-$rep.jsonl" >"$out/tandem-$rep.log" 2>&1 || { cat "$out/tandem-$rep.log"; exit 1; }
+  OMP_NUM_THREADS=1 "$py" -m torch.distributed.run --nproc_per_node 2 --master_port $((29500 + rep)) \
+    "$out/torch_ddp.py" "$out" "$steps" $lr "$out/torch-$rep.jsonl" >"$out/torch-$rep.log" 2>&1 ||
+    { cat "$out/torch-$rep.log"; exit 1; }
 done
-python3 - "$dir" "$rounds" "$layers" "$hidden" <<'PY'
+"$py" - "$out" "$reps" "$skip" <<'PY'
 import json, statistics, sys
-d, rounds, layers, hidden = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-med = lambda xs: statistics.median(xs[1:])
-t = [json.load(open(f"{d}/t{r}.json")) for r in range(rounds)]
-p = [json.load(open(f"{d}/p{r}.json")) for r in range(rounds)]
-print(f"Llama, {layers} layers, width {hidden}, sequence 128, global batch 16, 2 workers")
-print("| round | Tandem median step ms | PyTorch DDP + transformers ms | ratio |")
-print("|---|---|---|---|")
-ratios = []
-for r in range(rounds):
-    a, b = med(t[r]["step_ms"]), med(p[r]["step_ms"])
-    ratios.append(a / b)
-    print(f"| {r + 1} | {a:.1f} | {b:.1f} | {a / b:.3f} |")
-print(f"median ratio Tandem / PyTorch: {statistics.median(ratios):.3f}")
-n = len(t[0]["losses"])
-w = max(1, n // 5)
-for name, runs in (("Tandem", t), ("PyTorch", p)):
-    curve = [statistics.mean(statistics.mean(r["losses"][i:i + w]) for r in runs) for i in range(0, n, w)]
-    print(f"{name:8s} loss by fifths: " + " ".join(f"{x:.3f}" for x in curve))
+out, reps, skip = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def load(path):
+    rows = [json.loads(l) for l in open(path)]
+    return [r for r in rows if "step_ms" in r and not r.get("report")]
+med = {}
+for who in ("tandem", "torch"):
+    runs = [statistics.median([r["step_ms"] for r in load(f"{out}/{who}-{k}.jsonl")][skip:]) for k in range(1, reps + 1)]
+    med[who] = statistics.median(runs)
+    print(f"{who:6s}: " + " ".join(f"{x:.1f}" for x in runs) + f" ms/step, median {med[who]:.1f}")
+print(f"Tandem / PyTorch step time = {med['tandem'] / med['torch']:.3f}")
+a, b = load(f"{out}/tandem-1.jsonl"), load(f"{out}/torch-1.jsonl")
+print("losses (Tandem, PyTorch):", ", ".join(f"{x['loss']:.4f}/{y['loss']:.4f}" for x, y in zip(a, b)))
+print(f"max |loss difference| {max(abs(x['loss'] - y['loss']) for x, y in zip(a, b)):.2g}")
 PY

@@ -103,6 +103,26 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
   return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
+// Causal attention of projected q [B, T, heads * d], k and v [B, T, kv_heads * d], rotary
+// applied to q and k -> [B, T, heads * d].
+torch::Tensor attend(const torch::Tensor& q_proj, const torch::Tensor& k_proj, const torch::Tensor& v_proj,
+                     const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
+                     int64_t head_dim) {
+  const auto B = q_proj.size(0), T = q_proj.size(1);
+  auto split = [&](const torch::Tensor& t, int64_t h) { return t.view({B, T, h, head_dim}).transpose(1, 2); };
+  auto q = split(q_proj, heads), k = split(k_proj, kv_heads), v = split(v_proj, kv_heads);
+  const auto c = cos.to(q.scalar_type()), s = sin.to(q.scalar_type());
+  q = q * c + rotate_half(q) * s;
+  k = k * c + rotate_half(k) * s;
+  // Each key/value head serves heads / kv_heads consecutive query heads.
+  if (kv_heads != heads) {
+    k = k.repeat_interleave(heads / kv_heads, /*dim=*/1);
+    v = v.repeat_interleave(heads / kv_heads, /*dim=*/1);
+  }
+  auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  return y.transpose(1, 2).reshape({B, T, heads * head_dim});
+}
+
 // The parameters under their Hugging Face names: the module's own names, which mirror them.
 safetensors::TensorList hf_tensors(const torch::nn::Module& module,
                                    const std::function<std::string(const std::string&)>& to_hf) {
@@ -214,19 +234,7 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c)
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const auto B = x.size(0), T = x.size(1);
-  auto split = [&](const torch::Tensor& t, int64_t h) { return t.view({B, T, h, head_dim}).transpose(1, 2); };
-  auto q = split(q_proj(x), heads), k = split(k_proj(x), kv_heads), v = split(v_proj(x), kv_heads);
-  const auto c = cos.to(x.scalar_type()), s = sin.to(x.scalar_type());
-  q = q * c + rotate_half(q) * s;
-  k = k * c + rotate_half(k) * s;
-  // Each key/value head serves heads / kv_heads consecutive query heads.
-  if (kv_heads != heads) {
-    k = k.repeat_interleave(heads / kv_heads, /*dim=*/1);
-    v = v.repeat_interleave(heads / kv_heads, /*dim=*/1);
-  }
-  auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
-  return o_proj(y.transpose(1, 2).reshape({B, T, heads * head_dim}));
+  return o_proj(attend(q_proj(x), k_proj(x), v_proj(x), cos, sin, heads, kv_heads, head_dim));
 }
 
 MLPImpl::MLPImpl(const LlamaConfig& c) {
@@ -312,6 +320,148 @@ torch::Tensor LlamaForSequenceClassificationImpl::forward(const torch::Tensor& i
 torch::Tensor SequentialDecoderLayerImpl::forward(const torch::Tensor& x) {
   auto [cos, sin] = rotary_tables(config, x.size(1));
   return DecoderLayerImpl::forward(x, cos.to(x.device()), sin.to(x.device()));
+}
+
+// ---- tensor parallelism ----------------------------------------------------------------------
+
+void check_tensor_parallel(const LlamaConfig& c, int tp_size) {
+  const std::pair<const char*, int64_t> sizes[] = {{"num_attention_heads", c.num_attention_heads},
+                                                   {"num_key_value_heads", c.num_key_value_heads},
+                                                   {"intermediate_size", c.intermediate_size},
+                                                   {"vocab_size", c.vocab_size}};
+  for (auto& [name, v] : sizes) {
+    if (tp_size >= 1 && v % tp_size == 0) continue;
+    std::string fits;
+    for (int t = 2; t <= 8; ++t) {
+      bool all = true;
+      for (auto& s : sizes) all = all && s.second % t == 0;
+      if (all) fits += (fits.empty() ? "" : ", ") + std::to_string(t);
+    }
+    throw std::invalid_argument("Llama: the tensor-parallel size " + std::to_string(tp_size) + " does not divide " +
+                                name + " (" + std::to_string(v) + "); use " +
+                                (fits.empty() ? std::string("--tp 1 (no size up to 8 divides every cut dimension)")
+                                              : "a --tp of " + fits + " (or 1)"));
+  }
+}
+
+void SequentialDecoderLayerImpl::check_tensor_parallel(int tp_size) const {
+  llama::check_tensor_parallel(config, tp_size);
+}
+
+torch::nn::AnyModule SequentialDecoderLayerImpl::to_tensor_parallel(const CommPtr& tp) const {
+  return torch::nn::AnyModule(ParallelDecoderLayer(*this, tp));
+}
+
+ParallelAttentionImpl::ParallelAttentionImpl(const AttentionImpl& d, const CommPtr& tp_)
+    : local_heads(tp::shard_size(d.heads, tp_->size(), "num_attention_heads")),
+      local_kv_heads(tp::shard_size(d.kv_heads, tp_->size(), "num_key_value_heads")), head_dim(d.head_dim), tp(tp_) {
+  q_proj = register_module("q_proj", tp::ColumnParallelLinear(d.q_proj, tp));
+  k_proj = register_module("k_proj", tp::ColumnParallelLinear(d.k_proj, tp));
+  v_proj = register_module("v_proj", tp::ColumnParallelLinear(d.v_proj, tp));
+  o_proj = register_module("o_proj", tp::RowParallelLinear(d.o_proj, tp, /*input_is_parallel=*/true));
+}
+
+torch::Tensor ParallelAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                             const torch::Tensor& sin) {
+  // One identity/all-reduce for the three projections (each ColumnParallelLinear would add its own).
+  const auto in = tp::copy_to_tp(x, tp);
+  auto y = attend(at::linear(in, q_proj->weight, q_proj->bias), at::linear(in, k_proj->weight, k_proj->bias),
+                  at::linear(in, v_proj->weight, v_proj->bias), cos, sin, local_heads, local_kv_heads, head_dim);
+  return o_proj(y);
+}
+
+ParallelMLPImpl::ParallelMLPImpl(const MLPImpl& d, const CommPtr& tp_) : tp(tp_) {
+  gate_proj = register_module("gate_proj", tp::ColumnParallelLinear(d.gate_proj, tp));
+  up_proj = register_module("up_proj", tp::ColumnParallelLinear(d.up_proj, tp));
+  down_proj = register_module("down_proj", tp::RowParallelLinear(d.down_proj, tp, /*input_is_parallel=*/true));
+}
+
+torch::Tensor ParallelMLPImpl::forward(const torch::Tensor& x) {
+  const auto in = tp::copy_to_tp(x, tp);
+  return down_proj(torch::silu(at::linear(in, gate_proj->weight, gate_proj->bias)) *
+                   at::linear(in, up_proj->weight, up_proj->bias));
+}
+
+ParallelDecoderLayerImpl::ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& d, const CommPtr& tp)
+    : config(d.config) {
+  self_attn = register_module("self_attn", ParallelAttention(*d.self_attn, tp));
+  mlp = register_module("mlp", ParallelMLP(*d.mlp, tp));
+  input_layernorm = register_module("input_layernorm", d.input_layernorm);
+  post_attention_layernorm = register_module("post_attention_layernorm", d.post_attention_layernorm);
+}
+
+torch::Tensor ParallelDecoderLayerImpl::forward(const torch::Tensor& x) {
+  auto [cos, sin] = rotary_tables(config, x.size(1));
+  cos = cos.to(x.device());
+  sin = sin.to(x.device());
+  auto h = x + self_attn(input_layernorm(x), cos, sin);
+  return h + mlp(post_attention_layernorm(h));
+}
+
+void ParallelDecoderLayerImpl::gather_into(torch::nn::Module& dense, Communicator& tp) const {
+  auto* d = dense.as<DecoderLayerImpl>();
+  if (!d) throw std::invalid_argument("Llama: ParallelDecoderLayer gathers into a DecoderLayer, not another module");
+  torch::NoGradGuard ng;
+  auto set = [](const torch::Tensor& to, const torch::Tensor& from) {
+    TORCH_CHECK(to.sizes() == from.sizes(), "Llama: a tensor-parallel decoder layer gathers to ", from.sizes(),
+                ", the dense layer has ", to.sizes(), " (another configuration?)");
+    to.copy_(from);
+  };
+  auto column = [&](const torch::nn::Linear& to, const tp::ColumnParallelLinear& from) {
+    set(to->weight, tp::gather_shards(from->weight, 0, tp));
+    if (to->bias.defined()) set(to->bias, tp::gather_shards(from->bias, 0, tp));
+  };
+  auto row = [&](const torch::nn::Linear& to, const tp::RowParallelLinear& from) {
+    set(to->weight, tp::gather_shards(from->weight, 1, tp));
+    if (to->bias.defined()) set(to->bias, from->bias);
+  };
+  column(d->self_attn->q_proj, self_attn->q_proj);
+  column(d->self_attn->k_proj, self_attn->k_proj);
+  column(d->self_attn->v_proj, self_attn->v_proj);
+  row(d->self_attn->o_proj, self_attn->o_proj);
+  column(d->mlp->gate_proj, mlp->gate_proj);
+  column(d->mlp->up_proj, mlp->up_proj);
+  row(d->mlp->down_proj, mlp->down_proj);
+  set(d->input_layernorm->weight, input_layernorm->weight);
+  set(d->post_attention_layernorm->weight, post_attention_layernorm->weight);
+}
+
+torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr& tp) {
+  // tp::tensor_parallel checks every decoder layer (check_tensor_parallel) before any collective.
+  tp::TensorParallelOptions o;
+  o.vocab_parallel_output = true;
+  o.gather_logits_in_eval = true;
+  auto out = tp::tensor_parallel(std::move(dense), tp, o);
+  const auto n = out->size();
+  if (n < 2 || !out->ptr(n - 1)->as<TiedHeadImpl>()) return out;
+  // The tied head (shared with the dense model by the converter) gets its own module over the
+  // vocabulary-parallel embedding's shard.
+  auto* embedding = out->ptr(0)->as<tp::VocabParallelEmbeddingImpl>();
+  if (!embedding) throw std::invalid_argument("Llama: a TiedHead needs the embedding as the Sequential's first child");
+  torch::nn::Sequential tied;
+  auto child = out->begin();
+  for (size_t i = 0; i + 1 < n; ++i, ++child) tied->push_back(*child);
+  tied->push_back(TiedHead(embedding->weight, tp));
+  return tied;
+}
+
+torch::Tensor TiedHeadImpl::forward(const torch::Tensor& x) {
+  if (!tp) return torch::linear(x, weight);
+  auto y = torch::linear(tp::copy_to_tp(x, tp), weight);
+  return is_training() ? y : tp::gather_from_tp(y, tp);
+}
+
+torch::nn::Sequential tied_causal_lm_sequential(const LlamaConfig& c) {
+  if (!c.tie_word_embeddings) throw std::invalid_argument("Llama: tied_causal_lm_sequential needs tied embeddings");
+  validate(c, "LlamaConfig");
+  torch::nn::Sequential seq;
+  auto embed = embedding(c);
+  seq->push_back("embed_tokens", embed);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    seq->push_back("layer" + std::to_string(i), SequentialDecoderLayer(c));
+  seq->push_back("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  seq->push_back("lm_head", TiedHead(embed->weight));
+  return seq;
 }
 
 torch::nn::Sequential causal_lm_sequential(const LlamaConfig& c) {

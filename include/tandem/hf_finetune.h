@@ -1,7 +1,7 @@
 // Fine-tuning a local Hugging Face Llama-architecture directory (config.json, safetensors
 // weights, SentencePiece tokenizer.model) on JSON lines, on the text commands' Engine and loop,
-// under ddp, zero1-3 or a pipeline; and exporting any of its checkpoints (whatever layout saved
-// it) back to a directory transformers' from_pretrained loads. Every error names the file (and
+// under ddp, zero1-3, a pipeline or tensor parallelism (and their combinations); and exporting any of its checkpoints
+// (whatever layout saved it) back to a directory transformers' from_pretrained loads. Every error names the file (and
 // line) at fault and what to do.
 #pragma once
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "tandem/safetensors.h"
+#include "tandem/tensor_parallel.h"
 
 namespace tandem::llama {
 
@@ -134,14 +135,72 @@ class LlamaForSequenceClassificationImpl : public torch::nn::Module {
 TORCH_MODULE(LlamaForSequenceClassification);
 
 // A decoder layer as a child of a Sequential: forward(x) builds its rotary tables from x's
-// length (the same values as LlamaModel's, which builds them once for all layers).
-class SequentialDecoderLayerImpl : public DecoderLayerImpl {
+// length (the same values as LlamaModel's, which builds them once for all layers). Its
+// tensor-parallel form is ParallelDecoderLayer (tp::tensor_parallel converts it).
+class SequentialDecoderLayerImpl : public DecoderLayerImpl, public tp::Parallelizable {
  public:
   explicit SequentialDecoderLayerImpl(const LlamaConfig& config) : DecoderLayerImpl(config), config(config) {}
   torch::Tensor forward(const torch::Tensor& x);
+  // Throws std::invalid_argument unless tp_size divides num_attention_heads,
+  // num_key_value_heads and intermediate_size.
+  void check_tensor_parallel(int tp_size) const override;
+  torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
   LlamaConfig config;
 };
 TORCH_MODULE(SequentialDecoderLayer);
+
+// ---- tensor parallelism (tandem/tensor_parallel.h): Megatron-LM's cut of a decoder layer.
+// Parameter names are those of the dense layer; every tp rank runs the same forwards.
+
+// Attention with the heads split: tp rank r holds query heads [r*H/tp, (r+1)*H/tp) and
+// key/value heads [r*KV/tp, (r+1)*KV/tp) (q/k/v column-parallel; each query head's key/value head
+// is on its rank), and o_proj row-parallel. One all-reduce forward, one backward.
+class ParallelAttentionImpl : public torch::nn::Module {
+ public:
+  ParallelAttentionImpl(const AttentionImpl& dense, const CommPtr& tp);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  tp::ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
+  tp::RowParallelLinear o_proj{nullptr};
+  int64_t local_heads, local_kv_heads, head_dim;
+  CommPtr tp;
+};
+TORCH_MODULE(ParallelAttention);
+
+// SwiGLU with gate/up column-parallel and down row-parallel.
+class ParallelMLPImpl : public torch::nn::Module {
+ public:
+  ParallelMLPImpl(const MLPImpl& dense, const CommPtr& tp);
+  torch::Tensor forward(const torch::Tensor& x);
+  tp::ColumnParallelLinear gate_proj{nullptr}, up_proj{nullptr};
+  tp::RowParallelLinear down_proj{nullptr};
+  CommPtr tp;
+};
+TORCH_MODULE(ParallelMLP);
+
+// The tensor-parallel SequentialDecoderLayer; its RMSNorms are the dense layer's (replicated).
+class ParallelDecoderLayerImpl : public torch::nn::Module, public tp::ParallelForm {
+ public:
+  ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& dense, const CommPtr& tp);
+  torch::Tensor forward(const torch::Tensor& x);
+  // `dense`: a DecoderLayer of the same configuration.
+  void gather_into(torch::nn::Module& dense, Communicator& tp) const override;
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  ParallelAttention self_attn{nullptr};
+  ParallelMLP mlp{nullptr};
+  LlamaConfig config;
+};
+TORCH_MODULE(ParallelDecoderLayer);
+
+// Throws std::invalid_argument naming the field (num_attention_heads, num_key_value_heads,
+// intermediate_size, vocab_size) that tp_size does not divide, and the tp sizes that would.
+void check_tensor_parallel(const LlamaConfig& config, int tp_size);
+
+// The Engine's converter (EngineOptions::tensor_parallel) for the causal LM's Sequential:
+// tp::tensor_parallel with the embedding vocabulary-parallel and the LM head column-parallel over
+// the vocabulary (a TiedHead: over the embedding's shard), its logits left split ([B, T, V/tp],
+// for tp::vocab_parallel_cross_entropy) in training mode and gathered in evaluation mode. Throws std::invalid_argument
+// naming the configuration field that tp does not divide.
+torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr& tp);
 
 // The untied causal LM as a flat Sequential, for pipeline cuts and per-layer ZeRO-3 units:
 // children embed_tokens, layer0 .. layer<N-1> (SequentialDecoderLayer), norm, lm_head; the same
@@ -149,6 +208,25 @@ TORCH_MODULE(SequentialDecoderLayer);
 // ones only by prefix (sequential_to_hf maps them). Throws std::invalid_argument for tied
 // embeddings, which a pipeline cannot share between its first and last stage.
 torch::nn::Sequential causal_lm_sequential(const LlamaConfig& config);
+// The tied LM head as the last child of a Sequential: logits x W^T with W the weight of the
+// embedding (the Sequential's first child), held without registering it, so the parameter list
+// holds W once, under the embedding. Given `tp`, W is this rank's vocabulary shard (a
+// VocabParallelEmbedding's) and the logits stay split in training, gathered in evaluation.
+class TiedHeadImpl : public torch::nn::Module {
+ public:
+  explicit TiedHeadImpl(torch::Tensor weight, CommPtr tp = nullptr) : weight(std::move(weight)), tp(std::move(tp)) {}
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+  CommPtr tp;
+};
+TORCH_MODULE(TiedHead);
+
+// causal_lm_sequential's form of a tied model: the last child a TiedHead over embed_tokens'
+// weight. For tensor parallelism (llama::tensor_parallel shares the embedding's shard), not for
+// a pipeline (the head's use of the weight would not reach the first stage) or ZeRO-3 (which
+// frees the weight outside its unit). Throws std::invalid_argument for untied embeddings.
+torch::nn::Sequential tied_causal_lm_sequential(const LlamaConfig& config);
+
 // "layer3.mlp.up_proj.weight" -> "model.layers.3.mlp.up_proj.weight", "embed_tokens.weight" ->
 // "model.embed_tokens.weight", "norm.weight" -> "model.norm.weight", "lm_head.weight" unchanged.
 // Throws std::invalid_argument for a name of no child of causal_lm_sequential.

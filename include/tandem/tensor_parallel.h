@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
@@ -14,6 +15,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "tandem/comm.h"
 #include "tandem/models.h"
@@ -32,9 +34,37 @@ at::Tensor scatter_to_tp(const at::Tensor& x, const CommPtr& tp);   // own slice
 // The full logits are never gathered (Megatron-LM's vocab-parallel cross-entropy).
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& target, const CommPtr& tp);
 
+// The tp ranks' shards of `t` (same shape on every rank) concatenated along `dim`, rank order.
+// Collective; no autograd.
+at::Tensor gather_shards(const at::Tensor& t, int64_t dim, Communicator& tp);
+
 // Shard `n` rows/columns: this rank's [begin, end). Throws std::invalid_argument naming `what`
 // when n is not divisible by the tp size.
 int64_t shard_size(int64_t n, int tp_size, const char* what);
+
+// ---- layers of other models ----
+
+// A layer of a model outside models.h that has a tensor-parallel form: tensor_parallel() converts
+// such a child of the dense Sequential by calling to_tensor_parallel() (and treats the model as
+// a transformer: a plain Embedding child becomes vocabulary-parallel, a final Linear the LM head).
+class Parallelizable {
+ public:
+  virtual ~Parallelizable() = default;
+  // Throws std::invalid_argument naming the size that `tp_size` does not divide. Called for
+  // every child before any collective, so that bad input fails at once on every rank.
+  virtual void check_tensor_parallel(int tp_size) const = 0;
+  // This layer's form over `tp`, cut from its current values for tp's rank; implements ParallelForm.
+  virtual torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const = 0;
+};
+
+// The tensor-parallel form of a Parallelizable layer: gather_to_dense() calls gather_into with
+// the dense layer it was cut from (or one of the same shape), which receives the whole values.
+class ParallelForm {
+ public:
+  virtual ~ParallelForm() = default;
+  // Collective over `tp`; throws std::invalid_argument when `dense` is not of the cut layer's kind.
+  virtual void gather_into(torch::nn::Module& dense, Communicator& tp) const = 0;
+};
 
 // ---- layers ----
 
@@ -50,6 +80,9 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   torch::Tensor weight, bias;
   CommPtr tp;
   bool gather_output;
+  // Gathers in evaluation mode (eval()) even without gather_output: an LM head whose training
+  // loss is vocab_parallel_cross_entropy, scored on one rank in evaluation.
+  bool gather_in_eval = false;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
@@ -67,7 +100,8 @@ class RowParallelLinearImpl : public torch::nn::Module {
 TORCH_MODULE(RowParallelLinear);
 
 // Embedding with the vocabulary split: rank r holds rows [r*V/tp, (r+1)*V/tp); ids outside give
-// zeros locally and the partial results are all-reduced.
+// zeros locally and the partial results are all-reduced. The dense layer's padding_idx row gets
+// no gradient here either.
 class VocabParallelEmbeddingImpl : public torch::nn::Module {
  public:
   VocabParallelEmbeddingImpl(const torch::nn::Embedding& dense, CommPtr tp);
@@ -75,6 +109,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
   torch::Tensor weight;
   CommPtr tp;
   int64_t vocab_begin = 0, vocab_end = 0;
+  int64_t padding_idx = -1;  // global id; -1: none
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
@@ -136,6 +171,9 @@ struct TensorParallelOptions {
   // LM head: false = gather the logits (output [B, T, V], any loss works); true = leave them split
   // along the vocabulary ([B, T, V/tp]) for vocab_parallel_cross_entropy.
   bool vocab_parallel_output = false;
+  // With vocab_parallel_output: the logits are gathered anyway in evaluation mode (eval()), so
+  // that Engine::evaluate's scoring on one rank sees the whole vocabulary.
+  bool gather_logits_in_eval = false;
 };
 
 // Converts a model of models.h into its tensor-parallel form over `tp` (collective): for the
@@ -143,6 +181,9 @@ struct TensorParallelOptions {
 // the LM head Linear -> ColumnParallelLinear (a classification head, after LastToken or a pooling
 // Unpad, stays replicated); for an MLP,
 // Linear layers pair up as column-parallel then row-parallel (an odd last one stays replicated).
+// A Parallelizable child (a layer of another model, e.g. tandem/llama.h's decoder layers) becomes
+// its own tensor-parallel form, and in such a model a torch::nn::Embedding child becomes a
+// VocabParallelEmbedding and a final Linear the column-parallel LM head.
 // Other children (LayerNorm, activations, Flatten, LastToken) are shared as they are. The result
 // is still a flat Sequential with the same children, so a Pipeline can cut it. Throws
 // std::invalid_argument for heads, vocabulary or widths not divisible by the tp size.
@@ -151,7 +192,7 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, T
 // The inverse, for saving: writes the full values of the tensor-parallel transformer `parallel`
 // (made by tensor_parallel(dense, tp), then trained) into the parameters of `dense` (that model
 // or another of the same shape), gathering the sharded ones over `tp` (collective; every tp rank
-// ends with the full values); replicated children are copied. Children in
+// ends with the full values; a ParallelForm child gathers itself); replicated children are copied. Children in
 // [first, end) only (e.g. a pipeline stage's); end < 0: all. Throws std::invalid_argument when
 // the two models do not correspond.
 void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense, const CommPtr& tp, int64_t first = 0,

@@ -13,6 +13,7 @@
 
 #include "tandem/checkpoint.h"
 #include "tandem/engine.h"
+#include "tandem/grid.h"
 #include "tandem/hf_tokenizer.h"
 #include "tandem/llama.h"
 #include "tandem/safetensors.h"
@@ -97,14 +98,10 @@ std::vector<std::string> map_labels(const std::vector<JsonlExample>& data, const
 }
 
 void validate(const HfFinetuneConfig& cfg, int world) {
-  if (cfg.loop.tp > 1) {
-    throw std::invalid_argument(
-        "--tp " + std::to_string(cfg.loop.tp) +
-        ": the Llama model has no tensor-parallel form yet; use --strategy ddp/zero1-3 or --pp");
-  }
   if (cfg.model_dir.empty()) throw std::invalid_argument("--init-from needs a Hugging Face model directory");
-  if (cfg.task == HfTask::kClassify && cfg.loop.pp > 1) {
-    throw std::invalid_argument("--task classify runs without --pp (the classifier is not cut into stages)");
+  if (cfg.task == HfTask::kClassify && cfg.loop.pp * cfg.loop.tp > 1) {
+    throw std::invalid_argument("--task classify runs without --pp and --tp (the classifier is not cut into stages "
+                                "or tensor-parallel layers); use --strategy ddp or zero1-3");
   }
   if (cfg.seq < 2) throw std::invalid_argument("--seq must be >= 2, got " + std::to_string(cfg.seq));
   if (cfg.valid_fraction < 0 || cfg.valid_fraction >= 1)
@@ -142,6 +139,15 @@ struct Model {
   std::unique_ptr<Engine> engine;
   std::string form;  // "sequential" (pipeline-ready) or "tree" (transformers' module tree)
 };
+
+// The causal LM's children by position: a pipeline stage names its layers so, and every layout
+// then saves and loads the same names. Tied: tied_causal_lm_sequential's (for tp only).
+torch::nn::Sequential positional(const llama::LlamaConfig& mc) {
+  const auto named = mc.tie_word_embeddings ? llama::tied_causal_lm_sequential(mc) : llama::causal_lm_sequential(mc);
+  torch::nn::Sequential net;
+  for (const auto& child : *named) net->push_back(child);
+  return net;
+}
 
 // "3.mlp.up_proj.weight" of the positional Sequential (embed_tokens, the decoder layers, norm,
 // lm_head) -> "model.layers.2.mlp.up_proj.weight"; the tree's names are the Hugging Face ones.
@@ -191,6 +197,17 @@ torch::Tensor lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& targ
   return torch::nn::functional::cross_entropy(pred, targets.narrow(1, 1, t - 1).reshape({-1}), o);
 }
 
+// lm_loss_sum of logits split along the vocabulary over `tp` (the tensor-parallel LM head's):
+// the same value on every tp rank, without gathering the logits.
+torch::Tensor vocab_parallel_lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets, const CommPtr& tp) {
+  const int64_t t = targets.size(1);
+  auto pred = logits.narrow(1, 0, t - 1).to(torch::kFloat);
+  auto next = targets.narrow(1, 1, t - 1);
+  auto real = next.ne(-100);
+  auto per_token = tp::vocab_parallel_cross_entropy(pred, next.masked_fill(real.logical_not(), 0), tp);
+  return (per_token * real.to(per_token.scalar_type())).sum();
+}
+
 torch::Tensor cls_loss_sum(const torch::Tensor& logits, const torch::Tensor& y) {
   return torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y,
                                               torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
@@ -220,12 +237,7 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
     m.engine = make_engine(rt, cfg.loop, net, sample, eo);
     m.module = net.ptr();
     m.form = "tree";
-  } else if (mc.tie_word_embeddings) {
-    if (cfg.loop.pp > 1) {
-      throw std::invalid_argument("'" + cfg.model_dir +
-                                  "' ties its input and output embeddings, which a pipeline cannot split; run "
-                                  "without --pp");
-    }
+  } else if (mc.tie_word_embeddings && cfg.loop.tp == 1) {
     llama::LlamaForCausalLM net(mc);
     llama::load_weights(*net, weights);
     eo.model_name = "llama-lm";
@@ -233,13 +245,14 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
     m.module = net.ptr();
     m.form = "tree";
   } else {
-    // The children by position: a pipeline stage names its layers so, and every layout then
-    // saves and loads the same names.
-    auto named = llama::causal_lm_sequential(mc);
-    llama::load_weights(*named, weights, false, llama::sequential_to_hf);
-    torch::nn::Sequential net;
-    for (const auto& child : *named) net->push_back(child);
+    auto net = positional(mc);
+    llama::load_weights(*net, weights, false,
+                        [&](const std::string& n) { return hf_name("sequential", n, mc.num_hidden_layers); });
     eo.model_name = "llama-lm";
+    if (cfg.loop.tp > 1) {
+      eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
+      eo.make_dense = [mc] { return positional(mc); };
+    }
     m.engine = make_engine(rt, cfg.loop, net, sample, eo);
     m.module = net.ptr();
     m.form = "sequential";
@@ -294,6 +307,19 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
   if (tok.vocab_size() > mc.vocab_size) {
     throw std::runtime_error("'" + cfg.model_dir + "': tokenizer.model has " + std::to_string(tok.vocab_size()) +
                              " pieces, more than config.json's vocab_size " + std::to_string(mc.vocab_size));
+  }
+  if (mc.tie_word_embeddings && cfg.loop.pp > 1) {
+    throw std::invalid_argument("'" + cfg.model_dir +
+                                "' ties its input and output embeddings, which a pipeline cannot split; run without "
+                                "--pp");
+  }
+  if (cfg.loop.tp > 1) {
+    try {
+      llama::check_tensor_parallel(mc, cfg.loop.tp);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("'" + cfg.model_dir + "/config.json', --tp " + std::to_string(cfg.loop.tp) + ": " +
+                                  e.what());
+    }
   }
   if (cfg.seq > mc.max_position_embeddings) {
     throw std::invalid_argument("--seq " + std::to_string(cfg.seq) + " exceeds the model's max_position_embeddings " +
@@ -377,13 +403,19 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
     }
     hooks.first_step = meta.step;
   }
+  LossFn loss_fn = lm ? LossFn(lm_loss_sum) : LossFn(cls_loss_sum);
+  if (lm && cfg.loop.tp > 1) {
+    loss_fn = [tp = eng.grid()->tp()](const torch::Tensor& logits, const torch::Tensor& targets) {
+      return vocab_parallel_lm_loss_sum(logits, targets, tp);
+    };
+  }
   const EngineStats loop = train_loop(
       rt, cfg.loop, eng, tr.ids.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
         return std::make_pair(rows(tr.ids, idx, from, to).to(rt.device()),
                               rows(tr.targets, idx, from, to).to(rt.device()));
       },
-      lm ? LossFn(lm_loss_sum) : LossFn(cls_loss_sum),
+      loss_fn,
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) { return terms(rows(tr.targets, idx, from, to)); },
       rep, hooks);
   if (!cfg.checkpoint_dir.empty() && !(cfg.checkpoint_every > 0 && cfg.loop.steps % cfg.checkpoint_every == 0) &&

@@ -1,18 +1,27 @@
 // The Llama model (tandem/llama.h) trained through tandem::Engine under ddp and zero1-3, tied
-// and untied embeddings, and its Sequential form under per-layer ZeRO-3 and a two-stage
-// pipeline: every layout's losses and final parameters follow one process training plain
-// LibTorch on the whole batch.
+// and untied embeddings, and its Sequential form under per-layer ZeRO-3, a two-stage pipeline
+// and tensor parallelism (the vocabulary-parallel loss): every layout's losses and final
+// parameters follow one process training plain LibTorch on the whole batch. With .venv-hf, the
+// logits of tp2, pp2 and zero3 match transformers' on a model transformers made, and the
+// checkpoints of `tandem finetune --init-from` under tp2 and pp2 export to directories whose
+// logits in transformers are Tandem's.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <functional>
 #include <string>
+#include <sys/stat.h>
 #include <tuple>
+#include <unistd.h>
 
 #include "tandem/engine.h"
+#include "tandem/grid.h"
 #include "tandem/llama.h"
+#include "tandem/text.h"
 #include "tests/dist/dist_env.h"
 #include "tests/dist/train_test_util.h"
+#include "tests/hf/export_check.h"
 
 namespace tandem::test {
 namespace {
@@ -69,7 +78,7 @@ OptimizerOptions adam() {
 // Trains `eng` for the reference's steps, this replica taking its rows (every stage of a
 // replica passes the same rows), and compares losses and the whole model's final values.
 void expect_follows(Engine& eng, int dp, const std::vector<double>& want, llama::LlamaForCausalLM& ref,
-                    const std::function<std::string(const std::string&)>& to_hf) {
+                    const std::function<std::string(const std::string&)>& to_hf, const LossFn& loss = kNextToken) {
   const int rank = eng.world()->rank();
   for (size_t s = 0; s < want.size(); ++s) {
     auto [x, y] = lm_batch(40 + s);
@@ -77,7 +86,7 @@ void expect_follows(Engine& eng, int dp, const std::vector<double>& want, llama:
       x = slice_for_rank(x, rank, dp);
       y = slice_for_rank(y, rank, dp);
     }
-    auto l = eng.step(x, y, kNextToken).detach().reshape({1}).clone();
+    auto l = eng.step(x, y, loss).detach().reshape({1}).clone();
     eng.world()->allreduce(l, ReduceOp::kAvg);
     EXPECT_NEAR(l.item<double>(), want[s], 1e-5) << "step " << s;
   }
@@ -104,28 +113,156 @@ TEST_P(LlamaEngine, EveryLayoutFollowsOneProcess) {
   expect_follows(eng, eng.world_size(), want, ref, nullptr);
 }
 
+// The untied model's Sequential form holding `from`'s values.
+torch::nn::Sequential sequential_of(const llama::LlamaForCausalLM& from) {
+  auto seq = llama::causal_lm_sequential(from->model->config);
+  torch::NoGradGuard g;
+  auto src = from->named_parameters();
+  for (auto& p : seq->named_parameters()) p.value().copy_(src[llama::sequential_to_hf(p.key())]);
+  return seq;
+}
+
+// The layouts of the Sequential form on an even number of ranks: per-layer ZeRO-3, a two-stage
+// pipeline, tensor parallelism over 2 ranks.
+enum class SeqLayout { kZero3, kPp2, kTp2 };
+const char* name_of(SeqLayout l) { return l == SeqLayout::kZero3 ? "zero3" : l == SeqLayout::kPp2 ? "pp2" : "tp2"; }
+
+std::unique_ptr<Engine> sequential_engine(SeqLayout layout, torch::nn::Sequential seq,
+                                          Precision precision = Precision::kFP32) {
+  ParallelConfig config;
+  config.precision = precision;
+  config.strategy = layout == SeqLayout::kZero3 ? Strategy::kZero3 : Strategy::kDDP;
+  config.pp = layout == SeqLayout::kPp2 ? 2 : 1;
+  config.tp = layout == SeqLayout::kTp2 ? 2 : 1;
+  config.micro_batches = layout == SeqLayout::kPp2 ? 3 : 1;
+  EngineOptions eo;
+  eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
+  return std::make_unique<Engine>(runtime(), seq, adam(), config, eo);
+}
+
 // The flat Sequential form (llama::causal_lm_sequential): ZeRO-3 with one unit per decoder
-// layer, and a two-stage pipeline cut between layers.
-TEST(LlamaSequentialEngine, PerLayerZero3AndPipelineFollowOneProcess) {
+// layer, a two-stage pipeline cut between layers, and tp2 (q/k/v and gate/up column-parallel,
+// o and down row-parallel, the vocabulary-parallel embedding and head, its logits left split for
+// tp::vocab_parallel_cross_entropy).
+TEST(LlamaSequentialEngine, PerLayerZero3PipelineAndTensorParallelFollowOneProcess) {
   auto ref = make_llama(false);
   auto initial = make_llama(false);
   const auto want = reference_losses(ref, 5);
-  for (int pp : {1, 2}) {
-    if (world()->size() % pp != 0) continue;  // pp 2 needs an even number of ranks
-    auto seq = llama::causal_lm_sequential(initial->model->config);
-    {
-      torch::NoGradGuard g;
-      auto src = initial->named_parameters();
-      for (auto& p : seq->named_parameters()) p.value().copy_(src[llama::sequential_to_hf(p.key())]);
+  if (world()->size() % 2 != 0) GTEST_SKIP() << "pp 2 and tp 2 need an even number of ranks";
+  for (auto layout : {SeqLayout::kZero3, SeqLayout::kPp2, SeqLayout::kTp2}) {
+    SCOPED_TRACE(name_of(layout));
+    auto eng = sequential_engine(layout, sequential_of(initial));
+    LossFn loss = kNextToken;
+    if (layout == SeqLayout::kTp2) {
+      loss = [tp = eng->grid()->tp()](const at::Tensor& logits, const at::Tensor& y) {
+        EXPECT_EQ(logits.size(-1), kVocab / 2) << "the training logits stay split over the vocabulary";
+        return tp::vocab_parallel_cross_entropy(logits, y, tp).mean();
+      };
     }
-    ParallelConfig config;
-    config.strategy = pp == 1 ? Strategy::kZero3 : Strategy::kDDP;
-    config.pp = pp;
-    config.micro_batches = pp == 1 ? 1 : 3;
-    Engine eng(runtime(), seq, adam(), config);
-    SCOPED_TRACE("pp " + std::to_string(pp));
-    expect_follows(eng, eng.world_size() / pp, want, ref, llama::sequential_to_hf);
+    expect_follows(*eng, eng->dp_size(), want, ref, llama::sequential_to_hf, loss);
   }
+}
+
+// Bad input: a tp size that does not divide the key/value heads (2 here) is refused, naming them.
+TEST(LlamaSequentialEngine, TensorParallelRefusesIndivisibleHeads) {
+  auto c = make_llama(false)->model->config;
+  c.num_key_value_heads = 1;
+  c.num_attention_heads = 3;
+  c.hidden_size = 48;
+  try {
+    llama::check_tensor_parallel(c, 2);
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("num_attention_heads (3)"), std::string::npos) << e.what();
+  }
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 4;
+  c.vocab_size = 47;
+  EXPECT_THROW(llama::check_tensor_parallel(c, 2), std::invalid_argument);
+  EXPECT_NO_THROW(llama::check_tensor_parallel(make_llama(false)->model->config, 2));
+}
+
+// transformers builds a tiny random Llama (tests/hf/llama_reference.py) and its logits; loaded
+// into the Sequential form, tp2, pp2 and zero3 give them within 1e-4 in fp32, and tp2 in bf16
+// within bf16's resolution (1.5 times transformers' own bf16 error).
+TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
+  const char* src = std::getenv("TANDEM_SOURCE_DIR");
+  if (!src) GTEST_SKIP() << "TANDEM_SOURCE_DIR unset (ctest sets it)";
+  const std::string python = std::string(src) + "/.venv-hf/bin/python";
+  if (::access(python.c_str(), X_OK) != 0) GTEST_SKIP() << python << " missing: run scripts/setup-hf-venv.sh";
+  if (world()->size() % 2 != 0) GTEST_SKIP() << "pp 2 and tp 2 need an even number of ranks";
+  const auto dir = shared_dir(*world(), "llama_layouts");
+  int made = 0;
+  if (world()->rank() == 0) {
+    made = std::system(("HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 " + python + " " + src +
+                        "/tests/hf/llama_reference.py make " + dir + " >/dev/null")
+                           .c_str());
+  }
+  auto status = torch::tensor({made}, torch::kInt);
+  world()->broadcast(status, 0);
+  ASSERT_EQ(status.item<int>(), 0) << "llama_reference.py make failed";
+  const safetensors::Checkpoint ref(dir + "/lm-ref.safetensors");
+  const auto ids = ref.get("ids"), want = ref.get("logits");
+  // bf16's resolution on these logits: how far transformers' own bf16 forward (the model cast to
+  // bf16) lands from its fp32 logits; Tandem's bf16 may round in another order, hence the 1.5.
+  const auto bf16 = safetensors::Checkpoint(dir + "/lm-ref-bf16.safetensors").get("logits");
+  const double kBf16Logits = 1.5 * (bf16 - want).abs().max().item<double>();
+  const std::tuple<SeqLayout, Precision, double> cases[] = {{SeqLayout::kTp2, Precision::kFP32, 1e-4},
+                                                            {SeqLayout::kPp2, Precision::kFP32, 1e-4},
+                                                            {SeqLayout::kZero3, Precision::kFP32, 1e-4},
+                                                            {SeqLayout::kTp2, Precision::kBF16, kBf16Logits}};
+  for (auto [layout, precision, tolerance] : cases) {
+    const std::string name = std::string(name_of(layout)) + (precision == Precision::kBF16 ? " bf16" : " fp32");
+    SCOPED_TRACE(name);
+    auto seq = llama::causal_lm_sequential(llama::load_config(dir + "/lm"));
+    llama::load_weights(*seq, safetensors::Checkpoint(dir + "/lm"), false, llama::sequential_to_hf);
+    auto eng = sequential_engine(layout, seq, precision);
+    eng->train(false);  // the tensor-parallel head gathers its logits in evaluation mode
+    auto got = eng->predict(ids);
+    if (!eng->is_output_rank()) continue;
+    ASSERT_EQ(got.sizes(), want.sizes());
+    const double diff = (got.to(torch::kFloat) - want).abs().max().item<double>();
+    EXPECT_LE(diff, tolerance);
+    EXPECT_GT(want.abs().max().item<double>(), 0.1) << "logits too small to tell models apart";
+    std::cout << name << ": Tandem vs transformers (fp32), max |logit diff| " << diff << " (bound " << tolerance
+              << ")\n";
+  }
+  if (world()->rank() == 0) std::system(("rm -rf " + dir).c_str());
+}
+
+// tests/hf/hf_fixture.py's model fine-tuned 3 steps under tp2 and under pp2 (2 ranks), each
+// checkpoint exported: transformers, loading the export, gives the logits Tandem computes from
+// the checkpoint within 1e-5.
+TEST(LlamaExport, TensorParallelAndPipelineCheckpointsExportToTransformers) {
+  const char* src = std::getenv("TANDEM_SOURCE_DIR");
+  if (!src) GTEST_SKIP() << "TANDEM_SOURCE_DIR unset (ctest sets it)";
+  if (::access((std::string(src) + "/.venv-hf/bin/python").c_str(), X_OK) != 0)
+    GTEST_SKIP() << "no .venv-hf: run scripts/setup-hf-venv.sh";
+  if (!text::have_sentencepiece()) GTEST_SKIP() << "built without SentencePiece";
+  if (::access("/usr/share/games/fortunes", R_OK) != 0) GTEST_SKIP() << "no fortunes corpus";
+  if (world()->size() != 2) GTEST_SKIP() << "runs on 2 ranks";
+  const auto dir = shared_dir(*world(), "llama_export");
+  int made = 0;
+  if (world()->rank() == 0)
+    made = std::system((fixture_script("make ") + dir + "/fx > " + dir + "/fx.log 2>&1").c_str());
+  auto status = torch::tensor({made}, torch::kInt);
+  world()->broadcast(status, 0);
+  ASSERT_EQ(status.item<int>(), 0) << "hf_fixture.py make failed: see " << dir << "/fx.log";
+  std::string checks;  // OUT REF lm, one triple per layout
+  for (const char* layout : {"tp2", "pp2"}) {
+    SCOPED_TRACE(layout);
+    const std::string work = dir + "/" + layout;
+    if (world()->rank() == 0) ::mkdir(work.c_str(), 0755);
+    world()->barrier();
+    const auto out =
+        finetune_and_export(runtime(), dir + "/fx", work, "lm", text::HfTask::kLm, [&](text::HfFinetuneConfig& cfg) {
+          cfg.loop.strategy = "ddp";
+          (std::string(layout) == "tp2" ? cfg.loop.tp : cfg.loop.pp) = 2;
+        });
+    checks += " " + out + " " + work + "/lm-ref.safetensors lm";
+  }
+  if (world()->rank() == 0) EXPECT_EQ(std::system(fixture_script("check-export" + checks).c_str()), 0);
+  if (world()->rank() == 0) std::system(("rm -rf " + dir).c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(All, LlamaEngine,

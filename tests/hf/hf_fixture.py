@@ -11,7 +11,7 @@
       and DIR/tokens.json: for each of some texts, the ids of transformers' tokenizer (loaded back
       from DIR/lm with AutoTokenizer) with and without special tokens, and its decoding.
 
-  hf_fixture.py check-export OUT REF lm|cls
+  hf_fixture.py check-export OUT REF lm|cls [OUT REF lm|cls ...]
       loads Tandem's export OUT with transformers (AutoModelForCausalLM or
       AutoModelForSequenceClassification, AutoTokenizer), computes the logits of REF's "ids" and
       compares them with REF's "logits" (Tandem's); prints the largest difference, exit 1 above
@@ -147,6 +147,7 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "make":
         sys.exit(make(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "/usr/share/games/fortunes"))
-    if mode == "check-export":
-        sys.exit(check_export(sys.argv[2], sys.argv[3], sys.argv[4]))
+    if mode == "check-export":  # one or more OUT REF KIND triples, checked in one interpreter
+        args = sys.argv[2:]
+        sys.exit(max(check_export(*args[i:i + 3]) for i in range(0, len(args) - 2, 3)))
     sys.exit(f"hf_fixture.py: unknown mode {mode}")

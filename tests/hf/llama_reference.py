@@ -4,7 +4,8 @@ with transformers, and the logits transformers computes for them.
   llama_reference.py make DIR    for each variant (lm: untied embeddings, saved in shards;
                                  lm_tied; cls: a sequence classifier), a random model saved with
                                  save_pretrained in DIR/<variant>/, and DIR/<variant>-ref.safetensors holding the
-                                 token ids ("ids") and transformers' logits for them ("logits")
+                                 token ids ("ids") and transformers' logits for them ("logits"); for lm
+                                 also DIR/lm-ref-bf16.safetensors, the logits of the model cast to bf16
   llama_reference.py check DIR   loads Tandem's save_pretrained output DIR/cc-<variant>/ with
                                  transformers and compares its logits on the same ids with those
                                  Tandem computed (DIR/cc-<variant>-logits.safetensors, "logits");
@@ -51,6 +52,10 @@ def make(d):
         with torch.no_grad():
             logits = model(x).logits
         save_file({"ids": x, "logits": logits.contiguous()}, os.path.join(d, name + "-ref.safetensors"))
+        if name == "lm":  # transformers' own bf16 forward: how far bf16 puts the logits from fp32's
+            with torch.no_grad():
+                low = model.to(torch.bfloat16)(x).logits.float()
+            save_file({"logits": low.contiguous()}, os.path.join(d, name + "-ref-bf16.safetensors"))
     return 0
 
 

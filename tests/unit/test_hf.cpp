@@ -20,8 +20,10 @@
 #include "tandem/runtime.h"
 #include "tandem/safetensors.h"
 #include "tandem/text.h"
+#include "tests/hf/export_check.h"
 #include "tests/unit/temp_dir.h"
 
+using tandem::test::fixture_script;
 using tandem::test::TempDir;
 namespace hf = tandem::hf;
 
@@ -59,11 +61,6 @@ std::string hf_python(std::string* why) {
     return python;
   }
   return "";
-}
-
-std::string fixture_script(const std::string& mode) {
-  return "HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 " + std::string(std::getenv("TANDEM_SOURCE_DIR")) +
-         "/.venv-hf/bin/python " + std::getenv("TANDEM_SOURCE_DIR") + "/tests/hf/hf_fixture.py " + mode;
 }
 
 // tests/hf/hf_fixture.py's directories, made once for the tests of this file; nullptr when they
@@ -194,70 +191,6 @@ TEST(HfTokenizer, BadDirectoriesAreNamed) {
       << message_of(d.path);
 }
 
-namespace {
-
-// Fine-tunes `sub` of the fixture for a few steps on one worker, exports the checkpoint, and
-// writes the ids and the logits Tandem computes from the checkpoint (its own parameter names,
-// through read_full_checkpoint) into `ref`; returns the export's directory.
-std::string finetune_and_export(tandem::Runtime& rt, const TempDir& fx, const TempDir& d, const std::string& sub,
-                                tandem::text::HfTask task, const std::string& ref) {
-  namespace tt = tandem::text;
-  namespace ll = tandem::llama;
-  std::ofstream data(d.file(sub + ".jsonl"));
-  const char* labels[] = {"negative", "neutral", "positive"};
-  int i = 0;
-  const auto tokens = nlohmann::json::parse(std::ifstream(fx.file("tokens.json")));
-  for (const auto& t : tokens.at("lm").at("texts")) {
-    data << nlohmann::json{{"text", t.at("text")}, {"label", labels[i++ % 3]}}.dump() << "\n";
-  }
-  data.close();
-  tt::HfFinetuneConfig cfg;
-  cfg.model_dir = fx.file(sub);
-  cfg.task = task;
-  cfg.data = d.file(sub + ".jsonl");
-  cfg.seq = 24;
-  cfg.checkpoint_dir = d.file(sub + "-ckpt");
-  cfg.loop.strategy = "single";
-  cfg.loop.batch = 4;
-  cfg.loop.steps = 3;
-  cfg.loop.lr = 1e-2;
-  cfg.loop.warmup_steps = 0;
-  cfg.loop.progress = false;
-  cfg.loop.evaluate = false;
-  tt::finetune_hf(rt, cfg);
-  const std::string out = d.file(sub + "-hf");
-  tt::export_hf(cfg.checkpoint_dir, out, 100 * 1024);  // shards of 100 KiB
-  // Tandem's logits from the checkpoint, through the module the run trained.
-  auto full = tandem::read_full_checkpoint(tandem::latest_checkpoint(cfg.checkpoint_dir));
-  auto mc = ll::load_config(fx.file(sub));
-  auto ids = torch::randint(3, mc.vocab_size, {2, 11}, torch::kLong);
-  torch::NoGradGuard ng;
-  torch::Tensor logits;
-  // By registration order: the checkpoint's names are the trained module's own.
-  auto fill = [&](torch::nn::Module& m) {
-    auto params = m.parameters();
-    ASSERT_EQ(params.size(), full.param_names.size());
-    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(full.params.at(full.param_names[i]));
-  };
-  if (task == tt::HfTask::kLm) {
-    auto seq = ll::causal_lm_sequential(mc);
-    fill(*seq);
-    logits = seq->forward(ids);
-    auto original = ll::load_causal_lm(fx.file(sub))->forward(ids);
-    EXPECT_GT((original - logits).abs().max().item<double>(), 1e-3) << "fine-tuning changed nothing";
-  } else {
-    mc.num_labels = 3;
-    mc.pad_token_id = 2;
-    ll::LlamaForSequenceClassification m(mc);
-    fill(*m);
-    logits = m->forward(ids);
-  }
-  tandem::safetensors::save_file(ref, {{"ids", ids}, {"logits", logits}});
-  return out;
-}
-
-}  // namespace
-
 // The export of a checkpoint (sharded safetensors, config, tokenizer) loads in transformers and
 // gives the logits Tandem computes from that checkpoint within 1e-5, for the causal LM (trained
 // as a Sequential, renamed to Hugging Face names) and the classifier (with its label names).
@@ -271,11 +204,13 @@ TEST(HfExport, TransformersLoadsTheExport) {
   ro.backend = "self";
   tandem::Runtime rt(ro);
   TempDir d;
-  const auto lm = finetune_and_export(rt, *fx, d, "lm", tandem::text::HfTask::kLm, d.file("lm-ref.safetensors"));
+  const auto single_worker = [](tandem::text::HfFinetuneConfig& cfg) { cfg.loop.strategy = "single"; };
+  const auto lm =
+      tandem::test::finetune_and_export(rt, fx->path, d.path, "lm", tandem::text::HfTask::kLm, single_worker);
   EXPECT_EQ(::access((lm + "/model.safetensors.index.json").c_str(), R_OK), 0) << "not sharded";
   EXPECT_EQ(::access((lm + "/tokenizer.model").c_str(), R_OK), 0);
   const auto cls =
-      finetune_and_export(rt, *fx, d, "cls", tandem::text::HfTask::kClassify, d.file("cls-ref.safetensors"));
+      tandem::test::finetune_and_export(rt, fx->path, d.path, "cls", tandem::text::HfTask::kClassify, single_worker);
   EXPECT_EQ(std::system((fixture_script("check-export ") + lm + " " + d.file("lm-ref.safetensors") + " lm").c_str()),
             0);
   EXPECT_EQ(std::system((fixture_script("check-export ") + cls + " " + d.file("cls-ref.safetensors") + " cls").c_str()),

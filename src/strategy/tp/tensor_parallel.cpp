@@ -163,7 +163,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(at::Tensor w, at::Tensor b, C
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
   auto y = at::linear(copy_to_tp(x, tp), weight, bias);
-  return gather_output ? gather_from_tp(y, tp) : y;
+  return gather_output || (gather_in_eval && !is_training()) ? gather_from_tp(y, tp) : y;
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& dense, CommPtr tp_, bool parallel_in)
@@ -184,12 +184,15 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embeddin
   const int64_t n = shard_size(dense->options.num_embeddings(), tp->size(), "the vocabulary");
   vocab_begin = tp->rank() * n;
   vocab_end = vocab_begin + n;
+  if (dense->options.padding_idx()) padding_idx = *dense->options.padding_idx();
   weight = register_parameter("weight", shard(dense->weight, 0, n, tp->rank()));
 }
 
 torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
   auto outside = (ids < vocab_begin).logical_or(ids >= vocab_end);
-  auto local = at::embedding(weight, (ids - vocab_begin).masked_fill(outside, 0));
+  // Ids outside the shard read row 0; their outputs are zeroed below, so they give it no gradient.
+  const int64_t local_pad = padding_idx >= vocab_begin && padding_idx < vocab_end ? padding_idx - vocab_begin : -1;
+  auto local = at::embedding(weight, (ids - vocab_begin).masked_fill(outside, 0), local_pad);
   return reduce_from_tp(local.masked_fill(outside.unsqueeze(-1), 0.0), tp);
 }
 
@@ -272,7 +275,11 @@ torch::Tensor ParallelTransformerBlockImpl::forward(const torch::Tensor& x) {
 // ---------------------------------------------------------------- the converter
 
 namespace {
-enum class Action { kKeep, kEmbedding, kBlock, kColumn, kColumnGather, kRow };
+enum class Action { kKeep, kEmbedding, kVocabEmbedding, kBlock, kOwnForm, kColumn, kColumnGather, kRow };
+
+const Parallelizable* parallelizable(const std::shared_ptr<torch::nn::Module>& m) {
+  return dynamic_cast<const Parallelizable*>(m.get());
+}
 
 bool elementwise(const std::shared_ptr<torch::nn::Module>& m) {
   return m->as<torch::nn::ReLUImpl>() || m->as<torch::nn::GELUImpl>() || m->as<torch::nn::TanhImpl>() ||
@@ -291,9 +298,16 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, T
   // Plan (and check every size) before any collective, so that bad input fails at once everywhere.
   std::vector<Action> plan(n, Action::kKeep);
   bool is_transformer = false;
-  for (auto& k : kids) is_transformer = is_transformer || k->as<models::TransformerBlockImpl>() != nullptr;
+  for (auto& k : kids)
+    is_transformer = is_transformer || k->as<models::TransformerBlockImpl>() != nullptr || parallelizable(k);
   for (size_t i = 0; i < n; ++i) {
-    if (auto* e = kids[i]->as<models::TokenEmbeddingImpl>()) {
+    if (auto* own = parallelizable(kids[i])) {
+      own->check_tensor_parallel(T);
+      plan[i] = Action::kOwnForm;
+    } else if (auto* v = kids[i]->as<torch::nn::EmbeddingImpl>(); v && is_transformer) {
+      shard_size(v->options.num_embeddings(), T, "the vocabulary");
+      plan[i] = Action::kVocabEmbedding;
+    } else if (auto* e = kids[i]->as<models::TokenEmbeddingImpl>()) {
       shard_size(e->tok->options.num_embeddings(), T, "the vocabulary");
       plan[i] = Action::kEmbedding;
     } else if (auto* b = kids[i]->as<models::TransformerBlockImpl>()) {
@@ -340,15 +354,23 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, T
       case Action::kEmbedding:
         out->push_back(ParallelTokenEmbedding(*kids[i]->as<models::TokenEmbeddingImpl>(), tp));
         break;
+      case Action::kVocabEmbedding:
+        out->push_back(
+            VocabParallelEmbedding(torch::nn::Embedding(std::dynamic_pointer_cast<torch::nn::EmbeddingImpl>(kids[i])),
+                                   tp));
+        break;
       case Action::kBlock:
         out->push_back(ParallelTransformerBlock(*kids[i]->as<models::TransformerBlockImpl>(), tp));
         break;
+      case Action::kOwnForm: out->push_back(parallelizable(kids[i])->to_tensor_parallel(tp)); break;
       case Action::kColumn:
-      case Action::kColumnGather:
-        out->push_back(
-            ColumnParallelLinear(torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(kids[i])), tp,
-                                 plan[i] == Action::kColumnGather));
+      case Action::kColumnGather: {
+        ColumnParallelLinear head(torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(kids[i])), tp,
+                                  plan[i] == Action::kColumnGather);
+        head->gather_in_eval = opts.gather_logits_in_eval && is_transformer && i + 1 == n;  // the LM head only
+        out->push_back(head);
         break;
+      }
       case Action::kRow:
         out->push_back(
             RowParallelLinear(torch::nn::Linear(std::dynamic_pointer_cast<torch::nn::LinearImpl>(kids[i])), tp, true));
@@ -360,9 +382,7 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, T
 
 // ---------------------------------------------------------------- back to dense
 
-namespace {
-// [..., n] shards on every tp rank -> the tp blocks concatenated along `dim`.
-at::Tensor gather_cat(const at::Tensor& t, int64_t dim, Communicator& comm) {
+at::Tensor gather_shards(const at::Tensor& t, int64_t dim, Communicator& comm) {
   auto in = t.detach().contiguous();
   std::vector<int64_t> shape{comm.size()};
   for (auto s : in.sizes()) shape.push_back(s);
@@ -371,6 +391,7 @@ at::Tensor gather_cat(const at::Tensor& t, int64_t dim, Communicator& comm) {
   return at::cat(out.unbind(0), dim);
 }
 
+namespace {
 void set(const at::Tensor& dst, const at::Tensor& src, const char* what) {
   if (dst.sizes() != src.sizes()) {
     throw std::invalid_argument(std::string("tandem::tp::gather_to_dense: ") + what + " gathers to " +
@@ -400,12 +421,19 @@ void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense
     auto p = unwrapped(parallel->ptr(i));
     auto d = dense->ptr(i);
     if (p == d) continue;  // shared (replicated) child
-    if (auto* e = p->as<ParallelTokenEmbeddingImpl>()) {
+    if (auto* own = dynamic_cast<const ParallelForm*>(p.get())) {
+      own->gather_into(*d, c);
+    } else if (auto* v = p->as<VocabParallelEmbeddingImpl>()) {
+      auto* dv = d->as<torch::nn::EmbeddingImpl>();
+      if (!dv)
+        throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no Embedding");
+      set(dv->weight, gather_shards(v->weight, 0, c), "the vocabulary-parallel embedding");
+    } else if (auto* e = p->as<ParallelTokenEmbeddingImpl>()) {
       auto* de = d->as<models::TokenEmbeddingImpl>();
       if (!de)
         throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) +
                                     " is no TokenEmbedding");
-      set(de->tok->weight, gather_cat(e->tok->weight, 0, c), "the token embedding");
+      set(de->tok->weight, gather_shards(e->tok->weight, 0, c), "the token embedding");
       set(de->pos->weight, e->pos->weight, "the position embedding");
     } else if (auto* b = p->as<ParallelTransformerBlockImpl>()) {
       auto* db = d->as<models::TransformerBlockImpl>();
@@ -414,17 +442,17 @@ void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense
                                     " is no TransformerBlock");
       const int64_t dm = db->qkv->options.in_features();
       // Fused qkv rows are (q|k|v, head, dim); each rank holds its heads of each of the three.
-      auto w = gather_cat(b->attn->qkv->weight.view({3, -1, dm}).unsqueeze(0), 0, c);  // [tp, 3, rows, D]
+      auto w = gather_shards(b->attn->qkv->weight.view({3, -1, dm}).unsqueeze(0), 0, c);  // [tp, 3, rows, D]
       set(db->qkv->weight, w.transpose(0, 1).reshape({3 * dm, dm}), "the qkv weight");
       if (db->qkv->bias.defined()) {
-        auto bb = gather_cat(b->attn->qkv->bias.view({3, -1}).unsqueeze(0), 0, c);
+        auto bb = gather_shards(b->attn->qkv->bias.view({3, -1}).unsqueeze(0), 0, c);
         set(db->qkv->bias, bb.transpose(0, 1).reshape({3 * dm}), "the qkv bias");
       }
-      set(db->proj->weight, gather_cat(b->attn->proj->weight, 1, c), "the attention projection");
+      set(db->proj->weight, gather_shards(b->attn->proj->weight, 1, c), "the attention projection");
       if (db->proj->bias.defined()) set(db->proj->bias, b->attn->proj->bias, "the attention projection bias");
-      set(db->fc1->weight, gather_cat(b->mlp->fc1->weight, 0, c), "fc1");
-      if (db->fc1->bias.defined()) set(db->fc1->bias, gather_cat(b->mlp->fc1->bias, 0, c), "the fc1 bias");
-      set(db->fc2->weight, gather_cat(b->mlp->fc2->weight, 1, c), "fc2");
+      set(db->fc1->weight, gather_shards(b->mlp->fc1->weight, 0, c), "fc1");
+      if (db->fc1->bias.defined()) set(db->fc1->bias, gather_shards(b->mlp->fc1->bias, 0, c), "the fc1 bias");
+      set(db->fc2->weight, gather_shards(b->mlp->fc2->weight, 1, c), "fc2");
       if (db->fc2->bias.defined()) set(db->fc2->bias, b->mlp->fc2->bias, "the fc2 bias");
       set(db->ln1->weight, b->ln1->weight, "ln1");
       set(db->ln1->bias, b->ln1->bias, "ln1");
@@ -433,12 +461,12 @@ void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense
     } else if (auto* col = p->as<ColumnParallelLinearImpl>()) {
       auto* dl = d->as<torch::nn::LinearImpl>();
       if (!dl) throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no Linear");
-      set(dl->weight, gather_cat(col->weight, 0, c), "a column-parallel linear");
-      if (dl->bias.defined()) set(dl->bias, gather_cat(col->bias, 0, c), "a column-parallel bias");
+      set(dl->weight, gather_shards(col->weight, 0, c), "a column-parallel linear");
+      if (dl->bias.defined()) set(dl->bias, gather_shards(col->bias, 0, c), "a column-parallel bias");
     } else if (auto* row = p->as<RowParallelLinearImpl>()) {
       auto* dl = d->as<torch::nn::LinearImpl>();
       if (!dl) throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no Linear");
-      set(dl->weight, gather_cat(row->weight, 1, c), "a row-parallel linear");
+      set(dl->weight, gather_shards(row->weight, 1, c), "a row-parallel linear");
       if (dl->bias.defined()) set(dl->bias, row->bias, "a row-parallel bias");
     } else {  // a replicated child of another dense model: parameter by parameter
       auto dn = d->named_parameters();
