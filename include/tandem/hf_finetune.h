@@ -47,11 +47,9 @@ struct HfFinetuneConfig {
   std::string data;              // JSON lines
   double valid_fraction = 0.1;   // examples held out for validation, chosen by a hash of the text
   int64_t seq = 128;             // tokens per example, truncated and right-padded (<= max_position_embeddings)
-  std::string checkpoint_dir;    // step-N/ checkpoints (any layout; tandem export reads them)
-  int64_t checkpoint_every = 0;  // 0: only at the end (when checkpoint_dir is given)
-  bool resume = false;           // continue from the newest checkpoint in checkpoint_dir
-  // Layout, batch, steps, optimizer, progress, metrics and trace (its corpus, tokenizer and
-  // shape fields are not used).
+  // Layout, batch, steps, optimizer, progress, metrics, trace and checkpoints (loop.checkpoints:
+  // step-N/ checkpoints in any layout, which tandem export reads; its corpus, tokenizer and shape
+  // fields are not used).
   TextTrainConfig loop;
 };
 

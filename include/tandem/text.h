@@ -154,6 +154,19 @@ Manifest read_manifest(const std::string& dir);
 
 // ---- training
 
+// Periodic checkpoints of a text loop, through the Engine (tandem/checkpoint.h: sharded, atomic,
+// loadable under any layout and worker count). A checkpoint records the steps done and the
+// sampler position (global samples drawn), so a resumed run draws the same batches and follows
+// the same learning-rate schedule as one never stopped, whatever its worker count.
+struct TextCheckpoints {
+  std::string dir;        // step-N/ checkpoints; "": none
+  int64_t every = 0;      // save every N steps; 0: only at the end (when dir is given)
+  int keep = 0;           // keep the newest K complete checkpoints; 0: all
+  bool async = false;     // write them on a background thread while training continues (needs every > 0)
+  bool resume = false;    // continue from the newest complete checkpoint in dir (none there: from step 0)
+  std::string stop_file;  // elastic runs: end at the next checkpoint when this file exists (and delete it)
+};
+
 struct TextTrainConfig {
   CorpusOptions corpus;
   TokenizerOptions tokenizer;
@@ -184,6 +197,7 @@ struct TextTrainConfig {
   double baseline_samples_per_second = 0.0;  // one worker's, for the speedup figure
   std::string trace;                         // Chrome trace-event timeline of the loop (tandem/trace.h); "": none
   std::string metrics_path;                  // JSON lines: per-step loss and time, then the report (tandem/report.h)
+  TextCheckpoints checkpoints;
 };
 
 // The one report (tandem/report.h), with what the text commands know besides: the model's
@@ -194,6 +208,8 @@ struct TextReport : Report {
   std::vector<std::vector<int64_t>> confusion;  // [true][predicted]
   int64_t train_documents = 0, valid_documents = 0, test_documents = 0;
   bool initialised_from_checkpoint = false;
+  // Ended at a checkpoint because TextCheckpoints::stop_file asked (no evaluation, no --out).
+  bool stopped = false;
 };
 
 // Checks the configuration without reading anything (strategy, precision, the tp x pp layout

@@ -106,11 +106,6 @@ void validate(const HfFinetuneConfig& cfg, int world) {
   if (cfg.seq < 2) throw std::invalid_argument("--seq must be >= 2, got " + std::to_string(cfg.seq));
   if (cfg.valid_fraction < 0 || cfg.valid_fraction >= 1)
     throw std::invalid_argument("--valid-fraction must be in [0, 1)");
-  if (cfg.checkpoint_every < 0) throw std::invalid_argument("--checkpoint-every must be >= 0");
-  if ((cfg.checkpoint_every > 0 || cfg.resume) && cfg.checkpoint_dir.empty()) {
-    throw std::invalid_argument(std::string(cfg.resume ? "--resume" : "--checkpoint-every") +
-                                " needs --checkpoint-dir DIR");
-  }
   validate(cfg.loop, world);
 }
 
@@ -368,41 +363,11 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
                         {"batch", cfg.loop.batch},
                         {"seed", cfg.loop.seed}};
   run["config"] = nlohmann::json::parse(llama::config_json(mc));
-  auto save = [&](int64_t steps_done) {
-    CheckpointMeta meta;
-    meta.step = steps_done;
-    meta.seed = cfg.loop.seed;
-    meta.extra_json = nlohmann::json{{"hf_finetune", run}}.dump();
-    eng.save(cfg.checkpoint_dir, meta);
-  };
-  LoopHooks hooks;
-  if (!cfg.checkpoint_dir.empty()) {
-    if (rt.rank() == 0) copy_tokenizer(cfg.model_dir, (fs::path(cfg.checkpoint_dir) / "tokenizer").string());
-    if (cfg.checkpoint_every > 0) {
-      hooks.after_step = [&](int64_t done) {
-        if (done % cfg.checkpoint_every == 0) save(done);
-      };
-    }
-  }
-  if (cfg.resume) {
-    const auto dir = latest_checkpoint(cfg.checkpoint_dir);
-    if (dir.empty()) throw std::runtime_error("--resume: '" + cfg.checkpoint_dir + "' holds no complete checkpoint");
-    const auto meta = eng.load(dir);
-    const auto saved = nlohmann::json::parse(meta.extra_json, nullptr, false);
-    if (saved.is_discarded() || !saved.contains("hf_finetune")) {
-      throw std::runtime_error("--resume: checkpoint '" + dir + "' was not made by tandem finetune --init-from");
-    }
-    // The data position holds only with the same examples, global batch and seed.
-    for (const char* key : {"task", "labels", "batch", "seed"}) {
-      const auto was = saved["hf_finetune"].value(key, nlohmann::json());
-      if (was != run[key]) {
-        throw std::runtime_error("--resume: checkpoint '" + dir + "' was saved with " + key + " " + was.dump() +
-                                 ", this run has " + run[key].dump() +
-                                 "; resume with the same --task, labels, --batch and --seed");
-      }
-    }
-    hooks.first_step = meta.step;
-  }
+  const auto& ck = cfg.loop.checkpoints;
+  if (!ck.dir.empty() && rt.rank() == 0) copy_tokenizer(cfg.model_dir, (fs::path(ck.dir) / "tokenizer").string());
+  // The data position holds only with the same examples, global batch and seed.
+  LoopCheckpoints checkpoints(eng, cfg.loop, "hf_finetune", run, {"task", "labels", "batch", "seed"});
+  const LoopHooks hooks = checkpoints.start();
   LossFn loss_fn = lm ? LossFn(lm_loss_sum) : LossFn(cls_loss_sum);
   if (lm && cfg.loop.tp > 1) {
     loss_fn = [tp = eng.grid()->tp()](const torch::Tensor& logits, const torch::Tensor& targets) {
@@ -418,11 +383,8 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
       loss_fn,
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) { return terms(rows(tr.targets, idx, from, to)); },
       rep, hooks);
-  if (!cfg.checkpoint_dir.empty() && !(cfg.checkpoint_every > 0 && cfg.loop.steps % cfg.checkpoint_every == 0) &&
-      hooks.first_step < cfg.loop.steps) {
-    save(cfg.loop.steps);
-  }
-  if (cfg.loop.evaluate && va.ids.size(0) > 0) evaluate(rt, eng, va, lm, cfg.loop.eval_limit, rep);
+  checkpoints.finish();
+  if (cfg.loop.evaluate && !rep.stopped && va.ids.size(0) > 0) evaluate(rt, eng, va, lm, cfg.loop.eval_limit, rep);
   collect_engine_report(eng, loop, rep);
   if (rt.rank() == 0 && !cfg.loop.metrics_path.empty()) write_metrics(cfg.loop.metrics_path, rep);
   return rep;

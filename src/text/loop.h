@@ -4,6 +4,7 @@
 // to src/text.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -23,12 +24,43 @@
 
 namespace tandem::text {
 
-// Where a loop starts and what runs after each step: a resumed run starts at first_step (the
-// batches and the learning rate continue where the saved run stopped); after_step(s) runs after
-// step s (1-based count of steps done), e.g. to save a checkpoint. Collective when it is.
+// Where a loop starts and what runs after each step: a resumed run starts at first_step with
+// the sampler at first_sample (global samples drawn before), so the batches and the learning
+// rate continue where the saved run stopped. after_step(steps, samples) runs after each step
+// with the steps done (1-based, from the start of training) and the sampler's position after it,
+// e.g. to save a checkpoint; returning true ends the loop there. Collective when it is.
 struct LoopHooks {
   int64_t first_step = 0;
-  std::function<void(int64_t steps_done)> after_step;
+  int64_t first_sample = -1;  // -1: first_step whole global batches
+  std::function<bool(int64_t steps_done, int64_t samples_done)> after_step;
+};
+
+// The checkpoints of a text loop (TextTrainConfig::checkpoints) on `eng`. Each records `run`
+// under `key` in its metadata, with the sampler position; a resumed checkpoint's entries
+// `must_match` must equal this run's (else std::runtime_error naming the entry and both values).
+class LoopCheckpoints {
+ public:
+  LoopCheckpoints(Engine& eng, const TextTrainConfig& cfg, std::string key, nlohmann::json run,
+                  std::vector<std::string> must_match);
+  // Where the loop starts (resume: the newest checkpoint loaded into the engine, else step 0) and
+  // the hooks that save every `every` steps and end the loop at a checkpoint when the stop file
+  // asks. Throws std::runtime_error when resume finds no complete checkpoint. Collective.
+  LoopHooks start();
+  // After the loop: saves the last step when the cadence did not; with the stop file acted on,
+  // deletes it (the launcher's sign that the checkpoint is committed). Collective.
+  void finish();
+  bool stopped() const { return stopped_; }
+
+ private:
+  bool save_and_check_stop(int64_t steps, int64_t samples);
+  void save(int64_t steps, int64_t samples, bool async);
+  Engine& eng_;
+  const TextTrainConfig& cfg_;
+  std::string key_;
+  nlohmann::json run_;
+  std::vector<std::string> must_match_;
+  int64_t steps_ = 0, samples_ = 0, saved_at_ = -1;
+  bool stopped_ = false;
 };
 
 inline ParallelConfig parallel_config(const TextTrainConfig& cfg) {
@@ -123,7 +155,10 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
   const int64_t per = cfg.batch / dp;
   const LrSchedule schedule = lr_schedule(cfg);
   Batches batches(n, cfg.seed + 1);
-  for (int64_t step = 0; step < hooks.first_step; ++step) batches.next(cfg.batch);  // the batches already seen
+  // The samples already drawn: the sampler's position, so that a resumed run (at any global
+  // batch) continues the same sequence of documents.
+  const int64_t first_sample = hooks.first_sample >= 0 ? hooks.first_sample : hooks.first_step * cfg.batch;
+  batches.next(first_sample);
   Progress progress(rank == 0 && cfg.progress, cfg.steps - hooks.first_step, cfg.log_every);
   std::vector<double> step_ms;
   if (!cfg.trace.empty()) trace::start(*rt.cpu_world());
@@ -153,8 +188,12 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
     step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
     const int64_t done = step + 1 - hooks.first_step;
     progress.update(1, 1, done, last, done * cfg.batch, Clock::now() - t_start);
-    if (hooks.after_step) hooks.after_step(step + 1);
+    if (hooks.after_step && hooks.after_step(step + 1, first_sample + done * cfg.batch)) {
+      rep.stopped = true;
+      break;
+    }
   }
+  eng.wait_checkpoint();  // an asynchronous save still in flight is committed inside the loop's time
   progress.finish();
   const double wall = std::chrono::duration<double>(Clock::now() - t_start).count();
   if (!cfg.trace.empty()) {
@@ -162,7 +201,7 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
     trace::write(cfg.trace, *rt.cpu_world());
   }
   rep.final_loss = last;
-  const int64_t ran = cfg.steps - hooks.first_step;
+  const int64_t ran = static_cast<int64_t>(rep.losses.size());
   record_loop(rep, ran, ran * cfg.batch, wall, step_ms);
   return eng.stats();
 }

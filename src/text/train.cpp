@@ -176,6 +176,11 @@ void save_model(const fs::path& dir, const char* kind, const std::map<std::strin
   write_manifest(dir.string(), m);
 }
 
+// What a text command's checkpoints record about the run; a resume checks it (LoopCheckpoints).
+nlohmann::json run_record(const char* command, const TextTrainConfig& cfg, const Tokenizer& tok) {
+  return {{"command", command}, {"tokenizer", tok.fingerprint()}, {"batch", cfg.batch}, {"seed", cfg.seed}};
+}
+
 }  // namespace
 
 void validate(const TextTrainConfig& cfg, int world) {
@@ -205,6 +210,16 @@ void validate(const TextTrainConfig& cfg, int world) {
         "model shape: --d-model must be a positive multiple of --heads, --layers >= 1, --seq >= 2");
   }
   if (cfg.tokenizer.vocab_size < 8) throw std::invalid_argument("--vocab must be >= 8");
+  const TextCheckpoints& c = cfg.checkpoints;
+  if (c.every < 0) throw std::invalid_argument("--checkpoint-every must be >= 0 (0: at the end only)");
+  if (c.keep < 0) throw std::invalid_argument("--keep must be >= 0 (0: keep all)");
+  if ((c.every > 0 || c.resume || c.async) && c.dir.empty()) {
+    throw std::invalid_argument(std::string(c.resume ? "--resume" : c.async ? "--checkpoint-async" : "--checkpoint-every") +
+                                " needs --checkpoint-dir DIR");
+  }
+  if (c.async && c.every == 0) {
+    throw std::invalid_argument("--checkpoint-async needs --checkpoint-every N (it makes those saves asynchronous)");
+  }
 }
 
 TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
@@ -222,12 +237,23 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   const fs::path dir(cfg.checkpoint);
   const auto tok_path = (dir / "tokenizer.model").string();
   // Rank 0 trains the tokenizer on the training split; the others wait and load it.
+  // A resumed run takes the tokenizer its checkpoints were trained with (kept beside them).
+  const TextCheckpoints& ck = cfg.checkpoints;
+  const auto kept_tok = ck.dir.empty() ? fs::path() : fs::path(ck.dir) / "tokenizer.model";
   std::string error;
   if (rank == 0) {
     try {
       fs::create_directories(dir);
-      auto tok = Tokenizer::train(texts_of(corpus.train), cfg.tokenizer);
-      tok.save(tok_path);
+      if (ck.resume && fs::exists(kept_tok)) {
+        fs::copy_file(kept_tok, tok_path, fs::copy_options::overwrite_existing);
+      } else {
+        auto tok = Tokenizer::train(texts_of(corpus.train), cfg.tokenizer);
+        tok.save(tok_path);
+      }
+      if (!ck.dir.empty()) {
+        fs::create_directories(ck.dir);
+        if (!fs::exists(kept_tok)) fs::copy_file(tok_path, kept_tok);
+      }
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -264,6 +290,8 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   auto real_tokens = [&](const torch::Tensor& ids) {
     return ids.narrow(1, 1, ids.size(1) - 1).ne(tok.pad_id()).sum().item<int64_t>();
   };
+  LoopCheckpoints checkpoints(eng, cfg, "text", run_record("pretrain", cfg, tok), {"command", "tokenizer", "batch", "seed"});
+  const LoopHooks hooks = checkpoints.start();
   const EngineStats loop = train_loop(
       rt, cfg, eng, train.ids.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
@@ -274,7 +302,12 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
         return static_cast<double>(real_tokens(rows(train.ids, idx, from, to)));
       },
-      rep);
+      rep, hooks);
+  checkpoints.finish();
+  if (rep.stopped) {  // relaunched from the checkpoint: neither evaluation nor --out yet
+    finish_report(eng, loop, cfg, rep);
+    return rep;
+  }
   if (cfg.evaluate) {
     // Validation loss per predicted token, summed over ranks.
     const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, valid.ids.size(0)) : valid.ids.size(0);
@@ -370,6 +403,10 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
   Engine& eng = *engine;
   describe_run(eng, cfg, corpus, rep);
   const auto device = rt.device();
+  auto run = run_record("finetune", cfg, tok);
+  run["labels"] = corpus.labels;
+  LoopCheckpoints checkpoints(eng, cfg, "text", run, {"command", "tokenizer", "labels", "batch", "seed"});
+  const LoopHooks hooks = checkpoints.start();
   const EngineStats loop = train_loop(
       rt, cfg, eng, train_x.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
@@ -380,7 +417,13 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
                                                     torch::nn::functional::CrossEntropyFuncOptions().reduction(
                                                         torch::kSum));
       },
-      [](const std::vector<int64_t>&, int64_t from, int64_t to) { return static_cast<double>(to - from); }, rep);
+      [](const std::vector<int64_t>&, int64_t from, int64_t to) { return static_cast<double>(to - from); }, rep,
+      hooks);
+  checkpoints.finish();
+  if (rep.stopped) {  // relaunched from the checkpoint: neither evaluation nor --out yet
+    finish_report(eng, loop, cfg, rep);
+    return rep;
+  }
   if (cfg.evaluate) {
     const int64_t n = cfg.eval_limit >= 0 ? std::min<int64_t>(cfg.eval_limit, test_x.size(0)) : test_x.size(0);
     auto conf = torch::zeros({k, k}, torch::kLong);

@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 
+#include "checkpoint_options.h"
 #include "checks.h"
 #include "commands.h"
 #include "host_options.h"
@@ -71,12 +72,7 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
   app.add_option("--log-every", l.log_every, "plain progress line every N steps")->capture_default_str();
   app.add_option("--metrics", l.metrics_path, "write per-step loss and time, then the report, as JSON lines");
   app.add_option("--trace", l.trace, "write a timeline of every rank's training loop to FILE (Chrome trace JSON)");
-  app.add_option("--checkpoint-dir", c.checkpoint_dir,
-                 "write step-N checkpoints here (at the end, and every --checkpoint-every steps); tandem export "
-                 "--to hf reads them");
-  app.add_option("--checkpoint-every", c.checkpoint_every, "save every N steps (0: at the end only)")
-      ->capture_default_str();
-  app.add_flag("--resume", c.resume, "continue from the newest checkpoint in --checkpoint-dir (any layout)");
+  add_text_checkpoint_options(app, l.checkpoints);
   app.add_option("--timeout", f.timeout_s, "seconds any communication may block before failing")->capture_default_str();
 }
 
@@ -141,7 +137,7 @@ int cmd_finetune_hf(int argc, char** argv) {
     auto report = text::finetune_hf(*rt, cfg);
     if (rt->rank() == 0) {
       std::cout << format_report(report);
-      if (!cfg.checkpoint_dir.empty()) std::cout << "checkpoints      " << cfg.checkpoint_dir << "\n";
+      if (!cfg.loop.checkpoints.dir.empty()) std::cout << "checkpoints      " << cfg.loop.checkpoints.dir << "\n";
       std::cout << std::flush;
     }
   } catch (const std::exception& e) {

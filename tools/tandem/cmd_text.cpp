@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 
+#include "checkpoint_options.h"
 #include "checks.h"
 #include "commands.h"
 #include "host_options.h"
@@ -86,6 +87,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   app.add_option("--metrics", cfg.metrics_path, "write per-step loss and time, then the report, as JSON lines");
   app.add_option("--trace", cfg.trace, "write a timeline of every rank's training loop to FILE (Chrome trace JSON)");
   app.add_option("--timeout", timeout_s, "seconds any communication may block before failing")->capture_default_str();
+  add_text_checkpoint_options(app, cfg.checkpoints);
   auto shape_flags = [&](CLI::App& a) {
     a.add_option("--vocab", cfg.tokenizer.vocab_size, "tokenizer vocabulary size")->capture_default_str();
     a.add_option("--d-model", cfg.shape.d_model, "model width")->capture_default_str();

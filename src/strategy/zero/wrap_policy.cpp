@@ -68,7 +68,8 @@ class Matcher {
     if (!parent.empty()) {
       const auto& p = by_path_.at(parent);
       refuse(rule + " matches '" + path + "' (" + by_path_.at(path)->name() + "), a member of '" + parent + "' (" +
-             p->name() + "), not a child of the Sequential: its parent calls it, so it cannot be rewritten here. "
+             p->name() +
+             "), not a child of the Sequential: its parent calls it, so it cannot be rewritten here. "
              "Wrap it with tandem::ShardedUnit in the model (e.g. blocks->push_back(tandem::ShardedUnit(Block(...))))");
     }
     chosen_.insert(path);
