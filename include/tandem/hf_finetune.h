@@ -44,9 +44,9 @@ std::vector<std::string> map_labels(const std::vector<JsonlExample>& data, const
 struct HfFinetuneConfig {
   std::string model_dir;  // --init-from: the Hugging Face directory
   HfTask task = HfTask::kLm;
-  std::string data;              // JSON lines
-  double valid_fraction = 0.1;   // examples held out for validation, chosen by a hash of the text
-  int64_t seq = 128;             // tokens per example, truncated and right-padded (<= max_position_embeddings)
+  std::string data;             // JSON lines
+  double valid_fraction = 0.1;  // examples held out for validation, chosen by a hash of the text
+  int64_t seq = 128;            // tokens per example, truncated and right-padded (<= max_position_embeddings)
   // Layout, batch, steps, optimizer, progress, metrics, trace and checkpoints (loop.checkpoints:
   // step-N/ checkpoints in any layout, which tandem export reads; its corpus, tokenizer and shape
   // fields are not used).

@@ -165,6 +165,9 @@ struct TextCheckpoints {
   bool async = false;     // write them on a background thread while training continues (needs every > 0)
   bool resume = false;    // continue from the newest complete checkpoint in dir (none there: from step 0)
   std::string stop_file;  // elastic runs: end at the next checkpoint when this file exists (and delete it)
+  // Elastic runs with --elastic-lr scale: a resume may find another global batch (the sampler
+  // continues by samples drawn); otherwise a resume needs the checkpoint's batch.
+  bool batch_may_change = false;
 };
 
 struct TextTrainConfig {

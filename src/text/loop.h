@@ -44,7 +44,8 @@ class LoopCheckpoints {
                   std::vector<std::string> must_match);
   // Where the loop starts (resume: the newest checkpoint loaded into the engine, else step 0) and
   // the hooks that save every `every` steps and end the loop at a checkpoint when the stop file
-  // asks. Throws std::runtime_error when resume finds no complete checkpoint. Collective.
+  // asks. Resume with no complete checkpoint yet starts at step 0 (an elastic relaunch before the
+  // first save). Collective.
   LoopHooks start();
   // After the loop: saves the last step when the cadence did not; with the stop file acted on,
   // deletes it (the launcher's sign that the checkpoint is committed). Collective.
@@ -52,6 +53,7 @@ class LoopCheckpoints {
   bool stopped() const { return stopped_; }
 
  private:
+  LoopHooks start_hooks(LoopHooks hooks);
   bool save_and_check_stop(int64_t steps, int64_t samples);
   void save(int64_t steps, int64_t samples, bool async);
   Engine& eng_;

@@ -214,7 +214,9 @@ void validate(const TextTrainConfig& cfg, int world) {
   if (c.every < 0) throw std::invalid_argument("--checkpoint-every must be >= 0 (0: at the end only)");
   if (c.keep < 0) throw std::invalid_argument("--keep must be >= 0 (0: keep all)");
   if ((c.every > 0 || c.resume || c.async) && c.dir.empty()) {
-    throw std::invalid_argument(std::string(c.resume ? "--resume" : c.async ? "--checkpoint-async" : "--checkpoint-every") +
+    throw std::invalid_argument(std::string(c.resume  ? "--resume"
+                                            : c.async ? "--checkpoint-async"
+                                                      : "--checkpoint-every") +
                                 " needs --checkpoint-dir DIR");
   }
   if (c.async && c.every == 0) {
@@ -290,7 +292,8 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   auto real_tokens = [&](const torch::Tensor& ids) {
     return ids.narrow(1, 1, ids.size(1) - 1).ne(tok.pad_id()).sum().item<int64_t>();
   };
-  LoopCheckpoints checkpoints(eng, cfg, "text", run_record("pretrain", cfg, tok), {"command", "tokenizer", "batch", "seed"});
+  LoopCheckpoints checkpoints(eng, cfg, "text", run_record("pretrain", cfg, tok),
+                              {"command", "tokenizer", "batch", "seed"});
   const LoopHooks hooks = checkpoints.start();
   const EngineStats loop = train_loop(
       rt, cfg, eng, train.ids.size(0),
@@ -417,8 +420,7 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
                                                     torch::nn::functional::CrossEntropyFuncOptions().reduction(
                                                         torch::kSum));
       },
-      [](const std::vector<int64_t>&, int64_t from, int64_t to) { return static_cast<double>(to - from); }, rep,
-      hooks);
+      [](const std::vector<int64_t>&, int64_t from, int64_t to) { return static_cast<double>(to - from); }, rep, hooks);
   checkpoints.finish();
   if (rep.stopped) {  // relaunched from the checkpoint: neither evaluation nor --out yet
     finish_report(eng, loop, cfg, rep);

@@ -14,3 +14,8 @@ set_tests_properties(e2e_text_parallel PROPERTIES TIMEOUT 400 PROCESSORS 2 SKIP_
 # pipeline's micro-batches, ZeRO-1 with accumulation and tensor parallelism end at the same loss.
 add_test(NAME e2e_text_grad_accum COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/text_grad_accum.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_text_grad_accum PROPERTIES TIMEOUT 400 PROCESSORS 2 SKIP_RETURN_CODE 77)
+# Checkpoints of pretrain and finetune (--checkpoint-dir/--checkpoint-every/--keep/--resume): a
+# run stopped at a checkpoint and resumed follows the uninterrupted one (1e-6 on the same
+# workers, 2e-5 on one worker).
+add_test(NAME e2e_text_resume COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/text_resume.sh $<TARGET_FILE:tandem_cli>)
+set_tests_properties(e2e_text_resume PROPERTIES TIMEOUT 300 PROCESSORS 2 SKIP_RETURN_CODE 77)

@@ -72,5 +72,25 @@ expect grad-accum-pp "--grad-accum with --pp: the pipeline already accumulates" 
   "$tandem" finetune -n 2 --strategy ddp --pp 2 --grad-accum 2 --data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}"
 expect grad-accum-batch "fewer than --grad-accum 64" -- \
   "$tandem" finetune -n 2 --strategy ddp --grad-accum 64 --data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}"
+# Checkpoints and elastic runs.
+ft=(--data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}")
+unbatched=(--d-model 16 --heads 2 --layers 1 --seq 16 --steps 3 --no-progress)
+expect resume-no-dir "--resume needs --checkpoint-dir DIR" -- "$tandem" finetune -n 1 --strategy single --resume "${ft[@]}"
+expect async-no-every "--checkpoint-async needs --checkpoint-every N" -- \
+  "$tandem" finetune -n 1 --strategy single --checkpoint-dir "$tmp/ck" --checkpoint-async "${ft[@]}"
+expect elastic-no-checkpoints "-n 1:2 \(elastic\) relaunches from checkpoints: give --checkpoint-dir DIR and --checkpoint-every N" -- \
+  "$tandem" finetune -n 1:2 "${ft[@]}"
+expect elastic-batch "-n 2:3: no worker count from 2 to 3 can run this job.*--batch 7 must split evenly" -- \
+  "$tandem" pretrain -n 2:3 --data "$tmp/good" --out "$tmp/o" "${unbatched[@]}" --batch 7 --checkpoint-dir "$tmp/ck" --checkpoint-every 2
+expect elastic-lr-unknown "--elastic-lr 'sideways' is not one of keep, scale" -- \
+  "$tandem" finetune -n 1:2 --elastic-lr sideways --checkpoint-dir "$tmp/ck" --checkpoint-every 2 "${ft[@]}"
+mkdir -p "$tmp/ck_pre"
+timeout 120 "$tandem" pretrain -n 1 --strategy single --data "$tmp/good" --out "$tmp/o2" "${small[@]}" --vocab 120 \
+  --checkpoint-dir "$tmp/ck_pre" >"$tmp/pre3.log" 2>&1 || { echo "FAIL pretrain with --checkpoint-dir"; fails=$((fails + 1)); }
+expect resume-other-batch "was saved with batch 8, this run has 4; resume with the same batch" -- \
+  "$tandem" pretrain -n 1 --strategy single --data "$tmp/good" --out "$tmp/o3" "${unbatched[@]}" --vocab 120 --batch 4 \
+  --checkpoint-dir "$tmp/ck_pre" --resume
+expect resume-other-command "was saved with command \"pretrain\", this run has \"finetune\"" -- \
+  "$tandem" finetune -n 1 --strategy single "${ft[@]}" --checkpoint-dir "$tmp/ck_pre" --resume
 [ $fails -eq 0 ] && echo "all bad-input cases rejected" || echo "$fails case(s) not rejected as expected"
 exit $((fails > 0))

@@ -51,7 +51,7 @@ inline std::string finetune_and_export(Runtime& rt, const std::string& fixture_d
   cfg.task = task;
   cfg.data = data;
   cfg.seq = 24;
-  cfg.checkpoint_dir = work + "/" + sub + "-ckpt";
+  cfg.loop.checkpoints.dir = work + "/" + sub + "-ckpt";
   cfg.loop.batch = 4;
   cfg.loop.steps = 3;
   cfg.loop.lr = 1e-2;
@@ -63,8 +63,8 @@ inline std::string finetune_and_export(Runtime& rt, const std::string& fixture_d
   rt.world()->barrier();
   const std::string out = work + "/" + sub + "-hf";
   if (rt.rank() != 0) return out;
-  tt::export_hf(cfg.checkpoint_dir, out, 100 * 1024);  // shards of 100 KiB
-  auto full = read_full_checkpoint(latest_checkpoint(cfg.checkpoint_dir));
+  tt::export_hf(cfg.loop.checkpoints.dir, out, 100 * 1024);  // shards of 100 KiB
+  auto full = read_full_checkpoint(latest_checkpoint(cfg.loop.checkpoints.dir));
   auto mc = ll::load_config(cfg.model_dir);
   auto ids = torch::randint(3, mc.vocab_size, {2, 11}, torch::kLong);
   torch::NoGradGuard ng;

@@ -18,15 +18,19 @@
 #include "tandem/launcher.h"
 #include "tandem/llama.h"
 #include "tandem/runtime.h"
+#include "text_elastic.h"
+#include "worker_options.h"
 
 namespace tandem::cli {
 namespace {
 
-// The flags of the run; `task` and `nprocs` as typed.
+// The flags of the run; `task` and the worker count as typed.
 struct HfFlags {
   text::HfFinetuneConfig cfg;
   std::string task = "lm";
-  int nprocs = 2, threads = 0;
+  WorkerFlags workers;
+  std::string elastic_lr = "keep";
+  int threads = 0;
   double timeout_s = 300;
   bool no_eval = false, no_progress = false;
   LaunchOptions lo;
@@ -44,9 +48,7 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
   app.add_option("--valid-fraction", c.valid_fraction, "share of examples held out for validation (by text hash)")
       ->capture_default_str();
   app.add_option("--seq", c.seq, "tokens per example (truncated, padded)")->capture_default_str();
-  app.add_option("-n,--nprocs", f.nprocs, "workers to launch")
-      ->check(whole_between(1, kMaxWorkers))
-      ->capture_default_str();
+  add_worker_options(app, f.workers, "2");
   app.add_option("--strategy", l.strategy, "single | ddp | zero1 | zero2 | zero3")->capture_default_str();
   app.add_option("--precision", l.precision, "fp32 | bf16 | fp16 (mixed precision: fp32 master weights)")
       ->capture_default_str();
@@ -73,6 +75,7 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
   app.add_option("--metrics", l.metrics_path, "write per-step loss and time, then the report, as JSON lines");
   app.add_option("--trace", l.trace, "write a timeline of every rank's training loop to FILE (Chrome trace JSON)");
   add_text_checkpoint_options(app, l.checkpoints);
+  add_elastic_lr_option(app, f.elastic_lr);
   app.add_option("--timeout", f.timeout_s, "seconds any communication may block before failing")->capture_default_str();
 }
 
@@ -98,12 +101,23 @@ int cmd_finetune_hf(int argc, char** argv) {
   auto& cfg = f.cfg;
   cfg.loop.evaluate = !f.no_eval;
   cfg.loop.progress = !f.no_progress;
+  WorkerRange range;
+  ElasticLr lr_mode = ElasticLr::kKeep;
+  try {
+    range = worker_range(f.workers);
+    lr_mode = parse_elastic_lr(f.elastic_lr);
+    cfg.loop.checkpoints.batch_may_change = lr_mode == ElasticLr::kScale;
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "tandem finetune: " << e.what() << "\n";
+    return 2;
+  }
+  const int nprocs = range.max;
   const bool is_worker = detect_process_info().launcher != "none";
   if (!is_worker) {
     try {  // the cheap checks before starting workers
       cfg.task = text::parse_hf_task(f.task);
-      text::validate(cfg, f.nprocs);
-      hf::Tokenizer::load(cfg.model_dir);  // finetune_hf reads both again on every worker
+      if (!range.elastic()) text::validate(cfg, nprocs);  // elastic: at each worker count, below
+      hf::Tokenizer::load(cfg.model_dir);                 // finetune_hf reads both again on every worker
       llama::load_config(cfg.model_dir);
       auto data = text::read_jsonl(cfg.data, cfg.task == text::HfTask::kClassify);
       std::cout << "data             " << cfg.data << ": " << data.size() << " examples" << std::endl;
@@ -111,13 +125,21 @@ int cmd_finetune_hf(int argc, char** argv) {
       std::cerr << "tandem finetune: " << e.what() << "\n";
       return 2;
     }
-    if (f.nprocs > 1) {
+    if (nprocs > 1 || range.elastic()) {
       std::vector<std::string> args = {self_executable(), "finetune"};
       for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-      f.lo.nprocs = f.nprocs;
+      f.lo.nprocs = nprocs;
       f.lo.prefix_output = false;
       f.lo.env.push_back(std::string("TANDEM_PROGRESS_TTY=") + (isatty(1) ? "1" : "0"));
-      std::cout << "launching " << f.nprocs << " workers (" << cfg.loop.strategy << ")" << std::endl;
+      if (range.elastic()) {
+        auto check = [&](int w, int64_t batch) {
+          auto c = cfg;
+          c.loop.batch = batch;
+          text::validate(c, w);
+        };
+        return run_text_elastic("tandem finetune", cfg.loop, lr_mode, range, check, f.lo, args);
+      }
+      std::cout << "launching " << nprocs << " workers (" << cfg.loop.strategy << ")" << std::endl;
       return launch(f.lo, args);
     }
   }

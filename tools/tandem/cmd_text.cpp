@@ -16,6 +16,7 @@
 #include "tandem/launcher.h"
 #include "tandem/runtime.h"
 #include "tandem/text.h"
+#include "text_elastic.h"
 #include "worker_options.h"
 
 namespace tandem::cli {
@@ -88,6 +89,8 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   app.add_option("--trace", cfg.trace, "write a timeline of every rank's training loop to FILE (Chrome trace JSON)");
   app.add_option("--timeout", timeout_s, "seconds any communication may block before failing")->capture_default_str();
   add_text_checkpoint_options(app, cfg.checkpoints);
+  std::string elastic_lr = "keep";
+  add_elastic_lr_option(app, elastic_lr);
   auto shape_flags = [&](CLI::App& a) {
     a.add_option("--vocab", cfg.tokenizer.vocab_size, "tokenizer vocabulary size")->capture_default_str();
     a.add_option("--d-model", cfg.shape.d_model, "model width")->capture_default_str();
@@ -117,13 +120,13 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
     return app.exit(e);
   }
   int nprocs = 0;
+  WorkerRange range;
+  ElasticLr lr_mode = ElasticLr::kKeep;
   try {
-    const WorkerRange range = worker_range(workers);
-    if (range.elastic()) {
-      throw std::invalid_argument("elastic runs (-n MIN:MAX, --min-workers) are not available for pretrain and "
-                                  "finetune: they write no checkpoints to resume from while training; give -n N");
-    }
+    range = worker_range(workers);
     nprocs = range.max;
+    lr_mode = parse_elastic_lr(elastic_lr);
+    cfg.checkpoints.batch_may_change = lr_mode == ElasticLr::kScale;
   } catch (const std::invalid_argument& e) {
     std::cerr << cmd << ": " << e.what() << "\n";
     return 2;
@@ -146,7 +149,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       return 2;
     }
     try {
-      text::validate(cfg, nprocs);
+      if (!range.elastic()) text::validate(cfg, nprocs);  // elastic: at each worker count, below
       if (!pretraining && cfg.checkpoint.empty() && !cfg.from_scratch) {
         throw std::invalid_argument(
             "needs --checkpoint DIR (made by tandem pretrain), or --from-scratch --tokenizer FILE");
@@ -174,13 +177,21 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       return 2;
     }
   }
-  if (!is_worker && nprocs > 1) {
+  if (!is_worker && (nprocs > 1 || range.elastic())) {
     std::vector<std::string> args = {self_executable(), name};
     for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
     lo.nprocs = nprocs;
     lo.prefix_output = false;
     // Explicit either way: mpirun gives the workers a pty, so their own isatty() says yes.
     lo.env.push_back(std::string("TANDEM_PROGRESS_TTY=") + (isatty(1) ? "1" : "0"));
+    if (range.elastic()) {
+      auto check = [&](int w, int64_t batch) {
+        auto c = cfg;
+        c.batch = batch;
+        text::validate(c, w);
+      };
+      return run_text_elastic(cmd, cfg, lr_mode, range, check, lo, args);
+    }
     std::cout << "launching " << nprocs << " workers (" << cfg.strategy << ")" << std::endl;
     return launch(lo, args);
   }

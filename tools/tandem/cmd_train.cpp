@@ -65,53 +65,22 @@ std::string elastic_problem(const TrainConfig& cfg, const WorkerRange& range, co
          (eb.accumulate ? " and their micro-batches" : "") + "); change --batch or the range";
 }
 
-// `args` without --grad-accum (either spelling), then --grad-accum K.
-std::vector<std::string> with_grad_accum(const std::vector<std::string>& args, int64_t k) {
-  std::vector<std::string> out;
-  for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--grad-accum") {
-      ++i;  // and its value
-    } else if (args[i].rfind("--grad-accum=", 0) != 0) {
-      out.push_back(args[i]);
-    }
-  }
-  out.insert(out.end(), {"--grad-accum", std::to_string(k)});
-  return out;
-}
-
 // -n MIN:MAX: the workers under tandem/elastic.h's restart loop. The global batch is the same at
 // every worker count (each worker's share grows, or with --elastic-batch accumulate its
 // accumulation steps), so a relaunch on W workers computes what `--resume` on W workers with the
 // same flags would.
 int train_elastic(const TrainConfig& cfg, const WorkerRange& range, const ElasticBatch& eb, int max_failures,
                   const LaunchOptions& lo, const std::vector<std::string>& args) {
-  ElasticOptions eo;
-  eo.workers = range;
-  eo.checkpoint_dir = cfg.checkpoint_dir;
-  eo.stop_file = cfg.checkpoint_dir + "/elastic-stop";
-  eo.max_failures = max_failures;
-  auto command = [&](int workers, bool resume) {
-    auto a = eb.accumulate ? with_grad_accum(args, eb.grad_accum(cfg, workers)) : args;
-    a.insert(a.end(), {"--elastic-stop-file", eo.stop_file});
-    if (resume && std::find(a.begin(), a.end(), "--resume") == a.end()) a.push_back("--resume");
-    return a;
+  ElasticJob job;
+  job.command = "tandem train";
+  job.checkpoint_dir = cfg.checkpoint_dir;
+  job.metrics_path = cfg.metrics_path;
+  job.max_failures = max_failures;
+  job.args = [&](int workers) {
+    return eb.accumulate ? with_option(args, "--grad-accum", std::to_string(eb.grad_accum(cfg, workers))) : args;
   };
-  std::cout << "elastic run: " << range.min << " to " << range.max << " workers, checkpoints in '" << cfg.checkpoint_dir
-            << "'" << std::endl;
-  ElasticResult r;
-  try {
-    r = run_elastic(lo, eo, command, [&](int w) { return workers_fit(cfg, eb, w); });
-  } catch (const std::invalid_argument& e) {
-    std::cerr << "tandem train: " << e.what() << "\n";
-    return 2;
-  }
-  if (!r.changes.empty()) {
-    std::cout << "membership changes\n" << format_membership(r.changes) << std::flush;
-    if (!cfg.metrics_path.empty() && std::filesystem::exists(cfg.metrics_path)) {
-      std::ofstream(cfg.metrics_path, std::ios::app) << membership_json_lines(r.changes);
-    }
-  }
-  return r.exit_code;
+  job.fits = [&](int w) { return workers_fit(cfg, eb, w); };
+  return run_elastic_job(range, job, lo);
 }
 
 }  // namespace

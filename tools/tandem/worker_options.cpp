@@ -1,5 +1,9 @@
 #include "worker_options.h"
 
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
 #include <stdexcept>
 
 #include "checks.h"
@@ -38,6 +42,64 @@ WorkerRange worker_range(const WorkerFlags& flags) {
                                 " both give a minimum; use one of them");
   }
   return parse_worker_range(std::to_string(flags.min_workers) + ":" + flags.count, static_cast<int>(kMaxWorkers));
+}
+
+int run_elastic_job(const WorkerRange& range, const ElasticJob& job, const LaunchOptions& lo) {
+  ElasticOptions eo;
+  eo.workers = range;
+  eo.checkpoint_dir = job.checkpoint_dir;
+  eo.stop_file = job.checkpoint_dir + "/elastic-stop";
+  eo.max_failures = job.max_failures;
+  auto command = [&](int workers, bool resume) {
+    auto a = job.args(workers);
+    a.insert(a.end(), {"--elastic-stop-file", eo.stop_file});
+    if (resume && std::find(a.begin(), a.end(), "--resume") == a.end()) a.push_back("--resume");
+    return a;
+  };
+  std::cout << "elastic run: " << range.min << " to " << range.max << " workers, checkpoints in '" << job.checkpoint_dir
+            << "'" << std::endl;
+  ElasticResult r;
+  try {
+    r = run_elastic(lo, eo, command, job.fits);
+  } catch (const std::invalid_argument& e) {
+    std::cerr << job.command << ": " << e.what() << "\n";
+    return 2;
+  }
+  if (!r.changes.empty()) {
+    std::cout << "membership changes\n" << format_membership(r.changes) << std::flush;
+    if (!job.metrics_path.empty() && std::filesystem::exists(job.metrics_path)) {
+      std::ofstream(job.metrics_path, std::ios::app) << membership_json_lines(r.changes);
+    }
+  }
+  return r.exit_code;
+}
+
+std::vector<std::string> with_option(const std::vector<std::string>& args, const std::string& flag,
+                                     const std::string& value) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == flag) {
+      ++i;  // and its value
+    } else if (args[i].rfind(flag + "=", 0) != 0) {
+      out.push_back(args[i]);
+    }
+  }
+  out.insert(out.end(), {flag, value});
+  return out;
+}
+
+void add_elastic_lr_option(CLI::App& app, std::string& value) {
+  app.add_option("--elastic-lr", value,
+                 "elastic runs (-n MIN:MAX): keep (the global batch and learning rate stay at every worker count) | "
+                 "scale (each worker's batch stays; the global batch and the learning rate follow the worker count, "
+                 "the linear scaling rule)")
+      ->capture_default_str();
+}
+
+ElasticLr parse_elastic_lr(const std::string& value) {
+  if (value == "keep") return ElasticLr::kKeep;
+  if (value == "scale") return ElasticLr::kScale;
+  throw std::invalid_argument("--elastic-lr '" + value + "' is not one of keep, scale");
 }
 
 }  // namespace tandem::cli

@@ -4,9 +4,12 @@
 
 #include <CLI/CLI.hpp>
 
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "tandem/elastic.h"
+#include "tandem/launcher.h"
 
 namespace tandem::cli {
 
@@ -20,5 +23,32 @@ void add_worker_options(CLI::App& app, WorkerFlags& flags, const std::string& de
 
 // The range the flags ask for; std::invalid_argument naming the conflict otherwise.
 WorkerRange worker_range(const WorkerFlags& flags);
+
+// An elastic job (-n MIN:MAX): the launches of one command under tandem/elastic.h's restart loop.
+struct ElasticJob {
+  std::string command;         // "tandem train", for messages
+  std::string checkpoint_dir;  // its --checkpoint-dir: relaunches start from the newest checkpoint there
+  std::string metrics_path;    // its --metrics ("": none): the membership changes are appended to it
+  int max_failures = 3;
+  // The command line of a launch on `workers` workers; the stop file and, for every launch but
+  // the first, --resume are added to it.
+  std::function<std::vector<std::string>(int workers)> args;
+  WorkersFit fits;
+};
+
+// Runs the job; its exit code (2 for options that cannot work, with the reason on stderr).
+// Prints and records (in the metrics file) every membership change.
+int run_elastic_job(const WorkerRange& range, const ElasticJob& job, const LaunchOptions& lo);
+
+// `args` without `flag` (as "--flag V" or "--flag=V"), then "flag value".
+std::vector<std::string> with_option(const std::vector<std::string>& args, const std::string& flag,
+                                     const std::string& value);
+
+// --elastic-lr keep|scale of an elastic run: keep the global batch and learning rate at every
+// worker count (the default), or keep each worker's batch and scale the global batch and the
+// learning rate with the worker count (the linear scaling rule, Goyal et al.).
+enum class ElasticLr { kKeep, kScale };
+void add_elastic_lr_option(CLI::App& app, std::string& value);
+ElasticLr parse_elastic_lr(const std::string& value);  // std::invalid_argument naming the value
 
 }  // namespace tandem::cli

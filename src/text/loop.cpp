@@ -1,0 +1,107 @@
+// The checkpoints of the text loops (src/text/loop.h): cadence, resume and the elastic stop.
+#include "text/loop.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "tandem/checkpoint.h"
+
+namespace tandem::text {
+
+LoopCheckpoints::LoopCheckpoints(Engine& eng, const TextTrainConfig& cfg, std::string key, nlohmann::json run,
+                                 std::vector<std::string> must_match)
+    : eng_(eng), cfg_(cfg), key_(std::move(key)), run_(std::move(run)), must_match_(std::move(must_match)) {}
+
+LoopHooks LoopCheckpoints::start() {
+  const TextCheckpoints& c = cfg_.checkpoints;
+  LoopHooks hooks;
+  if (c.resume) {
+    const auto dir = latest_checkpoint(c.dir);
+    if (dir.empty()) {  // an elastic relaunch before the first checkpoint, as tandem train
+      if (eng_.world()->rank() == 0) {
+        std::cout << "no checkpoint in '" << c.dir << "' yet; starting from step 0" << std::endl;
+      }
+      return start_hooks(hooks);
+    }
+    const auto saved = nlohmann::json::parse(read_checkpoint_meta(dir).extra_json, nullptr, false);
+    if (saved.is_discarded() || !saved.contains(key_)) {
+      throw std::runtime_error("--resume: checkpoint '" + dir + "' was not made by this command (no '" + key_ +
+                               "' record); resume from a checkpoint directory of the same command");
+    }
+    for (const auto& k : must_match_) {
+      if (k == "batch" && c.batch_may_change) continue;
+      const auto was = saved[key_].value(k, nlohmann::json());
+      if (was != run_[k]) {
+        throw std::runtime_error("--resume: checkpoint '" + dir + "' was saved with " + k + " " + was.dump() +
+                                 ", this run has " + run_[k].dump() + "; resume with the same " + k);
+      }
+    }
+    const auto meta = eng_.load(dir);
+    hooks.first_step = meta.step;
+    hooks.first_sample = saved.value("samples", meta.step * cfg_.batch);
+    steps_ = saved_at_ = hooks.first_step;
+    samples_ = hooks.first_sample;
+    if (eng_.world()->rank() == 0) {
+      std::cout << "resuming from " << dir << " (step " << meta.step << ", sample " << hooks.first_sample
+                << ", saved by " << meta.strategy << " on " << meta.world_size << " worker(s))" << std::endl;
+    }
+  }
+  return start_hooks(hooks);
+}
+
+LoopHooks LoopCheckpoints::start_hooks(LoopHooks hooks) {
+  const TextCheckpoints& c = cfg_.checkpoints;
+  if (!c.dir.empty() && c.every > 0) {
+    hooks.after_step = [this](int64_t steps, int64_t samples) { return save_and_check_stop(steps, samples); };
+  } else if (!c.dir.empty()) {
+    hooks.after_step = [this](int64_t steps, int64_t samples) {
+      steps_ = steps;
+      samples_ = samples;
+      return false;
+    };
+  }
+  return hooks;
+}
+
+bool LoopCheckpoints::save_and_check_stop(int64_t steps, int64_t samples) {
+  steps_ = steps;
+  samples_ = samples;
+  const TextCheckpoints& c = cfg_.checkpoints;
+  if (steps % c.every != 0) return false;
+  save(steps, samples, c.async);
+  if (c.stop_file.empty()) return false;
+  // Rank 0 looks; every rank gets its answer, so that all of them leave at the same step.
+  const bool here = eng_.world()->rank() == 0 && access(c.stop_file.c_str(), F_OK) == 0;
+  auto flag = torch::tensor({here ? 1.0 : 0.0}, torch::kDouble).to(eng_.device());
+  eng_.world()->allreduce(flag, ReduceOp::kSum);
+  stopped_ = flag.cpu().item<double>() > 0;
+  return stopped_;
+}
+
+void LoopCheckpoints::save(int64_t steps, int64_t samples, bool async) {
+  CheckpointMeta meta;
+  meta.step = steps;
+  meta.seed = cfg_.seed;
+  meta.extra_json = nlohmann::json{{key_, run_}, {"samples", samples}}.dump();
+  CheckpointSaveOptions so;
+  so.keep = cfg_.checkpoints.keep;
+  if (async) so.async = std::make_shared<AsyncCheckpoint>();
+  eng_.save(cfg_.checkpoints.dir, meta, so);
+  saved_at_ = steps;
+}
+
+void LoopCheckpoints::finish() {
+  const TextCheckpoints& c = cfg_.checkpoints;
+  if (c.dir.empty()) return;
+  if (saved_at_ != steps_) save(steps_, samples_, false);
+  eng_.wait_checkpoint();
+  if (stopped_ && eng_.world()->rank() == 0) {
+    std::remove(c.stop_file.c_str());
+    std::cout << "stopping at step " << steps_ << " (checkpoint committed) as '" << c.stop_file << "' asks"
+              << std::endl;
+  }
+}
+
+}  // namespace tandem::text
