@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What asynchronous checkpoints and --trace cost a training run, in one interleaved run.
-#   1. The stall per save: `tandem train` on 2 workers saving every 10 steps, synchronously and
-#      with --checkpoint-async; "training held" is the time save() kept the loop waiting (rank 0).
+#   1. The stall per save: `tandem train` (MLP, CNN) and `tandem pretrain` (the text transformer
+#      at its default shape) on 2 workers saving every 10 steps, synchronously and with
+#      --checkpoint-async; "training held" is the time save() kept the loop waiting (rank 0).
 #   2. The trace's overhead: the median step with and without --trace FILE, as a ratio.
 # Variants alternate within each repetition; medians of the repetitions.
 # usage: bench/checkpoint_trace.sh [TANDEM=build/tandem] [REPS=3]
@@ -14,12 +15,18 @@ common=(-n 2 --no-eval --no-baseline --no-progress --threads 1 --batch 64)
 held() { sed -n 's/.*training held \([0-9.]*\) ms per save.*/\1/p' "$1"; }
 median_step() { sed -n 's/.*median step \([0-9.]*\) ms.*/\1/p' "$1"; }
 for r in $(seq "$reps"); do
-  for model in mlp cnn; do
+  for model in mlp cnn text; do
     for mode in sync async; do
       flags=(--checkpoint-every 10 --checkpoint-dir "$out/ck_${model}_${mode}_$r" --keep 1)
       [[ $mode == async ]] && flags+=(--checkpoint-async)
-      "$tandem" train "${common[@]}" --model "$model" --max-steps 60 "${flags[@]}" >"$out/log" 2>&1
+      if [[ $model == text ]]; then
+        "$tandem" pretrain -n 2 --no-eval --no-progress --threads 1 --steps 60 --out "$out/pre" "${flags[@]}" \
+          >"$out/log" 2>&1
+      else
+        "$tandem" train "${common[@]}" --model "$model" --max-steps 60 "${flags[@]}" >"$out/log" 2>&1
+      fi
       echo "stall $model $mode $(held "$out/log") $(median_step "$out/log")" >>"$out/rows"
+      rm -rf "$out/ck_${model}_${mode}_$r"
     done
   done
   for mode in plain trace; do
@@ -35,7 +42,7 @@ rows = [l.split() for l in open(sys.argv[1])]
 med = lambda xs: statistics.median(xs)
 print("| model | saves | training held per save (ms) | median step (ms) |")
 print("|---|---|---|---|")
-for model in ("mlp", "cnn"):
+for model in ("mlp", "cnn", "text"):
     for mode in ("sync", "async"):
         sel = [r for r in rows if r[0] == "stall" and r[1] == model and r[2] == mode]
         print(f"| {model} | {mode} | {med(float(r[3]) for r in sel):.1f} | {med(float(r[4]) for r in sel):.1f} |")
