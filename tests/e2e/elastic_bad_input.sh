@@ -32,7 +32,8 @@ expect max-above-slots "MAX is above the 3 slot\(s\) of hostfile '$tmp/hostfile'
   "$tandem" train -n 2:4 --batch 64 --hostfile "$tmp/hostfile" "${ck[@]}"
 expect no-count-fits "-n 4:5: no worker count from 4 to 5 can run this job \(the global --batch 63" -- \
   "$tandem" train -n 4:5 --batch 63 "${ck[@]}"
+expect elastic-lr-scale-train "--elastic-lr scale is not available for tandem train" -- "$tandem" train -n 1:2 --elastic-lr scale "${ck[@]}"
 expect elastic-batch-unknown "elastic-batch.*sideways" -- "$tandem" train -n 1:2 --elastic-batch sideways "${ck[@]}"
-expect text-elastic "elastic runs .*-n MIN:MAX.* are not available for pretrain" -- \
-  "$tandem" pretrain -n 1:2 --out "$tmp/pt"
+expect text-elastic "-n 1:2 \(elastic\) relaunches from checkpoints: give --checkpoint-dir DIR and --checkpoint-every N" -- \
+  "$tandem" pretrain -n 1:2 --out "$tmp/pt" --max-per-label 50
 exit $((fails > 0))

@@ -264,6 +264,8 @@ int cmd_train(int argc, char** argv) {
                  "multiplied by MAX / workers)")
       ->check(CLI::IsMember({"grow", "accumulate"}))
       ->capture_default_str();
+  std::string elastic_lr = "keep";
+  add_elastic_lr_option(app, elastic_lr);
   auto* restarts_opt =
       app.add_option("--max-restarts", max_restarts,
                      "after a failed run of the workers, relaunch up to K times from the newest checkpoint "
@@ -302,6 +304,14 @@ int cmd_train(int argc, char** argv) {
   WorkerRange range;
   try {
     range = worker_range(workers);
+    // The trainer's data position and schedule count steps of one global batch per epoch, so a
+    // run cannot change its global batch midway; the text commands count samples and can.
+    if (parse_elastic_lr(elastic_lr) == ElasticLr::kScale) {
+      throw std::invalid_argument(
+          "--elastic-lr scale is not available for tandem train (its epochs and learning-rate schedule count "
+          "steps of one global batch); keep the global batch with --elastic-batch grow|accumulate, or use "
+          "--elastic-lr scale with tandem pretrain or finetune");
+    }
   } catch (const std::invalid_argument& e) {
     std::cerr << "tandem train: " << e.what() << "\n";
     return 2;
