@@ -13,7 +13,9 @@
 
 namespace tandem {
 class Runtime;
-}
+struct ParallelConfig;
+struct Report;
+}  // namespace tandem
 
 namespace tandem::plan {
 
@@ -256,6 +258,12 @@ struct Estimate {
 };
 
 Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, const PlanOptions& o);
+// tandem plan's per-rank memory for a run of `model` in layout `pc` on `world` ranks of this
+// machine (the "local" preset) at `global_batch` with `optimizer`, into rep.plan_memory_bytes,
+// and per pipeline stage for the run's `partition` (layers per stage; empty: the planner's own
+// cut). Leaves them empty for a setting the planner does not model.
+void add_planned_memory(const ModelSpec& model, const ParallelConfig& pc, int world, int64_t global_batch,
+                        const std::string& optimizer, const std::vector<int64_t>& partition, Report& rep);
 // Every layout over the cluster's devices (or o.dp_only_workers), best micro-batch and bucket per
 // (dp, tp, pp, zero); feasible ones first, by step time; then infeasible ones with the reason.
 std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o);

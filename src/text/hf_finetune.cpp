@@ -16,6 +16,7 @@
 #include "tandem/grid.h"
 #include "tandem/hf_tokenizer.h"
 #include "tandem/llama.h"
+#include "tandem/plan.h"
 #include "tandem/safetensors.h"
 #include "text/loop.h"
 
@@ -386,6 +387,12 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
   checkpoints.finish();
   if (cfg.loop.evaluate && !rep.stopped && va.ids.size(0) > 0) evaluate(rt, eng, va, lm, cfg.loop.eval_limit, rep);
   collect_engine_report(eng, loop, rep);
+  if (rt.rank() == 0) {  // tandem plan's memory for a transformer of this shape (per-rank figures only)
+    const auto spec = plan::transformer_model(mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, cfg.seq,
+                                              mc.vocab_size, static_cast<double>(rep.parameters));
+    plan::add_planned_memory(spec, parallel_config(cfg.loop), rt.world_size(), cfg.loop.batch, "adamw", {}, rep);
+    rep.plan_memory_bytes_per_stage.clear();
+  }
   if (rt.rank() == 0 && !cfg.loop.metrics_path.empty()) write_metrics(cfg.loop.metrics_path, rep);
   return rep;
 }

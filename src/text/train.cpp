@@ -16,6 +16,7 @@
 
 #include "tandem/engine.h"
 #include "tandem/models.h"
+#include "tandem/plan.h"
 #include "tandem/progress.h"
 #include "tandem/text.h"
 #include "tandem/trace.h"
@@ -153,9 +154,19 @@ std::string confusion_table(const std::vector<std::string>& labels, const std::v
   return os.str();
 }
 
-// The Engine's figures, and the metrics file (rank 0). Collective.
+// The Engine's figures, tandem plan's memory for this shape and layout beside them, and the
+// metrics file (rank 0). Collective.
 void finish_report(Engine& eng, const EngineStats& loop, const TextTrainConfig& cfg, TextReport& rep) {
   collect_engine_report(eng, loop, rep);
+  if (eng.world()->rank() == 0) {
+    const ModelShape& m = rep.shape;
+    const auto spec =
+        plan::transformer_model(m.layers, m.d_model, m.heads, m.seq, m.vocab, static_cast<double>(rep.parameters));
+    plan::add_planned_memory(spec, parallel_config(cfg), eng.world_size(), cfg.batch, "adamw", {}, rep);
+    // The planner cuts its own stages of decoder layers; the run's cut counts the embedding and
+    // head too, so its per-stage figures would describe another partition.
+    rep.plan_memory_bytes_per_stage.clear();
+  }
   if (eng.world()->rank() == 0 && !cfg.metrics_path.empty()) write_metrics(cfg.metrics_path, rep);
 }
 

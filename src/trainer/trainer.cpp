@@ -353,10 +353,8 @@ void validate_config(const TrainConfig& cfg_in, int world) {
   validate_checkpointing(cfg);
 }
 
-// tandem plan's per-rank memory for this run's layout on this machine (parameters, gradients,
-// optimizer state, activations), and per pipeline stage for the partition the run used; left
-// empty for a model the planner has no description of.
-void add_planned_memory(const TrainConfig& cfg, const ParallelConfig& pc, int world, int dp,
+// tandem plan's figures for the run (a built-in model the planner describes; none for a plugin's).
+void add_planned_memory(const TrainConfig& cfg, const ParallelConfig& pc, int world,
                         const std::vector<int64_t>& partition, Report& rep) {
   plan::ModelSpec m;
   try {
@@ -364,36 +362,7 @@ void add_planned_memory(const TrainConfig& cfg, const ParallelConfig& pc, int wo
   } catch (const std::exception&) {
     return;  // a plugin's model, or one the planner does not describe
   }
-  plan::PlanOptions o;
-  o.global_batch = cfg.batch;
-  o.optimizer = cfg.optimizer;
-  o.precision = pc.precision == Precision::kFP32 ? "fp32" : "mixed";
-  o.activation_checkpointing = pc.activation_checkpointing.enabled();
-  plan::Layout l;
-  l.dp = dp;
-  l.tp = pc.tp;
-  l.pp = pc.pp;
-  l.zero = zero_stage(pc.strategy);
-  l.micro_batches = pc.pp > 1 ? pc.micro_batches : pc.grad_accum;
-  l.micro_batch = std::max<int64_t>(1, cfg.batch / dp / l.micro_batches);
-  plan::ClusterSpec c = plan::cluster_preset("local");
-  c.groups.at(0).devices_per_node = std::max(c.groups.at(0).devices_per_node, world);
-  if (pc.pp > 1 && pc.virtual_stages == 1 && static_cast<int>(partition.size()) == pc.pp) {
-    o.pipeline_partition.clear();
-    for (int64_t k : partition) o.pipeline_partition += (o.pipeline_partition.empty() ? "" : ",") + std::to_string(k);
-    o.pipeline_schedule = to_string(pc.schedule);
-  }
-  plan::Estimate e;
-  try {
-    e = plan::estimate(m, c, l, o);
-  } catch (const std::exception&) {
-    return;  // a setting the planner does not model (an optimizer it does not know)
-  }
-  auto four = [](const plan::MemoryBreakdown& b) {
-    return std::vector<double>{b.parameters, b.gradients, b.optimizer, b.activations};
-  };
-  rep.plan_memory_bytes = four(e.memory);
-  for (const auto& s : e.stage_memory) rep.plan_memory_bytes_per_stage.push_back(four(s));
+  plan::add_planned_memory(m, pc, world, cfg.batch, cfg.optimizer, partition, rep);
 }
 
 TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
@@ -454,7 +423,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   report_losses(eng, rec, dev, rep);
   if (cfg.evaluate && test_set.size() > 0 && !rec.stopped) evaluate(cfg, eng, test_set, dev, rep);
   collect_engine_report(eng, loop, rep);
-  if (rank == 0) add_planned_memory(cfg, pc, world, dp, pc.pp > 1 ? eng.partition() : std::vector<int64_t>{}, rep);
+  if (rank == 0) add_planned_memory(cfg, pc, world, pc.pp > 1 ? eng.partition() : std::vector<int64_t>{}, rep);
   if (rank == 0 && !cfg.metrics_path.empty()) write_metrics(cfg.metrics_path, rep);
   return rep;
 }
