@@ -47,7 +47,11 @@ expect tied-pp "ties its input and output embeddings, which a pipeline cannot sp
   --batch 2 --steps 2 --no-progress --init-from "$tmp/fx/lm_tied" --data "$tmp/lm.jsonl"
 expect seq-too-long "--seq 4096 exceeds the model's max_position_embeddings 128" -- "$tandem" finetune -n 1 --strategy single \
   --no-progress --seq 4096 --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl"
-expect resume-nothing "--resume: '.*' holds no complete checkpoint" -- "${run[@]}" --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --checkpoint-dir "$tmp/empty" --resume
+# A checkpoint of another command (--resume with none at all starts at step 0, as tandem train).
+"$tandem" train -n 1 --strategy single --model mlp --max-steps 1 --no-eval --no-progress --checkpoint-dir "$tmp/mlp" \
+  --checkpoint-every 1 >"$tmp/mlp.log" 2>&1 || { echo "FAIL could not make an MLP checkpoint"; fails=$((fails + 1)); }
+expect resume-other-command "--resume: checkpoint '.*' was not made by this command" -- "${run[@]}" --init-from "$tmp/fx/lm" \
+  --data "$tmp/lm.jsonl" --checkpoint-dir "$tmp/mlp" --resume
 "${run[@]}" --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --checkpoint-dir "$tmp/ck" >"$tmp/ck.log" 2>&1 ||
   { echo "FAIL could not make a checkpoint:"; tail "$tmp/ck.log"; fails=$((fails + 1)); }
 expect resume-other-batch "--resume: checkpoint '.*' was saved with batch 2, this run has 4" -- \
