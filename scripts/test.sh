@@ -13,4 +13,6 @@ scripts/setup.sh --all
 # cross-checks; without it (no PyPI) those tests skip and say so.
 scripts/setup-hf-venv.sh || echo "[test] .venv-hf could not be set up: the Hugging Face cross-checks will skip" >&2
 build_dir=${TANDEM_BUILD_DIR:-build}
-ctest --test-dir "$build_dir" --output-on-failure --timeout 900 "$@"
+# Two at a time: a multi-rank test reserves both slots (PROCESSORS 2), so only the one-process
+# tests (unit, fuzzers, bad input) share the machine.
+ctest --test-dir "$build_dir" --output-on-failure --timeout 900 --parallel 2 "$@"

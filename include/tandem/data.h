@@ -66,6 +66,13 @@ class DistributedSampler {
 
   // This rank's dataset indices for the current epoch, num_samples() of them.
   std::vector<int64_t> indices() const;
+  // The rest of the epoch after its first `consumed` samples (positions [0, consumed) of the
+  // unpadded order) were trained on at another world size or batch: positions consumed + r,
+  // consumed + r + W, ... of the order, padded (or, with drop_last, truncated) as indices() is,
+  // to a multiple of W. Batches of b from it make step k's global batch the positions
+  // [consumed + k*W*b, consumed + (k+1)*W*b), so the epoch continues with the samples that come
+  // next whatever the new layout. indices_from(0) == indices(); empty once consumed >= N.
+  std::vector<int64_t> indices_from(int64_t consumed) const;
   // Samples per rank per epoch (the same on every rank).
   int64_t num_samples() const { return num_samples_; }
   // num_samples() * world_size.

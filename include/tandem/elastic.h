@@ -13,7 +13,13 @@
 
 #include "tandem/launcher.h"
 
+namespace c10 {
+struct Device;
+}
+
 namespace tandem {
+
+class Communicator;
 
 // The worker count of -n: "N" (fixed: min = max = N) or "MIN:MAX" (elastic).
 struct WorkerRange {
@@ -78,6 +84,14 @@ using WorkersFit = std::function<bool(int workers)>;
 // hostfile's slots, no checkpoint directory, no worker count in range that fits).
 ElasticResult run_elastic(const LaunchOptions& base, const ElasticOptions& opts, const ElasticCommand& command,
                           const WorkersFit& fits);
+
+// The workers' side of ElasticOptions::stop_file, at a committed checkpoint: rank 0 of `world`
+// looks for the file and every rank gets its answer, so that all of them leave their loop at the
+// same step. False when stop_file is "". `device` is where the world's tensors live.
+bool elastic_stop_requested(Communicator& world, const std::string& stop_file, const c10::Device& device);
+// Once the loop that stopped has committed its last checkpoint: rank 0 deletes the file (the
+// launcher's sign that the checkpoint is complete) and says so.
+void acknowledge_elastic_stop(int rank, const std::string& stop_file, int64_t step);
 
 // The membership changes as report lines ("" when none), and as JSON lines for a metrics file.
 std::string format_membership(const std::vector<MembershipChange>& changes);

@@ -98,7 +98,9 @@ int data_parallel_size(const ParallelConfig& c, int world);
 
 // The learning rate of every step (0-based) of a run of total_steps: a linear warmup over
 // warmup_steps from warmup_start to peak, then a cosine decay to min_ratio * peak at the last
-// step, or the peak kept (cosine = false). One schedule for every loop.
+// step, or the peak kept (cosine = false). One schedule for every loop. A step may be
+// fractional: a run whose global batch is a fraction of the one the schedule counts steps of
+// (an elastic run at fewer workers with --elastic-lr scale) advances it by that fraction.
 struct LrSchedule {
   double peak = 1e-3;
   double warmup_start = 0.0;
@@ -106,7 +108,7 @@ struct LrSchedule {
   int64_t total_steps = 1;
   bool cosine = true;
   double min_ratio = 0.0;
-  double at(int64_t step) const;
+  double at(double step) const;
 };
 
 // loss_fn(model output of a micro-batch, its targets) -> a scalar loss (see LossReduction).

@@ -79,6 +79,14 @@ struct TrainConfig {
   // (tandem/trace.h); "" for none.
   std::string trace;
   bool resume = false;
+  // Elastic runs with --elastic-lr scale: a resume may find another global batch. The data
+  // position continues by samples (the epoch goes on with the samples that come next), and the
+  // learning-rate schedule, --warmup-steps and --max-steps count steps of schedule_batch (the
+  // global batch at MAX workers), which a step of `batch` samples advances by
+  // batch / schedule_batch. schedule_batch 0: --batch, or the checkpoint's on a resume. Without
+  // batch_may_change a resume needs the checkpoint's batch.
+  bool batch_may_change = false;
+  int64_t schedule_batch = 0;
   // A file that asks the run to end early (an elastic launcher's request, tandem/elastic.h):
   // at each checkpoint boundary rank 0 looks for it and all ranks agree; when it exists, the run
   // ends after that checkpoint is committed and rank 0 deletes it. "" for none.

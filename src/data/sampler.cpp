@@ -163,6 +163,22 @@ std::vector<int64_t> DistributedSampler::indices() const {
   return out;
 }
 
+std::vector<int64_t> DistributedSampler::indices_from(int64_t consumed) const {
+  if (consumed < 0) {
+    throw std::invalid_argument("tandem::data::DistributedSampler::indices_from: consumed must be >= 0, got " +
+                                std::to_string(consumed));
+  }
+  if (consumed == 0) return indices();
+  const int64_t left = std::max<int64_t>(0, dataset_size_ - consumed);
+  const int64_t per_rank = drop_last_ ? left / world_size_ : (left + world_size_ - 1) / world_size_;
+  const auto order = epoch_order(dataset_size_, shuffle_, seed_, epoch_);
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(per_rank));
+  // Padding repeats the order from its start, as indices() does.
+  for (int64_t k = 0; k < per_rank; ++k) out.push_back(order[(consumed + rank_ + k * world_size_) % dataset_size_]);
+  return out;
+}
+
 std::vector<std::vector<int64_t>> batches(const std::vector<int64_t>& idx, int64_t batch, bool drop_last) {
   if (batch < 1) {
     throw std::invalid_argument("tandem::data::batches: batch size must be >= 1, got " + std::to_string(batch));

@@ -83,13 +83,13 @@ std::string to_string(const Partition& p) {
   return s;
 }
 
-double LrSchedule::at(int64_t step) const {
-  if (warmup_steps > 0 && step < warmup_steps) {
-    return warmup_start + (peak - warmup_start) * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
-  }
+double LrSchedule::at(double step) const {
+  const auto warmup = static_cast<double>(warmup_steps);
+  if (warmup_steps > 0 && step < warmup)
+    return warmup_start + (peak - warmup_start) * std::min(1.0, (step + 1) / warmup);
   if (!cosine) return peak;
   const double span = static_cast<double>(std::max<int64_t>(1, total_steps - warmup_steps));
-  const double t = std::min(1.0, static_cast<double>(step - warmup_steps) / span);
+  const double t = std::min(1.0, (step - warmup) / span);
   const double c = 0.5 * (1.0 + std::cos(M_PI * t));
   return min_ratio == 0.0 ? peak * c : peak * (min_ratio + (1.0 - min_ratio) * c);
 }

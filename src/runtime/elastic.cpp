@@ -22,8 +22,11 @@
 #include <stdexcept>
 #include <thread>
 
+#include <torch/torch.h>
+
 #include "runtime/peer_probe.h"
 #include "tandem/checkpoint.h"
+#include "tandem/comm.h"
 
 namespace tandem {
 namespace {
@@ -411,6 +414,20 @@ std::string membership_json_lines(const std::vector<MembershipChange>& changes) 
            "\n";
   }
   return out;
+}
+
+bool elastic_stop_requested(Communicator& world, const std::string& stop_file, const c10::Device& device) {
+  if (stop_file.empty()) return false;
+  const bool here = world.rank() == 0 && access(stop_file.c_str(), F_OK) == 0;
+  auto flag = torch::tensor({here ? 1.0 : 0.0}, torch::kDouble).to(device);
+  world.allreduce(flag, ReduceOp::kSum);
+  return flag.cpu().item<double>() > 0;
+}
+
+void acknowledge_elastic_stop(int rank, const std::string& stop_file, int64_t step) {
+  if (rank != 0) return;
+  std::remove(stop_file.c_str());
+  std::cout << "stopping at step " << step << " (checkpoint committed) as '" << stop_file << "' asks" << std::endl;
 }
 
 }  // namespace tandem

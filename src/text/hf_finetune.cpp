@@ -367,7 +367,7 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
   const auto& ck = cfg.loop.checkpoints;
   if (!ck.dir.empty() && rt.rank() == 0) copy_tokenizer(cfg.model_dir, (fs::path(ck.dir) / "tokenizer").string());
   // The data position holds only with the same examples, global batch and seed.
-  LoopCheckpoints checkpoints(eng, cfg.loop, "hf_finetune", run, {"task", "labels", "batch", "seed"});
+  LoopCheckpoints checkpoints(eng, cfg.loop, "hf_finetune", run, {"task", "labels", "seed"});
   const LoopHooks hooks = checkpoints.start();
   LossFn loss_fn = lm ? LossFn(lm_loss_sum) : LossFn(cls_loss_sum);
   if (lm && cfg.loop.tp > 1) {

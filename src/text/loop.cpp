@@ -1,18 +1,20 @@
 // The checkpoints of the text loops (src/text/loop.h): cadence, resume and the elastic stop.
 #include "text/loop.h"
 
-#include <unistd.h>
-
-#include <cstdio>
 #include <iostream>
 
 #include "tandem/checkpoint.h"
+#include "tandem/elastic.h"
 
 namespace tandem::text {
 
 LoopCheckpoints::LoopCheckpoints(Engine& eng, const TextTrainConfig& cfg, std::string key, nlohmann::json run,
                                  std::vector<std::string> must_match)
-    : eng_(eng), cfg_(cfg), key_(std::move(key)), run_(std::move(run)), must_match_(std::move(must_match)) {}
+    : eng_(eng), cfg_(cfg), key_(std::move(key)), run_(std::move(run)), must_match_(std::move(must_match)) {
+  // The sampler's position counts samples, so only a run that may change its batch (elastic,
+  // --elastic-lr scale) resumes at another one; the others keep the schedule they started with.
+  if (!cfg.checkpoints.batch_may_change) must_match_.push_back("batch");
+}
 
 LoopHooks LoopCheckpoints::start() {
   const TextCheckpoints& c = cfg_.checkpoints;
@@ -31,7 +33,6 @@ LoopHooks LoopCheckpoints::start() {
                                "' record); resume from a checkpoint directory of the same command");
     }
     for (const auto& k : must_match_) {
-      if (k == "batch" && c.batch_may_change) continue;
       const auto was = saved[key_].value(k, nlohmann::json());
       if (was != run_[k]) {
         throw std::runtime_error("--resume: checkpoint '" + dir + "' was saved with " + k + " " + was.dump() +
@@ -71,12 +72,7 @@ bool LoopCheckpoints::save_and_check_stop(int64_t steps, int64_t samples) {
   const TextCheckpoints& c = cfg_.checkpoints;
   if (steps % c.every != 0) return false;
   save(steps, samples, c.async);
-  if (c.stop_file.empty()) return false;
-  // Rank 0 looks; every rank gets its answer, so that all of them leave at the same step.
-  const bool here = eng_.world()->rank() == 0 && access(c.stop_file.c_str(), F_OK) == 0;
-  auto flag = torch::tensor({here ? 1.0 : 0.0}, torch::kDouble).to(eng_.device());
-  eng_.world()->allreduce(flag, ReduceOp::kSum);
-  stopped_ = flag.cpu().item<double>() > 0;
+  stopped_ = elastic_stop_requested(*eng_.world(), c.stop_file, eng_.device());
   return stopped_;
 }
 
@@ -97,11 +93,7 @@ void LoopCheckpoints::finish() {
   if (c.dir.empty()) return;
   if (saved_at_ != steps_) save(steps_, samples_, false);
   eng_.wait_checkpoint();
-  if (stopped_ && eng_.world()->rank() == 0) {
-    std::remove(c.stop_file.c_str());
-    std::cout << "stopping at step " << steps_ << " (checkpoint committed) as '" << c.stop_file << "' asks"
-              << std::endl;
-  }
+  if (stopped_) acknowledge_elastic_stop(eng_.world()->rank(), c.stop_file, steps_);
 }
 
 }  // namespace tandem::text

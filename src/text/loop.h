@@ -37,7 +37,8 @@ struct LoopHooks {
 
 // The checkpoints of a text loop (TextTrainConfig::checkpoints) on `eng`. Each records `run`
 // under `key` in its metadata, with the sampler position; a resumed checkpoint's entries
-// `must_match` must equal this run's (else std::runtime_error naming the entry and both values).
+// `must_match` must equal this run's (else std::runtime_error naming the entry and both values),
+// and so must `run`'s "batch" unless checkpoints.batch_may_change.
 class LoopCheckpoints {
  public:
   LoopCheckpoints(Engine& eng, const TextTrainConfig& cfg, std::string key, nlohmann::json run,

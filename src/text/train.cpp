@@ -303,8 +303,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   auto real_tokens = [&](const torch::Tensor& ids) {
     return ids.narrow(1, 1, ids.size(1) - 1).ne(tok.pad_id()).sum().item<int64_t>();
   };
-  LoopCheckpoints checkpoints(eng, cfg, "text", run_record("pretrain", cfg, tok),
-                              {"command", "tokenizer", "batch", "seed"});
+  LoopCheckpoints checkpoints(eng, cfg, "text", run_record("pretrain", cfg, tok), {"command", "tokenizer", "seed"});
   const LoopHooks hooks = checkpoints.start();
   const EngineStats loop = train_loop(
       rt, cfg, eng, train.ids.size(0),
@@ -419,7 +418,7 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
   const auto device = rt.device();
   auto run = run_record("finetune", cfg, tok);
   run["labels"] = corpus.labels;
-  LoopCheckpoints checkpoints(eng, cfg, "text", run, {"command", "tokenizer", "labels", "batch", "seed"});
+  LoopCheckpoints checkpoints(eng, cfg, "text", run, {"command", "tokenizer", "labels", "seed"});
   const LoopHooks hooks = checkpoints.start();
   const EngineStats loop = train_loop(
       rt, cfg, eng, train_x.size(0),

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -15,6 +14,7 @@
 
 #include "tandem/checkpoint.h"
 #include "tandem/data.h"
+#include "tandem/elastic.h"
 #include "tandem/engine.h"
 #include "tandem/grid.h"
 #include "tandem/models.h"
@@ -90,6 +90,11 @@ void validate(const TrainConfig& cfg, int world) {
     }
   }
   validate_batch_shares(cfg, world);
+  if (cfg.schedule_batch < 0) throw std::invalid_argument("--schedule-batch must be >= 0 (0: --batch)");
+  if (cfg.batch_may_change && !cfg.batch_shares.empty()) {
+    throw std::invalid_argument("--elastic-lr scale with --batch-shares: the shares are planned for one global batch; "
+                                "drop one of them");
+  }
 }
 
 void validate_checkpointing(const TrainConfig& cfg) {
@@ -105,63 +110,115 @@ void validate_checkpointing(const TrainConfig& cfg) {
   }
 }
 
-// Where a run starts: step, epoch and batches of that epoch already done.
-struct StartPoint {
-  int64_t step = 0, epoch = 0, in_epoch = 0;
+// Where a run is: its steps, the epoch and how far into it, and the learning-rate schedule's
+// position (TrainConfig::schedule_batch).
+struct Position {
+  int64_t step = 0, epoch = 0;
+  int64_t in_epoch = 0;          // batches of `epoch` done (where a batch-share plan continues)
+  int64_t epoch_samples = 0;     // global samples of `epoch` done (where the sampler continues)
+  int64_t schedule_samples = 0;  // every step's global batch, summed
+  int64_t schedule_batch = 1;    // the global batch whose steps the schedule counts
+  double schedule_step() const { return static_cast<double>(schedule_samples) / static_cast<double>(schedule_batch); }
 };
 
+Position fresh_start(const TrainConfig& cfg) {
+  Position p;
+  p.schedule_batch = cfg.schedule_batch > 0 ? cfg.schedule_batch : cfg.batch;
+  return p;
+}
+
+// Whether a checkpoint saved with `saved` (its extra_json) can continue as `cfg`: the seed, and
+// the global batch and schedule unless the run may change its batch; std::invalid_argument naming
+// the difference otherwise.
+void check_resumable(const TrainConfig& cfg, const std::string& dir, const nlohmann::json& saved) {
+  const int64_t batch = saved.value("batch", cfg.batch), sb = saved.value("schedule_batch", batch);
+  const std::string was = "checkpoint '" + dir + "' was saved with --batch " + std::to_string(batch) + " --seed " +
+                          saved.value("seed", nlohmann::json()).dump();
+  if (saved.value("seed", cfg.seed) != cfg.seed || (batch != cfg.batch && !cfg.batch_may_change)) {
+    throw std::invalid_argument(was +
+                                "; resume with the same global batch and seed so that the data position holds (an "
+                                "elastic run with --elastic-lr scale resumes at another batch with that flag)");
+  }
+  if (!cfg.batch_may_change && sb != cfg.batch) {
+    throw std::invalid_argument(was + " by an elastic run with --elastic-lr scale (its schedule counts steps of " +
+                                std::to_string(sb) + " samples); resume it with --elastic-lr scale");
+  }
+  if (cfg.schedule_batch > 0 && cfg.schedule_batch != sb) {
+    throw std::invalid_argument("checkpoint '" + dir + "' counts its schedule in steps of " + std::to_string(sb) +
+                                " samples, this run in steps of " + std::to_string(cfg.schedule_batch) +
+                                "; resume an elastic run with the --batch it was started with");
+  }
+}
+
 // Resume: parameters, optimizer state, loss scale and RNG from the newest checkpoint (any
-// strategy and world size: it is resharded on load), then the step and data position.
-StartPoint resume_from_checkpoint(const TrainConfig& cfg, Engine& eng, int rank) {
-  StartPoint sp;
+// strategy and world size: it is resharded on load), then the step, data position and schedule.
+Position resume_from_checkpoint(const TrainConfig& cfg, Engine& eng, int rank) {
+  Position p = fresh_start(cfg);
   const std::string dir = latest_checkpoint(cfg.checkpoint_dir);
   if (dir.empty()) {
     if (rank == 0)
       std::cout << "no checkpoint in '" << cfg.checkpoint_dir << "' yet; starting from step 0" << std::endl;
-    return sp;
+    return p;
   }
-  auto saved = read_checkpoint_meta(dir);
-  const auto extra = nlohmann::json::parse(saved.extra_json);
-  if (extra.value("batch", cfg.batch) != cfg.batch || extra.value("seed", cfg.seed) != cfg.seed) {
-    throw std::invalid_argument("checkpoint '" + dir + "' was saved with --batch " +
-                                extra.value("batch", nlohmann::json()).dump() + " --seed " +
-                                extra.value("seed", nlohmann::json()).dump() +
-                                "; resume with the same global batch and seed so that the data position holds");
-  }
+  const auto extra = nlohmann::json::parse(read_checkpoint_meta(dir).extra_json);
+  check_resumable(cfg, dir, extra);
+  const int64_t batch = extra.value("batch", cfg.batch);
   auto meta = eng.load(dir);
-  sp.step = meta.step;
-  sp.epoch = meta.epoch;
-  sp.in_epoch = meta.step_in_epoch;
+  p.step = meta.step;
+  p.epoch = meta.epoch;
+  p.in_epoch = meta.step_in_epoch;
+  p.epoch_samples = extra.value("epoch_samples", meta.step_in_epoch * batch);
+  p.schedule_samples = extra.value("schedule_samples", meta.step * batch);
+  p.schedule_batch = extra.value("schedule_batch", batch);
   if (rank == 0) {
     std::cout << "resuming from " << dir << " (step " << meta.step << ", saved by " << meta.strategy << " on "
-              << meta.world_size << " worker(s))" << std::endl;
+              << meta.world_size << " worker(s)";
+    if (batch != cfg.batch) {
+      std::cout << " at global batch " << batch << "; this run's is " << cfg.batch << ", the epoch continues at sample "
+                << p.epoch_samples;
+    }
+    std::cout << ")" << std::endl;
   }
-  return sp;
+  return p;
 }
 
-void save_checkpoint_now(const TrainConfig& cfg, Engine& eng, int64_t epoch, int64_t in_epoch, int64_t done) {
+void save_checkpoint_now(const TrainConfig& cfg, Engine& eng, const Position& at) {
   CheckpointMeta m;
   m.model = cfg.model;
-  m.step = done;
-  m.epoch = epoch;
-  m.step_in_epoch = in_epoch;
+  m.step = at.step;
+  m.epoch = at.epoch;
+  m.step_in_epoch = at.in_epoch;
   m.seed = cfg.seed;
-  m.extra_json =
-      nlohmann::json{{"batch", cfg.batch}, {"seed", cfg.seed}, {"lr", cfg.lr}, {"epochs", cfg.epochs}}.dump();
+  m.extra_json = nlohmann::json{{"batch", cfg.batch},
+                                {"seed", cfg.seed},
+                                {"lr", cfg.lr},
+                                {"epochs", cfg.epochs},
+                                {"epoch_samples", at.epoch_samples},
+                                {"schedule_samples", at.schedule_samples},
+                                {"schedule_batch", at.schedule_batch}}
+                     .dump();
   CheckpointSaveOptions so;
   so.keep = cfg.checkpoint_keep;
   if (cfg.checkpoint_async) so.async = std::make_shared<AsyncCheckpoint>();
   eng.save(cfg.checkpoint_dir, m, so);
 }
 
-// Whether the run is asked to end at this checkpoint boundary (TrainConfig::stop_file): rank 0
-// looks, every rank gets its answer, so that all of them leave the loop at the same step.
-bool stop_requested(const TrainConfig& cfg, Engine& eng, const c10::Device& dev) {
-  if (cfg.stop_file.empty()) return false;
-  const bool here = eng.world()->rank() == 0 && access(cfg.stop_file.c_str(), F_OK) == 0;
-  auto flag = torch::tensor({here ? 1.0 : 0.0}, torch::kDouble).to(dev);
-  eng.world()->allreduce(flag, ReduceOp::kSum);
-  return flag.cpu().item<double>() > 0;
+// The learning rate over the run, in steps of schedule_batch: the epochs' steps (a run that may
+// change its batch counts ceil(N / schedule_batch) per epoch, the same at every worker count), or
+// --max-steps.
+LrSchedule lr_schedule(const TrainConfig& cfg, int dp, int64_t steps_per_epoch, int64_t dataset,
+                       int64_t schedule_batch) {
+  const int64_t per_epoch = cfg.batch_may_change ? (dataset + schedule_batch - 1) / schedule_batch : steps_per_epoch;
+  LrSchedule schedule;
+  schedule.peak = cfg.lr * (cfg.scale_lr ? dp : 1);
+  // Goyal et al.'s warmup climbs from the unscaled rate to the scaled one; without --scale-lr
+  // there is nothing to climb from, so the warmup starts at 0.
+  schedule.warmup_start = cfg.scale_lr ? cfg.lr : 0.0;
+  schedule.warmup_steps = cfg.warmup_steps;
+  schedule.total_steps = per_epoch * cfg.epochs;
+  if (cfg.max_steps >= 0) schedule.total_steps = std::min(schedule.total_steps, cfg.max_steps);
+  schedule.cosine = cfg.schedule == "cosine";
+  return schedule;
 }
 
 // What the loop collects on this rank.
@@ -172,53 +229,57 @@ struct LoopRecord {
   bool stopped = false;   // ended early at a checkpoint, as cfg.stop_file asked
 };
 
+// This replica's batches of `epoch` after its first `consumed` global samples (all of them when
+// 0): the batch-share plan's, or the sampler's continued by samples, so that a resume at another
+// global batch trains on the samples that come next. A pipeline drops a short last batch that
+// does not cut into its micro-batches.
+std::vector<std::vector<int64_t>> epoch_batches(const TrainConfig& cfg, const BatchSharePlan& shares,
+                                                const data::DistributedSampler& sampler, int64_t local_batch,
+                                                int64_t consumed) {
+  if (shares.active()) return shares.epoch_batches(sampler, local_batch, /*drop_last=*/false);
+  const auto idx = sampler.indices_from(consumed);
+  const auto n = static_cast<int64_t>(idx.size());
+  return data::batches(idx, local_batch, cfg.pp > 1 && (n % local_batch) % cfg.micro_batches != 0);
+}
+
 // The training loop: epochs of this replica's batches, the learning rate, checkpoints, progress
 // and the batch shares' calibration.
-LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& train_set, const StartPoint& start,
+LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& train_set, const Position& start,
                     const c10::Device& dev, TrainReport& rep) {
   const int rank = eng.world()->rank(), world = eng.world_size();
   const int dp = eng.dp_size();
   data::DistributedSampler sampler(train_set.size(), eng.dp_rank(), dp, /*shuffle=*/true, cfg.seed);
   const int64_t local_batch = cfg.batch / dp;
-  // A pipeline cuts every batch into micro-batches: a short last batch that does not divide is dropped.
-  const bool drop_last = cfg.pp > 1 && (sampler.num_samples() % local_batch) % cfg.micro_batches != 0;
-  int64_t steps_per_epoch =
-      drop_last ? sampler.num_samples() / local_batch : (sampler.num_samples() + local_batch - 1) / local_batch;
   // Batch shares (tandem/shares.h): which samples this rank takes per step, the loss weight.
   BatchSharePlan shares(cfg, rank, world, dp);
-  if (shares.active()) steps_per_epoch = static_cast<int64_t>(shares.epoch_batches(sampler, local_batch, false).size());
-  int64_t total_steps = steps_per_epoch * cfg.epochs;
-  if (cfg.max_steps >= 0) total_steps = std::min(total_steps, cfg.max_steps);
-  LrSchedule schedule;
-  schedule.peak = cfg.lr * (cfg.scale_lr ? dp : 1);
-  // Goyal et al.'s warmup climbs from the unscaled rate to the scaled one; without --scale-lr
-  // there is nothing to climb from, so the warmup starts at 0.
-  schedule.warmup_start = cfg.scale_lr ? cfg.lr : 0.0;
-  schedule.warmup_steps = cfg.warmup_steps;
-  schedule.total_steps = total_steps;
-  schedule.cosine = cfg.schedule == "cosine";
+  const auto steps_per_epoch = static_cast<int64_t>(epoch_batches(cfg, shares, sampler, local_batch, 0).size());
+  const LrSchedule schedule = lr_schedule(cfg, dp, steps_per_epoch, train_set.size(), start.schedule_batch);
+  // The run ends when the epochs are done or the schedule is (--max-steps).
+  const int64_t last_sample = schedule.total_steps * start.schedule_batch;
   const LossFn cross_entropy = [](const at::Tensor& out, const at::Tensor& y) {
     return torch::nn::functional::cross_entropy(out.to(at::kFloat), y);  // the loss in fp32
   };
 
-  Progress progress(rank == 0 && cfg.progress, total_steps, cfg.log_every);
+  const int64_t steps_left = std::max<int64_t>(0, (last_sample - start.schedule_samples + cfg.batch - 1) / cfg.batch);
+  Progress progress(rank == 0 && cfg.progress, start.step + steps_left, cfg.log_every);
   LoopRecord rec;
-  int64_t step = start.step;
+  Position at = start;
   eng.train(true);
   eng.reset_stats();
   auto t_start = Clock::now();
-  for (int epoch = static_cast<int>(start.epoch); epoch < cfg.epochs && step < total_steps && !rec.stopped; ++epoch) {
+  for (int epoch = static_cast<int>(start.epoch);
+       epoch < cfg.epochs && at.schedule_samples < last_sample && !rec.stopped; ++epoch) {
     sampler.set_epoch(epoch);
-    auto chunks = shares.epoch_batches(sampler, local_batch, drop_last);
-    int64_t in_epoch = 0;  // batches of this epoch consumed (a resumed epoch skips those done before)
-    if (epoch == start.epoch && start.in_epoch > 0) {
-      in_epoch = std::min<int64_t>(start.in_epoch, static_cast<int64_t>(chunks.size()));
-    }
-    while (in_epoch < static_cast<int64_t>(chunks.size()) && step < total_steps) {
-      const std::vector<int64_t> idx = chunks[in_epoch];
+    if (epoch != start.epoch) at.in_epoch = at.epoch_samples = 0;
+    at.epoch = epoch;
+    auto chunks = epoch_batches(cfg, shares, sampler, local_batch, at.epoch_samples);
+    // Where in `chunks` the epoch goes on: a share plan lists the whole epoch, the sampler the rest.
+    auto next = static_cast<size_t>(shares.active() ? at.in_epoch : 0);
+    while (next < chunks.size() && at.schedule_samples < last_sample) {
+      const std::vector<int64_t> idx = chunks[next];
       const auto n = static_cast<int64_t>(idx.size());
       auto t0 = Clock::now();
-      const double lr = schedule.at(step);
+      const double lr = schedule.at(at.schedule_step());
       eng.set_lr(lr);
       // Forward window (data, --slow-rank, forward, loss): what the batch-share calibration times.
       at::Tensor x, y;
@@ -228,7 +289,7 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
       }
       shares.slow_down(n, BatchSharePlan::kForwardFraction);
       double forward_s = std::chrono::duration<double>(Clock::now() - t0).count();
-      const int64_t step_global = shares.step_samples(sampler, n, in_epoch);
+      const int64_t step_global = shares.step_samples(sampler, n, at.in_epoch);
       StepOptions so;
       // Unequal shares: weight W * n_r / N, so the averaged gradient is the global-batch one.
       if (shares.active()) so.loss_weight = shares.loss_weight(n, step_global);
@@ -240,39 +301,38 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
       double l = loss.item<double>();
       if (!std::isfinite(l)) {
         throw std::runtime_error("rank " + std::to_string(rank) + ": loss became " + std::to_string(l) + " at step " +
-                                 std::to_string(step) + "; lower --lr (now " + std::to_string(lr) + ")");
+                                 std::to_string(at.step) + "; lower --lr (now " + std::to_string(lr) + ")");
       }
       rec.losses.push_back(l);
       rec.loss_shares.push_back(static_cast<double>(n) / static_cast<double>(step_global));
       shares.record(n, forward_s);
-      ++step;
+      ++at.step;
+      ++at.in_epoch;
+      ++next;
+      at.epoch_samples += step_global;
+      at.schedule_samples += cfg.batch;
       rec.samples += step_global;
       rec.step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-      progress.update(epoch + 1, cfg.epochs, step, l, rec.samples, Clock::now() - t_start);
-      ++in_epoch;
-      if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0) {
-        save_checkpoint_now(cfg, eng, epoch, in_epoch, step);
-        if (stop_requested(cfg, eng, dev)) {
+      progress.update(epoch + 1, cfg.epochs, at.step, l, rec.samples, Clock::now() - t_start);
+      if (cfg.checkpoint_every > 0 && at.step % cfg.checkpoint_every == 0) {
+        save_checkpoint_now(cfg, eng, at);
+        if (elastic_stop_requested(*eng.world(), cfg.stop_file, dev)) {
           rec.stopped = true;
           break;
         }
       }
       // --batch-shares auto: after the calibration steps, re-plan the rest of the epoch.
-      if (shares.calibrate_if_due(step - start.step, *eng.dp_group(), dev)) {
-        chunks = shares.epoch_batches(sampler, local_batch, drop_last);
+      if (shares.calibrate_if_due(at.step - start.step, *eng.dp_group(), dev)) {
+        chunks = shares.epoch_batches(sampler, local_batch, false);
       }
     }
   }
   eng.wait_checkpoint();  // the last asynchronous save is committed inside the loop's time
-  if (rec.stopped && rank == 0) {
-    std::remove(cfg.stop_file.c_str());  // the launcher's sign that the checkpoint is committed
-    std::cout << "stopping at step " << step << " (checkpoint committed) as '" << cfg.stop_file << "' asks"
-              << std::endl;
-  }
+  if (rec.stopped) acknowledge_elastic_stop(rank, cfg.stop_file, at.step);
   rep.wall_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
   rep.checkpoint_async = cfg.checkpoint_async;
   progress.finish();
-  rec.steps = step;
+  rec.steps = at.step;
   rec.weighted = shares.active();
   if (dp == world && world > 1) shares.report(*eng.world(), dev, rep.wall_seconds, rep);
   return rec;
@@ -410,7 +470,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   Engine eng(rt, model, nullptr, optimizer_options(cfg), pc, eo);
   TrainReport rep = describe_run(cfg, eng);
 
-  StartPoint start;
+  Position start = fresh_start(cfg);
   if (cfg.resume) start = resume_from_checkpoint(cfg, eng, rank);
   rep.first_step = start.step;
   if (!cfg.trace.empty()) trace::start(*rt.cpu_world());

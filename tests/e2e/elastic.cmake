@@ -23,3 +23,9 @@ set_tests_properties(e2e_elastic_bad_input PROPERTIES TIMEOUT 120)
 add_test(NAME e2e_text_elastic_scale COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/text_elastic.sh
          $<TARGET_FILE:tandem_cli> 26 scale)
 set_tests_properties(e2e_text_elastic_scale PROPERTIES TIMEOUT 180 PROCESSORS 2 SKIP_RETURN_CODE 77)
+# tandem train -n 1:2 --elastic-lr scale (NET_ID 27): the worker that remains keeps its 32 samples,
+# the global batch and learning rate halve, the cosine schedule goes on in steps of 64; losses
+# after the cut equal a manual --resume on 1 worker with --elastic-lr scale (1e-6).
+add_test(NAME e2e_elastic_shrink_scale COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/elastic_shrink.sh
+         $<TARGET_FILE:tandem_cli> 27 scale)
+set_tests_properties(e2e_elastic_shrink_scale PROPERTIES TIMEOUT 180 PROCESSORS 2 SKIP_RETURN_CODE 77)

@@ -30,9 +30,14 @@ expect no-checkpoint-every "give --checkpoint-dir DIR and --checkpoint-every N" 
   "$tandem" train -n 1:2 --checkpoint-dir "$tmp/ck" --no-baseline --max-steps 1
 expect max-above-slots "MAX is above the 3 slot\(s\) of hostfile '$tmp/hostfile'" -- \
   "$tandem" train -n 2:4 --batch 64 --hostfile "$tmp/hostfile" "${ck[@]}"
-expect no-count-fits "-n 4:5: no worker count from 4 to 5 can run this job \(the global --batch 63" -- \
+expect no-count-fits "-n 4:5: no worker count from 4 to 5 can run this job \(at 5 workers: .*--batch 63.*; the global --batch 63 must split evenly" -- \
   "$tandem" train -n 4:5 --batch 63 "${ck[@]}"
-expect elastic-lr-scale-train "--elastic-lr scale is not available for tandem train" -- "$tandem" train -n 1:2 --elastic-lr scale "${ck[@]}"
+expect scale-with-elastic-batch "--elastic-batch accumulate keeps the global batch \(--elastic-lr keep\)" -- \
+  "$tandem" train -n 1:2 --elastic-lr scale --elastic-batch accumulate "${ck[@]}"
+expect scale-not-whole "-n 2:3: no worker count from 2 to 3 can run this job.*--batch 64 must split evenly over the workers and scale to W/MAX of it" -- \
+  "$tandem" train -n 2:3 --elastic-lr scale --batch 64 "${ck[@]}"
+expect scale-with-shares "--elastic-lr scale with --batch-shares" -- \
+  "$tandem" train -n 1:2 --elastic-lr scale --batch-shares 3,1 "${ck[@]}"
 expect elastic-batch-unknown "elastic-batch.*sideways" -- "$tandem" train -n 1:2 --elastic-batch sideways "${ck[@]}"
 expect text-elastic "-n 1:2 \(elastic\) relaunches from checkpoints: give --checkpoint-dir DIR and --checkpoint-every N" -- \
   "$tandem" pretrain -n 1:2 --out "$tmp/pt" --max-per-label 50

@@ -13,7 +13,8 @@
 #                        runs a manual `--resume` on WORKERS workers of this machine (and ARGS)
 #                        from a copy of checkpoint step FROM to step $steps, and fails unless its per-step
 #                        losses equal those of $out/elastic.jsonl (the elastic run's last part)
-#                        within 1e-6
+#                        within 1e-6 (--max-steps $el_max_steps when set: a schedule that counts
+#                        steps of another batch)
 source "$(dirname "${BASH_SOURCE[0]}")/multinode_lib.sh"
 h0="tdm$NET_ID-h0" h1="tdm$NET_ID-h1"
 mn_hosts "$h0" "$h1"
@@ -69,7 +70,7 @@ el_same_as_manual() {
   rm -rf "$out/manual"
   mkdir -p "$out/manual"
   cp -r "$out/ck/step-$(printf '%08d' "$from")" "$out/manual/"
-  "$tandem" train -n "$workers" "${el_common[@]}" --checkpoint-dir "$out/manual" --resume --max-steps "$steps" \
+  "$tandem" train -n "$workers" "${el_common[@]}" --checkpoint-dir "$out/manual" --resume --max-steps "${el_max_steps:-$steps}" \
     --metrics "$out/manual.jsonl" "$@" >"$out/stdout-manual" 2>&1 || el_fail "the manual --resume failed"
   python3 - "$(dirname "${BASH_SOURCE[0]}")" "$out" "$from" "$steps" "$workers" <<'PY' || el_fail "losses differ"
 import sys

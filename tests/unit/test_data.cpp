@@ -345,6 +345,37 @@ TEST(DistributedSampler, DropLastIsDisjointAndTruncates) {
   }
 }
 
+TEST(DistributedSampler, IndicesFromContinuesTheEpochAtAnyLayout) {
+  const int64_t n = 101;
+  const auto order = tandem::data::permutation(n, 3 + 1);
+  // Same layout: the rest of indices() after the batches already taken.
+  for (int r = 0; r < 2; ++r) {
+    DistributedSampler s(n, r, 2, true, 3);
+    s.set_epoch(1);
+    auto all = s.indices();
+    EXPECT_EQ(s.indices_from(3 * 8), std::vector<int64_t>(all.begin() + 12, all.end())) << "rank " << r;
+    EXPECT_EQ(s.indices_from(0), all);
+  }
+  // 25 samples taken (not a multiple of the new world size), then 3 ranks with 2 samples each:
+  // step k's global batch is the order's positions [25 + 6k, 31 + 6k), padded from its start.
+  std::vector<std::vector<int64_t>> per_rank;
+  for (int r = 0; r < 3; ++r) {
+    DistributedSampler s(n, r, 3, true, 3);
+    s.set_epoch(1);
+    per_rank.push_back(s.indices_from(25));
+    ASSERT_EQ(per_rank.back().size(), 26u);  // ceil(76 / 3)
+  }
+  for (size_t k = 0; k * 2 < per_rank[0].size(); ++k) {
+    std::multiset<int64_t> got, want;
+    for (auto& idx : per_rank) got.insert(idx.begin() + 2 * k, idx.begin() + std::min(idx.size(), 2 * k + 2));
+    for (int64_t p = 25 + 6 * k; p < 25 + 6 * static_cast<int64_t>(k) + 6; ++p) want.insert(order[p % n]);
+    EXPECT_EQ(got, want) << "step " << k;
+  }
+  DistributedSampler done(n, 0, 3, true, 3);
+  EXPECT_TRUE(done.indices_from(n).empty());
+  EXPECT_THROW(done.indices_from(-1), std::invalid_argument);
+}
+
 TEST(DistributedSampler, UnshuffledMatchesPyTorchExactly) {
   // torch.utils.data.DistributedSampler(range(10), num_replicas=4, rank=r, shuffle=False):
   std::vector<std::vector<int64_t>> pad = {{0, 4, 8}, {1, 5, 9}, {2, 6, 0}, {3, 7, 1}};

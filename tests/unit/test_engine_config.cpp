@@ -135,6 +135,9 @@ TEST(EngineConfig, OneLearningRateSchedule) {
   s.total_steps = 104;
   EXPECT_DOUBLE_EQ(s.at(0), 0.25);  // warmup from 0: (step + 1) / warmup
   EXPECT_DOUBLE_EQ(s.at(3), 1.0);
+  EXPECT_DOUBLE_EQ(s.at(1.5), 0.625);  // a step of half the schedule's batch advances it by half
+  EXPECT_DOUBLE_EQ(s.at(3.5), 1.0);    // the last warmup half-step reaches the peak, not above
+  EXPECT_NEAR(s.at(54.5), 0.5 * (1 + std::cos(M_PI * 50.5 / 100.0)), 1e-15);
   EXPECT_DOUBLE_EQ(s.at(4), 1.0);     // the cosine starts at the peak
   EXPECT_NEAR(s.at(54), 0.5, 1e-12);  // half way: half the peak
   EXPECT_NEAR(s.at(103), 0.5 * (1 + std::cos(M_PI * 99.0 / 100.0)), 1e-15);

@@ -132,12 +132,13 @@ int cmd_finetune_hf(int argc, char** argv) {
       f.lo.prefix_output = false;
       f.lo.env.push_back(std::string("TANDEM_PROGRESS_TTY=") + (isatty(1) ? "1" : "0"));
       if (range.elastic()) {
-        auto check = [&](int w, int64_t batch) {
+        ElasticSpec spec = text_elastic_spec("tandem finetune", cfg.loop, lr_mode);
+        spec.check = [&](int w, int64_t batch) {
           auto c = cfg;
           c.loop.batch = batch;
           text::validate(c, w);
         };
-        return run_text_elastic("tandem finetune", cfg.loop, lr_mode, range, check, f.lo, args);
+        return run_elastic_command(spec, range, f.lo, args);
       }
       std::cout << "launching " << nprocs << " workers (" << cfg.loop.strategy << ")" << std::endl;
       return launch(f.lo, args);

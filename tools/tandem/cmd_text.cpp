@@ -185,12 +185,13 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
     // Explicit either way: mpirun gives the workers a pty, so their own isatty() says yes.
     lo.env.push_back(std::string("TANDEM_PROGRESS_TTY=") + (isatty(1) ? "1" : "0"));
     if (range.elastic()) {
-      auto check = [&](int w, int64_t batch) {
+      ElasticSpec spec = text_elastic_spec(cmd, cfg, lr_mode);
+      spec.check = [&](int w, int64_t batch) {
         auto c = cfg;
         c.batch = batch;
         text::validate(c, w);
       };
-      return run_text_elastic(cmd, cfg, lr_mode, range, check, lo, args);
+      return run_elastic_command(spec, range, lo, args);
     }
     std::cout << "launching " << nprocs << " workers (" << cfg.strategy << ")" << std::endl;
     return launch(lo, args);

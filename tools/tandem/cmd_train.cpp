@@ -36,51 +36,43 @@ struct ElasticBatch {
   }
 };
 
-// Whether `workers` workers can run `cfg`: the global batch divides over the replicas (and their
-// micro-batches) and the layout is valid.
-bool workers_fit(const TrainConfig& cfg_in, const ElasticBatch& eb, int workers) {
-  TrainConfig cfg = cfg_in;
-  cfg.grad_accum = eb.grad_accum(cfg_in, workers);
-  if (cfg.grad_accum == 0) return false;
-  if (cfg.tp * cfg.pp == 1 && cfg.batch_shares.empty() && cfg.batch % (workers * cfg.grad_accum) != 0) return false;
-  try {
-    validate_config(cfg, workers);
-    return true;
-  } catch (const std::exception&) {
-    return false;
-  }
-}
-
-// Checks an elastic run's flags before anything starts; "" when they can work.
-std::string elastic_problem(const TrainConfig& cfg, const WorkerRange& range, const ElasticBatch& eb) {
-  const std::string n = "-n " + std::to_string(range.min) + ":" + std::to_string(range.max);
-  if (cfg.checkpoint_dir.empty() || cfg.checkpoint_every <= 0) {
-    return n + " (elastic) relaunches from checkpoints: give --checkpoint-dir DIR and --checkpoint-every N";
-  }
-  for (int w = range.max; w >= range.min; --w) {
-    if (workers_fit(cfg, eb, w)) return {};
-  }
-  return n + ": no worker count from " + std::to_string(range.min) + " to " + std::to_string(range.max) +
-         " can run this job (the global --batch " + std::to_string(cfg.batch) + " must split evenly over the workers" +
-         (eb.accumulate ? " and their micro-batches" : "") + "); change --batch or the range";
-}
-
-// -n MIN:MAX: the workers under tandem/elastic.h's restart loop. The global batch is the same at
-// every worker count (each worker's share grows, or with --elastic-batch accumulate its
-// accumulation steps), so a relaunch on W workers computes what `--resume` on W workers with the
-// same flags would.
-int train_elastic(const TrainConfig& cfg, const WorkerRange& range, const ElasticBatch& eb, int max_failures,
-                  const LaunchOptions& lo, const std::vector<std::string>& args) {
-  ElasticJob job;
-  job.command = "tandem train";
-  job.checkpoint_dir = cfg.checkpoint_dir;
-  job.metrics_path = cfg.metrics_path;
-  job.max_failures = max_failures;
-  job.args = [&](int workers) {
-    return eb.accumulate ? with_option(args, "--grad-accum", std::to_string(eb.grad_accum(cfg, workers))) : args;
+// -n MIN:MAX: the workers under tandem/elastic.h's restart loop. With --elastic-lr keep the
+// global batch is the same at every worker count (each worker's share grows, or with
+// --elastic-batch accumulate its accumulation steps); with scale each worker keeps its share, a
+// launch on W workers trains at W/MAX of the batch and rate, and the schedule counts steps of the
+// batch at MAX (TrainConfig::schedule_batch). Either way a relaunch on W workers computes what
+// `--resume` on W workers with the same flags would.
+ElasticSpec train_elastic_spec(const TrainConfig& cfg, const ElasticBatch& eb, ElasticLr mode, int max_failures) {
+  ElasticSpec spec;
+  spec.command = "tandem train";
+  spec.checkpoint_dir = cfg.checkpoint_dir;
+  spec.checkpoint_every = cfg.checkpoint_every;
+  spec.metrics_path = cfg.metrics_path;
+  spec.batch = cfg.batch;
+  spec.lr = cfg.lr;
+  spec.mode = mode;
+  spec.max_failures = max_failures;
+  spec.check = [cfg, eb](int w, int64_t batch) {
+    TrainConfig c = cfg;
+    c.batch = batch;
+    c.grad_accum = eb.grad_accum(cfg, w);
+    if (c.grad_accum == 0) {
+      throw std::invalid_argument("--elastic-batch accumulate: --grad-accum " + std::to_string(cfg.grad_accum) + " x " +
+                                  std::to_string(eb.max) + " / " + std::to_string(w) +
+                                  " workers is not a whole number");
+    }
+    if (c.tp * c.pp == 1 && c.batch_shares.empty() && c.batch % (w * c.grad_accum) != 0) {
+      throw std::invalid_argument("--batch " + std::to_string(c.batch) + " does not split into " + std::to_string(w) +
+                                  " workers x " + std::to_string(c.grad_accum) + " micro-batches");
+    }
+    validate_config(c, w);
   };
-  job.fits = [&](int w) { return workers_fit(cfg, eb, w); };
-  return run_elastic_job(range, job, lo);
+  spec.adjust = [cfg, eb, mode](int w, std::vector<std::string> a) {
+    if (eb.accumulate) a = with_option(a, "--grad-accum", std::to_string(eb.grad_accum(cfg, w)));
+    if (mode == ElasticLr::kScale) a = with_option(a, "--schedule-batch", std::to_string(cfg.batch));
+    return a;
+  };
+  return spec;
 }
 
 }  // namespace
@@ -289,6 +281,9 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--baseline-sps", cfg.baseline_samples_per_second, "(internal) one worker's samples/s")->group("");
   app.add_option("--elastic-stop-file", cfg.stop_file, "(internal) stop at a checkpoint when this file exists")
       ->group("");
+  app.add_option("--schedule-batch", cfg.schedule_batch,
+                 "(internal) the global batch whose steps the schedule counts (--elastic-lr scale: the one at MAX)")
+      ->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -302,15 +297,15 @@ int cmd_train(int argc, char** argv) {
   cfg.progress = !no_progress;
   cfg.overlap = !no_overlap;
   WorkerRange range;
+  ElasticLr lr_mode = ElasticLr::kKeep;
   try {
     range = worker_range(workers);
-    // The trainer's data position and schedule count steps of one global batch per epoch, so a
-    // run cannot change its global batch midway; the text commands count samples and can.
-    if (parse_elastic_lr(elastic_lr) == ElasticLr::kScale) {
-      throw std::invalid_argument(
-          "--elastic-lr scale is not available for tandem train (its epochs and learning-rate schedule count "
-          "steps of one global batch); keep the global batch with --elastic-batch grow|accumulate, or use "
-          "--elastic-lr scale with tandem pretrain or finetune");
+    lr_mode = parse_elastic_lr(elastic_lr);
+    cfg.batch_may_change = lr_mode == ElasticLr::kScale;
+    if (cfg.batch_may_change && app.count("--elastic-batch") > 0) {
+      throw std::invalid_argument("--elastic-batch " + elastic_batch +
+                                  " keeps the global batch (--elastic-lr keep); with --elastic-lr scale each worker "
+                                  "keeps its share instead: drop one of them");
     }
   } catch (const std::invalid_argument& e) {
     std::cerr << "tandem train: " << e.what() << "\n";
@@ -351,7 +346,7 @@ int cmd_train(int argc, char** argv) {
     }
     const int total = nprocs * replicas;
     if (range.elastic()) {
-      if (auto problem = elastic_problem(cfg, range, elastic); !problem.empty()) {
+      if (auto problem = elastic_spec_problem(train_elastic_spec(cfg, elastic, lr_mode, 0), range); !problem.empty()) {
         std::cerr << "tandem train: " << problem << "\n";
         return 2;
       }
@@ -396,7 +391,9 @@ int cmd_train(int argc, char** argv) {
     // Explicit either way: mpirun gives the workers a pty, so their own isatty() says yes.
     lo.env.push_back(std::string("TANDEM_PROGRESS_TTY=") + (isatty(1) ? "1" : "0"));
     if (range.elastic()) {
-      return train_elastic(cfg, range, elastic, restarts_opt->count() > 0 ? max_restarts : 3, lo, args);
+      return run_elastic_command(train_elastic_spec(cfg, elastic, lr_mode,
+                                                    restarts_opt->count() > 0 ? max_restarts : 3),
+                                 range, lo, args);
     }
     std::cout << "launching " << nprocs << " workers (" << cfg.strategy;
     if (replicas > 1) std::cout << ", " << replicas << " replicas each";

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <stdexcept>
 
 #include "checks.h"
@@ -27,7 +28,7 @@ void add_worker_options(CLI::App& app, WorkerFlags& flags, const std::string& de
   app.add_option("-n,--nprocs", flags.count,
                  "workers to launch: N, or MIN:MAX for an elastic run (on a failure, relaunch on the hosts that "
                  "answer from the newest checkpoint while at least MIN workers fit; grow back up to MAX at a "
-                 "checkpoint when lost hosts answer again; the global batch stays the same)")
+                 "checkpoint when lost hosts answer again; the global batch stays the same unless --elastic-lr scale)")
       ->check(count_or_range)
       ->capture_default_str();
   app.add_option("--min-workers", flags.min_workers, "elastic run between M and -n N workers (the same as -n M:N)")
@@ -100,6 +101,71 @@ ElasticLr parse_elastic_lr(const std::string& value) {
   if (value == "keep") return ElasticLr::kKeep;
   if (value == "scale") return ElasticLr::kScale;
   throw std::invalid_argument("--elastic-lr '" + value + "' is not one of keep, scale");
+}
+
+namespace {
+
+// The global batch of a launch on `workers` workers (0: W/MAX of it is not whole).
+int64_t batch_at(const ElasticSpec& spec, const WorkerRange& range, int workers) {
+  if (spec.mode == ElasticLr::kKeep) return spec.batch;
+  return spec.batch * workers % range.max == 0 ? spec.batch * workers / range.max : 0;
+}
+
+// Whether `workers` workers can run the spec.
+bool spec_fits(const ElasticSpec& spec, const WorkerRange& range, int workers) {
+  if (batch_at(spec, range, workers) < 1) return false;
+  try {
+    spec.check(workers, batch_at(spec, range, workers));
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+std::string elastic_spec_problem(const ElasticSpec& spec, const WorkerRange& range) {
+  const std::string n = "-n " + std::to_string(range.min) + ":" + std::to_string(range.max);
+  if (spec.checkpoint_dir.empty() || spec.checkpoint_every <= 0) {
+    return n + " (elastic) relaunches from checkpoints: give --checkpoint-dir DIR and --checkpoint-every N";
+  }
+  for (int w = range.max; w >= range.min; --w) {
+    if (spec_fits(spec, range, w)) return {};
+  }
+  std::string why;  // what MAX workers are told: the flags' own problem when it is not the batch
+  try {
+    spec.check(range.max, spec.batch);
+  } catch (const std::exception& e) {
+    why = std::string(" (at ") + std::to_string(range.max) + " workers: " + e.what() + ")";
+  }
+  return n + ": no worker count from " + std::to_string(range.min) + " to " + std::to_string(range.max) +
+         " can run this job" + why + "; the global --batch " + std::to_string(spec.batch) +
+         " must split evenly over the workers" + (spec.mode == ElasticLr::kScale ? " and scale to W/MAX of it" : "");
+}
+
+int run_elastic_command(const ElasticSpec& spec, const WorkerRange& range, const LaunchOptions& lo,
+                        const std::vector<std::string>& args) {
+  if (auto problem = elastic_spec_problem(spec, range); !problem.empty()) {
+    std::cerr << spec.command << ": " << problem << "\n";
+    return 2;
+  }
+  ElasticJob job;
+  job.command = spec.command;
+  job.checkpoint_dir = spec.checkpoint_dir;
+  job.metrics_path = spec.metrics_path;
+  job.max_failures = spec.max_failures;
+  job.args = [&](int w) {
+    auto a = args;
+    if (spec.mode == ElasticLr::kScale && w != range.max) {
+      std::ostringstream lr;
+      lr.precision(17);
+      lr << spec.lr * w / range.max;
+      a = with_option(with_option(a, "--batch", std::to_string(batch_at(spec, range, w))), "--lr", lr.str());
+    }
+    return spec.adjust ? spec.adjust(w, std::move(a)) : a;
+  };
+  job.fits = [&](int w) { return spec_fits(spec, range, w); };
+  return run_elastic_job(range, job, lo);
 }
 
 }  // namespace tandem::cli
