@@ -303,19 +303,32 @@ LlamaForSequenceClassificationImpl::LlamaForSequenceClassificationImpl(const Lla
   score = register_module("score", linear(c.hidden_size, c.num_labels, false));
 }
 
-torch::Tensor LlamaForSequenceClassificationImpl::forward(const torch::Tensor& ids) {
-  auto logits = score(model(ids));
+torch::Tensor pooled_positions(const torch::Tensor& ids, int64_t pad_token_id) {
   const auto T = ids.size(1);
-  torch::Tensor last;
-  if (model->config.pad_token_id >= 0) {
-    // The last position holding a real token (0 when every token is padding), as transformers.
-    auto positions = torch::arange(T, ids.options());
-    last = (positions * (ids != model->config.pad_token_id).to(torch::kLong)).argmax(-1);
-  } else {
-    last = torch::full({ids.size(0)}, T - 1, ids.options());
-  }
-  return logits.index({torch::arange(ids.size(0), ids.options()), last});
+  if (pad_token_id < 0) return torch::full({ids.size(0)}, T - 1, ids.options().dtype(torch::kLong));
+  // The last position holding a real token (0 when every token is padding), as transformers.
+  auto positions = torch::arange(T, ids.options().dtype(torch::kLong));
+  return (positions * (ids != pad_token_id).to(torch::kLong)).argmax(-1);
 }
+
+torch::Tensor pool_scores(const torch::Tensor& scores, const torch::Tensor& positions) {
+  TORCH_CHECK(scores.dim() == 3 && positions.dim() == 1 && positions.size(0) == scores.size(0),
+              "Llama: pool_scores takes scores [B, T, L] and positions [B], not ", scores.sizes(), " and ",
+              positions.sizes());
+  auto at = positions.to(scores.device(), torch::kLong);
+  return scores.index({torch::arange(scores.size(0), at.options()), at});
+}
+
+torch::Tensor LlamaForSequenceClassificationImpl::forward(const torch::Tensor& ids) {
+  return pool_scores(score(model(ids)), pooled_positions(ids, model->config.pad_token_id));
+}
+
+ScoreHeadImpl::ScoreHeadImpl(int64_t hidden, int64_t labels) {
+  // nn::Linear's initialisation, so that a new head starts as LlamaForSequenceClassification's.
+  weight = register_parameter("weight", linear(hidden, labels, false)->weight.detach().clone());
+}
+
+torch::Tensor ScoreHeadImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight); }
 
 torch::Tensor SequentialDecoderLayerImpl::forward(const torch::Tensor& x) {
   auto [cos, sin] = rotary_tables(config, x.size(1));
@@ -464,50 +477,90 @@ torch::nn::Sequential tied_causal_lm_sequential(const LlamaConfig& c) {
   return seq;
 }
 
-torch::nn::Sequential causal_lm_sequential(const LlamaConfig& c) {
+namespace {
+// embed_tokens, layer0 .. layer<N-1>, norm: the body of both Sequential forms.
+torch::nn::Sequential decoder_sequential(const LlamaConfig& c) {
   validate(c, "LlamaConfig");
-  if (c.tie_word_embeddings)
-    throw std::invalid_argument(
-        "Llama: causal_lm_sequential needs untied embeddings (tie_word_embeddings false): a pipeline "
-        "cannot share embed_tokens' weight between its first and last stage");
   torch::nn::Sequential seq;
   seq->push_back("embed_tokens", embedding(c));
   for (int64_t i = 0; i < c.num_hidden_layers; ++i)
     seq->push_back("layer" + std::to_string(i), SequentialDecoderLayer(c));
   seq->push_back("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  return seq;
+}
+}  // namespace
+
+torch::nn::Sequential causal_lm_sequential(const LlamaConfig& c) {
+  if (c.tie_word_embeddings)
+    throw std::invalid_argument(
+        "Llama: causal_lm_sequential needs untied embeddings (tie_word_embeddings false): a pipeline "
+        "cannot share embed_tokens' weight between its first and last stage");
+  auto seq = decoder_sequential(c);
   seq->push_back("lm_head", linear(c.hidden_size, c.vocab_size, false));
+  return seq;
+}
+
+torch::nn::Sequential sequence_classifier_sequential(const LlamaConfig& c) {
+  auto seq = decoder_sequential(c);
+  seq->push_back("score", ScoreHead(c.hidden_size, c.num_labels));
   return seq;
 }
 
 std::string sequential_to_hf(const std::string& name) {
   auto starts = [&](const std::string& p) { return name.compare(0, p.size(), p) == 0; };
   if (starts("embed_tokens.") || starts("norm.")) return "model." + name;
-  if (starts("lm_head.")) return name;
+  if (starts("lm_head.") || starts("score.")) return name;
   if (starts("layer")) {
     const auto dot = name.find('.');
     const auto index = name.substr(5, dot == std::string::npos ? std::string::npos : dot - 5);
     if (dot != std::string::npos && !index.empty() && index.find_first_not_of("0123456789") == std::string::npos)
       return "model.layers." + index + name.substr(dot);
   }
-  throw std::invalid_argument("Llama: '" + name + "' is not a parameter name of causal_lm_sequential");
+  throw std::invalid_argument("Llama: '" + name +
+                              "' is not a parameter name of causal_lm_sequential or sequence_classifier_sequential");
+}
+
+std::string positional_to_hf(const std::string& name, int64_t layers, const std::string& head) {
+  const auto dot = name.find('.');
+  const auto index = name.substr(0, dot);
+  if (dot == std::string::npos || index.empty() || index.size() > 9 ||
+      index.find_first_not_of("0123456789") != std::string::npos || std::stoll(index) > layers + 2)
+    throw std::invalid_argument("Llama: '" + name + "' is not a parameter name of a Sequential form of " +
+                                std::to_string(layers) + " layers with positional children");
+  const int64_t i = std::stoll(index);
+  const std::string rest = name.substr(dot);
+  if (i == 0) return "model.embed_tokens" + rest;
+  if (i <= layers) return "model.layers." + std::to_string(i - 1) + rest;
+  return (i == layers + 1 ? std::string("model.norm") : head) + rest;
 }
 
 // ---- loading and saving ---------------------------------------------------------------------
 
-void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused,
-                  const std::function<std::string(const std::string&)>& to_hf) {
-  torch::NoGradGuard no_grad;
+namespace {
+// The checkpoint tensor parameter `p` loads from ("" when to_hf skips it). Throws
+// std::runtime_error when the checkpoint lacks it.
+std::string source_of(const torch::OrderedDict<std::string, at::Tensor>::Item& p,
+                      const safetensors::Checkpoint& checkpoint,
+                      const std::function<std::string(const std::string&)>& to_hf) {
+  auto name = to_hf ? to_hf(p.key()) : p.key();
+  if (!name.empty() && !checkpoint.contains(name))
+    throw std::runtime_error("Llama checkpoint: no tensor '" + name + "' for the model's parameter of shape " +
+                             c10::str(p.value().sizes()) + "; is it a Llama checkpoint of this configuration?");
+  return name;
+}
+}  // namespace
+
+void check_weights(const torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused,
+                   const std::function<std::string(const std::string&)>& to_hf) {
   std::set<std::string> used;
   for (auto& p : module.named_parameters(/*recurse=*/true)) {
-    const auto name = to_hf ? to_hf(p.key()) : p.key();
-    if (!checkpoint.contains(name))
-      throw std::runtime_error("Llama checkpoint: no tensor '" + name + "' for the model's parameter of shape " +
-                               c10::str(p.value().sizes()) + "; is it a Llama checkpoint of this configuration?");
-    auto t = checkpoint.get(name);
-    if (t.sizes() != p.value().sizes())
-      throw std::runtime_error("Llama checkpoint: tensor '" + name + "' has shape " + c10::str(t.sizes()) +
-                               " but the configuration gives " + c10::str(p.value().sizes()));
-    p.value().copy_(t);
+    const auto name = source_of(p, checkpoint, to_hf);
+    if (name.empty()) continue;
+    const auto& shape = checkpoint.info(name).shape;
+    if (p.value().sizes() != c10::IntArrayRef(shape))
+      throw std::runtime_error("Llama checkpoint: tensor '" + name + "' has shape " +
+                               c10::str(c10::IntArrayRef(shape)) + " but the configuration gives " +
+                               c10::str(p.value().sizes()));
     used.insert(name);
   }
   if (allow_unused) return;
@@ -517,6 +570,43 @@ void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& chec
       throw std::runtime_error("Llama checkpoint: tensor '" + name +
                                "' matches no parameter of the model (another architecture or configuration?)");
   }
+}
+
+namespace {
+// The part of checkpoint tensor `name` that a parameter of shape `local` holds on tp rank
+// `rank` of `size`: all of it, or the rank's block along the one dimension `size` divides.
+at::Tensor read_part(const safetensors::Checkpoint& checkpoint, const std::string& name, c10::IntArrayRef local,
+                     int rank, int size) {
+  const auto& whole = checkpoint.info(name).shape;
+  if (local == c10::IntArrayRef(whole)) return checkpoint.get(name);
+  if (size > 1 && local.size() == whole.size()) {
+    for (size_t d = 0; d < whole.size(); ++d) {
+      bool block = whole[d] == local[d] * size;
+      for (size_t e = 0; e < whole.size() && block; ++e) block = e == d || whole[e] == local[e];
+      if (block) return checkpoint.read_slice(name, static_cast<int64_t>(d), rank * local[d], (rank + 1) * local[d]);
+    }
+  }
+  throw std::runtime_error("Llama checkpoint: tensor '" + name + "' has shape " + c10::str(c10::IntArrayRef(whole)) +
+                           ", of which a parameter of shape " + c10::str(local) + " on tensor-parallel rank " +
+                           std::to_string(rank) + " of " + std::to_string(size) +
+                           " is no block; is it a checkpoint of this configuration?");
+}
+}  // namespace
+
+void load_local_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, int tp_rank, int tp_size,
+                        const std::function<std::string(const std::string&)>& to_hf) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.named_parameters(/*recurse=*/true)) {
+    const auto name = source_of(p, checkpoint, to_hf);
+    if (name.empty()) continue;
+    p.value().copy_(read_part(checkpoint, name, p.value().sizes(), tp_rank, tp_size));
+  }
+}
+
+void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused,
+                  const std::function<std::string(const std::string&)>& to_hf) {
+  check_weights(module, checkpoint, allow_unused, to_hf);
+  load_local_weights(module, checkpoint, 0, 1, to_hf);
 }
 
 LlamaForCausalLM load_causal_lm(const std::string& dir) {
@@ -542,7 +632,9 @@ void save_pretrained(const LlamaForSequenceClassification& model, const std::str
 
 void save_pretrained(const torch::nn::Sequential& model, const LlamaConfig& config, const std::string& dir,
                      const safetensors::SaveOptions& options) {
-  save_dir(*model, config, "LlamaForCausalLM", dir, options, sequential_to_hf);
+  const bool classifier = !model->is_empty() && model->ptr(model->size() - 1)->as<ScoreHeadImpl>();
+  save_dir(*model, config, classifier ? "LlamaForSequenceClassification" : "LlamaForCausalLM", dir, options,
+           sequential_to_hf);
 }
 
 }  // namespace tandem::llama

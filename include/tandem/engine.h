@@ -137,6 +137,13 @@ struct EngineOptions {
   // Tensor-parallel checkpoints go through a dense model of the same shape used as scratch;
   // this makes one (same names and shapes). Without it save/load throw for tp > 1.
   std::function<torch::nn::Sequential()> make_dense;
+  // Fills the parameters of what runs on this rank (`local`: its pipeline stage's children under
+  // their positions, the tensor-parallel forms of tp rank `tp_rank` of `tp_size`, names those of
+  // the dense model) after the model is cut and converted, before the strategy takes them (DDP's
+  // broadcast, ZeRO's shards, the fp32 masters): e.g. from a checkpoint, each rank reading only
+  // the tensors and slices it holds. Called on every rank; the values must not depend on the
+  // data-parallel rank. Null: the model keeps the values it was given.
+  std::function<void(torch::nn::Module& local, int tp_rank, int tp_size)> init_parameters;
   // PartitionMethod::kTime: a batch of inputs whose first micro-batch is timed layer by layer.
   at::Tensor partition_sample;
   // The model's name, recorded in checkpoints; load() refuses a checkpoint of another name.

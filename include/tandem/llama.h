@@ -122,6 +122,13 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaForCausalLM);
 
+// The position transformers' LlamaForSequenceClassification pools in each row of ids [B, T]: the
+// last token that is not pad_token_id (right padding; 0 when every token is padding), or T - 1
+// when pad_token_id < 0. int64 [B].
+torch::Tensor pooled_positions(const torch::Tensor& ids, int64_t pad_token_id);
+// Per-position scores [B, T, L] at each row's position [B] -> [B, L].
+torch::Tensor pool_scores(const torch::Tensor& scores, const torch::Tensor& positions);
+
 // ids [B, T] -> [B, num_labels]: score (no bias) of the last token that is not pad_token_id
 // (right padding; the last position when there is no pad token), as transformers'
 // LlamaForSequenceClassification.
@@ -221,6 +228,26 @@ class TiedHeadImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TiedHead);
 
+// The classifier's score head as the last child of a Sequential: x W^T (no bias) at every
+// position, [B, T, hidden] -> [B, T, num_labels], as transformers computes it before pooling
+// (pool_scores at pooled_positions of the ids gives LlamaForSequenceClassification's logits).
+// Not a Linear, so that tp::tensor_parallel keeps it replicated (no vocabulary to split, and
+// num_labels need not divide by tp): its input, the final norm's output, is the same on every
+// tp rank, and so is its gradient.
+class ScoreHeadImpl : public torch::nn::Module {
+ public:
+  ScoreHeadImpl(int64_t hidden, int64_t labels);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+};
+TORCH_MODULE(ScoreHead);
+
+// The sequence classifier as a flat Sequential, for pipeline cuts, tensor parallelism and
+// per-layer ZeRO-3 units: children embed_tokens, layer0 .. layer<N-1>, norm, score (a
+// ScoreHead); ids [B, T] -> per-position scores [B, T, num_labels]. Tied embeddings are
+// irrelevant to it (it has no LM head). sequential_to_hf maps its names.
+torch::nn::Sequential sequence_classifier_sequential(const LlamaConfig& config);
+
 // causal_lm_sequential's form of a tied model: the last child a TiedHead over embed_tokens'
 // weight. For tensor parallelism (llama::tensor_parallel shares the embedding's shard), not for
 // a pipeline (the head's use of the weight would not reach the first stage) or ZeRO-3 (which
@@ -228,9 +255,17 @@ TORCH_MODULE(TiedHead);
 torch::nn::Sequential tied_causal_lm_sequential(const LlamaConfig& config);
 
 // "layer3.mlp.up_proj.weight" -> "model.layers.3.mlp.up_proj.weight", "embed_tokens.weight" ->
-// "model.embed_tokens.weight", "norm.weight" -> "model.norm.weight", "lm_head.weight" unchanged.
-// Throws std::invalid_argument for a name of no child of causal_lm_sequential.
+// "model.embed_tokens.weight", "norm.weight" -> "model.norm.weight", "lm_head.weight" and
+// "score.weight" unchanged. Throws std::invalid_argument for a name of no child of
+// causal_lm_sequential or sequence_classifier_sequential.
 std::string sequential_to_hf(const std::string& name);
+
+// The Hugging Face name of a parameter of either Sequential form with its children named by
+// position, as a pipeline stage and tensor-parallel conversion name them: "0.weight" ->
+// "model.embed_tokens.weight", "3.mlp.up_proj.weight" -> "model.layers.2.mlp.up_proj.weight",
+// child num_hidden_layers + 1 -> "model.norm...", the last -> `head` ("lm_head" or "score").
+// Throws std::invalid_argument for a name that does not start with a child's position.
+std::string positional_to_hf(const std::string& name, int64_t num_hidden_layers, const std::string& head);
 
 // Copies every parameter of `module` from the checkpoint tensor of the same name (converted to
 // the parameter's dtype). Throws std::runtime_error naming the checkpoint and the tensor for a
@@ -239,6 +274,23 @@ std::string sequential_to_hf(const std::string& name);
 // `to_hf` maps a parameter's name to the checkpoint's (null: the same name).
 void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused = false,
                   const std::function<std::string(const std::string&)>& to_hf = nullptr);
+
+// load_weights' checks without reading any tensor's bytes (names, shapes from the headers): the
+// same errors, for a model built whole on every rank whose ranks then read only their part
+// (load_local_weights). A parameter that `to_hf` maps to "" keeps its values (e.g. a new head).
+void check_weights(const torch::nn::Module& module, const safetensors::Checkpoint& checkpoint,
+                   bool allow_unused = false, const std::function<std::string(const std::string&)>& to_hf = nullptr);
+
+// Copies every parameter of `module`, what runs on one rank (a pipeline stage's layers, the
+// tensor-parallel forms of tandem/tensor_parallel.h and ParallelDecoderLayer), from the part of
+// the checkpoint tensor it holds, reading only that part's bytes: a parameter of the tensor's
+// shape takes all of it; one whose shape is the tensor's with one dimension divided by tp_size
+// is block tp_rank along that dimension (Megatron's cut: column-parallel rows, row-parallel
+// columns, vocabulary rows). A parameter that `to_hf` maps to "" is skipped. Throws
+// std::runtime_error naming the checkpoint tensor when it is missing or its shape does not
+// correspond. The checkpoint's unused tensors are not checked here (check_weights does).
+void load_local_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, int tp_rank, int tp_size,
+                        const std::function<std::string(const std::string&)>& to_hf = nullptr);
 
 // A causal LM from a Hugging Face directory: config.json and model.safetensors (or the shards
 // of model.safetensors.index.json).
@@ -251,7 +303,8 @@ void save_pretrained(const LlamaForCausalLM& model, const std::string& dir,
                      const safetensors::SaveOptions& options = {});
 void save_pretrained(const LlamaForSequenceClassification& model, const std::string& dir,
                      const safetensors::SaveOptions& options = {});
-// The Sequential of causal_lm_sequential(config), saved under the Hugging Face names.
+// The Sequential of causal_lm_sequential(config) or sequence_classifier_sequential(config)
+// (then as LlamaForSequenceClassification), saved under the Hugging Face names.
 void save_pretrained(const torch::nn::Sequential& model, const LlamaConfig& config, const std::string& dir,
                      const safetensors::SaveOptions& options = {});
 

@@ -56,6 +56,9 @@ class File {
   at::Tensor read_rows(const std::string& name, int64_t begin, int64_t end) const {
     return read_slice(name, 0, begin, end);
   }
+  // Bytes of the tensors get() and read_slice() have handed out so far, over every copy of this
+  // File: what a reader that copies them reads from the file (a slice counts its own bytes only).
+  int64_t bytes_read() const;
 
  private:
   struct State;
@@ -99,6 +102,8 @@ class Checkpoint {
   const Metadata& metadata() const;
   // Shards mapped so far.
   int64_t open_files() const;
+  // File::bytes_read over the shards mapped so far: the bytes of tensors and slices read.
+  int64_t bytes_read() const;
 
  private:
   struct State;

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -118,6 +119,8 @@ struct File::State {
   std::vector<std::string> names;
   std::map<std::string, TensorInfo> infos;
   Metadata metadata;
+  // Bytes of tensors and slices handed out; mutable: reading does not change the file.
+  mutable std::atomic<int64_t> bytes_read{0};
 };
 
 File::File(const std::string& path) {
@@ -155,6 +158,7 @@ const std::string& File::path() const { return state_->path; }
 const std::vector<std::string>& File::names() const { return state_->names; }
 bool File::contains(const std::string& name) const { return state_->infos.count(name) > 0; }
 const Metadata& File::metadata() const { return state_->metadata; }
+int64_t File::bytes_read() const { return state_->bytes_read.load(); }
 
 const TensorInfo& File::info(const std::string& name) const {
   auto it = state_->infos.find(name);
@@ -170,6 +174,7 @@ at::Tensor File::get(const std::string& name) const {
   uint8_t* ptr = state_->map->addr + in.offset;
   const size_t element = c10::elementSize(in.dtype);
   if (in.bytes == 0) return at::empty(in.shape, options);
+  state_->bytes_read += in.bytes;
   if (reinterpret_cast<uintptr_t>(ptr) % element != 0) {
     auto out = at::empty(in.shape, options);
     std::memcpy(out.data_ptr(), ptr, static_cast<size_t>(in.bytes));
@@ -200,6 +205,7 @@ at::Tensor File::read_slice(const std::string& name, int64_t dim, int64_t begin,
   const uint8_t* src = state_->map->addr + in.offset + begin * inner;
   auto* dst = static_cast<uint8_t*>(out.data_ptr());
   if (dim == 0 && dst_row > 0) prefetch(src, static_cast<size_t>(dst_row));
+  state_->bytes_read += outer * dst_row;
   for (int64_t o = 0; o < outer && dst_row > 0; ++o)
     std::memcpy(dst + o * dst_row, src + o * src_row, static_cast<size_t>(dst_row));
   return out;
@@ -419,6 +425,13 @@ const Metadata& Checkpoint::metadata() const { return state_->metadata; }
 int64_t Checkpoint::open_files() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   return static_cast<int64_t>(state_->files.size());
+}
+
+int64_t Checkpoint::bytes_read() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  int64_t sum = 0;
+  for (auto& [name, file] : state_->files) sum += file->bytes_read();
+  return sum;
 }
 
 const File& Checkpoint::file_of(const std::string& name) const {

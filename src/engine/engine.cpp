@@ -185,6 +185,10 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     L.pipe = std::make_unique<Pipeline>(L.net_sequential(), L.grid->pp(), po);
   }
   L.trained_module = L.pipe ? L.pipe->stage_module().ptr() : L.net;
+  if (L.opts.init_parameters) {
+    L.opts.init_parameters(*L.trained_module, L.grid ? L.grid->tp()->rank() : 0, cfg.tp);
+    L.opts.init_parameters = nullptr;  // once: what it holds (a mapped checkpoint) goes now
+  }
   L.trained = L.trained_module->parameters();
   L.run = std::move(forward);
   if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L.net)) {

@@ -100,10 +100,6 @@ std::vector<std::string> map_labels(const std::vector<JsonlExample>& data, const
 
 void validate(const HfFinetuneConfig& cfg, int world) {
   if (cfg.model_dir.empty()) throw std::invalid_argument("--init-from needs a Hugging Face model directory");
-  if (cfg.task == HfTask::kClassify && cfg.loop.pp * cfg.loop.tp > 1) {
-    throw std::invalid_argument("--task classify runs without --pp and --tp (the classifier is not cut into stages "
-                                "or tensor-parallel layers); use --strategy ddp or zero1-3");
-  }
   if (cfg.seq < 2) throw std::invalid_argument("--seq must be >= 2, got " + std::to_string(cfg.seq));
   if (cfg.valid_fraction < 0 || cfg.valid_fraction >= 1)
     throw std::invalid_argument("--valid-fraction must be in [0, 1)");
@@ -136,29 +132,29 @@ struct Model {
   std::string form;  // "sequential" (pipeline-ready) or "tree" (transformers' module tree)
 };
 
-// The causal LM's children by position: a pipeline stage names its layers so, and every layout
-// then saves and loads the same names. Tied: tied_causal_lm_sequential's (for tp only).
-torch::nn::Sequential positional(const llama::LlamaConfig& mc) {
-  const auto named = mc.tie_word_embeddings ? llama::tied_causal_lm_sequential(mc) : llama::causal_lm_sequential(mc);
+// The task's Sequential with its children named by position: a pipeline stage names its layers
+// so, and every layout then saves and loads the same names. A tied LM: tied_causal_lm_sequential's
+// (for tp only); the classifier has no LM head to tie.
+torch::nn::Sequential positional(const llama::LlamaConfig& mc, HfTask task) {
+  const auto named = task == HfTask::kClassify ? llama::sequence_classifier_sequential(mc)
+                     : mc.tie_word_embeddings  ? llama::tied_causal_lm_sequential(mc)
+                                               : llama::causal_lm_sequential(mc);
   torch::nn::Sequential net;
   for (const auto& child : *named) net->push_back(child);
   return net;
 }
 
-// "3.mlp.up_proj.weight" of the positional Sequential (embed_tokens, the decoder layers, norm,
-// lm_head) -> "model.layers.2.mlp.up_proj.weight"; the tree's names are the Hugging Face ones.
-std::string hf_name(const std::string& form, const std::string& name, int64_t layers) {
-  if (form != "sequential") return name;
-  const auto dot = name.find('.');
-  const int64_t i = std::stoll(name.substr(0, dot));
-  const std::string rest = name.substr(dot);
-  if (i == 0) return "model.embed_tokens" + rest;
-  if (i <= layers) return "model.layers." + std::to_string(i - 1) + rest;
-  return (i == layers + 1 ? "model.norm" : "lm_head") + rest;
+// The head's Hugging Face name: the LM's lm_head, the classifier's score.
+const char* head_name(HfTask task) { return task == HfTask::kClassify ? "score" : "lm_head"; }
+
+// A checkpoint parameter's Hugging Face name: the positional Sequential's mapped, the tree's its own.
+std::string hf_name(const std::string& form, const std::string& name, int64_t layers, HfTask task) {
+  return form == "sequential" ? llama::positional_to_hf(name, layers, head_name(task)) : name;
 }
 
 // Rows of token ids [N, seq] and their targets: for the LM the ids with -100 at padding, for
-// classification the class ids [N].
+// classification [N, 2]: the class id, and the position the classifier pools (its last token
+// that is not padding), which the per-position scores of the Sequential's last stage need.
 struct Encoded {
   torch::Tensor ids, targets;
 };
@@ -167,7 +163,7 @@ Encoded encode(const hf::Tokenizer& tok, const std::vector<const JsonlExample*>&
                int64_t pad, const std::vector<std::string>& labels) {
   const int64_t n = static_cast<int64_t>(rows.size());
   auto ids = torch::full({n, seq}, pad, torch::kLong);
-  auto targets = lm ? torch::full({n, seq}, int64_t{-100}, torch::kLong) : torch::zeros({n}, torch::kLong);
+  auto targets = lm ? torch::full({n, seq}, int64_t{-100}, torch::kLong) : torch::zeros({n, 2}, torch::kLong);
   auto* pi = ids.data_ptr<int64_t>();
   auto* pt = targets.data_ptr<int64_t>();
   const auto& s = tok.special();
@@ -180,9 +176,10 @@ Encoded encode(const hf::Tokenizer& tok, const std::vector<const JsonlExample*>&
     if (lm) {
       for (int64_t k = 0; k < len; ++k) pt[i * seq + k] = v[k];
     } else {
-      pt[i] = std::find(labels.begin(), labels.end(), rows[i]->label) - labels.begin();
+      pt[2 * i] = std::find(labels.begin(), labels.end(), rows[i]->label) - labels.begin();
     }
   }
+  if (!lm && n > 0) targets.select(1, 1).copy_(llama::pooled_positions(ids, pad));
   return {ids, targets};
 }
 
@@ -204,55 +201,61 @@ torch::Tensor vocab_parallel_lm_loss_sum(const torch::Tensor& logits, const torc
   return (per_token * real.to(per_token.scalar_type())).sum();
 }
 
-torch::Tensor cls_loss_sum(const torch::Tensor& logits, const torch::Tensor& y) {
-  return torch::nn::functional::cross_entropy(logits.to(torch::kFloat), y,
+// The classifier's logits [B, labels] from its per-position scores [B, T, labels] and the
+// targets [B, 2] (class, pooled position).
+torch::Tensor cls_logits(const torch::Tensor& scores, const torch::Tensor& y) {
+  return llama::pool_scores(scores, y.select(1, 1)).to(torch::kFloat);
+}
+
+torch::Tensor cls_loss_sum(const torch::Tensor& scores, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(cls_logits(scores, y), y.select(1, 0),
                                               torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
 }
 
 // Loss terms: predicted tokens that are not padding (LM), or rows (classification).
-double terms(const torch::Tensor& targets) {
-  if (targets.dim() == 1) return static_cast<double>(targets.size(0));
+double terms(const torch::Tensor& targets, bool lm) {
+  if (!lm) return static_cast<double>(targets.size(0));
   return static_cast<double>(targets.narrow(1, 1, targets.size(1) - 1).ne(-100).sum().item<int64_t>());
 }
 
-// The model of the task, initialised from the directory's weights; a classification head the
-// directory lacks starts at random (seeded, the same on every rank after the Engine's broadcast).
+// The model of the task, initialised from the directory's weights. The Sequential (every layout
+// but a tied LM's module tree) is checked against the directory whole, and each rank then reads
+// only the tensors of its pipeline stage and its tensor-parallel slices of them. A classification
+// head the directory lacks starts at random (seeded, the same on every rank).
 Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& mc, const at::Tensor& sample) {
   const safetensors::Checkpoint weights(cfg.model_dir);
   Model m;
   EngineOptions eo;
-  if (cfg.task == HfTask::kClassify) {
-    llama::LlamaForSequenceClassification net(mc);
-    const auto names = weights.names();
-    if (std::find(names.begin(), names.end(), "score.weight") != names.end()) {
-      llama::load_weights(*net, weights, true);
-    } else {
-      llama::load_weights(*net->model, weights, true, [](const std::string& n) { return "model." + n; });
-    }
-    eo.model_name = "llama-classify";
-    m.engine = make_engine(rt, cfg.loop, net, sample, eo);
-    m.module = net.ptr();
-    m.form = "tree";
-  } else if (mc.tie_word_embeddings && cfg.loop.tp == 1) {
+  const bool lm = cfg.task == HfTask::kLm;
+  eo.model_name = lm ? "llama-lm" : "llama-classify";
+  if (lm && mc.tie_word_embeddings && cfg.loop.tp == 1) {
     llama::LlamaForCausalLM net(mc);
     llama::load_weights(*net, weights);
-    eo.model_name = "llama-lm";
     m.engine = make_engine(rt, cfg.loop, net, sample, eo);
     m.module = net.ptr();
     m.form = "tree";
-  } else {
-    auto net = positional(mc);
-    llama::load_weights(*net, weights, false,
-                        [&](const std::string& n) { return hf_name("sequential", n, mc.num_hidden_layers); });
-    eo.model_name = "llama-lm";
-    if (cfg.loop.tp > 1) {
-      eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
-      eo.make_dense = [mc] { return positional(mc); };
-    }
-    m.engine = make_engine(rt, cfg.loop, net, sample, eo);
-    m.module = net.ptr();
-    m.form = "sequential";
+    return m;
   }
+  const bool new_head = !lm && !weights.contains("score.weight");
+  const auto task = cfg.task;
+  const int64_t layers = mc.num_hidden_layers;
+  const std::function<std::string(const std::string&)> to_hf = [=](const std::string& n) {
+    auto hf = hf_name("sequential", n, layers, task);
+    return new_head && hf == "score.weight" ? std::string() : hf;
+  };
+  auto net = positional(mc, task);
+  // A classifier may start from an LM's directory: its lm_head goes unused.
+  llama::check_weights(*net, weights, /*allow_unused=*/!lm, to_hf);
+  eo.init_parameters = [weights, to_hf](torch::nn::Module& local, int tp_rank, int tp_size) {
+    llama::load_local_weights(local, weights, tp_rank, tp_size, to_hf);
+  };
+  if (cfg.loop.tp > 1) {
+    eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
+    eo.make_dense = [mc, task] { return positional(mc, task); };
+  }
+  m.engine = make_engine(rt, cfg.loop, net, sample, eo);
+  m.module = net.ptr();
+  m.form = "sequential";
   return m;
 }
 
@@ -277,8 +280,8 @@ void evaluate(Runtime& rt, Engine& eng, const Encoded& valid, bool lm, int64_t l
   eng.evaluate(valid.ids, n, 64, [&](const torch::Tensor& out, int64_t from, int64_t to) {
     auto y = valid.targets.narrow(0, from, to - from).to(out.device());
     sum += (lm ? lm_loss_sum(out, y) : cls_loss_sum(out, y)).item<double>();
-    count += terms(y);
-    if (!lm) correct += out.argmax(1).eq(y).sum().item<double>();
+    count += terms(y, lm);
+    if (!lm) correct += cls_logits(out, y).argmax(1).eq(y.select(1, 0)).sum().item<double>();
   });
   auto t = torch::tensor({sum, count, correct}, torch::kDouble).to(rt.device());
   rt.world()->allreduce(t, ReduceOp::kSum);
@@ -304,7 +307,7 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
     throw std::runtime_error("'" + cfg.model_dir + "': tokenizer.model has " + std::to_string(tok.vocab_size()) +
                              " pieces, more than config.json's vocab_size " + std::to_string(mc.vocab_size));
   }
-  if (mc.tie_word_embeddings && cfg.loop.pp > 1) {
+  if (lm && mc.tie_word_embeddings && cfg.loop.pp > 1) {
     throw std::invalid_argument("'" + cfg.model_dir +
                                 "' ties its input and output embeddings, which a pipeline cannot split; run without "
                                 "--pp");
@@ -382,7 +385,9 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
                               rows(tr.targets, idx, from, to).to(rt.device()));
       },
       loss_fn,
-      [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) { return terms(rows(tr.targets, idx, from, to)); },
+      [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
+        return terms(rows(tr.targets, idx, from, to), lm);
+      },
       rep, hooks);
   checkpoints.finish();
   if (cfg.loop.evaluate && !rep.stopped && va.ids.size(0) > 0) evaluate(rt, eng, va, lm, cfg.loop.eval_limit, rep);
@@ -433,13 +438,15 @@ void export_hf(const std::string& checkpoint, const std::string& out, int64_t ma
       p.value().copy_(it->second);
     }
   };
-  if (run["task"] == "classify") {
+  const HfTask task = parse_hf_task(run["task"].get<std::string>());
+  const auto name_of = [&](const std::string& n) { return hf_name(form, n, mc.num_hidden_layers, task); };
+  if (task == HfTask::kClassify) {
     llama::LlamaForSequenceClassification m(mc);
-    fill(*m, [](const std::string& n) { return n; });
+    fill(*m, name_of);
     llama::save_pretrained(m, out, so);
   } else {
     llama::LlamaForCausalLM m(mc);
-    fill(*m, [&](const std::string& n) { return hf_name(form, n, mc.num_hidden_layers); });
+    fill(*m, name_of);
     llama::save_pretrained(m, out, so);
   }
   const auto labels = run["labels"].get<std::vector<std::string>>();

@@ -2,8 +2,9 @@
 // and untied embeddings, and its Sequential form under per-layer ZeRO-3, a two-stage pipeline
 // and tensor parallelism (the vocabulary-parallel loss): every layout's losses and final
 // parameters follow one process training plain LibTorch on the whole batch. With .venv-hf, the
-// logits of tp2, pp2 and zero3 match transformers' on a model transformers made, and the
-// checkpoints of `tandem finetune --init-from` under tp2 and pp2 export to directories whose
+// logits of tp2, pp2 and zero3 (causal LM and sequence classifier, each rank reading only its
+// part of the checkpoint) match transformers' on models transformers made, and the checkpoints
+// of `tandem finetune --init-from` (both tasks) under tp2 and pp2 export to directories whose
 // logits in transformers are Tandem's.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -127,8 +128,10 @@ torch::nn::Sequential sequential_of(const llama::LlamaForCausalLM& from) {
 enum class SeqLayout { kZero3, kPp2, kTp2 };
 const char* name_of(SeqLayout l) { return l == SeqLayout::kZero3 ? "zero3" : l == SeqLayout::kPp2 ? "pp2" : "tp2"; }
 
+// `init`: EngineOptions::init_parameters (null: the Sequential's values).
 std::unique_ptr<Engine> sequential_engine(SeqLayout layout, torch::nn::Sequential seq,
-                                          Precision precision = Precision::kFP32) {
+                                          Precision precision = Precision::kFP32,
+                                          decltype(EngineOptions::init_parameters) init = nullptr) {
   ParallelConfig config;
   config.precision = precision;
   config.strategy = layout == SeqLayout::kZero3 ? Strategy::kZero3 : Strategy::kDDP;
@@ -137,6 +140,7 @@ std::unique_ptr<Engine> sequential_engine(SeqLayout layout, torch::nn::Sequentia
   config.micro_batches = layout == SeqLayout::kPp2 ? 3 : 1;
   EngineOptions eo;
   eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
+  eo.init_parameters = std::move(init);
   return std::make_unique<Engine>(runtime(), seq, adam(), config, eo);
 }
 
@@ -182,9 +186,18 @@ TEST(LlamaSequentialEngine, TensorParallelRefusesIndivisibleHeads) {
   EXPECT_NO_THROW(llama::check_tensor_parallel(make_llama(false)->model->config, 2));
 }
 
-// transformers builds a tiny random Llama (tests/hf/llama_reference.py) and its logits; loaded
-// into the Sequential form, tp2, pp2 and zero3 give them within 1e-4 in fp32, and tp2 in bf16
-// within bf16's resolution (1.5 times transformers' own bf16 error).
+int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
+  int64_t n = 0;
+  for (auto& t : tensors) n += static_cast<int64_t>(t.nbytes());
+  return n;
+}
+
+// transformers builds a tiny random Llama and a sequence classifier (tests/hf/llama_reference.py)
+// and their logits. Each rank of tp2, pp2 and zero3 reads its part of the checkpoint
+// (EngineOptions::init_parameters): exactly the bytes of the parameters it trains, for tp2 and
+// pp2 under 2/3 of the model's; the logits then match transformers' within 1e-4 in fp32 (the
+// classifier's pooled at each row's last token that is not padding), and tp2 in bf16 within
+// bf16's resolution (1.5 times transformers' own bf16 error).
 TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
   const char* src = std::getenv("TANDEM_SOURCE_DIR");
   if (!src) GTEST_SKIP() << "TANDEM_SOURCE_DIR unset (ctest sets it)";
@@ -201,38 +214,59 @@ TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
   auto status = torch::tensor({made}, torch::kInt);
   world()->broadcast(status, 0);
   ASSERT_EQ(status.item<int>(), 0) << "llama_reference.py make failed";
-  const safetensors::Checkpoint ref(dir + "/lm-ref.safetensors");
-  const auto ids = ref.get("ids"), want = ref.get("logits");
   // bf16's resolution on these logits: how far transformers' own bf16 forward (the model cast to
   // bf16) lands from its fp32 logits; Tandem's bf16 may round in another order, hence the 1.5.
   const auto bf16 = safetensors::Checkpoint(dir + "/lm-ref-bf16.safetensors").get("logits");
-  const double kBf16Logits = 1.5 * (bf16 - want).abs().max().item<double>();
-  const std::tuple<SeqLayout, Precision, double> cases[] = {{SeqLayout::kTp2, Precision::kFP32, 1e-4},
-                                                            {SeqLayout::kPp2, Precision::kFP32, 1e-4},
-                                                            {SeqLayout::kZero3, Precision::kFP32, 1e-4},
-                                                            {SeqLayout::kTp2, Precision::kBF16, kBf16Logits}};
-  for (auto [layout, precision, tolerance] : cases) {
-    const std::string name = std::string(name_of(layout)) + (precision == Precision::kBF16 ? " bf16" : " fp32");
+  const auto lm_logits = safetensors::Checkpoint(dir + "/lm-ref.safetensors").get("logits");
+  const double kBf16Logits = 1.5 * (bf16 - lm_logits).abs().max().item<double>();
+  const std::tuple<std::string, SeqLayout, Precision, double> cases[] =
+      {{"lm", SeqLayout::kTp2, Precision::kFP32, 1e-4},   {"lm", SeqLayout::kPp2, Precision::kFP32, 1e-4},
+       {"lm", SeqLayout::kZero3, Precision::kFP32, 1e-4}, {"lm", SeqLayout::kTp2, Precision::kBF16, kBf16Logits},
+       {"cls", SeqLayout::kTp2, Precision::kFP32, 1e-4},  {"cls", SeqLayout::kPp2, Precision::kFP32, 1e-4},
+       {"cls", SeqLayout::kZero3, Precision::kFP32, 1e-4}};
+  for (auto [variant, layout, precision, tolerance] : cases) {
+    const std::string name = variant + " " + name_of(layout) + (precision == Precision::kBF16 ? " bf16" : " fp32");
     SCOPED_TRACE(name);
-    auto seq = llama::causal_lm_sequential(llama::load_config(dir + "/lm"));
-    llama::load_weights(*seq, safetensors::Checkpoint(dir + "/lm"), false, llama::sequential_to_hf);
-    auto eng = sequential_engine(layout, seq, precision);
+    const safetensors::Checkpoint ref(dir + "/" + variant + "-ref.safetensors");
+    const auto ids = ref.get("ids"), want = ref.get("logits");
+    const auto config = llama::load_config(dir + "/" + variant);
+    // Children named by position, as a pipeline stage and the tensor-parallel form name them.
+    const auto named =
+        variant == "cls" ? llama::sequence_classifier_sequential(config) : llama::causal_lm_sequential(config);
+    torch::nn::Sequential seq;
+    for (const auto& child : *named) seq->push_back(child);
+    const auto to_hf = [&](const std::string& n) {
+      return llama::positional_to_hf(n, config.num_hidden_layers, variant == "cls" ? "score" : "lm_head");
+    };
+    const safetensors::Checkpoint weights(dir + "/" + variant);
+    llama::check_weights(*seq, weights, false, to_hf);
+    const int64_t total = bytes_of(seq->parameters());  // before ZeRO-3 frees them
+    auto eng = sequential_engine(layout, seq, precision, [&](torch::nn::Module& local, int tp_rank, int tp_size) {
+      llama::load_local_weights(local, weights, tp_rank, tp_size, to_hf);
+    });
+    if (layout == SeqLayout::kZero3) {
+      EXPECT_EQ(weights.bytes_read(), total);
+    } else if (precision == Precision::kFP32) {  // the trained parameters are the checkpoint's dtype
+      EXPECT_EQ(weights.bytes_read(), bytes_of(eng->trained_parameters()));
+      EXPECT_LT(weights.bytes_read(), total * 2 / 3);
+    }
     eng->train(false);  // the tensor-parallel head gathers its logits in evaluation mode
     auto got = eng->predict(ids);
     if (!eng->is_output_rank()) continue;
+    if (variant == "cls") got = llama::pool_scores(got, llama::pooled_positions(ids, config.pad_token_id));
     ASSERT_EQ(got.sizes(), want.sizes());
     const double diff = (got.to(torch::kFloat) - want).abs().max().item<double>();
     EXPECT_LE(diff, tolerance);
     EXPECT_GT(want.abs().max().item<double>(), 0.1) << "logits too small to tell models apart";
     std::cout << name << ": Tandem vs transformers (fp32), max |logit diff| " << diff << " (bound " << tolerance
-              << ")\n";
+              << "); this rank read " << weights.bytes_read() << " of " << total << " bytes\n";
   }
   if (world()->rank() == 0) std::system(("rm -rf " + dir).c_str());
 }
 
-// tests/hf/hf_fixture.py's model fine-tuned 3 steps under tp2 and under pp2 (2 ranks), each
-// checkpoint exported: transformers, loading the export, gives the logits Tandem computes from
-// the checkpoint within 1e-5.
+// tests/hf/hf_fixture.py's LM and classifier fine-tuned 3 steps under tp2 and under pp2 (2
+// ranks), each checkpoint exported: transformers, loading the export, gives the logits Tandem
+// computes from the checkpoint within 1e-5.
 TEST(LlamaExport, TensorParallelAndPipelineCheckpointsExportToTransformers) {
   const char* src = std::getenv("TANDEM_SOURCE_DIR");
   if (!src) GTEST_SKIP() << "TANDEM_SOURCE_DIR unset (ctest sets it)";
@@ -248,18 +282,20 @@ TEST(LlamaExport, TensorParallelAndPipelineCheckpointsExportToTransformers) {
   auto status = torch::tensor({made}, torch::kInt);
   world()->broadcast(status, 0);
   ASSERT_EQ(status.item<int>(), 0) << "hf_fixture.py make failed: see " << dir << "/fx.log";
-  std::string checks;  // OUT REF lm, one triple per layout
+  std::string checks;  // OUT REF lm|cls, one triple per task and layout
   for (const char* layout : {"tp2", "pp2"}) {
     SCOPED_TRACE(layout);
     const std::string work = dir + "/" + layout;
     if (world()->rank() == 0) ::mkdir(work.c_str(), 0755);
     world()->barrier();
-    const auto out =
-        finetune_and_export(runtime(), dir + "/fx", work, "lm", text::HfTask::kLm, [&](text::HfFinetuneConfig& cfg) {
-          cfg.loop.strategy = "ddp";
-          (std::string(layout) == "tp2" ? cfg.loop.tp : cfg.loop.pp) = 2;
-        });
-    checks += " " + out + " " + work + "/lm-ref.safetensors lm";
+    for (auto task : {text::HfTask::kLm, text::HfTask::kClassify}) {
+      const std::string sub = task == text::HfTask::kLm ? "lm" : "cls";
+      const auto out = finetune_and_export(runtime(), dir + "/fx", work, sub, task, [&](text::HfFinetuneConfig& cfg) {
+        cfg.loop.strategy = "ddp";
+        (std::string(layout) == "tp2" ? cfg.loop.tp : cfg.loop.pp) = 2;
+      });
+      checks += " " + out + " " + work + "/" + sub + "-ref.safetensors " + sub;
+    }
   }
   if (world()->rank() == 0) EXPECT_EQ(std::system(fixture_script("check-export" + checks).c_str()), 0);
   if (world()->rank() == 0) std::system(("rm -rf " + dir).c_str());

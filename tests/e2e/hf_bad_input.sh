@@ -39,10 +39,6 @@ expect unknown-label "cls.jsonl:31: label 'sarcastic' is not one of the model's 
 expect bad-task "--task 'regress' is not one of lm, classify" -- "${run[@]}" --init-from "$tmp/fx/lm" --task regress --data "$tmp/lm.jsonl"
 expect tp-kv-heads "--tp 4: Llama: the tensor-parallel size 4 does not divide num_key_value_heads \(2\); use a --tp of 2" -- \
   "$tandem" finetune -n 4 --tp 4 --no-progress --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl"
-expect classify-tp "--task classify runs without --pp and --tp" -- "$tandem" finetune -n 2 --tp 2 --no-progress \
-  --init-from "$tmp/fx/cls" --task classify --data "$tmp/cls.jsonl"
-expect classify-pp "--task classify runs without --pp" -- "$tandem" finetune -n 2 --pp 2 --batch 2 --no-progress \
-  --init-from "$tmp/fx/cls" --task classify --data "$tmp/cls.jsonl"
 expect tied-pp "ties its input and output embeddings, which a pipeline cannot split" -- "$tandem" finetune -n 2 --pp 2 \
   --batch 2 --steps 2 --no-progress --init-from "$tmp/fx/lm_tied" --data "$tmp/lm.jsonl"
 expect seq-too-long "--seq 4096 exceeds the model's max_position_embeddings 128" -- "$tandem" finetune -n 1 --strategy single \

@@ -4,7 +4,7 @@
 # a 2-stage pipeline and tp2 on 2 workers, and dp2 x tp2 and tp2 x pp2 on 4, give one worker's
 # per-step losses within 1e-4, and so does a model with tied embeddings under zero2 and tp2; bf16 and
 # fp16 (ddp) and bf16 under tp2 follow its losses within 5e-3 relative; classification under
-# ddp gives one worker's too; runs resumed under zero2 and tp2 from the pipeline's step-10
+# ddp, tp2, pp2 and tp2 x pp2 gives one worker's too; runs resumed under zero2 and tp2 from the pipeline's step-10
 # checkpoint, and on one worker from tp2's, continue one worker's losses;
 # `tandem export --to hf` of the pipeline's, tp2's and the tied model's (zero2, tp2) checkpoints
 # loads in transformers. Skipped (exit 77) without .venv-hf or the fortunes corpus.
@@ -116,6 +116,15 @@ cls=(--init-from "$tmp/fx/cls" --task classify --data "$tmp/cls.jsonl" --seq 32 
 run cls_single -n 1 --strategy single "${cls[@]}"
 run cls_ddp -n 2 --strategy ddp "${cls[@]}" && same cls_single cls_ddp 1 -1e9
 grep -q "accuracy" "$tmp/cls_ddp.log" || { echo "FAIL cls_ddp: no validation accuracy"; fails=$((fails + 1)); }
+# The classifier cut: its score head replicated over tp2's ranks, on the last stage of pp2 (which
+# pools each row's last real token from the targets), and both at once on 4; all score the
+# validation split.
+run cls_tp2 -n 2 --strategy ddp --tp 2 "${cls[@]}" && same cls_single cls_tp2 1 -1e9
+run cls_pp2 -n 2 --strategy ddp --pp 2 --micro-batches 2 "${cls[@]}" && same cls_single cls_pp2 1 -1e9
+run cls_tp2pp2 -n 4 --strategy ddp --tp 2 --pp 2 --micro-batches 2 "${cls[@]}" && same cls_single cls_tp2pp2 1 -1e9
+for name in cls_tp2 cls_pp2 cls_tp2pp2; do
+  grep -q "accuracy" "$tmp/$name.log" || { echo "FAIL $name: no validation accuracy"; fails=$((fails + 1)); }
+done
 # The pipeline's and the tied model's last checkpoints as Hugging Face directories, loaded by
 # transformers.
 for ck in ck ck_tp ck_tied ck_tied_tp; do

@@ -1,13 +1,17 @@
 // Tests for tandem/llama.h: config.json parsing and its refusals, grouped-query attention
 // against the same model with its key/value heads repeated, causality, save_pretrained ->
-// load bitwise (sharded, tied and untied), and (in .venv-hf, scripts/setup-hf-venv.sh) logits
-// against transformers on checkpoints each side wrote.
+// load bitwise (sharded, tied and untied), the Sequential forms against the module tree, a
+// pipeline stage and tensor-parallel shards reading only their bytes, and (in .venv-hf,
+// scripts/setup-hf-venv.sh) logits against transformers on checkpoints each side wrote.
 #include <gtest/gtest.h>
 
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 
+#include "tandem/backends.h"
 #include "tandem/llama.h"
 #include "temp_dir.h"
 
@@ -234,6 +238,12 @@ TEST(Llama, SequentialFormEqualsTheModuleTree) {
   EXPECT_TRUE(same_bits(seq->forward(ids), tree(ids)));
   EXPECT_EQ(ll::sequential_to_hf("layer1.self_attn.q_proj.weight"), "model.layers.1.self_attn.q_proj.weight");
   EXPECT_EQ(ll::sequential_to_hf("norm.weight"), "model.norm.weight");
+  EXPECT_EQ(ll::positional_to_hf("0.weight", 2, "lm_head"), "model.embed_tokens.weight");
+  EXPECT_EQ(ll::positional_to_hf("2.mlp.up_proj.weight", 2, "lm_head"), "model.layers.1.mlp.up_proj.weight");
+  EXPECT_EQ(ll::positional_to_hf("3.weight", 2, "score"), "model.norm.weight");
+  EXPECT_EQ(ll::positional_to_hf("4.weight", 2, "score"), "score.weight");
+  EXPECT_THROW(ll::positional_to_hf("5.weight", 2, "score"), std::invalid_argument);
+  EXPECT_THROW(ll::positional_to_hf("embed_tokens.weight", 2, "score"), std::invalid_argument);
   EXPECT_THROW(ll::sequential_to_hf("layerx.mlp.up_proj.weight"), std::invalid_argument);
   EXPECT_THROW(ll::causal_lm_sequential(tiny(true)), std::invalid_argument);
   // Saved from the Sequential, loaded by the tree: the same bits.
@@ -241,4 +251,95 @@ TEST(Llama, SequentialFormEqualsTheModuleTree) {
   ll::save_pretrained(seq, tiny(), d2.path);
   auto back = ll::load_causal_lm(d2.path);
   EXPECT_TRUE(same_bits(back(ids), tree(ids)));
+}
+
+namespace {
+int64_t bytes_of(const torch::nn::Module& m) {
+  int64_t n = 0;
+  for (auto& p : m.parameters()) n += static_cast<int64_t>(p.nbytes());
+  return n;
+}
+
+void expect_same_parameters(const torch::nn::Module& got, const torch::nn::Module& want) {
+  auto w = want.named_parameters();
+  for (auto& p : got.named_parameters()) {
+    ASSERT_TRUE(w.contains(p.key())) << p.key();
+    EXPECT_TRUE(same_bits(p.value(), w[p.key()])) << p.key();
+  }
+}
+
+// A random classifier (norms perturbed) saved into `dir`, and its Sequential form loaded from it.
+std::pair<ll::LlamaForSequenceClassification, torch::nn::Sequential> saved_classifier(uint64_t seed,
+                                                                                      const std::string& dir) {
+  torch::manual_seed(seed);
+  ll::LlamaForSequenceClassification tree(tiny());
+  perturb_norms(*tree);
+  ll::save_pretrained(tree, dir);
+  auto seq = ll::sequence_classifier_sequential(tiny());
+  ll::load_weights(*seq, st::Checkpoint(dir), false, ll::sequential_to_hf);
+  return {tree, seq};
+}
+}  // namespace
+
+// The classifier's Sequential: per-position scores pooled at the last token that is not
+// padding give the tree's logits bitwise (rows padded to different lengths), and it saves as a
+// LlamaForSequenceClassification.
+TEST(Llama, SequentialClassifierEqualsTheModuleTree) {
+  TempDir d;
+  auto [tree, seq] = saved_classifier(7, d.path);
+  auto ids = token_ids(3, 11);
+  ids[1].narrow(0, 6, 5).fill_(0);  // pad_token_id 0: row 1 pools position 5, row 2 the last
+  ids[0].narrow(0, 9, 2).fill_(0);
+  const auto positions = ll::pooled_positions(ids, 0);
+  EXPECT_EQ(positions[0].item<int64_t>(), 8);
+  EXPECT_EQ(positions[1].item<int64_t>(), 5);
+  EXPECT_EQ(positions[2].item<int64_t>(), 10);
+  EXPECT_TRUE(same_bits(ll::pool_scores(seq->forward(ids), positions), tree(ids)));
+  EXPECT_EQ(ll::pooled_positions(ids, -1)[1].item<int64_t>(), 10);
+  TempDir d2;
+  ll::save_pretrained(seq, tiny(), d2.path);
+  std::ifstream config(d2.path + "/config.json");
+  const std::string text((std::istreambuf_iterator<char>(config)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("\"LlamaForSequenceClassification\""), std::string::npos) << text;
+  EXPECT_TRUE(same_bits(ll::load_sequence_classifier(d2.path)(ids), tree(ids)));
+}
+
+// A rank reads only what it holds: the last stage of a two-stage pipeline (layer1, norm, score)
+// and tensor-parallel rank r of 2 of a decoder layer (q/k/v and gate/up rows, o and down columns,
+// norms whole) read exactly their parameters' bytes, and hold what cutting the whole loaded
+// model gives.
+TEST(Llama, EachRankReadsOnlyItsStageAndShards) {
+  TempDir d;
+  const auto whole = saved_classifier(8, d.path).second;
+  const auto fresh = ll::sequence_classifier_sequential(tiny());
+  torch::nn::Sequential stage;
+  const std::string names[] = {"embed_tokens", "layer0", "layer1", "norm", "score"};
+  for (size_t i = 2; i < 5; ++i) stage->push_back(names[i], *(fresh->begin() + static_cast<std::ptrdiff_t>(i)));
+  const st::Checkpoint for_stage(d.path);
+  ll::load_local_weights(*stage, for_stage, 0, 1, ll::sequential_to_hf);
+  expect_same_parameters(*stage, *whole);
+  EXPECT_EQ(for_stage.bytes_read(), bytes_of(*stage));
+  EXPECT_LT(for_stage.bytes_read(), bytes_of(*whole) / 2);
+
+  auto tp = tandem::make_thread_communicators(2, tandem::CommOptions{});
+  const auto& dense = *whole->ptr(2)->as<ll::SequentialDecoderLayerImpl>();
+  const auto& random = *fresh->ptr(2)->as<ll::SequentialDecoderLayerImpl>();
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("tp rank " + std::to_string(r));
+    ll::ParallelDecoderLayer cut(dense, tp[r]), read(random, tp[r]);
+    const st::Checkpoint for_rank(d.path);
+    ll::load_local_weights(*read, for_rank, r, 2, [](const std::string& n) { return "model.layers.1." + n; });
+    expect_same_parameters(*read, *cut);
+    EXPECT_EQ(for_rank.bytes_read(), bytes_of(*read));
+    EXPECT_LT(for_rank.bytes_read(), bytes_of(dense) * 2 / 3);
+  }
+  // A shard read as if there were no tensor parallelism is refused, naming the tensor.
+  ll::ParallelDecoderLayer shard(random, tp[0]);
+  try {
+    ll::load_local_weights(*shard, st::Checkpoint(d.path), 0, 1,
+                           [](const std::string& n) { return "model.layers.1." + n; });
+    FAIL() << "expected std::runtime_error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.layers.1."), std::string::npos) << e.what();
+  }
 }

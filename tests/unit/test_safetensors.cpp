@@ -163,6 +163,28 @@ TEST(Safetensors, SlicesAlongEachDimEqualTheWholeTensorNarrowed) {
   EXPECT_THROW(f.read_slice("h", 2, 0, 1), std::out_of_range);
 }
 
+// bytes_read counts what was handed out: a slice its own bytes (for a column slice, its piece of
+// every row), a whole tensor all of its bytes, and every copy of a File or Checkpoint the same
+// total; opening a file and reading infos count nothing.
+TEST(Safetensors, BytesReadCountsOnlyTheSlicesRead) {
+  TempDir d;
+  const auto w = torch::randn({6, 10}), b = torch::randn({4}).to(torch::kBFloat16);
+  st::save_checkpoint(d.path, {{"w", w}, {"b", b}});
+  st::Checkpoint c(d.path);
+  EXPECT_EQ(c.bytes_read(), 0);
+  EXPECT_EQ(c.info("w").bytes, 6 * 10 * 4);
+  EXPECT_EQ(c.bytes_read(), 0);
+  c.read_slice("w", 0, 2, 5);  // rows 2-4
+  EXPECT_EQ(c.bytes_read(), 3 * 10 * 4);
+  const st::Checkpoint copy = c;
+  copy.read_slice("w", 1, 4, 6);  // columns 4-5 of every row
+  EXPECT_EQ(c.bytes_read(), 3 * 10 * 4 + 6 * 2 * 4);
+  c.get("b");
+  EXPECT_EQ(copy.bytes_read(), 3 * 10 * 4 + 6 * 2 * 4 + 4 * 2);
+  c.read_slice("w", 1, 3, 3);  // empty
+  EXPECT_EQ(c.file_of("w").bytes_read(), c.bytes_read());
+}
+
 // A rank reading its rows of a cold file brings little more than those rows into memory: the
 // page cache's residency of the file (mincore over a mapping of our own) is counted after the
 // file is evicted and one eighth of a 64 MiB tensor is read. Skips where eviction does not work.

@@ -52,10 +52,9 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
   app.add_option("--strategy", l.strategy, "single | ddp | zero1 | zero2 | zero3")->capture_default_str();
   app.add_option("--precision", l.precision, "fp32 | bf16 | fp16 (mixed precision: fp32 master weights)")
       ->capture_default_str();
-  app.add_option("--tp", l.tp,
-                 "tensor-parallel ranks (causal LM; must divide the heads, KV heads, MLP width and vocabulary)")
+  app.add_option("--tp", l.tp, "tensor-parallel ranks (must divide the heads, KV heads, MLP width and vocabulary)")
       ->capture_default_str();
-  app.add_option("--pp", l.pp, "pipeline stages per replica (lm; with ddp or zero1)")->capture_default_str();
+  app.add_option("--pp", l.pp, "pipeline stages per replica (with ddp or zero1)")->capture_default_str();
   app.add_option("--pp-partition", l.pp_partition, "params | time | layers per stage, e.g. 2,3")->capture_default_str();
   app.add_option("--micro-batches", l.micro_batches, "pipeline micro-batches per replica batch")->capture_default_str();
   add_pipeline_schedule_options(app, l.pipeline_schedule, l.virtual_stages);
