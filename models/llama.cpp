@@ -537,15 +537,14 @@ std::string positional_to_hf(const std::string& name, int64_t layers, const std:
 // ---- loading and saving ---------------------------------------------------------------------
 
 namespace {
-// The checkpoint tensor parameter `p` loads from ("" when to_hf skips it). Throws
+// The checkpoint tensor parameter `param` loads from ("" when to_hf skips it). Throws
 // std::runtime_error when the checkpoint lacks it.
-std::string source_of(const torch::OrderedDict<std::string, at::Tensor>::Item& p,
-                      const safetensors::Checkpoint& checkpoint,
+std::string source_of(const std::string& param, const safetensors::Checkpoint& checkpoint,
                       const std::function<std::string(const std::string&)>& to_hf) {
-  auto name = to_hf ? to_hf(p.key()) : p.key();
+  auto name = to_hf ? to_hf(param) : param;
   if (!name.empty() && !checkpoint.contains(name))
-    throw std::runtime_error("Llama checkpoint: no tensor '" + name + "' for the model's parameter of shape " +
-                             c10::str(p.value().sizes()) + "; is it a Llama checkpoint of this configuration?");
+    throw std::runtime_error("Llama checkpoint: no tensor '" + name + "' for the model's parameter '" + param +
+                             "'; is it a Llama checkpoint of this configuration?");
   return name;
 }
 }  // namespace
@@ -554,7 +553,7 @@ void check_weights(const torch::nn::Module& module, const safetensors::Checkpoin
                    const std::function<std::string(const std::string&)>& to_hf) {
   std::set<std::string> used;
   for (auto& p : module.named_parameters(/*recurse=*/true)) {
-    const auto name = source_of(p, checkpoint, to_hf);
+    const auto name = source_of(p.key(), checkpoint, to_hf);
     if (name.empty()) continue;
     const auto& shape = checkpoint.info(name).shape;
     if (p.value().sizes() != c10::IntArrayRef(shape))
@@ -597,10 +596,19 @@ void load_local_weights(torch::nn::Module& module, const safetensors::Checkpoint
                         const std::function<std::string(const std::string&)>& to_hf) {
   torch::NoGradGuard no_grad;
   for (auto& p : module.named_parameters(/*recurse=*/true)) {
-    const auto name = source_of(p, checkpoint, to_hf);
+    const auto name = source_of(p.key(), checkpoint, to_hf);
     if (name.empty()) continue;
     p.value().copy_(read_part(checkpoint, name, p.value().sizes(), tp_rank, tp_size));
   }
+}
+
+bool load_flat_part(const safetensors::Checkpoint& checkpoint, const std::string& name, int64_t first, at::Tensor dest,
+                    const std::function<std::string(const std::string&)>& to_hf) {
+  const auto source = source_of(name, checkpoint, to_hf);
+  if (source.empty()) return false;
+  torch::NoGradGuard no_grad;
+  dest.copy_(checkpoint.read_flat(source, first, dest.numel()).view(dest.sizes()));
+  return true;
 }
 
 void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused,

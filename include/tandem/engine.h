@@ -144,6 +144,12 @@ struct EngineOptions {
   // the tensors and slices it holds. Called on every rank; the values must not depend on the
   // data-parallel rank. Null: the model keeps the values it was given.
   std::function<void(torch::nn::Module& local, int tp_rank, int tp_size)> init_parameters;
+  // ZeRO-3 without tensor parallelism keeps only a flat shard of each unit's parameters: this
+  // fills the shard instead of init_parameters, so that a rank reads only the elements it owns
+  // (ZeroOptions::init_shard: the parameter's name as init_parameters sees it, the piece's first
+  // element in the flattened parameter, the view to fill; false keeps the parameter's values).
+  // The other layouts call init_parameters, so it must be set too.
+  std::function<bool(const std::string& name, int64_t first, at::Tensor dest)> init_shard;
   // PartitionMethod::kTime: a batch of inputs whose first micro-batch is timed layer by layer.
   at::Tensor partition_sample;
   // The model's name, recorded in checkpoints; load() refuses a checkpoint of another name.

@@ -292,6 +292,15 @@ void check_weights(const torch::nn::Module& module, const safetensors::Checkpoin
 void load_local_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, int tp_rank, int tp_size,
                         const std::function<std::string(const std::string&)>& to_hf = nullptr);
 
+// Copies elements [first, first + dest.numel()) of the flattened checkpoint tensor that
+// parameter `name` maps to into `dest` (converted to its dtype), reading only their bytes
+// (EngineOptions::init_shard: ZeRO-3's flat shards). Returns false, leaving `dest`, when `to_hf`
+// maps the name to "" (the parameter keeps its values). Throws std::runtime_error naming the
+// checkpoint tensor when it is missing, std::out_of_range when the range is outside it; shapes
+// are check_weights' to check.
+bool load_flat_part(const safetensors::Checkpoint& checkpoint, const std::string& name, int64_t first, at::Tensor dest,
+                    const std::function<std::string(const std::string&)>& to_hf = nullptr);
+
 // A causal LM from a Hugging Face directory: config.json and model.safetensors (or the shards
 // of model.safetensors.index.json).
 LlamaForCausalLM load_causal_lm(const std::string& dir);

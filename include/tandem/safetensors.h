@@ -56,8 +56,14 @@ class File {
   at::Tensor read_rows(const std::string& name, int64_t begin, int64_t end) const {
     return read_slice(name, 0, begin, end);
   }
-  // Bytes of the tensors get() and read_slice() have handed out so far, over every copy of this
-  // File: what a reader that copies them reads from the file (a slice counts its own bytes only).
+  // Elements [first, first + count) of the tensor in row-major order, as a 1-D tensor of its
+  // dtype: a tensor lies contiguous in the file, so this is one byte range, the only bytes read
+  // (a ZeRO-3 rank's flat shard of it). Throws std::out_of_range naming the tensor and the file
+  // for a range outside its elements.
+  at::Tensor read_flat(const std::string& name, int64_t first, int64_t count) const;
+  // Bytes of the tensors get(), read_slice() and read_flat() have handed out so far, over every
+  // copy of this File: what a reader that copies them reads from the file (a slice counts its
+  // own bytes only).
   int64_t bytes_read() const;
 
  private:
@@ -97,12 +103,16 @@ class Checkpoint {
   at::Tensor read_slice(const std::string& name, int64_t dim, int64_t begin, int64_t end) const {
     return file_of(name).read_slice(name, dim, begin, end);
   }
+  at::Tensor read_flat(const std::string& name, int64_t first, int64_t count) const {
+    return file_of(name).read_flat(name, first, count);
+  }
   // The index's "metadata" (values that are not strings as JSON text, e.g. total_size), or the
   // single file's "__metadata__".
   const Metadata& metadata() const;
   // Shards mapped so far.
   int64_t open_files() const;
-  // File::bytes_read over the shards mapped so far: the bytes of tensors and slices read.
+  // File::bytes_read over the shards mapped so far: the bytes of tensors, slices and flat
+  // ranges read.
   int64_t bytes_read() const;
 
  private:

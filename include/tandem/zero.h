@@ -62,6 +62,15 @@ struct ZeroOptions {
   Precision precision = Precision::kFP32;
   LossScalerOptions loss_scaler;  // fp16 only
   ZeroOptimizerOptions optimizer;
+  // Stage 3: where this rank's shard takes its initial values, so that a rank reads only what it
+  // owns (e.g. from a checkpoint). Called at construction for each piece of a parameter in the
+  // rank's chunk of every bucket with the parameter's name (as named_parameters gives it), the
+  // piece's first element in the flattened parameter, and `dest`, a 1-D view of the shard in
+  // the parameters' dtype (the fp32 masters are taken from it) to fill with the parameter's
+  // elements [first, first + dest.numel()). Returning false keeps the parameter's own values
+  // (rank 0's) for the piece. Padding stays zero. Null: every shard is taken from the
+  // parameters. Stages 1 and 2 hold whole parameters: it must be null there.
+  std::function<bool(const std::string& name, int64_t first, at::Tensor dest)> init_shard;
 };
 
 // Per-rank bytes actually held (persistent tensors, after a step), and the ZeRO paper's model

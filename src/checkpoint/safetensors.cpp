@@ -211,6 +211,24 @@ at::Tensor File::read_slice(const std::string& name, int64_t dim, int64_t begin,
   return out;
 }
 
+at::Tensor File::read_flat(const std::string& name, int64_t first, int64_t count) const {
+  const auto& in = info(name);
+  const auto element = static_cast<int64_t>(c10::elementSize(in.dtype));
+  const int64_t numel = in.bytes / element;
+  if (first < 0 || count < 0 || first > numel - count)
+    throw std::out_of_range("safetensors: " + std::to_string(count) + " elements from element " +
+                            std::to_string(first) + " of '" + name + "' in '" + state_->path + "' are outside its " +
+                            std::to_string(numel) + " elements");
+  auto out = at::empty({count}, at::TensorOptions().dtype(in.dtype));
+  if (count == 0) return out;
+  const uint8_t* src = state_->map->addr + in.offset + first * element;
+  const auto bytes = static_cast<size_t>(count * element);
+  prefetch(src, bytes);
+  state_->bytes_read += count * element;
+  std::memcpy(out.data_ptr(), src, bytes);
+  return out;
+}
+
 TensorList load_file(const std::string& path, Metadata* metadata) {
   File f(path);
   TensorList out;

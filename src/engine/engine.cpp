@@ -139,6 +139,12 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   validate(cfg, world);
   validate(oo);
   if (!model) throw std::invalid_argument("tandem::Engine: the model is null");
+  if (L.opts.init_shard && !L.init_by_shard() && !L.opts.init_parameters) {
+    throw std::invalid_argument(std::string("EngineOptions::init_shard fills only ZeRO-3's shards without tensor "
+                                            "parallelism; --strategy ") +
+                                to_string(cfg.strategy) + " --tp " + std::to_string(cfg.tp) +
+                                " needs init_parameters as well");
+  }
   const bool sequential = static_cast<bool>(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model));
   if (!sequential && cfg.tp * cfg.pp > 1) {
     throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " x --pp " + std::to_string(cfg.pp) +
@@ -185,16 +191,16 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     L.pipe = std::make_unique<Pipeline>(L.net_sequential(), L.grid->pp(), po);
   }
   L.trained_module = L.pipe ? L.pipe->stage_module().ptr() : L.net;
-  if (L.opts.init_parameters) {
+  if (L.opts.init_parameters && !L.init_by_shard())
     L.opts.init_parameters(*L.trained_module, L.grid ? L.grid->tp()->rank() : 0, cfg.tp);
-    L.opts.init_parameters = nullptr;  // once: what it holds (a mapped checkpoint) goes now
-  }
+  L.opts.init_parameters = nullptr;  // once: what it holds (a mapped checkpoint) goes now
   L.trained = L.trained_module->parameters();
   L.run = std::move(forward);
   if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L.net)) {
     L.run = [seq](const at::Tensor& x) -> at::Tensor { return seq->forward(x); };
   }
   up = engine::make_updater(L, oo);
+  L.opts.init_shard = nullptr;  // the updater has filled the shards
   comms = {L.world};
   if (L.grid) comms.insert(comms.end(), {L.grid->tp(), L.grid->pp(), L.grid->dp()});
 }

@@ -178,6 +178,7 @@ class Sharded final : public Updater {
     o.precision = L.cfg.precision;
     o.loss_scaler = L.cfg.loss_scaler;
     o.max_grad_norm = L.cfg.max_grad_norm;
+    if (L.init_by_shard()) o.init_shard = L.opts.init_shard;
     zero_ = std::make_unique<ZeroDataParallel>(L.trained_module, L.dp, o);
     if (model_parallel_norms(L, oo)) zero_->set_model_parallel(shard_flags(L), L.grid->tp(), L.grid->pp());
     if (L.pipe && o.stage == 3) run_pipeline_layers_unit_by_unit(*L.pipe);

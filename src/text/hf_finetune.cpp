@@ -218,10 +218,21 @@ double terms(const torch::Tensor& targets, bool lm) {
   return static_cast<double>(targets.narrow(1, 1, targets.size(1) - 1).ne(-100).sum().item<int64_t>());
 }
 
-// The model of the task, initialised from the directory's weights. The Sequential (every layout
-// but a tied LM's module tree) is checked against the directory whole, and each rank then reads
-// only the tensors of its pipeline stage and its tensor-parallel slices of them. A classification
-// head the directory lacks starts at random (seeded, the same on every rank).
+// Each rank reads only what it holds of the checkpoint: the tensors of its pipeline stage and its
+// tensor-parallel slices of them, or under ZeRO-3 the flat elements of its shard.
+void read_local_weights(EngineOptions& eo, const safetensors::Checkpoint& weights,
+                        const std::function<std::string(const std::string&)>& to_hf) {
+  eo.init_parameters = [weights, to_hf](torch::nn::Module& local, int tp_rank, int tp_size) {
+    llama::load_local_weights(local, weights, tp_rank, tp_size, to_hf);
+  };
+  eo.init_shard = [weights, to_hf](const std::string& name, int64_t first, at::Tensor dest) {
+    return llama::load_flat_part(weights, name, first, dest, to_hf);
+  };
+}
+
+// The model of the task, initialised from the directory's weights: checked against the
+// directory whole (headers only), then read by each rank in its part (read_local_weights). A
+// classification head the directory lacks starts at random (seeded, the same on every rank).
 Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& mc, const at::Tensor& sample) {
   const safetensors::Checkpoint weights(cfg.model_dir);
   Model m;
@@ -230,7 +241,8 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   eo.model_name = lm ? "llama-lm" : "llama-classify";
   if (lm && mc.tie_word_embeddings && cfg.loop.tp == 1) {
     llama::LlamaForCausalLM net(mc);
-    llama::load_weights(*net, weights);
+    llama::check_weights(*net, weights);
+    read_local_weights(eo, weights, nullptr);
     m.engine = make_engine(rt, cfg.loop, net, sample, eo);
     m.module = net.ptr();
     m.form = "tree";
@@ -246,9 +258,7 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   auto net = positional(mc, task);
   // A classifier may start from an LM's directory: its lm_head goes unused.
   llama::check_weights(*net, weights, /*allow_unused=*/!lm, to_hf);
-  eo.init_parameters = [weights, to_hf](torch::nn::Module& local, int tp_rank, int tp_size) {
-    llama::load_local_weights(local, weights, tp_rank, tp_size, to_hf);
-  };
+  read_local_weights(eo, weights, to_hf);
   if (cfg.loop.tp > 1) {
     eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
     eo.make_dense = [mc, task] { return positional(mc, task); };

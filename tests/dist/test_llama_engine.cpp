@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -128,10 +129,12 @@ torch::nn::Sequential sequential_of(const llama::LlamaForCausalLM& from) {
 enum class SeqLayout { kZero3, kPp2, kTp2 };
 const char* name_of(SeqLayout l) { return l == SeqLayout::kZero3 ? "zero3" : l == SeqLayout::kPp2 ? "pp2" : "tp2"; }
 
-// `init`: EngineOptions::init_parameters (null: the Sequential's values).
+// `init`, `init_shard`: EngineOptions::init_parameters and init_shard (null: the Sequential's
+// values).
 std::unique_ptr<Engine> sequential_engine(SeqLayout layout, torch::nn::Sequential seq,
                                           Precision precision = Precision::kFP32,
-                                          decltype(EngineOptions::init_parameters) init = nullptr) {
+                                          decltype(EngineOptions::init_parameters) init = nullptr,
+                                          decltype(EngineOptions::init_shard) init_shard = nullptr) {
   ParallelConfig config;
   config.precision = precision;
   config.strategy = layout == SeqLayout::kZero3 ? Strategy::kZero3 : Strategy::kDDP;
@@ -141,6 +144,7 @@ std::unique_ptr<Engine> sequential_engine(SeqLayout layout, torch::nn::Sequentia
   EngineOptions eo;
   eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
   eo.init_parameters = std::move(init);
+  eo.init_shard = std::move(init_shard);
   return std::make_unique<Engine>(runtime(), seq, adam(), config, eo);
 }
 
@@ -192,12 +196,27 @@ int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
   return n;
 }
 
+// The elements rank `rank` of `world` owns under per-layer ZeRO-3 of `seq`: each child with
+// parameters is one flat unit, padded to a multiple of the world size, whose r-th chunk rank r
+// holds; padding counts nothing.
+int64_t zero3_owned_elements(const torch::nn::Sequential& seq, int rank, int world) {
+  int64_t owned = 0;
+  for (const auto& child : seq->children()) {
+    int64_t n = 0;
+    for (const auto& p : child->parameters()) n += p.numel();
+    const int64_t chunk = std::max<int64_t>((n + world - 1) / world, 1);
+    if (n > 0) owned += std::clamp<int64_t>(n - rank * chunk, 0, chunk);
+  }
+  return owned;
+}
+
 // transformers builds a tiny random Llama and a sequence classifier (tests/hf/llama_reference.py)
-// and their logits. Each rank of tp2, pp2 and zero3 reads its part of the checkpoint
-// (EngineOptions::init_parameters): exactly the bytes of the parameters it trains, for tp2 and
-// pp2 under 2/3 of the model's; the logits then match transformers' within 1e-4 in fp32 (the
-// classifier's pooled at each row's last token that is not padding), and tp2 in bf16 within
-// bf16's resolution (1.5 times transformers' own bf16 error).
+// and their logits. Each rank of tp2 and pp2 reads its part of the checkpoint
+// (EngineOptions::init_parameters): exactly the bytes of the parameters it trains, under 2/3 of
+// the model's; each rank of zero3 reads exactly the bytes of the elements of its flat shard
+// (EngineOptions::init_shard), half the model's. The logits then match transformers' within
+// 1e-4 in fp32 (the classifier's pooled at each row's last token that is not padding), and tp2
+// and zero3 in bf16 within bf16's resolution (1.5 times transformers' own bf16 error).
 TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
   const char* src = std::getenv("TANDEM_SOURCE_DIR");
   if (!src) GTEST_SKIP() << "TANDEM_SOURCE_DIR unset (ctest sets it)";
@@ -220,10 +239,10 @@ TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
   const auto lm_logits = safetensors::Checkpoint(dir + "/lm-ref.safetensors").get("logits");
   const double kBf16Logits = 1.5 * (bf16 - lm_logits).abs().max().item<double>();
   const std::tuple<std::string, SeqLayout, Precision, double> cases[] =
-      {{"lm", SeqLayout::kTp2, Precision::kFP32, 1e-4},   {"lm", SeqLayout::kPp2, Precision::kFP32, 1e-4},
-       {"lm", SeqLayout::kZero3, Precision::kFP32, 1e-4}, {"lm", SeqLayout::kTp2, Precision::kBF16, kBf16Logits},
-       {"cls", SeqLayout::kTp2, Precision::kFP32, 1e-4},  {"cls", SeqLayout::kPp2, Precision::kFP32, 1e-4},
-       {"cls", SeqLayout::kZero3, Precision::kFP32, 1e-4}};
+      {{"lm", SeqLayout::kTp2, Precision::kFP32, 1e-4},    {"lm", SeqLayout::kPp2, Precision::kFP32, 1e-4},
+       {"lm", SeqLayout::kZero3, Precision::kFP32, 1e-4},  {"lm", SeqLayout::kTp2, Precision::kBF16, kBf16Logits},
+       {"cls", SeqLayout::kTp2, Precision::kFP32, 1e-4},   {"cls", SeqLayout::kPp2, Precision::kFP32, 1e-4},
+       {"cls", SeqLayout::kZero3, Precision::kFP32, 1e-4}, {"lm", SeqLayout::kZero3, Precision::kBF16, kBf16Logits}};
   for (auto [variant, layout, precision, tolerance] : cases) {
     const std::string name = variant + " " + name_of(layout) + (precision == Precision::kBF16 ? " bf16" : " fp32");
     SCOPED_TRACE(name);
@@ -241,11 +260,21 @@ TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
     const safetensors::Checkpoint weights(dir + "/" + variant);
     llama::check_weights(*seq, weights, false, to_hf);
     const int64_t total = bytes_of(seq->parameters());  // before ZeRO-3 frees them
-    auto eng = sequential_engine(layout, seq, precision, [&](torch::nn::Module& local, int tp_rank, int tp_size) {
-      llama::load_local_weights(local, weights, tp_rank, tp_size, to_hf);
-    });
-    if (layout == SeqLayout::kZero3) {
-      EXPECT_EQ(weights.bytes_read(), total);
+    const int64_t owned = zero3_owned_elements(seq, world()->rank(), world()->size());
+    for (const auto& n : weights.names()) ASSERT_EQ(weights.info(n).dtype, at::kFloat) << n;
+    auto eng = sequential_engine(
+        layout, seq, precision,
+        [&](torch::nn::Module& local, int tp_rank, int tp_size) {
+          llama::load_local_weights(local, weights, tp_rank, tp_size, to_hf);
+        },
+        [&](const std::string& name, int64_t first, at::Tensor dest) {
+          return llama::load_flat_part(weights, name, first, dest, to_hf);
+        });
+    if (layout == SeqLayout::kZero3) {  // 4-byte elements
+      EXPECT_EQ(weights.bytes_read(), 4 * owned);
+      auto sum = torch::tensor({static_cast<double>(weights.bytes_read())}, torch::kDouble);
+      world()->allreduce(sum, ReduceOp::kSum);
+      EXPECT_EQ(sum.item<double>(), static_cast<double>(total)) << "every byte read by exactly one rank";
     } else if (precision == Precision::kFP32) {  // the trained parameters are the checkpoint's dtype
       EXPECT_EQ(weights.bytes_read(), bytes_of(eng->trained_parameters()));
       EXPECT_LT(weights.bytes_read(), total * 2 / 3);

@@ -8,6 +8,8 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
+#include <string>
 
 #include "tandem/ddp.h"
 #include "tandem/zero.h"
@@ -584,6 +586,56 @@ TEST(Zero, ModelParallelNormSpansTheOtherAxes) {
   }
 }
 
+// Stage 3's init_shard: each rank is asked only for pieces of its own chunks, which together
+// cover every parameter element exactly once over the ranks; the model then computes with the
+// source's values (in bf16 too, whose fp32 masters hold them exactly), and a piece the source
+// declines keeps rank 0's values of the parameter.
+TEST(Zero, Stage3InitShardFillsEachElementFromItsOwner) {
+  auto comm = world();
+  const int me = comm->rank();
+  for (auto precision : {Precision::kFP32, Precision::kBF16}) {
+    SCOPED_TRACE(precision_name(precision));
+    auto net = make_seq(5), want = make_seq(5);
+    std::map<std::string, torch::Tensor> source, asked;
+    {
+      torch::NoGradGuard ng;
+      for (auto& p : want->named_parameters()) {
+        source[p.key()] = torch::randn_like(p.value()).to(at::kBFloat16).to(at::kFloat);  // exact in bf16
+        asked[p.key()] = torch::zeros({p.value().numel()});
+        if (p.key() != "4.bias") p.value().copy_(source[p.key()]);
+      }
+      if (me != 0) net[4]->as<torch::nn::Linear>()->bias.add_(1.0);  // rank 0's values win
+    }
+    ZeroOptions zo;
+    zo.stage = 3;
+    zo.precision = precision;
+    zo.optimizer = adamw();
+    zo.init_shard = [&](const std::string& name, int64_t first, at::Tensor dest) {
+      EXPECT_EQ(dest.dim(), 1);
+      asked.at(name).narrow(0, first, dest.numel()).add_(1.0);
+      if (name == "4.bias") return false;
+      dest.copy_(source.at(name).reshape({-1}).narrow(0, first, dest.numel()));
+      return true;
+    };
+    ZeroDataParallel zero(net.ptr(), comm, zo);
+    double squares = 0;
+    for (auto& [name, count] : asked) {
+      comm->allreduce(count, ReduceOp::kSum);
+      EXPECT_TRUE(count.eq(1.0).all().item<bool>()) << name << " asked " << count;
+      squares += want->named_parameters()[name].to(at::kDouble).pow(2).sum().item<double>();
+    }
+    auto masters = torch::zeros({1}, torch::kDouble);
+    for (auto& m : zero.optimizer().param_groups()[0].params()) masters += m.detach().to(at::kDouble).pow(2).sum();
+    comm->allreduce(masters, ReduceOp::kSum);
+    EXPECT_NEAR(masters.item<double>(), squares, 1e-9 * squares) << "the masters hold the source's values";
+    torch::NoGradGuard ng;
+    const auto x = torch::randn({4, 13}, at::TensorOptions().dtype(at::kFloat));
+    const auto dtype = precision == Precision::kBF16 ? at::kBFloat16 : at::kFloat;
+    const auto got = zero.forward(x.to(dtype)).to(at::kFloat), expected = want->forward(x);
+    EXPECT_LT((got - expected).abs().max().item<double>(), precision == Precision::kBF16 ? 5e-2 : 1e-6);
+  }
+}
+
 TEST(Zero, RejectsBadOptions) {
   auto comm = world();
   auto expect_invalid = [&](ZeroOptions zo, const std::string& what) {
@@ -614,6 +666,10 @@ TEST(Zero, RejectsBadOptions) {
   zo.stage = 3;
   zo.prefetch = -1;
   expect_invalid(zo, "negative prefetch");
+  zo = ZeroOptions();
+  zo.stage = 2;
+  zo.init_shard = [](const std::string&, int64_t, at::Tensor) { return true; };
+  expect_invalid(zo, "init_shard below stage 3");
   // A double-precision model cannot train in bf16 with fp32 masters.
   zo = ZeroOptions();
   zo.precision = Precision::kBF16;

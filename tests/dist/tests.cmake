@@ -49,9 +49,9 @@ foreach(np 2 3)
 endforeach()
 # The Llama model (tandem/llama.h, a ModuleList of decoder layers, tied or untied embeddings)
 # through the Engine: ddp and zero1-3 against one process; its Sequential form under per-layer
-# ZeRO-3, a two-stage pipeline and tp2; with .venv-hf, tp2/pp2/zero3 (and tp2 bf16) logits of
-# the causal LM and the sequence classifier against transformers', each rank reading only its
-# part of the checkpoint.
+# ZeRO-3, a two-stage pipeline and tp2; with .venv-hf, tp2/pp2/zero3 (and tp2, zero3 bf16) logits
+# of the causal LM and the sequence classifier against transformers', each rank reading only its
+# part of the checkpoint (zero3: exactly the bytes of its flat shard).
 tandem_add_dist_test(dist_llama_engine_np2 2 "*LlamaEngine*:LlamaSequentialEngine.*" TIMEOUT 300)
 # With .venv-hf: tandem finetune --init-from's checkpoints (LM and classifier) under tp2 and pp2
 # exported to directories whose transformers logits are Tandem's (skips without it).

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `tandem finetune --init-from HF_DIR` on a tiny random Llama that transformers made
 # (tests/hf/hf_fixture.py): 20 steps of language modelling on fortune cookies under ddp, zero2,
-# a 2-stage pipeline and tp2 on 2 workers, and dp2 x tp2 and tp2 x pp2 on 4, give one worker's
-# per-step losses within 1e-4, and so does a model with tied embeddings under zero2 and tp2; bf16 and
+# zero3, a 2-stage pipeline and tp2 on 2 workers, and dp2 x tp2 and tp2 x pp2 on 4, give one worker's
+# per-step losses within 1e-4, and so does a model with tied embeddings under zero2, zero3 and tp2; bf16 and
 # fp16 (ddp) and bf16 under tp2 follow its losses within 5e-3 relative; classification under
 # ddp, tp2, pp2 and tp2 x pp2 gives one worker's too; runs resumed under zero2 and tp2 from the pipeline's step-10
 # checkpoint, and on one worker from tp2's, continue one worker's losses;
@@ -76,6 +76,8 @@ lm=(--init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --seq 32 --batch 8 --steps 2
 run single -n 1 --strategy single "${lm[@]}"
 run ddp -n 2 --strategy ddp "${lm[@]}" && same single ddp
 run zero2 -n 2 --strategy zero2 "${lm[@]}" && same single zero2
+# zero3: each rank initialises only its flat shard from the files (EngineOptions::init_shard).
+run zero3 -n 2 --strategy zero3 "${lm[@]}" && same single zero3
 run pp2 -n 2 --strategy ddp --pp 2 --micro-batches 2 --checkpoint-dir "$tmp/ck" --checkpoint-every 10 "${lm[@]}" &&
   same single pp2
 resume() {  # resume CK NAME ARGS...: CK's step-10 checkpoint resumed under ARGS gives one worker's steps 11-20
@@ -110,6 +112,7 @@ run tp2_bf16 -n 2 --strategy ddp --tp 2 --precision bf16 "${lm[@]}" && near sing
 tied=(--init-from "$tmp/fx/lm_tied" --data "$tmp/lm.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2 --no-eval)
 run tied_single -n 1 --strategy single "${tied[@]}"
 run tied_zero2 -n 2 --strategy zero2 --checkpoint-dir "$tmp/ck_tied" "${tied[@]}" && same tied_single tied_zero2
+run tied_zero3 -n 2 --strategy zero3 "${tied[@]}" && same tied_single tied_zero3
 # Tied under tp2: the head over the vocabulary-parallel embedding's shard.
 run tied_tp2 -n 2 --strategy ddp --tp 2 --checkpoint-dir "$tmp/ck_tied_tp" "${tied[@]}" && same tied_single tied_tp2
 cls=(--init-from "$tmp/fx/cls" --task classify --data "$tmp/cls.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2)

@@ -185,6 +185,45 @@ TEST(Safetensors, BytesReadCountsOnlyTheSlicesRead) {
   EXPECT_EQ(c.file_of("w").bytes_read(), c.bytes_read());
 }
 
+// A flat element range of any tensor is the flattened tensor's range, in the file's dtype (F16
+// and BF16 bitwise, converting only where the caller copies), counted by its own bytes; a range
+// outside the tensor is refused naming the tensor and the file.
+TEST(Safetensors, FlatRangesEqualTheFlattenedTensorAndCountTheirBytes) {
+  TempDir d;
+  torch::manual_seed(5);
+  const auto w = torch::randn({4, 3, 5}), h = torch::randn({6, 7}).to(torch::kHalf),
+             b = torch::randn({3, 9}).to(torch::kBFloat16);
+  st::save_checkpoint(d.path, {{"w", w}, {"h", h}, {"b", b}});
+  st::Checkpoint c(d.path);
+  int64_t want = 0;
+  for (auto& [name, t] : st::TensorList{{"w", w}, {"h", h}, {"b", b}}) {
+    SCOPED_TRACE(name);
+    for (auto [first, count] : {std::pair<int64_t, int64_t>{0, t.numel()}, {7, 11}, {t.numel() - 1, 1}, {3, 0}}) {
+      const auto got = c.read_flat(name, first, count);
+      EXPECT_TRUE(same_bits(got, t.reshape({-1}).narrow(0, first, count))) << first << " " << count;
+      want += count * static_cast<int64_t>(t.element_size());
+      EXPECT_EQ(c.bytes_read(), want);
+    }
+  }
+  auto as_float = torch::zeros({5});
+  as_float.copy_(c.read_flat("b", 20, 5));
+  want += 5 * 2;
+  EXPECT_TRUE(as_float.equal(b.reshape({-1}).narrow(0, 20, 5).to(torch::kFloat)));
+  for (auto [first, count] : {std::pair<int64_t, int64_t>{-1, 2}, {40, 3}, {0, 43}, {2, -1}}) {
+    try {
+      c.read_flat("h", first, count);
+      ADD_FAILURE() << "expected std::out_of_range for " << first << " " << count;
+    } catch (const std::out_of_range& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("'h'"), std::string::npos) << m;
+      EXPECT_NE(m.find("model.safetensors'"), std::string::npos) << m;
+      EXPECT_NE(m.find("42 elements"), std::string::npos) << m;
+    }
+  }
+  EXPECT_EQ(c.bytes_read(), want);
+  EXPECT_THROW(c.read_flat("missing", 0, 1), std::out_of_range);
+}
+
 // A rank reading its rows of a cold file brings little more than those rows into memory: the
 // page cache's residency of the file (mincore over a mapping of our own) is counted after the
 // file is evicted and one eighth of a 64 MiB tensor is read. Skips where eviction does not work.

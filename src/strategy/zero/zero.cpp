@@ -343,6 +343,24 @@ struct ZeroDataParallel::Impl {
     return y;
   }
 
+  // The bucket's flat values, padding zero: every parameter's, or with init_shard (stage 3)
+  // this rank's chunk from the source and the rest zero, since only the chunk is kept.
+  at::Tensor initial_values(const Bucket& bk, const at::TensorOptions& o) const {
+    auto values = at::zeros({bk.padded}, o);
+    if (!opts.init_shard) {
+      for (size_t i : bk.params) param_view(values, i).copy_(params[i].detach());
+      return values;
+    }
+    const int64_t lo = static_cast<int64_t>(rank) * bk.chunk;
+    for (const auto& [i, from, to] : owned_pieces(bk)) {
+      auto dest = values.narrow(0, lo + from, to - from);
+      const int64_t first = lo + from - offset_of[i];
+      if (!opts.init_shard(names[i], first, dest))
+        dest.copy_(params[i].detach().reshape({-1}).narrow(0, first, to - from));
+    }
+    return values;
+  }
+
   void build_layout() {
     plan_buckets();
     bucket_of.assign(params.size(), 0);
@@ -373,8 +391,7 @@ struct ZeroDataParallel::Impl {
     // reduce-scatters and all-gathers buckets of it in place through shared memory.
     if (opts.stage < 3) flat = symmetric_empty(*comm, std::max<int64_t>(off, 1), copts).zero_();
     for (auto& bk : buckets) {
-      auto values = at::zeros({bk.padded}, at::TensorOptions().dtype(dtype).device(device));
-      for (size_t i : bk.params) param_view(values, i).copy_(params[i].detach());
+      auto values = initial_values(bk, at::TensorOptions().dtype(dtype).device(device));
       auto mine = values.narrow(0, rank * bk.chunk, bk.chunk);
       if (mixed) bk.master = mine.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
       bk.full = opts.stage < 3 ? flat.narrow(0, bk.offset, bk.padded) : at::empty({bk.padded}, copts);
@@ -792,6 +809,10 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
   if (opts.max_grad_norm < 0) throw std::invalid_argument("ZeRO max_grad_norm must be >= 0 (0 = off)");
   if (opts.prefetch < 0) throw std::invalid_argument("ZeRO prefetch must be >= 0 (0 = gather each unit when needed)");
   if (opts.max_inflight_buckets < 1) throw std::invalid_argument("ZeRO max_inflight_buckets must be >= 1");
+  if (opts.init_shard && opts.stage < 3) {
+    throw std::invalid_argument("ZeRO-" + std::to_string(opts.stage) +
+                                " holds whole parameters: set them before, not through init_shard (stage 3 only)");
+  }
   validate(opts.optimizer);
   if (opts.precision == Precision::kFP16) validate(opts.loss_scaler);
   auto& I = *impl_;
@@ -830,6 +851,7 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
   detail::broadcast_from_rank0(*I.comm, I.params, I.buffers, /*include_params=*/true);
   for (auto& p : I.params) I.psi += p.numel();
   I.build_layout();
+  I.opts.init_shard = nullptr;  // used once: what it holds (a mapped checkpoint) goes now
   I.build_optimizer();
 
   std::weak_ptr<Impl*> weak = I.self;
