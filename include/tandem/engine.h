@@ -130,6 +130,16 @@ struct StepOptions {
   double loss_weight = 1.0;  // this rank's loss is multiplied by it (unequal batch shares)
 };
 
+// A piece of ZeRO-3's flat shard of one parameter, for EngineOptions::init_shard to fill.
+struct ShardPiece {
+  std::string name;            // the parameter's name as init_parameters sees it
+  std::vector<int64_t> shape;  // its shape on this rank: under --tp, its tensor-parallel block
+  int tp_rank = 0;             // this rank's place in its tp group (whose block `shape` is)
+  int tp_size = 1;
+  int64_t first = 0;  // the piece's first element in the flattened parameter (of `shape`)
+  at::Tensor dest;    // the flat view to fill
+};
+
 struct EngineOptions {
   // Tensor parallelism: converts the dense Sequential into its tensor-parallel form over the tp
   // group (collective). Default: tp::tensor_parallel (Linear pairs, Tandem's transformer).
@@ -144,12 +154,11 @@ struct EngineOptions {
   // the tensors and slices it holds. Called on every rank; the values must not depend on the
   // data-parallel rank. Null: the model keeps the values it was given.
   std::function<void(torch::nn::Module& local, int tp_rank, int tp_size)> init_parameters;
-  // ZeRO-3 without tensor parallelism keeps only a flat shard of each unit's parameters: this
-  // fills the shard instead of init_parameters, so that a rank reads only the elements it owns
-  // (ZeroOptions::init_shard: the parameter's name as init_parameters sees it, the piece's first
-  // element in the flattened parameter, the view to fill; false keeps the parameter's values).
-  // The other layouts call init_parameters, so it must be set too.
-  std::function<bool(const std::string& name, int64_t first, at::Tensor dest)> init_shard;
+  // ZeRO-3 keeps only a flat shard of each unit's parameters: this fills the shard instead of
+  // init_parameters, so that a rank reads only the elements it owns, one piece of a parameter
+  // at a time (ShardPiece; false keeps the parameter's values). The other layouts call
+  // init_parameters, so it must be set too.
+  std::function<bool(const ShardPiece& piece)> init_shard;
   // PartitionMethod::kTime: a batch of inputs whose first micro-batch is timed layer by layer.
   at::Tensor partition_sample;
   // The model's name, recorded in checkpoints; load() refuses a checkpoint of another name.

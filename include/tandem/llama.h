@@ -292,13 +292,28 @@ void check_weights(const torch::nn::Module& module, const safetensors::Checkpoin
 void load_local_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, int tp_rank, int tp_size,
                         const std::function<std::string(const std::string&)>& to_hf = nullptr);
 
-// Copies elements [first, first + dest.numel()) of the flattened checkpoint tensor that
-// parameter `name` maps to into `dest` (converted to its dtype), reading only their bytes
+// A run of `count` elements from element `first` of a flattened tensor.
+struct FlatRange {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+
+// Where elements [first, first + count) of the flattened block that tp rank `rank` holds of a
+// tensor of shape `whole` lie in the flattened tensor, in order: the block has shape `local`,
+// `whole` with dimension `dim` divided by the tp size (dim -1: the whole tensor). A block of
+// rows (dim 0) gives one range; a block of columns, one per row it covers, each clipped.
+std::vector<FlatRange> block_flat_ranges(c10::IntArrayRef whole, c10::IntArrayRef local, int64_t dim, int rank,
+                                         int64_t first, int64_t count);
+
+// Copies elements [first, first + dest.numel()) of parameter `name` of shape `local` on tp rank
+// `tp_rank` of `tp_size`, flattened, into `dest` (converted to its dtype) from the part of the
+// checkpoint tensor it holds (load_local_weights' cut), reading only those elements' bytes
 // (EngineOptions::init_shard: ZeRO-3's flat shards). Returns false, leaving `dest`, when `to_hf`
 // maps the name to "" (the parameter keeps its values). Throws std::runtime_error naming the
-// checkpoint tensor when it is missing, std::out_of_range when the range is outside it; shapes
-// are check_weights' to check.
-bool load_flat_part(const safetensors::Checkpoint& checkpoint, const std::string& name, int64_t first, at::Tensor dest,
+// checkpoint tensor when it is missing or `local` is no block of it, std::out_of_range when the
+// range is outside it.
+bool load_flat_part(const safetensors::Checkpoint& checkpoint, const std::string& name, c10::IntArrayRef local,
+                    int tp_rank, int tp_size, int64_t first, at::Tensor dest,
                     const std::function<std::string(const std::string&)>& to_hf = nullptr);
 
 // A causal LM from a Hugging Face directory: config.json and model.safetensors (or the shards

@@ -140,10 +140,8 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   validate(oo);
   if (!model) throw std::invalid_argument("tandem::Engine: the model is null");
   if (L.opts.init_shard && !L.init_by_shard() && !L.opts.init_parameters) {
-    throw std::invalid_argument(std::string("EngineOptions::init_shard fills only ZeRO-3's shards without tensor "
-                                            "parallelism; --strategy ") +
-                                to_string(cfg.strategy) + " --tp " + std::to_string(cfg.tp) +
-                                " needs init_parameters as well");
+    throw std::invalid_argument(std::string("EngineOptions::init_shard fills only ZeRO-3's shards; --strategy ") +
+                                to_string(cfg.strategy) + " needs init_parameters as well");
   }
   const bool sequential = static_cast<bool>(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model));
   if (!sequential && cfg.tp * cfg.pp > 1) {

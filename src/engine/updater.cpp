@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <map>
 #include <stdexcept>
 
 #include "tandem/ddp.h"
@@ -76,6 +77,19 @@ std::vector<bool> shard_flags(const Layout& L) {
     flags.insert(flags.end(), f.begin(), f.end());
   }
   return flags;
+}
+
+// ZeroOptions::init_shard over EngineOptions::init_shard: each piece told the shape of its
+// parameter on this rank and the tp rank, since under --tp a flat range of a block is no flat
+// range of the dense tensor. The shapes are taken now: ZeRO-3 frees the parameters.
+std::function<bool(const std::string&, int64_t, at::Tensor)> shard_initialiser(const Layout& L) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& p : L.trained_module->named_parameters()) shapes[p.key()] = p.value().sizes().vec();
+  const int tp_rank = L.grid ? L.grid->tp()->rank() : 0, tp_size = L.cfg.tp;
+  return [init = L.opts.init_shard, shapes = std::move(shapes), tp_rank, tp_size](const std::string& name,
+                                                                                  int64_t first, at::Tensor dest) {
+    return init(ShardPiece{name, shapes.at(name), tp_rank, tp_size, first, std::move(dest)});
+  };
 }
 
 // single and ddp: every replica holds the whole (stage of the) model and steps it.
@@ -178,7 +192,7 @@ class Sharded final : public Updater {
     o.precision = L.cfg.precision;
     o.loss_scaler = L.cfg.loss_scaler;
     o.max_grad_norm = L.cfg.max_grad_norm;
-    if (L.init_by_shard()) o.init_shard = L.opts.init_shard;
+    if (L.init_by_shard()) o.init_shard = shard_initialiser(L);
     zero_ = std::make_unique<ZeroDataParallel>(L.trained_module, L.dp, o);
     if (model_parallel_norms(L, oo)) zero_->set_model_parallel(shard_flags(L), L.grid->tp(), L.grid->pp());
     if (L.pipe && o.stage == 3) run_pipeline_layers_unit_by_unit(*L.pipe);

@@ -48,9 +48,8 @@ struct Layout {
   torch::nn::Sequential dense_sequential() const;
   TensorParallelState tp_state(torch::optim::Optimizer* opt, ZeroDataParallel* zero);
   // Whether opts.init_shard fills the parameters (ZeRO-3's flat shards) rather than
-  // opts.init_parameters: a flat range of a tensor-parallel block is no flat range of the
-  // dense tensor, so tp keeps init_parameters.
-  bool init_by_shard() const { return opts.init_shard && zero_stage(cfg.strategy) == 3 && cfg.tp == 1; }
+  // opts.init_parameters; under --tp each piece names the rank's block it lies in.
+  bool init_by_shard() const { return opts.init_shard && zero_stage(cfg.strategy) == 3; }
 };
 
 class Updater {

@@ -225,8 +225,8 @@ void read_local_weights(EngineOptions& eo, const safetensors::Checkpoint& weight
   eo.init_parameters = [weights, to_hf](torch::nn::Module& local, int tp_rank, int tp_size) {
     llama::load_local_weights(local, weights, tp_rank, tp_size, to_hf);
   };
-  eo.init_shard = [weights, to_hf](const std::string& name, int64_t first, at::Tensor dest) {
-    return llama::load_flat_part(weights, name, first, dest, to_hf);
+  eo.init_shard = [weights, to_hf](const ShardPiece& p) {
+    return llama::load_flat_part(weights, p.name, p.shape, p.tp_rank, p.tp_size, p.first, p.dest, to_hf);
   };
 }
 

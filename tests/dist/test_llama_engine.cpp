@@ -125,9 +125,12 @@ torch::nn::Sequential sequential_of(const llama::LlamaForCausalLM& from) {
 }
 
 // The layouts of the Sequential form on an even number of ranks: per-layer ZeRO-3, a two-stage
-// pipeline, tensor parallelism over 2 ranks.
-enum class SeqLayout { kZero3, kPp2, kTp2 };
-const char* name_of(SeqLayout l) { return l == SeqLayout::kZero3 ? "zero3" : l == SeqLayout::kPp2 ? "pp2" : "tp2"; }
+// pipeline, tensor parallelism over 2 ranks, and (on 4 ranks) tp2 with ZeRO-3 over 2 replicas.
+enum class SeqLayout { kZero3, kPp2, kTp2, kTp2Zero3 };
+const char* name_of(SeqLayout l) {
+  const char* names[] = {"zero3", "pp2", "tp2", "tp2 x zero3"};
+  return names[static_cast<int>(l)];
+}
 
 // `init`, `init_shard`: EngineOptions::init_parameters and init_shard (null: the Sequential's
 // values).
@@ -137,9 +140,10 @@ std::unique_ptr<Engine> sequential_engine(SeqLayout layout, torch::nn::Sequentia
                                           decltype(EngineOptions::init_shard) init_shard = nullptr) {
   ParallelConfig config;
   config.precision = precision;
-  config.strategy = layout == SeqLayout::kZero3 ? Strategy::kZero3 : Strategy::kDDP;
+  const bool zero3 = layout == SeqLayout::kZero3 || layout == SeqLayout::kTp2Zero3;
+  config.strategy = zero3 ? Strategy::kZero3 : Strategy::kDDP;
   config.pp = layout == SeqLayout::kPp2 ? 2 : 1;
-  config.tp = layout == SeqLayout::kTp2 ? 2 : 1;
+  config.tp = layout == SeqLayout::kTp2 || layout == SeqLayout::kTp2Zero3 ? 2 : 1;
   config.micro_batches = layout == SeqLayout::kPp2 ? 3 : 1;
   EngineOptions eo;
   eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
@@ -196,14 +200,17 @@ int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
   return n;
 }
 
-// The elements rank `rank` of `world` owns under per-layer ZeRO-3 of `seq`: each child with
-// parameters is one flat unit, padded to a multiple of the world size, whose r-th chunk rank r
-// holds; padding counts nothing.
-int64_t zero3_owned_elements(const torch::nn::Sequential& seq, int rank, int world) {
+// The elements data-parallel rank `rank` of `world` owns under per-layer ZeRO-3 of `seq` with
+// tensor parallelism over `tp` ranks: each child with parameters is one flat unit of its tp
+// block, padded to a multiple of `world`, whose r-th chunk rank r holds; padding counts nothing.
+// Under tp every matrix but the classifier's score head is split in tp blocks; the RMSNorm
+// weights (the only vectors: Llama has no biases here) and the score head are replicated.
+int64_t zero3_owned_elements(const torch::nn::Sequential& seq, int rank, int world, int tp = 1) {
   int64_t owned = 0;
   for (const auto& child : seq->children()) {
+    const bool replicated = child->as<llama::ScoreHeadImpl>() != nullptr;
     int64_t n = 0;
-    for (const auto& p : child->parameters()) n += p.numel();
+    for (const auto& p : child->parameters()) n += p.dim() == 2 && !replicated ? p.numel() / tp : p.numel();
     const int64_t chunk = std::max<int64_t>((n + world - 1) / world, 1);
     if (n > 0) owned += std::clamp<int64_t>(n - rank * chunk, 0, chunk);
   }
@@ -239,11 +246,14 @@ TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
   const auto lm_logits = safetensors::Checkpoint(dir + "/lm-ref.safetensors").get("logits");
   const double kBf16Logits = 1.5 * (bf16 - lm_logits).abs().max().item<double>();
   const std::tuple<std::string, SeqLayout, Precision, double> cases[] =
-      {{"lm", SeqLayout::kTp2, Precision::kFP32, 1e-4},    {"lm", SeqLayout::kPp2, Precision::kFP32, 1e-4},
-       {"lm", SeqLayout::kZero3, Precision::kFP32, 1e-4},  {"lm", SeqLayout::kTp2, Precision::kBF16, kBf16Logits},
-       {"cls", SeqLayout::kTp2, Precision::kFP32, 1e-4},   {"cls", SeqLayout::kPp2, Precision::kFP32, 1e-4},
-       {"cls", SeqLayout::kZero3, Precision::kFP32, 1e-4}, {"lm", SeqLayout::kZero3, Precision::kBF16, kBf16Logits}};
+      {{"lm", SeqLayout::kTp2, Precision::kFP32, 1e-4},      {"lm", SeqLayout::kPp2, Precision::kFP32, 1e-4},
+       {"lm", SeqLayout::kZero3, Precision::kFP32, 1e-4},    {"lm", SeqLayout::kTp2, Precision::kBF16, kBf16Logits},
+       {"cls", SeqLayout::kTp2, Precision::kFP32, 1e-4},     {"cls", SeqLayout::kPp2, Precision::kFP32, 1e-4},
+       {"cls", SeqLayout::kZero3, Precision::kFP32, 1e-4},   {"lm", SeqLayout::kZero3, Precision::kBF16, kBf16Logits},
+       {"lm", SeqLayout::kTp2Zero3, Precision::kFP32, 1e-4}, {"cls", SeqLayout::kTp2Zero3, Precision::kFP32, 1e-4}};
   for (auto [variant, layout, precision, tolerance] : cases) {
+    // tp2 x zero3 needs 4 ranks, and runs there alone (dist_llama_zero3_tp_np4).
+    if ((layout == SeqLayout::kTp2Zero3) != (world()->size() == 4)) continue;
     const std::string name = variant + " " + name_of(layout) + (precision == Precision::kBF16 ? " bf16" : " fp32");
     SCOPED_TRACE(name);
     const safetensors::Checkpoint ref(dir + "/" + variant + "-ref.safetensors");
@@ -261,16 +271,20 @@ TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
     llama::check_weights(*seq, weights, false, to_hf);
     const int64_t total = bytes_of(seq->parameters());  // before ZeRO-3 frees them
     const int64_t owned = zero3_owned_elements(seq, world()->rank(), world()->size());
+    // tp2 x zero3: by data-parallel rank (2 replicas), the same on both tp ranks.
+    const int64_t owned_tp2[] = {zero3_owned_elements(seq, 0, 2, 2), zero3_owned_elements(seq, 1, 2, 2)};
     for (const auto& n : weights.names()) ASSERT_EQ(weights.info(n).dtype, at::kFloat) << n;
     auto eng = sequential_engine(
         layout, seq, precision,
         [&](torch::nn::Module& local, int tp_rank, int tp_size) {
           llama::load_local_weights(local, weights, tp_rank, tp_size, to_hf);
         },
-        [&](const std::string& name, int64_t first, at::Tensor dest) {
-          return llama::load_flat_part(weights, name, first, dest, to_hf);
+        [&](const ShardPiece& p) {
+          return llama::load_flat_part(weights, p.name, p.shape, p.tp_rank, p.tp_size, p.first, p.dest, to_hf);
         });
-    if (layout == SeqLayout::kZero3) {  // 4-byte elements
+    if (layout == SeqLayout::kTp2Zero3) {  // each rank: the elements it owns of its tp block
+      EXPECT_EQ(weights.bytes_read(), 4 * owned_tp2[eng->grid()->dp_rank()]);
+    } else if (layout == SeqLayout::kZero3) {  // 4-byte elements
       EXPECT_EQ(weights.bytes_read(), 4 * owned);
       auto sum = torch::tensor({static_cast<double>(weights.bytes_read())}, torch::kDouble);
       world()->allreduce(sum, ReduceOp::kSum);

@@ -53,6 +53,9 @@ endforeach()
 # of the causal LM and the sequence classifier against transformers', each rank reading only its
 # part of the checkpoint (zero3: exactly the bytes of its flat shard).
 tandem_add_dist_test(dist_llama_engine_np2 2 "*LlamaEngine*:LlamaSequentialEngine.*" TIMEOUT 300)
+# With .venv-hf: tp2 x zero3 (two replicas, 4 ranks), each rank reading exactly the elements of
+# its flat shard of its tp block, logits against transformers'.
+tandem_add_dist_test(dist_llama_zero3_tp_np4 4 "LlamaSequentialEngine.LogitsOfEveryLayoutMatchTransformers" TIMEOUT 300)
 # With .venv-hf: tandem finetune --init-from's checkpoints (LM and classifier) under tp2 and pp2
 # exported to directories whose transformers logits are Tandem's (skips without it).
 tandem_add_dist_test(dist_llama_export_np2 2 "LlamaExport.*" TIMEOUT 300)

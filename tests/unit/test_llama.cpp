@@ -333,6 +333,28 @@ TEST(Llama, EachRankReadsOnlyItsStageAndShards) {
     EXPECT_EQ(for_rank.bytes_read(), bytes_of(*read));
     EXPECT_LT(for_rank.bytes_read(), bytes_of(dense) * 2 / 3);
   }
+  // Flat ranges of each tp block (ZeRO-3's shards of it), across row boundaries of the column
+  // blocks: the block's elements, reading exactly their bytes.
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("flat, tp rank " + std::to_string(r));
+    ll::ParallelDecoderLayer cut(dense, tp[r]);
+    for (const auto& p : cut->named_parameters()) {
+      const auto flat = p.value().detach().reshape({-1});
+      const int64_t n = flat.numel();
+      for (auto [first, count] : {std::pair<int64_t, int64_t>{0, n}, {3, n / 2}, {n / 3, n - n / 3}, {n - 1, 1}}) {
+        const st::Checkpoint from(d.path);
+        auto dest = torch::zeros({count});
+        ASSERT_TRUE(ll::load_flat_part(from, p.key(), p.value().sizes(), r, 2, first, dest,
+                                       [](const std::string& n) { return "model.layers.1." + n; }));
+        EXPECT_TRUE(same_bits(dest, flat.narrow(0, first, count))) << p.key() << " from " << first;
+        EXPECT_EQ(from.bytes_read(), 4 * count) << p.key();
+      }
+      auto past = torch::zeros({2});
+      EXPECT_THROW(ll::load_flat_part(st::Checkpoint(d.path), p.key(), p.value().sizes(), r, 2, n - 1, past,
+                                      [](const std::string& n) { return "model.layers.1." + n; }),
+                   std::out_of_range);
+    }
+  }
   // A shard read as if there were no tensor parallelism is refused, naming the tensor.
   ll::ParallelDecoderLayer shard(random, tp[0]);
   try {
