@@ -45,6 +45,21 @@ WorkerRange worker_range(const WorkerFlags& flags) {
   return parse_worker_range(std::to_string(flags.min_workers) + ":" + flags.count, static_cast<int>(kMaxWorkers));
 }
 
+namespace {
+
+// An elastic job (-n MIN:MAX): the launches of one command under tandem/elastic.h's restart loop.
+struct ElasticJob {
+  std::string command;         // "tandem train", for messages
+  std::string checkpoint_dir;  // its --checkpoint-dir: relaunches start from the newest checkpoint there
+  std::string metrics_path;    // its --metrics ("": none): the membership changes are appended to it
+  int max_failures = 3;
+  // The command line of a launch on `workers` workers; the stop file and, for every launch but
+  // the first, --resume are added to it.
+  std::function<std::vector<std::string>(int workers)> args;
+  WorkersFit fits;
+};
+
+// Runs the job; its exit code. Prints and records (in the metrics file) every membership change.
 int run_elastic_job(const WorkerRange& range, const ElasticJob& job, const LaunchOptions& lo) {
   ElasticOptions eo;
   eo.workers = range;
@@ -74,6 +89,8 @@ int run_elastic_job(const WorkerRange& range, const ElasticJob& job, const Launc
   }
   return r.exit_code;
 }
+
+}  // namespace
 
 std::vector<std::string> with_option(const std::vector<std::string>& args, const std::string& flag,
                                      const std::string& value) {

@@ -24,22 +24,6 @@ void add_worker_options(CLI::App& app, WorkerFlags& flags, const std::string& de
 // The range the flags ask for; std::invalid_argument naming the conflict otherwise.
 WorkerRange worker_range(const WorkerFlags& flags);
 
-// An elastic job (-n MIN:MAX): the launches of one command under tandem/elastic.h's restart loop.
-struct ElasticJob {
-  std::string command;         // "tandem train", for messages
-  std::string checkpoint_dir;  // its --checkpoint-dir: relaunches start from the newest checkpoint there
-  std::string metrics_path;    // its --metrics ("": none): the membership changes are appended to it
-  int max_failures = 3;
-  // The command line of a launch on `workers` workers; the stop file and, for every launch but
-  // the first, --resume are added to it.
-  std::function<std::vector<std::string>(int workers)> args;
-  WorkersFit fits;
-};
-
-// Runs the job; its exit code (2 for options that cannot work, with the reason on stderr).
-// Prints and records (in the metrics file) every membership change.
-int run_elastic_job(const WorkerRange& range, const ElasticJob& job, const LaunchOptions& lo);
-
 // `args` without `flag` (as "--flag V" or "--flag=V"), then "flag value".
 std::vector<std::string> with_option(const std::vector<std::string>& args, const std::string& flag,
                                      const std::string& value);
@@ -70,7 +54,8 @@ struct ElasticSpec {
 // Why the spec cannot run ("" when it can): no checkpoints to relaunch from, or no worker count
 // in range that fits (with what MAX workers are told).
 std::string elastic_spec_problem(const ElasticSpec& spec, const WorkerRange& range);
-// Runs the spec under run_elastic_job; 2 with elastic_spec_problem on stderr when it cannot work.
+// Runs the spec under tandem/elastic.h's restart loop (run_elastic), printing and recording in the
+// metrics file every membership change; 2 with elastic_spec_problem on stderr when it cannot work.
 int run_elastic_command(const ElasticSpec& spec, const WorkerRange& range, const LaunchOptions& lo,
                         const std::vector<std::string>& args);
 
