@@ -47,8 +47,12 @@ struct ZeroOptions {
   double max_grad_norm = 0.0;
   // Broadcast buffers (batch-norm running stats) from rank 0 in prepare_forward().
   bool broadcast_buffers = true;
-  // Stages 2, 3: reduce-scatters in flight at once (each holds one bucket of gradient scratch).
-  int max_inflight_buckets = 2;
+  // Stages 2, 3: reduce-scatters left in flight while backward goes on (each holds its bucket's
+  // gradient scratch); 0: each finishes before backward goes on. -1: 0 for stage 3 on CPU, 2
+  // otherwise. On CPU the collective runs on the cores backward uses, so leaving it in flight
+  // won no step time in our measurements, while each bucket in flight holds a whole unit's
+  // gradient and raises backward's peak (docs/BENCHMARKS.md, the 8-block transformer).
+  int max_inflight_buckets = -1;
   // Stage 3 units. When the module is a torch::nn::Sequential, each child that holds
   // parameters is a unit and forward() gathers it just before it runs (all-gathering the next
   // `prefetch` units meanwhile), frees it after, and gathers it again when the gradient of its
@@ -97,7 +101,8 @@ struct ZeroMemory {
   int64_t model_optimizer_state_bytes = 0;
   // Stages 2, 3: the most bucket scratch (local gradients on their way to the reduce-scatter)
   // alive at once during any backward so far; bounded by about max_inflight_buckets + 1
-  // buckets, not the full gradient size. 0 for stage 1.
+  // buckets, not the full gradient size. 0 for stage 1. gradient_bytes counts what is held
+  // now: stages 2, 3 hold none from zero_grad() to the next backward.
   int64_t peak_scratch_bytes = 0;
   // Stage 3: the most bytes of gathered (full) unit parameters alive at once; 0 otherwise.
   int64_t peak_gathered_bytes = 0;
@@ -186,7 +191,9 @@ class ZeroDataParallel {
   at::Tensor forward(const at::Tensor& input, int64_t first, int64_t end);
   // The loss to call backward() on: loss * the loss scale (fp16), else loss itself.
   at::Tensor scale_loss(const at::Tensor& loss) const;
-  // Zeroes the gradients (stage 1: the full flat buffer; stages 2, 3: this rank's shard).
+  // Zeroes the gradients (stage 1: the full flat buffer). Stages 2, 3 free this rank's gradient
+  // chunks instead (PyTorch's set_to_none), so that forward runs without them; backward makes
+  // them again.
   void zero_grad();
   // Stage 1, gradient accumulation: while the guard lives, backward adds into the full-size
   // local gradients and reduce-scatters nothing; the first backward after it ends

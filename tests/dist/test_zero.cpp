@@ -6,12 +6,19 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "tandem/ddp.h"
+#include "tandem/pipeline.h"
 #include "tandem/zero.h"
 #include "tests/dist/dist_env.h"
 #include "tests/dist/train_test_util.h"
@@ -503,9 +510,7 @@ TEST(Zero, MemoryFollowsTheModel) {
   }
 }
 
-// Stage 2 keeps no full-size gradient buffer during backward either: eight layers of one
-// bucket each, at most max_inflight_buckets reduce-scatters in flight plus the bucket filling.
-TEST(Zero, Stage2ScratchStaysWithinAFewBuckets) {
+void scratch_within_buckets(int inflight) {
   auto comm = world();
   const int R = comm->size(), me = comm->rank();
   auto net = eight_layers();
@@ -513,7 +518,7 @@ TEST(Zero, Stage2ScratchStaysWithinAFewBuckets) {
   ZeroOptions zo;
   zo.stage = 2;
   zo.bucket_cap_bytes = 4 * layer;  // one layer per bucket (bias and weight together)
-  zo.max_inflight_buckets = 2;
+  zo.max_inflight_buckets = inflight;
   zo.optimizer.kind = "sgd";
   zo.optimizer.lr = 0.01;
   ZeroDataParallel zero(net.ptr(), comm, zo);
@@ -527,12 +532,87 @@ TEST(Zero, Stage2ScratchStaysWithinAFewBuckets) {
   auto m = zero.memory();
   const int64_t bucket_bytes = 4 * ((layer + R - 1) / R * R);
   EXPECT_GT(m.peak_scratch_bytes, 0);
-  EXPECT_LE(m.peak_scratch_bytes, 3 * bucket_bytes);
+  EXPECT_LE(m.peak_scratch_bytes, (inflight + 1) * bucket_bytes);
   EXPECT_LT(m.peak_scratch_bytes, 4 * psi / 2);
   EXPECT_EQ(m.gradient_bytes, 4 * zero.shard_numel());  // the scratch is gone after backward
   EXPECT_GT(m.pool_bytes, 0);
   EXPECT_LE(m.pool_bytes, 4 * psi);
   EXPECT_EQ(m.pool_misses, 0) << "every bucket's scratch should come from the pool";
+}
+
+// Stage 2 keeps no full-size gradient buffer during backward either: eight layers of one
+// bucket each, at most max_inflight_buckets reduce-scatters in flight plus the bucket filling
+// (with 0, one bucket: each reduce-scatter finishes before the next bucket fills).
+TEST(Zero, Stage2ScratchStaysWithinAFewBuckets) {
+  for (int inflight : {2, 0}) {
+    SCOPED_TRACE("max_inflight_buckets " + std::to_string(inflight));
+    scratch_within_buckets(inflight);
+  }
+}
+
+// The resident pages of every shared mapping of this process (MPI's segments and the symmetric
+// blocks of every rank, which every rank maps), divided by the ranks: the node's shared memory
+// per rank, whoever touched it.
+int64_t shared_resident_per_rank(int ranks) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  int64_t pages = 0;
+  while (std::getline(maps, line)) {
+    unsigned long lo = 0, hi = 0;
+    char perms[8] = {};
+    if (std::sscanf(line.c_str(), "%lx-%lx %7s", &lo, &hi, perms) != 3 || perms[3] != 's') continue;
+    std::vector<unsigned char> vec((hi - lo) / page);
+    if (mincore(reinterpret_cast<void*>(lo), hi - lo, vec.data()) != 0) continue;
+    for (auto v : vec) pages += v & 1;
+  }
+  return pages * page / ranks;
+}
+
+// Stages 2 and 3 hold no gradient from zero_grad() to the next backward (PyTorch's
+// set_to_none), so forward's activations do not come on top of them. The pages of the shared
+// block that backward's scratch touched go back after every backward: between steps only the
+// part forward gathers units into stays resident (none for stage 2).
+TEST(Zero, GradientsAndScratchPagesGoBetweenSteps) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  if (R < 2) GTEST_SKIP() << "the shared block needs 2 or more ranks";
+  MemoryMeter::install();
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    torch::manual_seed(9);
+    torch::nn::Sequential net;  // a bucket (stage 2) or a unit (stage 3) of 257 KiB per layer
+    for (int l = 0; l < 6; ++l) {
+      net->push_back(torch::nn::Linear(256, 256));
+      net->push_back(torch::nn::Tanh());
+    }
+    ZeroOptions zo;
+    zo.stage = stage;
+    zo.bucket_cap_bytes = 4 * (256 * 256 + 256);
+    zo.optimizer.kind = "sgd";
+    zo.optimizer.lr = 0.01;
+    ZeroDataParallel zero(net.ptr(), comm, zo);
+    auto x = torch::randn({2 * R, 256}, at::detail::createCPUGenerator(4));
+    const int64_t shared_before = shared_resident_per_rank(R);
+    for (int s = 0; s < 2; ++s) {
+      zero.prepare_forward();
+      zero.zero_grad();
+      zero.forward(slice_for_rank(x, me, R)).pow(2).mean().backward();
+      zero.step();
+    }
+    comm->barrier();  // every rank's backward is over
+    const auto m = zero.memory();
+    EXPECT_EQ(m.pool_misses, 0);
+    ASSERT_GT(m.peak_scratch_bytes, 0);
+    const int64_t kept = shared_resident_per_rank(R) - shared_before;
+    EXPECT_LE(kept, (stage == 3 ? m.peak_gathered_bytes : 0) + 64 * 1024)
+        << "backward's scratch (" << m.peak_scratch_bytes << " bytes at its peak) stays resident";
+    EXPECT_EQ(m.gradient_bytes, 4 * zero.shard_numel());
+    const int64_t held = MemoryMeter::current_bytes();
+    zero.zero_grad();
+    EXPECT_GE(held - MemoryMeter::current_bytes(), 4 * zero.shard_numel()) << "zero_grad() keeps the gradient";
+    EXPECT_EQ(zero.memory().gradient_bytes, 0);
+  }
 }
 
 // set_model_parallel: ZeRO over the replicas of a split model clips by the whole model's norm.
@@ -666,6 +746,10 @@ TEST(Zero, RejectsBadOptions) {
   zo.stage = 3;
   zo.prefetch = -1;
   expect_invalid(zo, "negative prefetch");
+  zo = ZeroOptions();
+  zo.stage = 2;
+  zo.max_inflight_buckets = -2;
+  expect_invalid(zo, "max_inflight_buckets below -1");
   zo = ZeroOptions();
   zo.stage = 2;
   zo.init_shard = [](const std::string&, int64_t, at::Tensor) { return true; };

@@ -29,7 +29,9 @@
 #include "tandem/zero.h"
 
 #include <ATen/ATen.h>
+#include <sys/mman.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -58,11 +60,12 @@ struct Bucket {
   int64_t numel = 0;           // elements of its parameters
   int64_t padded = 0;          // numel rounded up to a multiple of N
   int64_t chunk = 0;           // padded / N: what each rank owns
-  int64_t shard_offset = 0;    // where this bucket's chunk lies in the rank's gradient shard
   size_t pending = 0;          // parameters still waiting for their gradient this step
   at::Tensor full;             // all its parameters (stage 3: memory only while gathered)
   at::Tensor shard;            // this rank's chunk, compute dtype (stages 1, 2: a view of full)
   at::Tensor master;           // what the optimizer steps: the shard itself in fp32, else an fp32 copy
+  at::Tensor grad;             // stages 2, 3: the averaged gradient of the chunk, from its first
+                               // reduce-scatter after zero_grad() to the next zero_grad()
   at::Tensor scratch;          // stages 2, 3: the bucket's local gradients while reduce-scattered
   at::Tensor accum;            // stages 2, 3, second and later backward: the reduced chunk to add
   WorkPtr work;
@@ -100,6 +103,7 @@ class SymmetricPool {
       free_.erase(it);
       if (len > numel) free_[off + numel] = len - numel;
       used_[off] = numel;
+      high_ = std::max(high_, off + numel);
       return base_.narrow(0, off, numel);
     }
     misses_ += base_.defined();
@@ -133,6 +137,29 @@ class SymmetricPool {
     free_[start] = len;
     return true;
   }
+  // Marks what has been carved so far (the first time since release_pages()) as the part to
+  // keep: called before backward's first scratch, it covers what forward gathers, which the next
+  // forward, making the same requests in the same order, carves again at the same offsets.
+  void mark_keep() {
+    if (keep_ < 0) keep_ = high_;
+  }
+  // Hands the pages carved since the last call, beyond the kept part, back to the system while
+  // nothing is carved: backward's scratch would otherwise stay resident through the next forward
+  // and add to its peak, the moment its activations are all alive. Touching them again maps
+  // zeroed pages, a page fault each (about 2.5 us a page here: 1-2 % of a step). Only when no
+  // peer reads this block: after a collective's closing barrier. Where the system cannot punch
+  // pages (not shared memory), they stay.
+  void release_pages() {
+    if (!base_.defined() || !used_.empty()) return;
+    const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const auto at = [&](int64_t elements) {
+      return reinterpret_cast<uintptr_t>(base_.data_ptr()) + static_cast<uintptr_t>(elements * base_.element_size());
+    };
+    const auto from = (at(std::max<int64_t>(keep_, 0)) + page - 1) / page * page, to = at(high_) / page * page;
+    if (to > from) madvise(reinterpret_cast<void*>(from), to - from, MADV_REMOVE);
+    high_ = 0;
+    keep_ = -1;
+  }
   int64_t bytes() const { return nbytes(base_); }
   int64_t misses() const { return misses_; }  // requests that did not fit
 
@@ -140,6 +167,8 @@ class SymmetricPool {
   at::Tensor base_;
   std::map<int64_t, int64_t> free_;  // offset -> elements
   std::map<int64_t, int64_t> used_;
+  int64_t high_ = 0;   // the end of the highest carving since release_pages()
+  int64_t keep_ = -1;  // mark_keep()'s high_, or -1
   int64_t misses_ = 0;
 };
 
@@ -165,9 +194,8 @@ struct ZeroDataParallel::Impl {
   std::vector<size_t> bucket_of;
   std::vector<int64_t> offset_of;  // element offset of each parameter within its bucket
   int64_t psi = 0;
-  at::Tensor flat;        // stages 1, 2: every parameter
-  at::Tensor grad_flat;   // stage 1: every gradient, averaged after backward
-  at::Tensor grad_shard;  // stages 2, 3: this rank's averaged gradient chunks
+  at::Tensor flat;       // stages 1, 2: every parameter
+  at::Tensor grad_flat;  // stage 1: every gradient, averaged after backward
   std::unique_ptr<torch::optim::Optimizer> optim;
   bool mixed = false;  // fp32 masters separate from the low-precision shard
   LossScaler scaler{false};
@@ -203,14 +231,17 @@ struct ZeroDataParallel::Impl {
     const auto& bk = buckets[bucket_of[i]];
     return param_view(grad_flat.narrow(0, bk.offset, bk.padded), i);
   }
-  at::Tensor grad_chunk(const Bucket& bk) const {
-    return opts.stage == 1 ? grad_flat.narrow(0, bk.offset + rank * bk.chunk, bk.chunk)
-                           : grad_shard.narrow(0, bk.shard_offset, bk.chunk);
+  // Stages 2, 3: zeros when no backward reached the bucket since zero_grad() (a step without one).
+  at::Tensor grad_chunk(Bucket& bk) const {
+    if (opts.stage == 1) return grad_flat.narrow(0, bk.offset + rank * bk.chunk, bk.chunk);
+    if (!bk.grad.defined()) bk.grad = at::zeros({bk.chunk}, bk.shard.options());
+    return bk.grad;
   }
 
   // Uninitialised but for the padding: take_gradient() writes every parameter's slice (its
   // gradient, or zeros), which saves a memset of the bucket every step.
   at::Tensor new_scratch(const Bucket& bk) {
+    pool.mark_keep();
     auto t = pool.take(bk.padded);
     if (!t.defined()) t = at::empty({bk.padded}, bk.shard.options());
     t.narrow(0, bk.numel, bk.padded - bk.numel).zero_();
@@ -365,7 +396,7 @@ struct ZeroDataParallel::Impl {
     plan_buckets();
     bucket_of.assign(params.size(), 0);
     offset_of.assign(params.size(), 0);
-    int64_t off = 0, shard_off = 0;
+    int64_t off = 0;
     for (size_t b = 0; b < buckets.size(); ++b) {
       auto& bk = buckets[b];
       for (size_t i : bk.params) {
@@ -376,10 +407,8 @@ struct ZeroDataParallel::Impl {
       bk.padded = std::max<int64_t>((bk.numel + world - 1) / world * world, world);
       bk.chunk = bk.padded / world;
       bk.offset = off;
-      bk.shard_offset = shard_off;
       bk.pending = bk.params.size();
       off += bk.padded;
-      shard_off += bk.chunk;
     }
     torch::NoGradGuard ng;
     const auto dtype = params.empty() ? at::kFloat : params[0].scalar_type();
@@ -406,11 +435,7 @@ struct ZeroDataParallel::Impl {
         if (at::isFloatingType(b.second.scalar_type())) b.second.set_data(b.second.to(compute));
       }
     }
-    if (opts.stage == 1) {
-      grad_flat = symmetric_empty(*comm, flat.numel(), copts).zero_();
-    } else {
-      grad_shard = at::zeros({std::max<int64_t>(shard_off, 1)}, copts);
-    }
+    if (opts.stage == 1) grad_flat = symmetric_empty(*comm, flat.numel(), copts).zero_();
     const char* no_pool = std::getenv("TANDEM_ZERO_POOL");  // "0": ordinary memory, as before
     if (opts.stage >= 2 && device.is_cpu() && world > 1 && !(no_pool && std::string(no_pool) == "0")) {
       // Room for the scratch of the buckets in flight and the one filling, and (stage 3) for
@@ -636,7 +661,7 @@ struct ZeroDataParallel::Impl {
     }
     free_scratch(bk);
     if (bk.accum.defined()) {
-      grad_shard.narrow(0, bk.shard_offset, bk.chunk).add_(bk.accum);
+      bk.grad.add_(bk.accum);
       bk.accum = at::Tensor();
     }
   }
@@ -650,11 +675,18 @@ struct ZeroDataParallel::Impl {
     }
     while (static_cast<int>(inflight.size()) >= std::max(1, opts.max_inflight_buckets)) wait_oldest();
     if (!bk.scratch.defined()) bk.scratch = new_scratch(bk).zero_();
-    // After the first backward since zero_grad() the reduced chunk is added, not written.
-    at::Tensor out = grad_shard.narrow(0, bk.shard_offset, bk.chunk);
-    if (!grads_fresh) out = bk.accum = at::empty({bk.chunk}, grad_shard.options());
+    // The first backward since zero_grad() writes the reduced chunk, a later one adds to it. The
+    // chunk is allocated here, not kept across steps, so that forward runs without gradients.
+    at::Tensor out;
+    if (grads_fresh) {
+      out = bk.grad = at::empty({bk.chunk}, bk.shard.options());
+    } else {
+      grad_chunk(bk);  // what the reduced chunk is added to
+      out = bk.accum = at::empty({bk.chunk}, bk.shard.options());
+    }
     bk.work = comm->reduce_scatter_async(out, bk.scratch, ReduceOp::kAvg);
     inflight.push_back(b);
+    if (opts.max_inflight_buckets == 0) wait_oldest();
   }
 
   void finalize() {
@@ -700,6 +732,7 @@ struct ZeroDataParallel::Impl {
       for (auto& bk : buckets) free_scratch(bk);
     }
     release_all();
+    pool.release_pages();
     for (auto& bk : buckets) bk.pending = bk.params.size();
     std::fill(ready.begin(), ready.end(), 0);
     next_bucket = 0;
@@ -808,7 +841,10 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
   if (opts.bucket_cap_bytes <= 0) throw std::invalid_argument("ZeRO bucket_cap_bytes must be positive");
   if (opts.max_grad_norm < 0) throw std::invalid_argument("ZeRO max_grad_norm must be >= 0 (0 = off)");
   if (opts.prefetch < 0) throw std::invalid_argument("ZeRO prefetch must be >= 0 (0 = gather each unit when needed)");
-  if (opts.max_inflight_buckets < 1) throw std::invalid_argument("ZeRO max_inflight_buckets must be >= 1");
+  if (opts.max_inflight_buckets < -1) {
+    throw std::invalid_argument("ZeRO max_inflight_buckets must be >= 0 (0: each reduce-scatter finishes before "
+                                "backward goes on), or -1 for the default");
+  }
   if (opts.init_shard && opts.stage < 3) {
     throw std::invalid_argument("ZeRO-" + std::to_string(opts.stage) +
                                 " holds whole parameters: set them before, not through init_shard (stage 3 only)");
@@ -850,6 +886,10 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
   detail::check_same_model(*I.comm, I.names, I.params, I.buffers, "ZeroDataParallel");
   detail::broadcast_from_rank0(*I.comm, I.params, I.buffers, /*include_params=*/true);
   for (auto& p : I.params) I.psi += p.numel();
+  if (I.opts.max_inflight_buckets < 0) {
+    const bool cpu = I.params.empty() || I.params[0].device().is_cpu();
+    I.opts.max_inflight_buckets = I.opts.stage == 3 && cpu ? 0 : 2;
+  }
   I.build_layout();
   I.opts.init_shard = nullptr;  // used once: what it holds (a mapped checkpoint) goes now
   I.build_optimizer();
@@ -935,7 +975,11 @@ void ZeroDataParallel::zero_grad() {
       if (g.defined() && !same_view(g, I.grad_view(i))) g.zero_();
     }
   } else {
-    I.grad_shard.zero_();
+    // The chunks go (forward runs without them, as PyTorch's set_to_none); launch() makes new ones.
+    for (auto& bk : I.buckets) {
+      bk.grad = at::Tensor();
+      bk.master.mutable_grad() = at::Tensor();
+    }
     for (auto& p : I.params) p.mutable_grad() = at::Tensor();
   }
 }
@@ -1099,8 +1143,8 @@ ZeroMemory ZeroDataParallel::memory() const {
     for (auto& bk : I.buckets)
       m.parameter_bytes += nbytes(bk.shard) + (bk.state == Gather::kFree ? 0 : nbytes(bk.full));
   }
-  m.gradient_bytes = nbytes(I.grad_flat) + nbytes(I.grad_shard);
-  for (auto& bk : I.buckets) m.gradient_bytes += nbytes(bk.scratch) + nbytes(bk.accum);
+  m.gradient_bytes = nbytes(I.grad_flat);
+  for (auto& bk : I.buckets) m.gradient_bytes += nbytes(bk.grad) + nbytes(bk.scratch) + nbytes(bk.accum);
   for (size_t i = 0; i < I.params.size(); ++i) {
     const auto& g = I.params[i].grad();
     if (g.defined() && !(I.grad_flat.defined() && same_view(g, I.grad_view(i)))) m.gradient_bytes += nbytes(g);
