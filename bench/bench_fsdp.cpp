@@ -5,12 +5,13 @@
 //   bench_fsdp --mode ddp|zero3|zero3_ac [--layers 8] [--d-model 256] [--heads 4] [--seq 128]
 //              [--vocab 512] [--batch 8] [--steps 6] [--warmup 2]
 // Prints one JSON line on rank 0 with the slowest rank's median step ms and, per rank, the metric
-// bench/torch_fsdp_cpu.py measures the same way: the peak of the bytes held through malloc
-// (bench/heap_peak.c, LD_PRELOADed) during the timed steps, above what was held just before the
-// model was built (so the model, its state and a step's transients count, its construction not),
-// and this rank's proportional share of its resident shared mappings (MPI's segments, DDP's and
-// ZeRO's symmetric blocks, which that meter does not see) after the steps. Beside them Tandem's own figures:
-// MemoryMeter's activation peak above a step's start, the model state held, the gathered peak,
+// bench/torch_fsdp_cpu.py measures the same way (bench/heap_peak.c, LD_PRELOADed): during the
+// timed steps, the peak of the bytes held through malloc plus this rank's share of the resident
+// pages of its shared mappings (MPI's segments, DDP's and ZeRO's symmetric blocks, which malloc
+// does not see), sampled together, above the heap held just before the model was built (so the
+// model, its state and a step's transients count, its construction not); the heap's peak alone;
+// and the shared mappings' Pss after the steps. Beside them Tandem's own figures:
+// MemoryMeter's activation peak above a step's start, the model state held at that start, the gathered peak,
 // and tandem plan's per-rank prediction for the layout.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -157,13 +158,21 @@ int main(int argc, char** argv) {
     loss_last = loss;
   }
   const auto st = eng.stats();
+  // The model state held at a step's start, which MemoryMeter's peak is measured above:
+  // parameters, optimizer state, and the gradients of a strategy that keeps them across steps
+  // (DDP's buckets; ZeRO-2/3 free theirs in zero_grad() and count them in the peak when alive).
+  eng.zero_grad();
+  const auto at_start = eng.stats();
   // Per rank: heap peak above the start, activation peak, model state, gathered peak, step ms,
-  // shared memory resident, ZeRO's block reserved.
+  // shared memory resident after the steps, ZeRO's block reserved, heap + shared peak.
   const int64_t heap = heap_base < 0 ? -1 : heap_call("heap_peak_bytes") - heap_base;
+  const int64_t total = heap_base < 0 ? -1 : heap_call("heap_peak_total") - heap_base;
   auto mine = torch::tensor({static_cast<double>(heap), static_cast<double>(st.peak_activation_bytes),
-                             static_cast<double>(st.parameter_bytes + st.gradient_bytes + st.optimizer_state_bytes),
+                             static_cast<double>(at_start.parameter_bytes + at_start.gradient_bytes +
+                                                 at_start.optimizer_state_bytes),
                              static_cast<double>(st.peak_gathered_bytes), median(ms),
-                             static_cast<double>(shared_resident_bytes()), static_cast<double>(st.zero_pool_bytes)},
+                             static_cast<double>(shared_resident_bytes()), static_cast<double>(st.zero_pool_bytes),
+                             static_cast<double>(total)},
                             torch::kDouble);
   auto all = torch::zeros({world, mine.numel()}, torch::kDouble);
   eng.world()->allgather(all.view({-1}), mine);
@@ -181,6 +190,7 @@ int main(int argc, char** argv) {
                      {"steps", steps},
                      {"parameters", params},
                      {"median_ms", *std::max_element(step_ms.begin(), step_ms.end())},
+                     {"peak_bytes", col(7)},
                      {"heap_peak_bytes", col(0)},
                      {"shared_resident_bytes", col(5)},
                      {"zero_pool_bytes", col(6)},

@@ -6,14 +6,14 @@
 # gloo for PyTorch. Each repetition runs every configuration once per worker count, in an order
 # rotated from one repetition to the next; the table gives medians over the repetitions.
 #
-# Memory, measured alike on both sides, per rank: the peak of the bytes held through malloc
-# (bench/heap_peak.c, preloaded into both) during the timed steps, above what was held just before
-# the model was built (the model and its state, gradients, activations, gathered units and the
-# communication buffers that live in the heap), plus the rank's proportional share (Pss) of its
-# resident shared mappings after the steps (MPI's segments and Tandem's symmetric blocks for DDP's
-# buckets and ZeRO's scratch and gathered units, which the malloc meter does not see). Beside it,
-# Tandem's own accounting (model state held + MemoryMeter's peak above a step's start) against
-# tandem plan's prediction for the layout.
+# Memory, measured alike on both sides, per rank (bench/heap_peak.c, preloaded into both): the peak
+# during the timed steps of the bytes held through malloc plus the rank's share of the resident
+# pages of its shared mappings (MPI's segments and Tandem's symmetric blocks for DDP's buckets and
+# ZeRO's scratch and gathered units, which malloc does not see), sampled together every
+# millisecond, above the heap held just before the model was built: the model and its state,
+# gradients, activations, gathered units and communication buffers. Beside it, Tandem's own
+# accounting (model state held + MemoryMeter's peak above a step's start) against tandem plan's
+# prediction for the layout.
 #
 # Usage: bench/fsdp_compare.sh [--reps 3] [--workers "2 4"] [--build build] [--jsonl FILE]
 #                              [-- options for both sides: --d-model 256 --seq 128 --batch 8 ...]
@@ -37,7 +37,7 @@ bench="$build/bench_fsdp"
 [[ -x $python ]] || { echo "fsdp_compare.sh: $python is missing; scripts/setup.sh makes .venv" >&2; exit 2; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cc -O2 -shared -fPIC -o "$work/heap_peak.so" "$root/bench/heap_peak.c"
+cc -O2 -shared -fPIC -o "$work/heap_peak.so" "$root/bench/heap_peak.c" -lpthread
 out=${jsonl:-$work/runs.jsonl}
 : >"$out"
 mpirun=("$root/scripts/mpirun-local.sh" -x LD_PRELOAD="$work/heap_peak.so")
@@ -83,17 +83,17 @@ pairs = [("DDP", "ddp", "ddp", "torch DDP"), ("ZeRO-3", "zero3", "fsdp", "FSDP F
 first = runs[0] if runs else {}
 print(f"transformer: {first.get('parameters', 0):,.0f} parameters, global batch {first.get('batch')}, "
       f"{first.get('steps')} timed steps per run; medians over repetitions\n")
-print("| workers | Tandem | peer | Tandem ms | peer ms | ratio | Tandem MiB (of which shared) | peer MiB "
+print("| workers | Tandem | peer | Tandem ms | peer ms | ratio | Tandem MiB (heap alone) | peer MiB "
       "| Tandem state + act. MiB | plan predicts MiB | measured / plan |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
 for n in sorted({r["world"] for r in runs}):
     for name, tm, pm, peer in pairs:
         t, p = pick("tandem", tm, n), pick("torch", pm, n)
         tms, pms = med(t, lambda r: r["median_ms"]), med(p, lambda r: r["median_ms"])
-        def total(r):  # the rank with the most: heap peak + shared share
-            return max(h + s for h, s in zip(r["heap_peak_bytes"], r["shared_resident_bytes"])) / MiB
+        def total(r):  # the rank with the most: heap + shared share, sampled together
+            return max(r["peak_bytes"]) / MiB
         theap, pheap = med(t, total), med(p, total)
-        tshm = med(t, lambda r: max(r["shared_resident_bytes"]) / MiB)
+        tshm = med(t, lambda r: max(r["heap_peak_bytes"]) / MiB)
         own = med(t, lambda r: max(s + a for s, a in zip(r["model_state_bytes"], r["activation_peak_bytes"])) / MiB)
         plan = med(t, lambda r: sum(r["plan_bytes"]) / MiB)
         print(f"| {n} | {name} | {peer} | {fmt(tms)} | {fmt(pms)} | {fmt(tms / pms if tms and pms else None, '.2f')} "

@@ -11,10 +11,11 @@ final LayerNorm, LM head; the same shapes and operations) with AdamW on random t
 Run under mpirun (rank and world size from OMPI_COMM_WORLD_*), one thread per rank:
   python bench/torch_fsdp_cpu.py --mode MODE [--layers 8] [--d-model 256] [--heads 4] [--seq 128]
          [--vocab 512] [--batch 8] [--steps 6] [--warmup 2]
-Prints one JSON line on rank 0: the slowest rank's median step ms and, per rank, the peak of the
-bytes held through malloc (bench/heap_peak.c, LD_PRELOADed) during the timed steps above what was
-held just before the model was built, and its proportional share of resident shared mappings,
-measured exactly as bench_fsdp.cpp measures Tandem.
+Prints one JSON line on rank 0: the slowest rank's median step ms and, per rank, the memory
+bench_fsdp.cpp measures for Tandem, the same way (bench/heap_peak.c, LD_PRELOADed): the peak during
+the timed steps of the bytes held through malloc plus the rank's share of resident shared
+mappings, sampled together, above the heap held just before the model was built; the heap's peak
+alone; the shared mappings' Pss after the steps.
 """
 import argparse, ctypes, functools, json, os, statistics, time
 
@@ -153,12 +154,14 @@ def main():
             loss_first = lv
         loss_last = lv
     heap = -1 if heap_base < 0 else heap_call("heap_peak_bytes") - heap_base
-    mine = torch.tensor([heap, statistics.median(ms), shared_resident_bytes()], dtype=torch.float64)
+    total = -1 if heap_base < 0 else heap_call("heap_peak_total") - heap_base
+    mine = torch.tensor([heap, statistics.median(ms), shared_resident_bytes(), total], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     if rank == 0:
         print(json.dumps({"impl": "torch", "mode": a.mode, "world": world, "batch": a.batch, "steps": a.steps,
                           "parameters": psi, "median_ms": max(t[1].item() for t in every),
+                          "peak_bytes": [t[3].item() for t in every],
                           "heap_peak_bytes": [t[0].item() for t in every],
                           "shared_resident_bytes": [t[2].item() for t in every],
                           "loss_first": loss_first, "loss_last": loss_last, "torch": torch.__version__}), flush=True)
