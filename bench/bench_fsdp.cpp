@@ -48,8 +48,9 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// tandem plan's per-rank memory (parameters, gradients, optimizer state, activations) for this
-// shape and layout, as `tandem plan --layers ... --precision fp32` prices it.
+// tandem plan's per-rank memory (parameters, gradients, optimizer state, activations, and the
+// peak they make together) for this shape and layout, as `tandem plan --layers ... --precision
+// fp32` prices it.
 std::vector<double> plan_memory(const models::TransformerConfig& c, double params, int world, int zero, bool ac,
                                 int64_t batch) {
   auto m = plan::transformer_model(c.layers, c.d_model, c.heads, c.seq, c.vocab, params);
@@ -65,7 +66,7 @@ std::vector<double> plan_memory(const models::TransformerConfig& c, double param
   auto cl = plan::cluster_preset("local");
   cl.groups.at(0).devices_per_node = std::max(cl.groups.at(0).devices_per_node, world);
   const auto e = plan::estimate(m, cl, l, o);
-  return {e.memory.parameters, e.memory.gradients, e.memory.optimizer, e.memory.activations};
+  return {e.memory.parameters, e.memory.gradients, e.memory.optimizer, e.memory.activations, e.memory.total()};
 }
 
 // This process's proportional share (Pss: a page mapped by k processes counts 1/k) of its shared

@@ -6,6 +6,7 @@
 // Every function is deterministic; bad descriptions throw std::invalid_argument naming the field.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -43,9 +44,16 @@ struct ModelSpec {
   int64_t vocab = 0;
   // Forward FLOPs per sample; 0: transformer estimate 2*Psi*seq + 4*layers*seq^2*hidden.
   double forward_flops_per_sample = 0;
-  // Activation bytes kept for backward per sample (all layers, training precision);
-  // 0: transformer estimate per layer seq*hidden*(34 + 5*heads*seq/hidden) (16-bit, Korthikanti et al.).
+  // Activation bytes kept for backward per sample (all layers, training precision); 0: the
+  // transformer estimate of Korthikanti et al. (16-bit, per layer seq*hidden*(34 + 5*heads*seq/hidden)
+  // for Megatron's layers with dropout and unfused attention), less what the two flags below
+  // leave out.
   double activation_bytes_per_sample = 0;
+  // Transformers: backward keeps the seq x seq attention scores (unfused attention). Tandem's
+  // models call at::scaled_dot_product_attention, whose fused kernels keep none.
+  bool attention_scores = false;
+  // Transformers: dropout masks are kept (Tandem's models have no dropout).
+  bool dropout = false;
   // Children of the Sequential, in order (the dense built-ins mlp, cnn, cnn_bn); empty for
   // descriptions by shape. With them, pipeline and tensor-parallel layouts are modelled layer by layer.
   std::vector<LayerSpec> children;
@@ -220,7 +228,18 @@ struct Layout {
 
 struct MemoryBreakdown {
   double parameters = 0, gradients = 0, optimizer = 0, activations = 0;
-  double total() const { return parameters + gradients + optimizer + activations; }
+  // ZeRO-2/3 with one micro-batch per step make the gradients during backward (and free them
+  // in zero_grad()), while backward frees the activations layer by layer: the two never all
+  // coexist, and the peak is the larger of forward's end (every activation) and backward's
+  // end (every gradient and one layer's activations, `layer_activations`). Otherwise both
+  // count in full.
+  bool gradients_after_forward = false;
+  double layer_activations = 0;
+  double total() const {
+    const double step =
+        gradients_after_forward ? std::max(activations, gradients + layer_activations) : gradients + activations;
+    return parameters + optimizer + step;
+  }
 };
 
 // The ZeRO paper's model-state memory per device (Rajbhandari et al. 2020, sec. 5): with

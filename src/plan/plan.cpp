@@ -504,10 +504,14 @@ double forward_flops_per_sample(const ModelSpec& m) {
 double activation_bytes_per_sample(const ModelSpec& m, int tp) {
   if (m.activation_bytes_per_sample > 0) return m.activation_bytes_per_sample / std::max(1, tp);
   // Korthikanti et al. 2022, eq. 1-2 (16-bit, no recomputation, no sequence parallelism), per
-  // layer and sample: s*h*(10 + 24/t + 5*a*s/(h*t)).
+  // layer and sample: s*h*(10 + 24/t + 5*a*s/(h*t)). Of the 10, 2 are the two dropout masks;
+  // of the 5*a*s, 2 are the softmax's output (the scores backward needs), 1 the attention
+  // dropout's mask and 2 its output. Fused attention keeps no scores, only its output, which
+  // is the projection's input (counted in the 24).
   const double s = static_cast<double>(m.seq), h = static_cast<double>(m.hidden), a = static_cast<double>(m.heads);
   const double t = std::max(1, tp);
-  return m.layers * s * h * (10.0 + 24.0 / t + 5.0 * a * s / (h * t));
+  const double scores = m.attention_scores ? (m.dropout ? 5.0 : 2.0) * a * s / (h * t) : 0.0;
+  return m.layers * s * h * ((m.dropout ? 10.0 : 8.0) + 24.0 / t + scores);
 }
 
 void validate(const ModelSpec& m) {
@@ -795,6 +799,8 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   } else {
     e.memory.activations = act_layer * layers_here * in_flight * mb;
   }
+  e.memory.gradients_after_forward = l.zero >= 2 && mcount == 1;
+  e.memory.layer_activations = act_layer * mb;
 
   fill_stage_memory(m, stage_params, l, sb, o, e);
 

@@ -126,8 +126,9 @@ ModelSpec builtin_model(const std::string& name) {
     m.name = "transformer_tiny";
     // 2 FLOPs per weight per token (plus the LM head) and causal attention 4*T^2*d per layer.
     m.forward_flops_per_sample = 2.0 * (L * (12 * d * d) + d * v) * T + 4.0 * L * T * T * d;
-    // float32 training: twice the 16-bit figure of the Korthikanti et al. formula.
-    m.activation_bytes_per_sample = 2.0 * L * T * d * (34 + 5.0 * 4 * T / d);
+    // float32 training: twice the 16-bit figure of the Korthikanti et al. formula, without
+    // dropout masks or attention scores (no dropout; fused attention).
+    m.activation_bytes_per_sample = 2.0 * L * T * d * 32;
     return m;
   }
   // Published models. ResNets and VGG: He et al. 2016 table 1 (multiply-adds: x2 for FLOPs);

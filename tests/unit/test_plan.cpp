@@ -910,3 +910,55 @@ TEST(Plan, LocalSearchHasNoGradientAccumulation) {
   }
   EXPECT_TRUE(saw_tp);
 }
+
+// Transformer activations: Korthikanti et al.'s s*h*(10 + 24/t + 5*a*s/(h*t)) per layer (16-bit)
+// for layers with dropout and unfused attention; without dropout the two masks (2*s*h) go, and
+// with fused attention the scores (5*a*s^2 with dropout, the softmax output 2*a*s^2 without).
+TEST(Plan, TransformerActivationsFollowDropoutAndAttention) {
+  auto m = tp::transformer_model(4, 1024, 16, 2048, 50257);
+  const double s = 2048, h = 1024, a = 16, L = 4;
+  EXPECT_DOUBLE_EQ(tp::activation_bytes_per_sample(m), L * s * h * 32);  // Tandem's models: neither
+  EXPECT_DOUBLE_EQ(tp::activation_bytes_per_sample(m, 2), L * s * h * (8 + 12));
+  m.attention_scores = true;
+  EXPECT_DOUBLE_EQ(tp::activation_bytes_per_sample(m), L * (s * h * 32 + 2 * a * s * s));
+  m.dropout = true;
+  EXPECT_DOUBLE_EQ(tp::activation_bytes_per_sample(m), L * s * h * (34 + 5 * a * s / h));
+  EXPECT_DOUBLE_EQ(tp::activation_bytes_per_sample(m, 4), L * s * h * (10 + 6 + 5 * a * s / (h * 4)));
+}
+
+// ZeRO-2/3 make the gradients in backward and free them in zero_grad(), so with one micro-batch
+// per step the peak is the larger of forward's end (activations) and backward's end (gradients
+// and one layer's activations); with accumulation (or ZeRO-0/1) the gradients live throughout.
+TEST(Plan, ZeroTwoAndThreeGradientsDoNotCoexistWithForwardsActivations) {
+  auto m = tp::transformer_model(8, 256, 4, 128, 512);
+  auto c = tp::cluster_preset("local");
+  c.groups.at(0).devices_per_node = 4;
+  tp::PlanOptions o;
+  o.global_batch = 8;
+  o.optimizer = "adamw";
+  o.precision = "fp32";
+  for (bool ckpt : {false, true}) {
+    SCOPED_TRACE(ckpt ? "activation checkpointing" : "no recomputation");
+    o.activation_checkpointing = ckpt;
+    for (int zero : {1, 3}) {
+      tp::Layout l;
+      l.dp = 2;
+      l.zero = zero;
+      l.micro_batch = 4;
+      auto e = tp::estimate(m, c, l, o);
+      ASSERT_TRUE(e.feasible) << e.why;
+      const auto& b = e.memory;
+      const double layer = tp::activation_bytes_per_sample(m) * 2 / 8 * 4;  // fp32: twice; 4 samples
+      EXPECT_DOUBLE_EQ(b.layer_activations, layer);
+      const double state = b.parameters + b.optimizer;
+      EXPECT_DOUBLE_EQ(b.total(), zero == 3 ? state + std::max(b.activations, b.gradients + layer)
+                                            : state + b.gradients + b.activations);
+      l.micro_batch = 2;
+      l.micro_batches = 2;  // accumulation: the first micro-batch's gradients live through the second's forward
+      auto acc = tp::estimate(m, c, l, o);
+      ASSERT_TRUE(acc.feasible) << acc.why;
+      EXPECT_DOUBLE_EQ(acc.memory.total(),
+                       acc.memory.parameters + acc.memory.optimizer + acc.memory.gradients + acc.memory.activations);
+    }
+  }
+}

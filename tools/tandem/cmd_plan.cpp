@@ -117,6 +117,7 @@ int cmd_plan(int argc, char** argv) {
                "tandem plan"};
   std::string model_name, cluster_name = "local", device_name, intra_name, inter_name, mixed;
   double params = 0, flops_per_sample = 0, act_bytes = 0;
+  bool attention_scores = false, dropout = false;
   int64_t layers = 0, hidden = 0, heads = 0, seq = 0, vocab = 0;
   int nodes = -1, per_node = -1;
   double memory_gb = -1, tflops = 0, tflops_fp32 = 0, mfu = 0, mem_bw_gbps = 0;
@@ -143,6 +144,10 @@ int cmd_plan(int argc, char** argv) {
   app.add_option("--vocab", vocab, "custom model: vocabulary size");
   app.add_option("--flops-per-sample", flops_per_sample, "forward FLOPs per sample (default: from the shape)");
   app.add_option("--activation-bytes", act_bytes, "activation bytes per sample kept for backward (float32)");
+  app.add_flag("--attention-scores", attention_scores,
+               "transformer: backward keeps the seq x seq attention scores (unfused attention; Tandem's "
+               "models use fused scaled_dot_product_attention, which keeps none)");
+  app.add_flag("--dropout", dropout, "transformer: dropout masks are kept for backward (Tandem's models have none)");
   app.add_option("--cluster", cluster_name,
                  "cluster preset: local, h200x8, h100-ib, a100-ib, a100-eth, "
                  "mixed-a100-h100, horovod-p100, goyal-p100, ...")
@@ -314,6 +319,8 @@ int cmd_plan(int argc, char** argv) {
   }
   if (flops_per_sample != 0) m.forward_flops_per_sample = flops_per_sample;
   if (act_bytes != 0) m.activation_bytes_per_sample = act_bytes;
+  m.attention_scores = m.attention_scores || attention_scores;
+  m.dropout = m.dropout || dropout;
   validate(m);
 
   // --- options
