@@ -6,7 +6,8 @@
 # gloo for PyTorch. Each repetition runs every configuration once per worker count, in an order
 # rotated from one repetition to the next; the table gives medians over the repetitions.
 #
-# Memory, measured alike on both sides, per rank (bench/heap_peak.c, preloaded into both): the peak
+# Step time: the slowest rank's median step, from a run without the memory meter. Memory, from a
+# second run right after it, measured alike on both sides, per rank (bench/heap_peak.c, preloaded into both): the peak
 # during the timed steps of the bytes held through malloc plus the rank's share of the resident
 # pages of its shared mappings (MPI's segments and Tandem's symmetric blocks for DDP's buckets and
 # ZeRO's scratch and gathered units, which malloc does not see), sampled together every
@@ -40,7 +41,8 @@ trap 'rm -rf "$work"' EXIT
 cc -O2 -shared -fPIC -o "$work/heap_peak.so" "$root/bench/heap_peak.c" -lpthread
 out=${jsonl:-$work/runs.jsonl}
 : >"$out"
-mpirun=("$root/scripts/mpirun-local.sh" -x LD_PRELOAD="$work/heap_peak.so")
+mpirun=("$root/scripts/mpirun-local.sh")
+meter=(-x LD_PRELOAD="$work/heap_peak.so")
 
 configs=(tandem:ddp torch:ddp tandem:zero3 torch:fsdp tandem:zero3_ac torch:fsdp_ac)
 port=29600
@@ -51,18 +53,26 @@ for ((r = 0; r < reps; r++)); do
       impl=${c%%:*} mode=${c#*:}
       port=$((port + 1))
       if [[ $impl == tandem ]]; then
-        cmd=("${mpirun[@]}" -n "$n" "$bench" --mode "$mode" "${shape[@]}")
+        cmd=(-n "$n" "$bench" --mode "$mode" "${shape[@]}")
       else
-        cmd=("${mpirun[@]}" -x MASTER_PORT=$port -n "$n" "$python" "$root/bench/torch_fsdp_cpu.py" --mode "$mode" "${shape[@]}")
+        cmd=(-x MASTER_PORT=$port -n "$n" "$python" "$root/bench/torch_fsdp_cpu.py" --mode "$mode" "${shape[@]}")
       fi
-      line=$("${cmd[@]}" 2>"$work/err" | grep '^{' | tail -1) || true
-      if [[ -z $line ]]; then
-        echo "fsdp_compare.sh: no result from: ${cmd[*]}" >&2
+      # Timed without the meter (its sampler costs each rank a share of a core, more where more
+      # shared memory is mapped), then measured with it; one line with both.
+      timed=$("${mpirun[@]}" "${cmd[@]}" 2>"$work/err" | grep '^{' | tail -1) || true
+      metered=$("${mpirun[@]}" "${meter[@]}" "${cmd[@]}" 2>>"$work/err" | grep '^{' | tail -1) || true
+      if [[ -z $timed || -z $metered ]]; then
+        echo "fsdp_compare.sh: no result from: ${mpirun[*]} ${cmd[*]}" >&2
         tail -5 "$work/err" >&2
         continue
       fi
+      line=$(printf '%s\n%s\n' "$timed" "$metered" | "$python" -c '
+import json, sys
+timed, metered = (json.loads(l) for l in sys.stdin)
+metered["metered_ms"], metered["median_ms"] = metered["median_ms"], timed["median_ms"]
+print(json.dumps(metered))')
       echo "$line" >>"$out"
-      echo "rep $r, $n workers, $impl $mode: $(echo "$line" | "$python" -c 'import json,sys; print(round(json.load(sys.stdin)["median_ms"], 1), "ms")')" >&2
+      echo "rep $r, $n workers, $impl $mode: $(echo "$line" | "$python" -c 'import json,sys; j = json.load(sys.stdin); print(round(j["median_ms"], 1), "ms; metered", round(j["metered_ms"], 1))')" >&2
     done
   done
 done
@@ -95,7 +105,7 @@ for n in sorted({r["world"] for r in runs}):
         theap, pheap = med(t, total), med(p, total)
         tshm = med(t, lambda r: max(r["heap_peak_bytes"]) / MiB)
         own = med(t, lambda r: max(s + a for s, a in zip(r["model_state_bytes"], r["activation_peak_bytes"])) / MiB)
-        plan = med(t, lambda r: sum(r["plan_bytes"]) / MiB)
+        plan = med(t, lambda r: r["plan_bytes"][4] / MiB)  # the planned peak
         print(f"| {n} | {name} | {peer} | {fmt(tms)} | {fmt(pms)} | {fmt(tms / pms if tms and pms else None, '.2f')} "
               f"| {fmt(theap)} ({fmt(tshm)}) | {fmt(pheap)} | {fmt(own)} | {fmt(plan)} | {fmt(own / plan if own and plan else None, '.2f')} |")
 print(f"\ncommand: {sys.argv[2]}")
