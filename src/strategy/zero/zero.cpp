@@ -207,7 +207,6 @@ struct ZeroDataParallel::Impl {
   std::vector<char> ready;
   size_t next_bucket = 0;
   bool callback_queued = false;
-  bool grads_fresh = true;      // no backward since zero_grad(): reduce-scatter overwrites
   bool no_sync = false;         // stage 1 under no_sync(): backward only accumulates locally
   bool owned_summed = false;    // stage 1: the owned chunks hold sums over ranks, not means
   std::deque<size_t> inflight;  // stages 2, 3: launched, scratch still held
@@ -675,15 +674,11 @@ struct ZeroDataParallel::Impl {
     }
     while (static_cast<int>(inflight.size()) >= std::max(1, opts.max_inflight_buckets)) wait_oldest();
     if (!bk.scratch.defined()) bk.scratch = new_scratch(bk).zero_();
-    // The first backward since zero_grad() writes the reduced chunk, a later one adds to it. The
-    // chunk is allocated here, not kept across steps, so that forward runs without gradients.
-    at::Tensor out;
-    if (grads_fresh) {
-      out = bk.grad = at::empty({bk.chunk}, bk.shard.options());
-    } else {
-      grad_chunk(bk);  // what the reduced chunk is added to
-      out = bk.accum = at::empty({bk.chunk}, bk.shard.options());
-    }
+    // The first backward to reach the bucket since zero_grad() writes its reduced chunk, a later
+    // one adds to it. The chunk is made here, not kept across steps, so that forward runs
+    // without gradients.
+    at::Tensor& out = bk.grad.defined() ? bk.accum : bk.grad;
+    out = at::empty({bk.chunk}, bk.shard.options());
     bk.work = comm->reduce_scatter_async(out, bk.scratch, ReduceOp::kAvg);
     inflight.push_back(b);
     if (opts.max_inflight_buckets == 0) wait_oldest();
@@ -736,7 +731,6 @@ struct ZeroDataParallel::Impl {
     for (auto& bk : buckets) bk.pending = bk.params.size();
     std::fill(ready.begin(), ready.end(), 0);
     next_bucket = 0;
-    grads_fresh = false;
     if (err) std::rethrow_exception(err);
   }
 
@@ -966,7 +960,6 @@ at::Tensor ZeroDataParallel::scale_loss(const at::Tensor& loss) const {
 void ZeroDataParallel::zero_grad() {
   torch::NoGradGuard ng;
   auto& I = *impl_;
-  I.grads_fresh = true;
   I.owned_summed = false;
   if (I.opts.stage == 1) {
     I.grad_flat.zero_();
