@@ -322,13 +322,15 @@ TEST(Llama, EachRankReadsOnlyItsStageAndShards) {
   EXPECT_LT(for_stage.bytes_read(), bytes_of(*whole) / 2);
 
   auto tp = tandem::make_thread_communicators(2, tandem::CommOptions{});
+  // The Sequential's child 2 is the checkpoint's decoder layer 1.
+  const auto layer1 = [](const std::string& name) { return "model.layers.1." + name; };
   const auto& dense = *whole->ptr(2)->as<ll::SequentialDecoderLayerImpl>();
   const auto& random = *fresh->ptr(2)->as<ll::SequentialDecoderLayerImpl>();
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("tp rank " + std::to_string(r));
     ll::ParallelDecoderLayer cut(dense, tp[r]), read(random, tp[r]);
     const st::Checkpoint for_rank(d.path);
-    ll::load_local_weights(*read, for_rank, r, 2, [](const std::string& n) { return "model.layers.1." + n; });
+    ll::load_local_weights(*read, for_rank, r, 2, layer1);
     expect_same_parameters(*read, *cut);
     EXPECT_EQ(for_rank.bytes_read(), bytes_of(*read));
     EXPECT_LT(for_rank.bytes_read(), bytes_of(dense) * 2 / 3);
@@ -344,22 +346,19 @@ TEST(Llama, EachRankReadsOnlyItsStageAndShards) {
       for (auto [first, count] : {std::pair<int64_t, int64_t>{0, n}, {3, n / 2}, {n / 3, n - n / 3}, {n - 1, 1}}) {
         const st::Checkpoint from(d.path);
         auto dest = torch::zeros({count});
-        ASSERT_TRUE(ll::load_flat_part(from, p.key(), p.value().sizes(), r, 2, first, dest,
-                                       [](const std::string& n) { return "model.layers.1." + n; }));
+        ASSERT_TRUE(ll::load_flat_part(from, p.key(), p.value().sizes(), r, 2, first, dest, layer1));
         EXPECT_TRUE(same_bits(dest, flat.narrow(0, first, count))) << p.key() << " from " << first;
         EXPECT_EQ(from.bytes_read(), 4 * count) << p.key();
       }
       auto past = torch::zeros({2});
-      EXPECT_THROW(ll::load_flat_part(st::Checkpoint(d.path), p.key(), p.value().sizes(), r, 2, n - 1, past,
-                                      [](const std::string& n) { return "model.layers.1." + n; }),
+      EXPECT_THROW(ll::load_flat_part(st::Checkpoint(d.path), p.key(), p.value().sizes(), r, 2, n - 1, past, layer1),
                    std::out_of_range);
     }
   }
   // A shard read as if there were no tensor parallelism is refused, naming the tensor.
   ll::ParallelDecoderLayer shard(random, tp[0]);
   try {
-    ll::load_local_weights(*shard, st::Checkpoint(d.path), 0, 1,
-                           [](const std::string& n) { return "model.layers.1." + n; });
+    ll::load_local_weights(*shard, st::Checkpoint(d.path), 0, 1, layer1);
     FAIL() << "expected std::runtime_error";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("model.layers.1."), std::string::npos) << e.what();
