@@ -411,34 +411,6 @@ torch::Tensor ParallelDecoderLayerImpl::forward(const torch::Tensor& x) {
   return h + mlp(post_attention_layernorm(h));
 }
 
-void ParallelDecoderLayerImpl::gather_into(torch::nn::Module& dense, Communicator& tp) const {
-  auto* d = dense.as<DecoderLayerImpl>();
-  if (!d) throw std::invalid_argument("Llama: ParallelDecoderLayer gathers into a DecoderLayer, not another module");
-  torch::NoGradGuard ng;
-  auto set = [](const torch::Tensor& to, const torch::Tensor& from) {
-    TORCH_CHECK(to.sizes() == from.sizes(), "Llama: a tensor-parallel decoder layer gathers to ", from.sizes(),
-                ", the dense layer has ", to.sizes(), " (another configuration?)");
-    to.copy_(from);
-  };
-  auto column = [&](const torch::nn::Linear& to, const tp::ColumnParallelLinear& from) {
-    set(to->weight, tp::gather_shards(from->weight, 0, tp));
-    if (to->bias.defined()) set(to->bias, tp::gather_shards(from->bias, 0, tp));
-  };
-  auto row = [&](const torch::nn::Linear& to, const tp::RowParallelLinear& from) {
-    set(to->weight, tp::gather_shards(from->weight, 1, tp));
-    if (to->bias.defined()) set(to->bias, from->bias);
-  };
-  column(d->self_attn->q_proj, self_attn->q_proj);
-  column(d->self_attn->k_proj, self_attn->k_proj);
-  column(d->self_attn->v_proj, self_attn->v_proj);
-  row(d->self_attn->o_proj, self_attn->o_proj);
-  column(d->mlp->gate_proj, mlp->gate_proj);
-  column(d->mlp->up_proj, mlp->up_proj);
-  row(d->mlp->down_proj, mlp->down_proj);
-  set(d->input_layernorm->weight, input_layernorm->weight);
-  set(d->post_attention_layernorm->weight, post_attention_layernorm->weight);
-}
-
 torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr& tp) {
   // tp::tensor_parallel checks every decoder layer (check_tensor_parallel) before any collective.
   tp::TensorParallelOptions o;
@@ -571,88 +543,14 @@ void check_weights(const torch::nn::Module& module, const safetensors::Checkpoin
   }
 }
 
-namespace {
-// The dimension along which a parameter of shape `local` on tp rank `rank` of `size` holds a
-// block of checkpoint tensor `name`: -1 when it holds all of it, else the one dimension `size`
-// divides (Megatron's cut: column-parallel rows, row-parallel columns, vocabulary rows).
-int64_t cut_dim(const safetensors::Checkpoint& checkpoint, const std::string& name, c10::IntArrayRef local, int rank,
-                int size) {
-  const auto& whole = checkpoint.info(name).shape;
-  if (local == c10::IntArrayRef(whole)) return -1;
-  if (size > 1 && local.size() == whole.size()) {
-    for (size_t d = 0; d < whole.size(); ++d) {
-      bool block = whole[d] == local[d] * size;
-      for (size_t e = 0; e < whole.size() && block; ++e) block = e == d || whole[e] == local[e];
-      if (block) return static_cast<int64_t>(d);
-    }
-  }
-  throw std::runtime_error("Llama checkpoint: tensor '" + name + "' has shape " + c10::str(c10::IntArrayRef(whole)) +
-                           ", of which a parameter of shape " + c10::str(local) + " on tensor-parallel rank " +
-                           std::to_string(rank) + " of " + std::to_string(size) +
-                           " is no block; is it a checkpoint of this configuration?");
-}
-
-// The part of checkpoint tensor `name` that a parameter of shape `local` holds (cut_dim).
-at::Tensor read_part(const safetensors::Checkpoint& checkpoint, const std::string& name, c10::IntArrayRef local,
-                     int rank, int size) {
-  const auto d = cut_dim(checkpoint, name, local, rank, size);
-  if (d < 0) return checkpoint.get(name);
-  return checkpoint.read_slice(name, d, rank * local[d], (rank + 1) * local[d]);
-}
-}  // namespace
-
-std::vector<FlatRange> block_flat_ranges(c10::IntArrayRef whole, c10::IntArrayRef local, int64_t dim, int rank,
-                                         int64_t first, int64_t count) {
-  if (dim < 0) return count > 0 ? std::vector<FlatRange>{{first, count}} : std::vector<FlatRange>{};
-  // Row-major: the block is `outer` runs, each `run` contiguous elements of the local tensor,
-  // at stride `stride` in the whole one, the first starting at rank's offset along `dim`.
-  int64_t inner = 1;
-  for (size_t e = static_cast<size_t>(dim) + 1; e < whole.size(); ++e) inner *= whole[e];
-  const int64_t run = local[dim] * inner, stride = whole[dim] * inner, start = rank * run;
-  std::vector<FlatRange> out;
-  for (int64_t i = first, end = first + count; i < end;) {
-    const int64_t o = i / run, within = i % run, n = std::min(run - within, end - i);
-    out.push_back({o * stride + start + within, n});
-    i += n;
-  }
-  return out;
-}
-
-void load_local_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, int tp_rank, int tp_size,
-                        const std::function<std::string(const std::string&)>& to_hf) {
-  torch::NoGradGuard no_grad;
-  for (auto& p : module.named_parameters(/*recurse=*/true)) {
-    const auto name = source_of(p.key(), checkpoint, to_hf);
-    if (name.empty()) continue;
-    p.value().copy_(read_part(checkpoint, name, p.value().sizes(), tp_rank, tp_size));
-  }
-}
-
-bool load_flat_part(const safetensors::Checkpoint& checkpoint, const std::string& name, c10::IntArrayRef local,
-                    int tp_rank, int tp_size, int64_t first, at::Tensor dest,
-                    const std::function<std::string(const std::string&)>& to_hf) {
-  const auto source = source_of(name, checkpoint, to_hf);
-  if (source.empty()) return false;
-  const auto dim = cut_dim(checkpoint, source, local, tp_rank, tp_size);
-  auto flat = dest.view({-1});
-  // Checked here: a range past the block could still lie inside the tensor (another rank's).
-  if (first < 0 || first + flat.numel() > c10::multiply_integers(local))
-    throw std::out_of_range("Llama checkpoint: " + std::to_string(flat.numel()) + " elements from element " +
-                            std::to_string(first) + " of parameter '" + name + "' of shape " + c10::str(local) +
-                            " are outside it");
-  torch::NoGradGuard no_grad;
-  int64_t at = 0;
-  for (const auto& r : block_flat_ranges(checkpoint.info(source).shape, local, dim, tp_rank, first, flat.numel())) {
-    flat.narrow(0, at, r.count).copy_(checkpoint.read_flat(source, r.first, r.count));
-    at += r.count;
-  }
-  return true;
-}
-
 void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, bool allow_unused,
                   const std::function<std::string(const std::string&)>& to_hf) {
   check_weights(module, checkpoint, allow_unused, to_hf);
-  load_local_weights(module, checkpoint, 0, 1, to_hf);
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.named_parameters(/*recurse=*/true)) {
+    const auto name = source_of(p.key(), checkpoint, to_hf);
+    if (!name.empty()) p.value().copy_(checkpoint.get(name));
+  }
 }
 
 LlamaForCausalLM load_causal_lm(const std::string& dir) {

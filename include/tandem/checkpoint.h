@@ -2,14 +2,16 @@
 // the one API for every layout; a loop of its own over a replicated model (one worker, DDP)
 // uses save_checkpoint/load_checkpoint below. A checkpoint is a directory `step-NNNNNNNN` under a
 // root: manifest.json (model, strategy, world size, progress, RNG, precision, loss scale,
-// optimizer, the layout of each rank's shard, and each shard file's size and checksum) and
-// one shard file per rank with what that rank owns (DDP: rank 0 holds everything; pipeline:
-// one rank per stage holds that stage). Saving is
-// atomic: files are written and fsync'ed in a temporary directory that is renamed into place
-// only when every rank succeeded, so a crash mid-save leaves the previous checkpoint intact.
-// Loading reads whatever shards it needs, checks sizes and checksums, assembles full
-// per-parameter values and optimizer state, and hands each strategy (any world size) its part;
-// every problem is a std::runtime_error naming the file, and nothing is written.
+// optimizer, each shard file's size and checksum, and for every tensor of the state its global
+// shape and the pieces the ranks wrote, each a Placement of tandem/placement.h) and one shard
+// file per rank holding its pieces. Whatever the layout, a rank writes the pieces it holds as
+// replica 0, so every element is written exactly once. Saving is atomic: files are written and
+// fsync'ed in a temporary directory that is renamed into place only when every rank succeeded,
+// so a crash mid-save leaves the previous checkpoint intact. Loading fills each piece the
+// loading rank holds from the stored pieces it overlaps, reading only the shards that hold
+// them, in any other layout; the manifest is checked first (pieces that leave an element out,
+// hold one twice or disagree on a tensor's shape are refused, naming the tensor and files), and
+// every problem is a std::runtime_error naming the file.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,10 +26,10 @@
 #include "tandem/checkpoint_meta.h"  // CheckpointMeta
 #include "tandem/comm.h"
 #include "tandem/optim.h"
+#include "tandem/placement.h"
 
 namespace torch::nn {
 class Module;
-class SequentialImpl;
 }  // namespace torch::nn
 namespace torch::optim {
 class Optimizer;
@@ -35,8 +37,6 @@ class Optimizer;
 
 namespace tandem {
 
-class Pipeline;
-class ZeroDataParallel;
 class AsyncCheckpoint;
 
 struct CheckpointSaveOptions {
@@ -87,6 +87,50 @@ struct CheckpointLoadOptions {
   bool restore_rng = true;   // restore this rank's CPU generator state (rank 0's if the rank did not exist)
 };
 
+// One piece of the state a rank holds: what a strategy reports for each parameter (its fp32
+// values, the master copy where one is kept), optimizer slot and buffer. `data` is a 1-D view of
+// the held elements, on any device, in the placement's order: a save reads it, a load writes it.
+struct StatePiece {
+  // "param/NAME", "<slot>/NAME" (optimizer state, e.g. "exp_avg/NAME"), "buffer/NAME"; NAME is
+  // the parameter's name in the whole (dense) model, whatever the layout.
+  std::string key;
+  Placement placement;
+  at::Tensor data;
+};
+
+// Appends the pieces of one parameter that an optimizer steps (`param`: the tensor it steps, the
+// fp32 master where one is kept) at `placement`: its values and every state slot it has, keyed
+// by `name`, the parameter's name in the dense model.
+void append_optimizer_pieces(std::vector<StatePiece>& out, const std::string& name, const Placement& placement,
+                             const at::Tensor& param, const torch::optim::Optimizer& opt);
+
+// Collective over `comm` (CPU tensors: pass Runtime::cpu_world()): each rank writes its pieces
+// with replica id 0; rank 0 records where every piece is. `optimizer_step` is Adam's count.
+// Throws std::invalid_argument on every rank when the pieces do not cover a tensor exactly once
+// (a strategy's bug), std::runtime_error on every rank when any rank's write failed (disk full,
+// permissions); the previous checkpoints stay.
+std::string save_state(const std::string& root, CheckpointMeta meta, const std::vector<StatePiece>& pieces,
+                       int64_t optimizer_step, Communicator& comm, const CheckpointSaveOptions& o = {});
+
+// What a load fills, for load_state.
+struct StateTarget {
+  // The whole model's parameters and buffers by name and shape: the checkpoint must hold
+  // exactly these (a pipeline stage or a shard still names the whole model).
+  std::vector<std::pair<std::string, std::vector<int64_t>>> params, buffers;
+  std::string optimizer;  // the optimizer's kind; the checkpoint's must be the same
+  // Called once the checkpoint is found to fit, before pieces(): make the optimizer's state
+  // slots (zeros, with this step count; none when `slots` is empty), for the load to write.
+  std::function<void(const std::vector<std::string>& slots, int64_t step)> prepare;
+  std::function<std::vector<StatePiece>()> pieces;
+};
+// Fills every piece of t.pieces() from the checkpoint `dir`, reading only the shards that hold
+// its elements, and restores the CPU generator state of `rank` (rank 0's when the checkpoint had
+// fewer ranks). Everything is checked before anything changes. With `comm` (collective), a rank
+// that fails (a damaged shard only it reads) makes every rank throw instead of leaving the others
+// waiting in their next collective.
+CheckpointMeta load_state(const std::string& dir, const StateTarget& t, int rank, Communicator* comm,
+                          const CheckpointLoadOptions& o = {});
+
 // Collective over `comm` (CPU tensors: pass Runtime::cpu_world()). From a module whose
 // parameters every rank holds in full (DDP, one worker): `opt` is the optimizer over the
 // module's parameters in order (or over fp32 masters of them, MixedPrecisionOptimizer).
@@ -94,21 +138,6 @@ struct CheckpointLoadOptions {
 // rank's write failed (disk full, permissions); the previous checkpoints stay.
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, torch::nn::Module& model,
                             torch::optim::Optimizer& opt, Communicator& comm, const CheckpointSaveOptions& o = {});
-// What a tensor-parallel rank trains, for its checkpoints: `parallel` is the whole model made
-// by tp::tensor_parallel() from a model of models.h, `dense` a model of the dense shape on the
-// same device used as scratch (its values are overwritten), `tp` the tensor-parallel group.
-// With `pipe`, the rank trains that pipeline's stage of `parallel`. The trained values and
-// their optimizer state come from `opt` (over the trained parameters in order, or their
-// masters) or from `zero` (ZeRO over the data-parallel replicas `dp`). `dp` is also needed with
-// `pipe`: the first tp rank of each stage's first replica writes the stage.
-struct TensorParallelState {
-  std::shared_ptr<torch::nn::SequentialImpl> parallel, dense;
-  CommPtr tp;
-  const Pipeline* pipe = nullptr;
-  torch::optim::Optimizer* opt = nullptr;
-  ZeroDataParallel* zero = nullptr;
-  CommPtr dp;
-};
 // The newest complete checkpoint under root ("" when none; incomplete ones are ignored).
 std::string latest_checkpoint(const std::string& root);
 
@@ -127,58 +156,10 @@ struct FullCheckpoint {
 // Reads every shard (checking sizes and checksums) and assembles the full state. Local.
 FullCheckpoint read_full_checkpoint(const std::string& dir);
 
-// Local (no collective): loads into a replicated module/optimizer (as for save) or into ZeRO
-// of any stage and world size; `rank` selects the RNG state to restore. Checks the model
-// name, parameter names and shapes, and optimizer kind before changing anything.
+// Local (no collective): loads into a replicated module/optimizer (as for save_checkpoint) from a
+// checkpoint of any layout; `rank` selects the RNG state to restore. Checks the model name,
+// parameter names and shapes, and optimizer kind before changing anything.
 CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, int rank,
                                const CheckpointLoadOptions& o = {});
-// ---- the per-layout forms behind tandem::Engine::save and load (tandem/engine.h). Programs
-// call the Engine, or the replicated forms above in a loop of their own; these stay visible
-// for the Engine and for tests of each layout.
-namespace detail {
-
-// From a pipeline stage (tandem/pipeline.h; data-parallel replicas of a stage hold the same
-// values): `opt` is the optimizer over pipe.parameters() (or their masters). The ranks with
-// `writer` set, exactly one per stage (e.g. those of replica 0), write their stage's parameters,
-// buffers and optimizer state; the manifest records where each is and pipe.partition().
-// Loading reassembles the whole model, so it resumes under any strategy and world size.
-// Throws std::invalid_argument on every rank when a stage has no writer or two.
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
-                            torch::optim::Optimizer& opt, bool writer, Communicator& comm,
-                            const CheckpointSaveOptions& o = {});
-// From ZeRO (any stage) over the data-parallel replicas of a pipeline stage (`zero` built over
-// pipe.stage_module() and `dp`): the stage's chunks are gathered over `dp` (collective) and the
-// replica with dp rank 0 writes the stage whole, as the other overload's writer does: the
-// checkpoint loads under any strategy and world size.
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe, ZeroDataParallel& zero,
-                            const CommPtr& dp, Communicator& comm, const CheckpointSaveOptions& o = {});
-// From ZeRO (any stage): each rank writes its chunks (fp32 masters and optimizer state).
-std::string save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero, Communicator& comm,
-                            const CheckpointSaveOptions& o = {});
-
-// Collective over `comm` (and the groups in `s`): the shards of the values and of each optimizer
-// slot are gathered over tp (and dp for ZeRO) into whole tensors; without a pipeline `comm`'s
-// rank 0 writes the whole model (a replicated checkpoint), with one each stage's writer its
-// stage (as a pipeline's). Either loads under any strategy, tensor-parallel degree and world size.
-std::string save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta, const TensorParallelState& s,
-                                            Communicator& comm, const CheckpointSaveOptions& o = {});
-
-// Into a pipeline stage: its parameters (by their names in the whole model), buffers and
-// optimizer state, from a checkpoint of any layout; the checkpoint may hold more (other stages).
-CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, torch::optim::Optimizer& opt, int rank,
-                               const CheckpointLoadOptions& o = {});
-CheckpointMeta load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,
-                               const CheckpointLoadOptions& o = {});
-// Into ZeRO over the replicas of a pipeline stage: the stage's parameters, from a checkpoint of
-// any layout (it may hold more: other stages).
-CheckpointMeta load_checkpoint(const std::string& dir, const Pipeline& pipe, ZeroDataParallel& zero, int rank,
-                               const CheckpointLoadOptions& o = {});
-// Into a tensor-parallel rank (as for save_tensor_parallel_checkpoint), from a checkpoint of any
-// layout: the whole values are cut as tp::tensor_parallel() cuts them for this tp rank,
-// optimizer state likewise. Local (no collective).
-CheckpointMeta load_tensor_parallel_checkpoint(const std::string& dir, const TensorParallelState& s, int rank,
-                                               const CheckpointLoadOptions& o = {});
-
-}  // namespace detail
 
 }  // namespace tandem

@@ -130,35 +130,28 @@ struct StepOptions {
   double loss_weight = 1.0;  // this rank's loss is multiplied by it (unequal batch shares)
 };
 
-// A piece of ZeRO-3's flat shard of one parameter, for EngineOptions::init_shard to fill.
-struct ShardPiece {
-  std::string name;            // the parameter's name as init_parameters sees it
-  std::vector<int64_t> shape;  // its shape on this rank: under --tp, its tensor-parallel block
-  int tp_rank = 0;             // this rank's place in its tp group (whose block `shape` is)
-  int tp_size = 1;
-  int64_t first = 0;  // the piece's first element in the flattened parameter (of `shape`)
-  at::Tensor dest;    // the flat view to fill
+// Initial values of parameters by their names in the dense model (EngineOptions::init_from), e.g.
+// a Hugging Face directory's safetensors files. Once the model is cut and sharded, every rank is
+// asked for exactly the elements it holds (tandem/placement.h): a pipeline stage's tensors, a
+// tensor-parallel block's rows or columns, a ZeRO-3 shard's flat range.
+class ParameterSource {
+ public:
+  virtual ~ParameterSource() = default;
+  // Whether it holds a value for `name` (and its shape); false: the parameter keeps its own.
+  virtual bool find(const std::string& name, std::vector<int64_t>* shape) const = 0;
+  // Copies elements [first, first + dest.numel()) of the flattened tensor `name` into the 1-D
+  // `dest` (converted to its dtype). Throws std::runtime_error naming what could not be read.
+  virtual void read(const std::string& name, int64_t first, at::Tensor dest) const = 0;
 };
 
 struct EngineOptions {
   // Tensor parallelism: converts the dense Sequential into its tensor-parallel form over the tp
   // group (collective). Default: tp::tensor_parallel (Linear pairs, Tandem's transformer).
   std::function<torch::nn::Sequential(torch::nn::Sequential dense, CommPtr tp)> tensor_parallel;
-  // Tensor-parallel checkpoints go through a dense model of the same shape used as scratch;
-  // this makes one (same names and shapes). Without it save/load throw for tp > 1.
-  std::function<torch::nn::Sequential()> make_dense;
-  // Fills the parameters of what runs on this rank (`local`: its pipeline stage's children under
-  // their positions, the tensor-parallel forms of tp rank `tp_rank` of `tp_size`, names those of
-  // the dense model) after the model is cut and converted, before the strategy takes them (DDP's
-  // broadcast, ZeRO's shards, the fp32 masters): e.g. from a checkpoint, each rank reading only
-  // the tensors and slices it holds. Called on every rank; the values must not depend on the
-  // data-parallel rank. Null: the model keeps the values it was given.
-  std::function<void(torch::nn::Module& local, int tp_rank, int tp_size)> init_parameters;
-  // ZeRO-3 keeps only a flat shard of each unit's parameters: this fills the shard instead of
-  // init_parameters, so that a rank reads only the elements it owns, one piece of a parameter
-  // at a time (ShardPiece; false keeps the parameter's values). The other layouts call
-  // init_parameters, so it must be set too.
-  std::function<bool(const ShardPiece& piece)> init_shard;
+  // Initial values of the parameters it holds, read by every rank for only the elements that rank
+  // holds, after the model is cut, converted and sharded (DDP's broadcast and ZeRO's shards come
+  // first, so the source's values win). Null: the model keeps the values it was given.
+  std::shared_ptr<const ParameterSource> init_from;
   // PartitionMethod::kTime: a batch of inputs whose first micro-batch is timed layer by layer.
   at::Tensor partition_sample;
   // The model's name, recorded in checkpoints; load() refuses a checkpoint of another name.

@@ -185,12 +185,10 @@ class ParallelMLPImpl : public torch::nn::Module {
 TORCH_MODULE(ParallelMLP);
 
 // The tensor-parallel SequentialDecoderLayer; its RMSNorms are the dense layer's (replicated).
-class ParallelDecoderLayerImpl : public torch::nn::Module, public tp::ParallelForm {
+class ParallelDecoderLayerImpl : public torch::nn::Module {
  public:
   ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& dense, const CommPtr& tp);
   torch::Tensor forward(const torch::Tensor& x);
-  // `dense`: a DecoderLayer of the same configuration.
-  void gather_into(torch::nn::Module& dense, Communicator& tp) const override;
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   ParallelAttention self_attn{nullptr};
   ParallelMLP mlp{nullptr};
@@ -277,44 +275,10 @@ void load_weights(torch::nn::Module& module, const safetensors::Checkpoint& chec
 
 // load_weights' checks without reading any tensor's bytes (names, shapes from the headers): the
 // same errors, for a model built whole on every rank whose ranks then read only their part
-// (load_local_weights). A parameter that `to_hf` maps to "" keeps its values (e.g. a new head).
+// (tandem::safetensors::parameter_source). A parameter that `to_hf` maps to "" keeps its values
+// (e.g. a new head).
 void check_weights(const torch::nn::Module& module, const safetensors::Checkpoint& checkpoint,
                    bool allow_unused = false, const std::function<std::string(const std::string&)>& to_hf = nullptr);
-
-// Copies every parameter of `module`, what runs on one rank (a pipeline stage's layers, the
-// tensor-parallel forms of tandem/tensor_parallel.h and ParallelDecoderLayer), from the part of
-// the checkpoint tensor it holds, reading only that part's bytes: a parameter of the tensor's
-// shape takes all of it; one whose shape is the tensor's with one dimension divided by tp_size
-// is block tp_rank along that dimension (Megatron's cut: column-parallel rows, row-parallel
-// columns, vocabulary rows). A parameter that `to_hf` maps to "" is skipped. Throws
-// std::runtime_error naming the checkpoint tensor when it is missing or its shape does not
-// correspond. The checkpoint's unused tensors are not checked here (check_weights does).
-void load_local_weights(torch::nn::Module& module, const safetensors::Checkpoint& checkpoint, int tp_rank, int tp_size,
-                        const std::function<std::string(const std::string&)>& to_hf = nullptr);
-
-// A run of `count` elements from element `first` of a flattened tensor.
-struct FlatRange {
-  int64_t first = 0;
-  int64_t count = 0;
-};
-
-// Where elements [first, first + count) of the flattened block that tp rank `rank` holds of a
-// tensor of shape `whole` lie in the flattened tensor, in order: the block has shape `local`,
-// `whole` with dimension `dim` divided by the tp size (dim -1: the whole tensor). A block of
-// rows (dim 0) gives one range; a block of columns, one per row it covers, each clipped.
-std::vector<FlatRange> block_flat_ranges(c10::IntArrayRef whole, c10::IntArrayRef local, int64_t dim, int rank,
-                                         int64_t first, int64_t count);
-
-// Copies elements [first, first + dest.numel()) of parameter `name` of shape `local` on tp rank
-// `tp_rank` of `tp_size`, flattened, into `dest` (converted to its dtype) from the part of the
-// checkpoint tensor it holds (load_local_weights' cut), reading only those elements' bytes
-// (EngineOptions::init_shard: ZeRO-3's flat shards). Returns false, leaving `dest`, when `to_hf`
-// maps the name to "" (the parameter keeps its values). Throws std::runtime_error naming the
-// checkpoint tensor when it is missing or `local` is no block of it, std::out_of_range when the
-// range is outside it.
-bool load_flat_part(const safetensors::Checkpoint& checkpoint, const std::string& name, c10::IntArrayRef local,
-                    int tp_rank, int tp_size, int64_t first, at::Tensor dest,
-                    const std::function<std::string(const std::string&)>& to_hf = nullptr);
 
 // A causal LM from a Hugging Face directory: config.json and model.safetensors (or the shards
 // of model.safetensors.index.json).

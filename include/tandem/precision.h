@@ -92,7 +92,7 @@ class MixedPrecisionOptimizer {
   torch::optim::Optimizer& optimizer() { return *optim_; }
   // Model parallelism: this rank's parameters are part of the model, so the gradient norm that
   // clipping (and fp16's overflow check) uses is a global one: parameter i's squares are summed
-  // over `tp` when sharded[i] (tp::sharded_parameters), counted once otherwise, and the stage's
+  // over `tp` when sharded[i] (a block of a larger tensor), counted once otherwise, and the stage's
   // total is summed over `pp`; LARS and LAMB sum the norms of the sharded parameters over `tp`
   // too. Either communicator may be null (no such split). Collective in step() when
   // max_grad_norm > 0, in mixed precision, or with LARS or LAMB and `tp`.

@@ -11,11 +11,16 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
+
+namespace tandem {
+class ParameterSource;
+}
 
 namespace tandem::safetensors {
 
@@ -132,5 +137,14 @@ struct SaveOptions {
 // atomically, the index last; returns the file names written, the index included.
 std::vector<std::string> save_checkpoint(const std::string& dir, const TensorList& tensors,
                                          const SaveOptions& options = {});
+
+// The checkpoint's tensors as initial values for tandem::Engine (EngineOptions::init_from,
+// tandem/engine.h): each rank reads only the bytes of the elements it holds. `to_name` maps a
+// parameter's name in the dense model to its name in the files; "" (or a name the files lack
+// when `allow_missing`) leaves the parameter its own values. Without allow_missing, a name the
+// files lack is a std::runtime_error naming it and the directory.
+std::shared_ptr<const ParameterSource> parameter_source(
+    Checkpoint checkpoint, std::function<std::string(const std::string&)> to_name = nullptr,
+    bool allow_missing = false);
 
 }  // namespace tandem::safetensors

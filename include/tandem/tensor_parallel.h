@@ -19,6 +19,7 @@
 
 #include "tandem/comm.h"
 #include "tandem/models.h"
+#include "tandem/placement.h"
 
 namespace tandem::tp {
 
@@ -53,24 +54,17 @@ class Parallelizable {
   // Throws std::invalid_argument naming the size that `tp_size` does not divide. Called for
   // every child before any collective, so that bad input fails at once on every rank.
   virtual void check_tensor_parallel(int tp_size) const = 0;
-  // This layer's form over `tp`, cut from its current values for tp's rank; implements ParallelForm.
+  // This layer's form over `tp`, cut from its current values for tp's rank. Where its parameters
+  // lie in this layer's is said by PlacedModule (tandem/placement.h): the returned module, or its
+  // tensor-parallel layers below, implement it.
   virtual torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const = 0;
-};
-
-// The tensor-parallel form of a Parallelizable layer: gather_to_dense() calls gather_into with
-// the dense layer it was cut from (or one of the same shape), which receives the whole values.
-class ParallelForm {
- public:
-  virtual ~ParallelForm() = default;
-  // Collective over `tp`; throws std::invalid_argument when `dense` is not of the cut layer's kind.
-  virtual void gather_into(torch::nn::Module& dense, Communicator& tp) const = 0;
 };
 
 // ---- layers ----
 
 // y = x W^T + b with W's output rows split: rank r holds rows [r*out/tp, (r+1)*out/tp). Input
 // replicated, output split along the last dim (or gathered when gather_output).
-class ColumnParallelLinearImpl : public torch::nn::Module {
+class ColumnParallelLinearImpl : public torch::nn::Module, public PlacedModule {
  public:
   // Shards a dense layer (same weights expected on every tp rank).
   ColumnParallelLinearImpl(const torch::nn::Linear& dense, CommPtr tp, bool gather_output = false);
@@ -83,33 +77,41 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   // Gathers in evaluation mode (eval()) even without gather_output: an LM head whose training
   // loss is vocab_parallel_cross_entropy, scored on one rank in evaluation.
   bool gather_in_eval = false;
+  // The dense rows are this many equal sections (a fused q|k|v projection), and this rank holds
+  // its block of each, stacked: the rows' placement (tandem/placement.h).
+  int64_t sections = 1;
+  // weight and bias: block tp rank of the output rows (of each section).
+  std::vector<ParameterPlacement> parameter_placements() const override;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
 // y = x W^T + b with W's input columns split: rank r holds columns [r*in/tp, (r+1)*in/tp); the
 // input is split along its last dim (input_is_parallel, e.g. a ColumnParallelLinear's output) or
 // replicated (then this rank takes its slice); the output is all-reduced; the bias is replicated.
-class RowParallelLinearImpl : public torch::nn::Module {
+class RowParallelLinearImpl : public torch::nn::Module, public PlacedModule {
  public:
   RowParallelLinearImpl(const torch::nn::Linear& dense, CommPtr tp, bool input_is_parallel = true);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight, bias;
   CommPtr tp;
   bool input_is_parallel;
+  // weight: block tp rank of the input columns; bias: whole on every tp rank.
+  std::vector<ParameterPlacement> parameter_placements() const override;
 };
 TORCH_MODULE(RowParallelLinear);
 
 // Embedding with the vocabulary split: rank r holds rows [r*V/tp, (r+1)*V/tp); ids outside give
 // zeros locally and the partial results are all-reduced. The dense layer's padding_idx row gets
 // no gradient here either.
-class VocabParallelEmbeddingImpl : public torch::nn::Module {
+class VocabParallelEmbeddingImpl : public torch::nn::Module, public PlacedModule {
  public:
   VocabParallelEmbeddingImpl(const torch::nn::Embedding& dense, CommPtr tp);
   torch::Tensor forward(const torch::Tensor& ids);
   torch::Tensor weight;
   CommPtr tp;
   int64_t vocab_begin = 0, vocab_end = 0;
-  int64_t padding_idx = -1;  // global id; -1: none
+  int64_t padding_idx = -1;                                               // global id; -1: none
+  std::vector<ParameterPlacement> parameter_placements() const override;  // rows [vocab_begin, vocab_end)
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
@@ -153,7 +155,7 @@ TORCH_MODULE(ParallelSelfAttention);
 // models::TransformerBlock, tensor-parallel: x + attn(ln1(x)), then + mlp(ln2(x)); layer norms
 // replicated. Two all-reduces forward, two backward. A padded block ([B, T, D + 1], the mask in
 // the last channel) stays padded.
-class ParallelTransformerBlockImpl : public torch::nn::Module {
+class ParallelTransformerBlockImpl : public torch::nn::Module, public PlacedModule {
  public:
   ParallelTransformerBlockImpl(const models::TransformerBlockImpl& dense, CommPtr tp);
   torch::Tensor forward(const torch::Tensor& x);
@@ -161,6 +163,8 @@ class ParallelTransformerBlockImpl : public torch::nn::Module {
   ParallelSelfAttention attn{nullptr};
   ParallelMLP mlp{nullptr};
   bool padded = false;
+  // Its projections' blocks under models::TransformerBlock's names (attn.qkv -> qkv, mlp.fc1 -> fc1).
+  std::vector<ParameterPlacement> parameter_placements() const override;
 };
 TORCH_MODULE(ParallelTransformerBlock);
 
@@ -188,21 +192,5 @@ struct TensorParallelOptions {
 // is still a flat Sequential with the same children, so a Pipeline can cut it. Throws
 // std::invalid_argument for heads, vocabulary or widths not divisible by the tp size.
 torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, TensorParallelOptions opts = {});
-
-// The inverse, for saving: writes the full values of the tensor-parallel transformer `parallel`
-// (made by tensor_parallel(dense, tp), then trained) into the parameters of `dense` (that model
-// or another of the same shape), gathering the sharded ones over `tp` (collective; every tp rank
-// ends with the full values; a ParallelForm child gathers itself); replicated children are copied. Children in
-// [first, end) only (e.g. a pipeline stage's); end < 0: all. Throws std::invalid_argument when
-// the two models do not correspond.
-void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense, const CommPtr& tp, int64_t first = 0,
-                     int64_t end = -1);
-
-// For each parameter of children [first, end) of `parallel` (end < 0: all), in parameters()
-// order: whether it is a shard (a slice of a dense parameter, different on every tp rank: the
-// weights of column- and row-parallel linears, a column-parallel bias, a vocabulary-parallel
-// table) or the same on every tp rank (everything else). A global gradient norm adds the
-// shards' squares over the tp ranks and counts the others once.
-std::vector<bool> sharded_parameters(torch::nn::Sequential parallel, int64_t first = 0, int64_t end = -1);
 
 }  // namespace tandem::tp

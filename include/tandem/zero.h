@@ -66,15 +66,6 @@ struct ZeroOptions {
   Precision precision = Precision::kFP32;
   LossScalerOptions loss_scaler;  // fp16 only
   ZeroOptimizerOptions optimizer;
-  // Stage 3: where this rank's shard takes its initial values, so that a rank reads only what it
-  // owns (e.g. from a checkpoint). Called at construction for each piece of a parameter in the
-  // rank's chunk of every bucket with the parameter's name (as named_parameters gives it), the
-  // piece's first element in the flattened parameter, and `dest`, a 1-D view of the shard in
-  // the parameters' dtype (the fp32 masters are taken from it) to fill with the parameter's
-  // elements [first, first + dest.numel()). Returning false keeps the parameter's own values
-  // (rank 0's) for the piece. Padding stays zero. Null: every shard is taken from the
-  // parameters. Stages 1 and 2 hold whole parameters: it must be null there.
-  std::function<bool(const std::string& name, int64_t first, at::Tensor dest)> init_shard;
 };
 
 // Per-rank bytes actually held (persistent tensors, after a step), and the ZeRO paper's model
@@ -115,26 +106,14 @@ struct ZeroMemory {
   int64_t model_total() const { return model_parameter_bytes + model_gradient_bytes + model_optimizer_state_bytes; }
 };
 
-// What one rank owns, for checkpoints (tandem/checkpoint.h): the layout that maps each
-// parameter onto the buckets, and this rank's chunk of every bucket: "param" (the fp32 master
-// values, or the parameters themselves in fp32) and the optimizer's state slots ("exp_avg",
-// "exp_avg_sq", "momentum_buffer"), each `chunk` elements, copied to the CPU. A bucket's full
-// flat vector is the ranks' chunks in rank order; parameter p is elements [offset, offset +
-// numel) of bucket `bucket`; the rest (padded - numel elements at the end) is padding.
-struct ZeroShardState {
-  struct Param {
-    std::string name;
-    std::vector<int64_t> shape;
-    int64_t bucket = 0, offset = 0, numel = 0;
-  };
-  struct Bucket {
-    int64_t numel = 0, padded = 0, chunk = 0;
-    std::map<std::string, at::Tensor> slots;
-  };
-  int stage = 1, world_size = 1, rank = 0;
-  std::vector<Param> params;  // registration order
-  std::vector<Bucket> buckets;
-  int64_t optimizer_step = 0;  // Adam's step count (0 for SGD or before the first step)
+// What one rank owns of one parameter, as views (ZeroDataParallel::owned_pieces): elements
+// [first, first + count) of the flattened parameter `name` are `value` (its fp32 master: the
+// shard itself in fp32) and, per optimizer slot ("exp_avg", ...), the slot's elements.
+struct ZeroOwnedPiece {
+  std::string name;
+  int64_t first = 0, count = 0;
+  at::Tensor value;
+  std::map<std::string, at::Tensor> slots;
 };
 
 // A block of a model that ZeRO-3 gathers as one unit around its forward (FSDP's wrapped
@@ -218,7 +197,7 @@ class ZeroDataParallel {
   double gather_wait_seconds() const;
   // A model split over tensor-parallel ranks and/or pipeline stages (ZeRO over the data-parallel
   // group of one shard / stage): the norm for clipping and fp16's overflow check becomes the
-  // whole model's, summing the parameters flagged in `sharded` (tp::sharded_parameters, in the
+  // whole model's, summing the parameters flagged in `sharded` (blocks of a larger tensor, tandem/placement.h: in the
   // module's parameter order) over `tp` and everything over `pp`, so that every shard and
   // stage clips by one coefficient and skips an overflowed step together. LARS and LAMB sum
   // the flagged parameters' norms over `tp` too. Either may be null. Collective in step() over
@@ -237,16 +216,18 @@ class ZeroDataParallel {
   // The optimizer over the shard (its parameters are views of the owned chunks).
   torch::optim::Optimizer& optimizer();
 
-  // Checkpoints. shard_state(): copies of what this rank owns (see ZeroShardState); local.
-  ZeroShardState shard_state() const;
-  // Local (no collective; every rank must call it with the same values): sets every parameter
-  // from `params` (full values by name, any floating dtype, the parameter's shape) and the
-  // optimizer state of this rank's chunks from `optim` (full-size slots by name; a name
-  // missing or with empty slots means no state yet; all parameters of a bucket must agree).
-  // Stages 1, 2 refresh the full replica too. Throws std::invalid_argument naming a missing
-  // or misshapen parameter.
-  void load_full_state(const std::map<std::string, at::Tensor>& params,
-                       const std::map<std::string, ParamOptimizerState>& optim);
+  // State that moves (checkpoints, initial values), without copies: every piece of a parameter
+  // this rank owns, as views of its masters and optimizer state. Write them, then call
+  // refresh_from_shards(). Local.
+  std::vector<ZeroOwnedPiece> owned_pieces();
+  int64_t optimizer_step() const;  // Adam's step count (0 for SGD or before the first step)
+  // Replaces the optimizer state of the owned chunks by zeros in `slots` with this step count
+  // (none when `slots` is empty), for a load to write into. Local.
+  void reset_optimizer_state(const std::vector<std::string>& slots, int64_t step);
+  // After the owned masters were written: the compute-dtype shards follow them, stages 1 and 2
+  // all-gather the whole parameters (collective over the communicator), stage 3 frees what it
+  // had gathered.
+  void refresh_from_shards();
   // Restores the fp16 loss scaler (no effect on the scale for fp32/bf16).
   void restore_loss_scaler(double scale, int64_t overflow_free_steps, int64_t skipped_steps);
 

@@ -1,19 +1,18 @@
 // Sharded checkpoints (tandem/checkpoint.h): the manifest, the atomic save protocol, and
-// loading with resharding through a full, per-parameter assembly of the state.
+// loading with resharding on placements (tandem/placement.h).
 //
-// Save (collective): rank 0 creates <root>/.tmp-step-N; every rank writes and fsyncs its
-// shard there; the ranks agree that all writes succeeded (one all-reduce of a failure flag)
-// and all-gather the shards' sizes and hashes; rank 0 writes and fsyncs the manifest, fsyncs
-// the directory, renames it to <root>/step-N and fsyncs the root. A checkpoint exists exactly
-// when step-N/manifest.json exists, so a crash at any point leaves the previous one loadable.
+// Save (collective): every rank describes the pieces it holds as replica 0 and the ranks
+// all-gather the descriptions, so each lays out (and checks) the same manifest; rank 0 creates
+// <root>/.tmp-step-N; every rank writes and fsyncs its shard there; the ranks agree that all
+// writes succeeded (one all-reduce of a failure flag) and all-gather the shards' sizes and
+// hashes; rank 0 writes and fsyncs the manifest, fsyncs the directory, renames it to
+// <root>/step-N and fsyncs the root. A checkpoint exists exactly when step-N/manifest.json
+// exists, so a crash at any point leaves the previous one loadable.
 //
-// Load (local, no collective, so a bad checkpoint fails every rank the same way without a
-// hang): parse and validate the manifest (checkpoint/manifest.cpp), read every shard (size
-// and FNV-1a hash checked first), assemble the full fp32 value and optimizer slots of every
-// parameter from the layout (replicated: rank 0's file has them whole; stages: each stage's
-// writer has its parameters whole; ZeRO: a bucket is the concatenation of the ranks' chunks),
-// validate against the target model, then copy in (ZeRO takes its chunks, a pipeline stage
-// its parameters).
+// Load: parse and validate the manifest (checkpoint/manifest.cpp: every tensor's pieces cover it
+// exactly once), check it against the model, read the shards holding elements of what this rank
+// holds (size and FNV-1a hash checked first), and only then copy into each piece the runs of the
+// stored pieces it overlaps.
 #include "tandem/checkpoint.h"
 
 #include <ATen/ATen.h>
@@ -26,16 +25,14 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
 
 #include "checkpoint/shard_io.h"
-#include "tandem/pipeline.h"
-#include "tandem/tensor_parallel.h"
 #include "tandem/trace.h"
-#include "tandem/zero.h"
 
 namespace tandem {
 namespace {
@@ -313,47 +310,157 @@ std::string save_impl(const std::string& root, SavePlan plan, Communicator& comm
   return commit_save(c, d, std::move(err), comm);
 }
 
+json placement_json(const Placement& p, int rank, const std::string& entry) {
+  json blocks = json::array();
+  for (const auto& b : p.blocks)
+    blocks.push_back({{"local", b.local_offset}, {"global", b.global_offset}, {"shape", b.shape}});
+  return {{"rank", rank},     {"entry", entry},
+          {"offset", 0},      {"local_shape", p.local_shape},
+          {"blocks", blocks}, {"flat", {p.flat_begin, p.held_end()}}};
+}
+
+std::pair<std::string, std::string> split_key(const std::string& key) {
+  const auto slash = key.find('/');
+  if (slash == std::string::npos || slash == 0 || slash + 1 == key.size()) {
+    throw std::invalid_argument("checkpoint: state key '" + key + "' is not KIND/NAME (param/, buffer/ or a slot)");
+  }
+  return {key.substr(0, slash), key.substr(slash + 1)};
+}
+
+// This rank's pieces with replica id 0, described for the manifest (and its entries in `plan`).
+json own_pieces(const std::vector<StatePiece>& pieces, int rank, SavePlan& plan) {
+  json mine = json::array();
+  std::set<std::string> keys;
+  for (const auto& p : pieces) {
+    split_key(p.key);
+    p.placement.check("checkpoint: the piece of '" + p.key + "'");
+    if (!p.data.defined() || p.data.dim() != 1 || p.data.numel() != p.placement.held_numel()) {
+      throw std::invalid_argument("checkpoint: the piece of '" + p.key + "' holds " +
+                                  std::to_string(p.placement.held_numel()) +
+                                  " elements, its data is not a 1-D view of as many");
+    }
+    if (p.placement.replica != 0) continue;
+    if (!keys.insert(p.key).second) {
+      throw std::invalid_argument("checkpoint: rank " + std::to_string(rank) + " holds two pieces of '" + p.key +
+                                  "' as replica 0");
+    }
+    mine.push_back({{"key", p.key},
+                    {"shape", p.placement.global_shape},
+                    {"dtype", c10::toString(p.data.scalar_type())},
+                    {"piece", placement_json(p.placement, rank, p.key)}});
+    plan.entries.emplace_back(p.key, p.data);
+  }
+  return mine;
+}
+
+// The layout every rank assembles alike from every rank's pieces, checked by the manifest's own
+// parser: pieces that leave an element out or hold one twice are a strategy's bug, refused here
+// on every rank rather than written.
+void lay_out(const std::vector<std::string>& all, SavePlan& plan, int world) {
+  std::vector<std::string> order;
+  std::map<std::string, json> tensors;
+  for (const auto& text : all) {
+    for (auto& d : json::parse(text)) {
+      const auto key = d.at("key").get<std::string>();
+      auto it = tensors.find(key);
+      if (it == tensors.end()) {
+        order.push_back(key);
+        it = tensors
+                 .emplace(key, json{{"key", key},
+                                    {"shape", d.at("shape")},
+                                    {"dtype", d.at("dtype")},
+                                    {"pieces", json::array()}})
+                 .first;
+      } else if (it->second.at("shape") != d.at("shape")) {
+        throw std::invalid_argument("checkpoint: the ranks disagree on the shape of '" + key +
+                                    "': " + it->second.at("shape").dump() + " and " + d.at("shape").dump());
+      }
+      it->second["pieces"].push_back(d.at("piece"));
+    }
+  }
+  std::set<std::string> slots;
+  json layout_tensors = json::array();
+  for (const auto& key : order) {
+    const auto& t = tensors.at(key);
+    const auto [kind, name] = split_key(key);
+    const json desc{{"name", name}, {"shape", t.at("shape")}, {"dtype", t.at("dtype")}};
+    if (kind == "param") plan.params.push_back(desc);
+    else if (kind == "buffer") plan.buffers.push_back(desc);
+    else slots.insert(kind);
+    layout_tensors.push_back(t);
+  }
+  plan.slots.assign(slots.begin(), slots.end());
+  plan.layout = {{"kind", "pieces"}, {"tensors", layout_tensors}};
+  json probe = manifest_of(plan, json::object());
+  probe["shards"] = json::array();
+  for (int r = 0; r < world; ++r)
+    probe["shards"].push_back({{"rank", r}, {"file", shard_name(r, world)}, {"bytes", 0}, {"fnv1a64", "0"}});
+  try {
+    ckpt::parse_manifest(probe.dump(), "(being saved)");
+  } catch (const std::runtime_error& e) {
+    throw std::invalid_argument(std::string("checkpoint save: the ranks' pieces do not describe the state: ") +
+                                e.what());
+  }
+}
+
+}  // namespace
+
+std::string save_state(const std::string& root, CheckpointMeta meta, const std::vector<StatePiece>& pieces,
+                       int64_t optimizer_step, Communicator& comm, const CheckpointSaveOptions& o) {
+  SavePlan plan;
+  plan.meta = std::move(meta);
+  plan.meta.world_size = comm.size();
+  plan.optimizer_step = optimizer_step;
+  std::string err;
+  json mine;
+  try {
+    mine = own_pieces(pieces, comm.rank(), plan);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  // Every rank learns every rank's pieces (a failing rank sends none and says why below).
+  auto all = allgather_strings(comm, err.empty() ? mine.dump() : std::string("[]"));
+  auto t = at::tensor({static_cast<int64_t>(err.empty() ? 0 : 1)}, at::kLong);
+  comm.allreduce(t, ReduceOp::kSum);
+  if (!err.empty()) throw std::invalid_argument("rank " + std::to_string(comm.rank()) + ": " + err);
+  if (t.item<int64_t>() > 0)
+    throw std::invalid_argument("checkpoint save: another rank's pieces are invalid (see its error)");
+  lay_out(all, plan, comm.size());
+  plan.entries.emplace_back("rng/cpu", cpu_rng_state());
+  return save_impl(root, std::move(plan), comm, o);
+}
+
+namespace {
+
 std::vector<std::pair<std::string, at::Tensor>> named_buffers(torch::nn::Module& m) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (auto& kv : m.named_buffers(true)) out.emplace_back(kv.key(), kv.value());
   return out;
 }
 
-// Parameters (from the optimizer's tensors: fp32 masters when mixed precision), optimizer
-// slots and buffers of `model`, each whole, as entries of this rank's shard when `write`; the
-// descriptions and the RNG entry in any case.
-SavePlan whole_tensors_plan(const CheckpointMeta& meta, torch::nn::Module& model, torch::optim::Optimizer& opt,
-                            bool write) {
-  SavePlan plan;
-  plan.meta = meta;
-  plan.meta.optimizer = optimizer_kind(opt);
+// A replicated module's pieces: every parameter whole (its optimizer tensor: the fp32 master
+// where one is kept) with its slots, and every buffer; replica id `replica`.
+std::vector<StatePiece> replicated_pieces(torch::nn::Module& model, const torch::optim::Optimizer& opt,
+                                          int64_t replica) {
   auto named = model.named_parameters(true);
   auto ops = optimizer_params(opt);
   if (ops.size() != named.size()) {
-    throw std::invalid_argument("save_checkpoint: the optimizer has " + std::to_string(ops.size()) +
+    throw std::invalid_argument("checkpoint: the optimizer has " + std::to_string(ops.size()) +
                                 " parameters, the module " + std::to_string(named.size()) +
                                 "; pass the optimizer over the module's parameters (or their masters)");
   }
-  std::set<std::string> slots;
-  size_t i = 0;
-  for (auto& kv : named) {
-    const auto& src = ops[i++];
-    plan.params.push_back(tensor_desc(kv.key(), src));
-    auto st = get_param_state(opt, src);
-    plan.optimizer_step = std::max(plan.optimizer_step, st.step);
-    for (auto& [k, v] : st.slots) {
-      slots.insert(k);
-      if (write) plan.entries.emplace_back(k + "/" + kv.key(), v);
-    }
-    if (write) plan.entries.emplace_back("param/" + kv.key(), src);
+  std::vector<StatePiece> out;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    auto p = Placement::whole(ops[i].sizes().vec());
+    p.replica = replica;
+    append_optimizer_pieces(out, named[i].key(), p, ops[i], opt);
   }
-  plan.slots.assign(slots.begin(), slots.end());
   for (auto& [n, b] : named_buffers(model)) {
-    plan.buffers.push_back(tensor_desc(n, b));
-    if (write) plan.entries.emplace_back("buffer/" + n, b);
+    auto p = Placement::whole(b.sizes().vec());
+    p.replica = replica;
+    out.push_back({ckpt::state_key("buffer", n), p, b.detach().view({-1})});
   }
-  plan.entries.emplace_back("rng/cpu", cpu_rng_state());
-  return plan;
+  return out;
 }
 
 // ---- reading
@@ -384,533 +491,189 @@ at::Tensor take(std::map<std::string, at::Tensor>& shard, const std::string& ent
   return it->second;
 }
 
-// The manifest has validated the shapes; the shard's entry must have as many elements.
-at::Tensor shaped(const at::Tensor& t, const ckpt::TensorDesc& desc, const std::string& where) {
-  if (t.numel() != desc.numel) {
-    throw std::runtime_error(where + ": '" + desc.name + "' has " + std::to_string(t.numel()) +
-                             " elements, the manifest's shape " + shape_str(desc.shape) + " needs " +
-                             std::to_string(desc.numel));
-  }
-  return t.reshape(desc.shape);
-}
+// Fills pieces from a checkpoint's stored pieces, reading each shard once, when first needed.
+class Reader {
+ public:
+  explicit Reader(const std::string& dir) : M_(read_manifest(dir)), shards_(M_.meta.world_size) {}
+  const Manifest& manifest() const { return M_; }
+  std::string path(int rank) const { return M_.dir + "/" + M_.files.at(static_cast<size_t>(rank)); }
 
-FullCheckpoint assemble(const Manifest& M) {
-  FullCheckpoint fc;
-  fc.meta = M.meta;
-  const int N = M.meta.world_size;
-  std::vector<std::map<std::string, at::Tensor>> shards(N);
-  std::vector<std::string> paths(N);
-  for (int r = 0; r < N; ++r) {
-    paths[r] = M.dir + "/" + M.files[r];
-    shards[r] = ckpt::read_shard(paths[r], M.digests[r]);
-  }
-  const std::string mpath = M.dir + "/" + kManifest;
-  for (auto& p : M.params) fc.param_names.push_back(p.name);
-  if (M.layout != ckpt::LayoutKind::kZero) {
-    // Each parameter whole in its owner's shard (replicated: one owner; stages: its stage's writer).
-    for (size_t i = 0; i < M.params.size(); ++i) {
-      const auto& p = M.params[i];
-      const int r = M.param_owner[i];
-      fc.params[p.name] = shaped(take(shards[r], "param/" + p.name, paths[r]), p, paths[r]);
-      ParamOptimizerState s;
-      s.step = M.optimizer_step;
-      for (auto& sl : M.slots) s.slots[sl] = shaped(take(shards[r], sl + "/" + p.name, paths[r]), p, paths[r]);
-      fc.optim[p.name] = std::move(s);
-    }
-  } else {
-    std::vector<std::map<std::string, at::Tensor>> full(M.buckets.size());
-    std::vector<std::string> all_slots = M.slots;
-    all_slots.insert(all_slots.begin(), "param");
-    for (size_t b = 0; b < M.buckets.size(); ++b) {
-      const int64_t chunk = M.buckets[b].chunk;
-      for (auto& sl : all_slots) {
-        std::vector<at::Tensor> parts;
-        for (int r = 0; r < N; ++r) {
-          auto t = take(shards[r], "bucket" + std::to_string(b) + "/" + sl, paths[r]);
-          if (t.numel() != chunk) {
-            throw std::runtime_error("checkpoint shard '" + paths[r] + "': bucket " + std::to_string(b) + " '" + sl +
-                                     "' has " + std::to_string(t.numel()) + " elements, the manifest says " +
-                                     std::to_string(chunk));
-          }
-          parts.push_back(t.reshape({-1}));
-        }
-        full[b][sl] = at::cat(parts);
-      }
-    }
-    for (size_t i = 0; i < M.params.size(); ++i) {
-      const auto& p = M.params[i];
-      auto& bucket = full[M.param_bucket[i]];
-      const int64_t off = M.param_offset[i];
-      fc.params[p.name] = shaped(bucket["param"].narrow(0, off, p.numel).clone(), p, mpath);
-      ParamOptimizerState s;
-      s.step = M.optimizer_step;
-      for (auto& sl : M.slots) s.slots[sl] = shaped(bucket[sl].narrow(0, off, p.numel).clone(), p, mpath);
-      fc.optim[p.name] = std::move(s);
+  // Reads (and checks) every shard that holds an element of these pieces or of the other state
+  // of their names, so that a damaged file is found before anything changes.
+  void preload(const std::vector<StatePiece>& pieces) {
+    std::set<std::string> names;
+    for (const auto& p : pieces) names.insert(split_key(p.key).second);
+    for (const auto& [key, t] : M_.tensors) {
+      if (!names.count(split_key(key).second)) continue;
+      for (const auto& sp : t.pieces) shard(sp.rank);
     }
   }
-  for (size_t i = 0; i < M.buffers.size(); ++i) {
-    const int r = M.buffer_owner[i];
-    fc.buffers[M.buffers[i].name] =
-        shaped(take(shards[r], "buffer/" + M.buffers[i].name, paths[r]), M.buffers[i], paths[r]);
+
+  void fill(const StatePiece& p) {
+    const auto& t = M_.tensors.at(p.key);
+    if (t.shape != p.placement.global_shape) {
+      throw std::runtime_error("checkpoint '" + M_.dir + "' holds '" + p.key + "' of shape " + shape_str(t.shape) +
+                               ", this model's is " + shape_str(p.placement.global_shape));
+    }
+    const auto want = placement_runs(p.placement);
+    auto dst = p.data.device().is_cpu() ? p.data : at::empty({p.data.numel()}, p.data.options().device(at::kCPU));
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < t.pieces.size(); ++i) {
+      const auto copies = placement_overlap(want, runs(p.key, t, i));
+      if (copies.empty()) continue;
+      const auto src = stored(p.key, t.pieces[i]);
+      for (const auto& c : copies) dst.narrow(0, c.dst, c.length).copy_(src.narrow(0, c.src, c.length));
+    }
+    if (!dst.is_same(p.data)) p.data.copy_(dst);
   }
-  for (int r = 0; r < N; ++r) fc.rng.push_back(take(shards[r], "rng/cpu", paths[r]));
-  return fc;
-}
+
+  // The whole tensor `key`, in its stored dtype, on the CPU.
+  at::Tensor whole(const std::string& key) {
+    const auto& t = M_.tensors.at(key);
+    const auto dtype = t.pieces.empty() ? at::kFloat : stored(key, t.pieces[0]).scalar_type();
+    auto out = at::zeros(t.shape, at::TensorOptions().dtype(dtype));
+    fill({key, Placement::whole(t.shape), out.view({-1})});
+    return out;
+  }
+
+  at::Tensor rng(int rank) { return take(shard(rank), "rng/cpu", path(rank)); }
+
+ private:
+  std::map<std::string, at::Tensor>& shard(int rank) {
+    auto& s = shards_.at(static_cast<size_t>(rank));
+    if (!s) s = ckpt::read_shard(path(rank), M_.digests.at(static_cast<size_t>(rank)));
+    return *s;
+  }
+  const std::vector<PlacementRun>& runs(const std::string& key, const ckpt::StoredTensor& t, size_t i) {
+    auto& r = runs_[{key, i}];
+    if (r.empty() && t.pieces[i].placement.held_numel() > 0) r = placement_runs(t.pieces[i].placement);
+    return r;
+  }
+  // The stored piece's held elements, flat.
+  at::Tensor stored(const std::string& key, const ckpt::StoredPiece& sp) {
+    const auto e = take(shard(sp.rank), sp.entry, path(sp.rank)).reshape({-1});
+    const int64_t n = sp.placement.held_numel();
+    if (e.numel() < sp.entry_offset + n) {
+      throw std::runtime_error("checkpoint shard '" + path(sp.rank) + "': entry '" + sp.entry + "' has " +
+                               std::to_string(e.numel()) + " elements; the manifest's piece of '" + key + "' needs " +
+                               std::to_string(sp.entry_offset + n));
+    }
+    return e.narrow(0, sp.entry_offset, n);
+  }
+
+  Manifest M_;
+  std::vector<std::optional<std::map<std::string, at::Tensor>>> shards_;
+  std::map<std::pair<std::string, size_t>, std::vector<PlacementRun>> runs_;
+};
 
 // Checks that the checkpoint fits the target before anything is changed.
-void check_fits(const FullCheckpoint& fc, const std::string& dir, const CheckpointLoadOptions& o,
-                const std::vector<std::pair<std::string, at::Tensor>>& params,
-                const std::vector<std::pair<std::string, at::Tensor>>& buffers, const std::string& opt_kind,
-                bool whole_model = true) {
-  const std::string where = "checkpoint '" + dir + "'";
-  if (!o.expect_model.empty() && fc.meta.model != o.expect_model) {
-    throw std::runtime_error(where + " is of model '" + fc.meta.model + "', not '" + o.expect_model +
+void check_fits(const Manifest& M, const CheckpointLoadOptions& o, const StateTarget& t) {
+  const std::string where = "checkpoint '" + M.dir + "'";
+  if (!o.expect_model.empty() && M.meta.model != o.expect_model) {
+    throw std::runtime_error(where + " is of model '" + M.meta.model + "', not '" + o.expect_model +
                              "'; pass the matching --model or another checkpoint directory");
   }
-  if (fc.meta.optimizer != opt_kind) {
-    throw std::runtime_error(where + " holds " + fc.meta.optimizer + " optimizer state; this run uses " + opt_kind);
+  if (M.meta.optimizer != t.optimizer) {
+    throw std::runtime_error(where + " holds " + M.meta.optimizer + " optimizer state; this run uses " + t.optimizer);
   }
-  for (auto& [n, p] : params) {
-    auto it = fc.params.find(n);
-    if (it == fc.params.end()) {
-      throw std::runtime_error(where + " does not fit this model (" + fc.meta.model +
-                               " in the checkpoint): it has no parameter '" + n + "'");
+  auto check = [&](const std::vector<ckpt::TensorDesc>& stored,
+                   const std::vector<std::pair<std::string, std::vector<int64_t>>>& want, const char* what) {
+    std::map<std::string, const ckpt::TensorDesc*> by_name;
+    for (const auto& d : stored) by_name[d.name] = &d;
+    for (const auto& [n, shape] : want) {
+      auto it = by_name.find(n);
+      if (it == by_name.end()) {
+        throw std::runtime_error(where + " does not fit this model (" + M.meta.model +
+                                 " in the checkpoint): it has no " + what + " '" + n + "'");
+      }
+      if (it->second->shape != shape) {
+        throw std::runtime_error(where + " does not fit this model: " + what + " '" + n + "' has shape " +
+                                 shape_str(it->second->shape) + " there, " + shape_str(shape) + " here");
+      }
+      by_name.erase(it);
     }
-    if (it->second.sizes() != p.sizes()) {
-      throw std::runtime_error(where + " does not fit this model: parameter '" + n + "' has shape " +
-                               shape_str(it->second.sizes()) + " there, " + shape_str(p.sizes()) + " here");
+    if (!by_name.empty()) {
+      throw std::runtime_error(where + " does not fit this model: it has the " + what + " '" + by_name.begin()->first +
+                               "', which this model lacks (" + std::to_string(stored.size()) + " " + what +
+                               "s there, " + std::to_string(want.size()) + " here)");
     }
-  }
-  if (whole_model && fc.params.size() != params.size()) {
-    throw std::runtime_error(where + " does not fit this model: it has " + std::to_string(fc.params.size()) +
-                             " parameters, the model " + std::to_string(params.size()));
-  }
-  for (auto& [n, b] : buffers) {
-    auto it = fc.buffers.find(n);
-    if (it == fc.buffers.end() || it->second.sizes() != b.sizes()) {
-      throw std::runtime_error(where + " does not fit this model: buffer '" + n + "' is missing or misshapen");
-    }
-  }
-}
-
-void finish_load(const FullCheckpoint& fc, const std::vector<std::pair<std::string, at::Tensor>>& buffers, int rank,
-                 const CheckpointLoadOptions& o) {
-  torch::NoGradGuard ng;
-  for (auto& [n, b] : buffers) b.copy_(fc.buffers.at(n));
-  if (o.restore_rng && !fc.rng.empty()) {
-    set_cpu_rng_state(fc.rng[rank >= 0 && rank < static_cast<int>(fc.rng.size()) ? rank : 0]);
-  }
-}
-
-// Loads whole parameters, optimizer state and buffers into `model` (the whole model, or with
-// !whole_model a part of it such as a pipeline stage, whose names are the whole model's).
-CheckpointMeta load_whole_tensors(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt,
-                                  int rank, const CheckpointLoadOptions& o, bool whole_model) {
-  auto fc = read_full_checkpoint(dir);
-  std::vector<std::pair<std::string, at::Tensor>> params;
-  for (auto& kv : model.named_parameters(true)) params.emplace_back(kv.key(), kv.value());
-  auto ops = optimizer_params(opt);
-  if (ops.size() != params.size()) {
-    throw std::invalid_argument("load_checkpoint: the optimizer has " + std::to_string(ops.size()) +
-                                " parameters, the module " + std::to_string(params.size()));
-  }
-  auto buffers = named_buffers(model);
-  check_fits(fc, dir, o, params, buffers, optimizer_kind(opt), whole_model);
-  {
-    torch::NoGradGuard ng;
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto& v = fc.params.at(params[i].first);
-      ops[i].copy_(v);
-      if (!ops[i].is_same(params[i].second)) params[i].second.copy_(v);
-      set_param_state(opt, ops[i], fc.optim.at(params[i].first));
-    }
-  }
-  finish_load(fc, buffers, rank, o);
-  return fc.meta;
+  };
+  check(M.params, t.params, "parameter");
+  check(M.buffers, t.buffers, "buffer");
 }
 
 }  // namespace
+
+void append_optimizer_pieces(std::vector<StatePiece>& out, const std::string& name, const Placement& placement,
+                             const at::Tensor& param, const torch::optim::Optimizer& opt) {
+  out.push_back({ckpt::state_key("param", name), placement, param.detach().view({-1})});
+  for (auto& [k, v] : get_param_state(opt, param).slots)
+    out.push_back({ckpt::state_key(k, name), placement, v.detach().view({-1})});
+}
+
+CheckpointMeta load_state(const std::string& dir, const StateTarget& t, int rank, Communicator* comm,
+                          const CheckpointLoadOptions& o) {
+  Reader R(dir);
+  const auto& M = R.manifest();
+  check_fits(M, o, t);
+  std::string err;
+  try {
+    R.preload(t.pieces());
+    const int rng_rank = rank >= 0 && rank < M.meta.world_size ? rank : 0;
+    const auto rng = o.restore_rng ? R.rng(rng_rank) : at::Tensor();
+    // Nothing has changed so far; from here only a bug stops the load midway.
+    t.prepare(M.slots, M.optimizer_step);
+    for (const auto& p : t.pieces()) {
+      if (M.tensors.count(p.key)) {
+        R.fill(p);
+      } else if (split_key(p.key).first != "param" && split_key(p.key).first != "buffer") {
+        continue;  // optimizer state that was not made for this parameter yet: zeros
+      } else {
+        throw std::runtime_error("checkpoint '" + dir + "' holds no '" + p.key + "'");
+      }
+    }
+    if (rng.defined()) set_cpu_rng_state(rng);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  if (comm) {
+    agree(*comm, err, "loading checkpoint '" + dir + "'");
+  } else if (!err.empty()) {
+    throw std::runtime_error(err);
+  }
+  return M.meta;
+}
 
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, torch::nn::Module& model,
                             torch::optim::Optimizer& opt, Communicator& comm, const CheckpointSaveOptions& o) {
-  SavePlan plan = whole_tensors_plan(meta, model, opt, comm.rank() == 0);
-  plan.layout = {{"kind", "replicated"}, {"owner", 0}};
-  return save_impl(root, std::move(plan), comm, o);
-}
-
-namespace {
-// ZeRO's values and optimizer slots whole (the ranks' chunks over `dp`, gathered on `dev`, which
-// a CUDA communicator needs), by parameter name.
-struct WholeState {
-  std::map<std::string, at::Tensor> params;
-  std::map<std::string, std::map<std::string, at::Tensor>> slots;  // slot -> name -> tensor
+  meta.optimizer = optimizer_kind(opt);
   int64_t step = 0;
-};
-
-WholeState gather_zero(ZeroDataParallel& zero, Communicator& dp, at::Device dev, const char* who) {
-  const auto st = zero.shard_state();
-  if (st.world_size != dp.size()) {
-    throw std::invalid_argument(std::string(who) + ": ZeRO shards over " + std::to_string(st.world_size) +
-                                " ranks, the data-parallel communicator has " + std::to_string(dp.size()) +
-                                "; pass the communicator ZeRO was built over");
-  }
-  std::vector<std::map<std::string, at::Tensor>> whole(st.buckets.size());
-  for (size_t b = 0; b < st.buckets.size(); ++b) {
-    for (auto& [k, chunk] : st.buckets[b].slots) {
-      auto in = chunk.reshape({-1}).to(dev).contiguous();
-      auto out = at::empty({dp.size() * in.numel()}, in.options());
-      dp.allgather(out, in);
-      whole[b][k] = out.cpu();
-    }
-  }
-  WholeState w;
-  w.step = st.optimizer_step;
-  for (auto& p : st.params) {
-    for (auto& [k, flat] : whole.at(p.bucket)) {
-      auto t = flat.narrow(0, p.offset, p.numel).reshape(p.shape).clone();
-      if (k == "param") w.params[p.name] = t;
-      else w.slots[k][p.name] = t;
-    }
-  }
-  return w;
+  for (const auto& p : optimizer_params(opt)) step = std::max(step, get_param_state(opt, p).step);
+  return save_state(root, std::move(meta), replicated_pieces(model, opt, comm.rank()), step, comm, o);
 }
 
-// A pipeline checkpoint from each rank's plan of its stage (whole tensors; entries only on the
-// writers, one per stage): the manifest records which rank holds what.
-std::string save_stages(const std::string& root, SavePlan mine, const Pipeline& pipe, bool writer, Communicator& comm,
-                        const CheckpointSaveOptions& o) {
-  // Every rank learns what each writer holds (one string per rank: "" from the others).
-  json what;
-  if (writer) {
-    what = {{"stage", pipe.stage()},
-            {"params", mine.params},
-            {"buffers", mine.buffers},
-            {"slots", mine.slots},
-            {"step", mine.optimizer_step}};
-  }
-  auto all = allgather_strings(comm, writer ? what.dump() : std::string());
-  std::vector<int> writer_of(pipe.stages(), -1);
-  std::string err;
-  std::vector<json> got(all.size());
-  for (size_t r = 0; r < all.size() && err.empty(); ++r) {
-    if (all[r].empty()) continue;
-    got[r] = json::parse(all[r]);
-    const int s = got[r].at("stage").get<int>();
-    if (s < 0 || s >= pipe.stages() || writer_of[s] >= 0) {
-      err = "pipeline checkpoint: ranks " + std::to_string(s >= 0 && s < pipe.stages() ? writer_of[s] : -1) + " and " +
-            std::to_string(r) + " both write stage " + std::to_string(s) + "; pass writer=true on one rank per stage";
-    } else {
-      writer_of[s] = static_cast<int>(r);
+CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, int rank,
+                               const CheckpointLoadOptions& o) {
+  StateTarget t;
+  for (auto& kv : model.named_parameters(true)) t.params.emplace_back(kv.key(), kv.value().sizes().vec());
+  for (auto& [n, b] : named_buffers(model)) t.buffers.emplace_back(n, b.sizes().vec());
+  t.optimizer = optimizer_kind(opt);
+  const auto ops = optimizer_params(opt);
+  t.prepare = [&](const std::vector<std::string>& slots, int64_t step) {
+    for (const auto& p : ops) {
+      ParamOptimizerState s;
+      s.step = step;
+      for (const auto& k : slots) s.slots[k] = at::zeros_like(p);
+      set_param_state(opt, p, s);
     }
-  }
-  for (int s = 0; s < pipe.stages() && err.empty(); ++s) {
-    if (writer_of[s] < 0)
-      err =
-          "pipeline checkpoint: no rank writes stage " + std::to_string(s) + "; pass writer=true on one rank per stage";
-  }
-  if (!err.empty()) throw std::invalid_argument(err);  // every rank saw the same strings
-  SavePlan plan;
-  plan.meta = mine.meta;
-  plan.entries = std::move(mine.entries);
-  json owned_params = json::array(), owned_buffers = json::array();
-  std::set<std::string> slots;
-  for (int s = 0; s < pipe.stages(); ++s) {
-    const int r = writer_of[s];
-    const auto& g = got[r];
-    for (auto& p : g.at("params")) {
-      plan.params.push_back(p);
-      owned_params.push_back({{"name", p.at("name")}, {"rank", r}});
-    }
-    for (auto& b : g.at("buffers")) {
-      plan.buffers.push_back(b);
-      owned_buffers.push_back({{"name", b.at("name")}, {"rank", r}});
-    }
-    for (auto& sl : g.at("slots")) slots.insert(sl.get<std::string>());
-    plan.optimizer_step = std::max(plan.optimizer_step, g.at("step").get<int64_t>());
-  }
-  plan.slots.assign(slots.begin(), slots.end());
-  plan.layout = {{"kind", "stages"},
-                 {"partition", pipe.partition()},
-                 {"params", owned_params},
-                 {"buffers", owned_buffers}};
-  return save_impl(root, std::move(plan), comm, o);
-}
-}  // namespace
-
-std::string detail::save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
-                                    torch::optim::Optimizer& opt, bool writer, Communicator& comm,
-                                    const CheckpointSaveOptions& o) {
-  auto stage = pipe.stage_module();
-  return save_stages(root, whole_tensors_plan(meta, *stage, opt, writer), pipe, writer, comm, o);
-}
-
-std::string detail::save_checkpoint(const std::string& root, CheckpointMeta meta, const Pipeline& pipe,
-                                    ZeroDataParallel& zero, const CommPtr& dp, Communicator& comm,
-                                    const CheckpointSaveOptions& o) {
-  const char* who = "save_checkpoint";
-  if (!dp) throw std::invalid_argument("save_checkpoint: no data-parallel communicator given for the pipeline's ZeRO");
-  const bool writer = dp->rank() == 0;
-  SavePlan mine;
-  mine.meta = meta;
-  mine.meta.optimizer = optimizer_kind(zero.optimizer());
-  auto ps = pipe.parameters();
-  const auto whole = gather_zero(zero, *dp, ps.empty() ? at::Device(at::kCPU) : ps.front().device(), who);
-  for (auto& p : zero.shard_state().params) {
-    const auto& value = whole.params.at(p.name);
-    mine.params.push_back(tensor_desc(p.name, value));
-    if (!writer) continue;
-    mine.entries.emplace_back("param/" + p.name, value);
-    for (auto& [k, field] : whole.slots) mine.entries.emplace_back(k + "/" + p.name, field.at(p.name));
-  }
-  for (auto& [k, field] : whole.slots) mine.slots.push_back(k);
-  mine.optimizer_step = whole.step;
-  for (auto& [n, b] : named_buffers(zero.module())) {
-    mine.buffers.push_back(tensor_desc(n, b));
-    if (writer) mine.entries.emplace_back("buffer/" + n, b);
-  }
-  mine.entries.emplace_back("rng/cpu", cpu_rng_state());
-  return save_stages(root, std::move(mine), pipe, writer, comm, o);
-}
-
-std::string detail::save_checkpoint(const std::string& root, CheckpointMeta meta, ZeroDataParallel& zero,
-                                    Communicator& comm, const CheckpointSaveOptions& o) {
-  SavePlan plan;
-  meta.optimizer = optimizer_kind(zero.optimizer());
-  plan.meta = meta;
-  const auto st = zero.shard_state();
-  json params = json::array(), buckets = json::array();
-  for (auto& p : st.params) {
-    const auto& master = st.buckets.at(p.bucket).slots.at("param");
-    plan.params.push_back({{"name", p.name}, {"shape", p.shape}, {"dtype", c10::toString(master.scalar_type())}});
-    params.push_back({{"name", p.name}, {"bucket", p.bucket}, {"offset", p.offset}, {"numel", p.numel}});
-  }
-  std::set<std::string> slots;
-  for (size_t b = 0; b < st.buckets.size(); ++b) {
-    const auto& bk = st.buckets[b];
-    buckets.push_back({{"numel", bk.numel}, {"padded", bk.padded}, {"chunk", bk.chunk}});
-    for (auto& [k, v] : bk.slots) {
-      if (k != "param") slots.insert(k);
-      plan.entries.emplace_back("bucket" + std::to_string(b) + "/" + k, v);
-    }
-  }
-  plan.optimizer_step = st.optimizer_step;
-  plan.slots.assign(slots.begin(), slots.end());
-  for (auto& [n, b] : named_buffers(zero.module())) {
-    plan.buffers.push_back(tensor_desc(n, b));
-    if (comm.rank() == 0) plan.entries.emplace_back("buffer/" + n, b);
-  }
-  plan.entries.emplace_back("rng/cpu", cpu_rng_state());
-  plan.layout = {{"kind", "zero"}, {"stage", st.stage}, {"buckets", buckets}, {"params", params}};
-  return save_impl(root, std::move(plan), comm, o);
-}
-
-namespace {
-// Names "i.key" of the parameters (or buffers) of children [first, end) of a Sequential, as the
-// whole model and a pipeline's stage module call them, with the tensors, in parameters() order.
-std::vector<std::pair<std::string, at::Tensor>> named_range(torch::nn::Sequential m, int64_t first, int64_t end,
-                                                            bool buffers) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (int64_t i = first; i < end; ++i) {
-    auto c = m->ptr(i);
-    for (auto& kv : buffers ? c->named_buffers(true) : c->named_parameters(true))
-      out.emplace_back(std::to_string(i) + "." + kv.key(), kv.value());
-  }
-  return out;
-}
-
-// What a tensor-parallel rank trains, resolved: the children range, the trained parameters by
-// name, and the scratch pair through which shards become whole values (tp::gather_to_dense) and
-// whole values shards (tp::tensor_parallel, as the model was cut).
-struct TpView {
-  torch::nn::Sequential parallel, dense;
-  int64_t first = 0, end = 0;
-  std::vector<std::pair<std::string, at::Tensor>> trained;  // in the optimizer's order
-  std::string optimizer;                                    // its kind
-};
-
-TpView tp_view(const TensorParallelState& s, const char* who) {
-  auto bad = [&](const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); };
-  if (!s.parallel || !s.dense) bad("no model given");
-  if (!s.tp) bad("no tensor-parallel communicator given");
-  if ((s.opt == nullptr) == (s.zero == nullptr)) bad("give the optimizer or ZeRO (one of them)");
-  if ((s.zero || s.pipe) && !s.dp) bad("ZeRO and pipelines need the data-parallel communicator");
-  TpView v{torch::nn::Sequential(s.parallel), torch::nn::Sequential(s.dense), 0, 0, {}, {}};
-  if (v.parallel->size() != v.dense->size()) bad("the tensor-parallel and dense models differ in children");
-  v.first = s.pipe ? s.pipe->first_layer() : 0;
-  v.end = s.pipe ? s.pipe->end_layer() : static_cast<int64_t>(v.parallel->size());
-  v.trained = named_range(v.parallel, v.first, v.end, false);
-  if (s.opt) {
-    auto ops = optimizer_params(*s.opt);
-    if (ops.size() != v.trained.size()) {
-      bad("the optimizer has " + std::to_string(ops.size()) + " parameters, the tensor-parallel model (or stage) " +
-          std::to_string(v.trained.size()) + "; pass the optimizer over its parameters (or their masters)");
-    }
-    for (size_t i = 0; i < ops.size(); ++i) v.trained[i].second = ops[i];  // the masters where there are
-    v.optimizer = optimizer_kind(*s.opt);
-  } else {
-    v.optimizer = optimizer_kind(s.zero->optimizer());
-  }
-  return v;
-}
-
-// The cut of `dense`'s current values for this tp rank: children [first, end) of a fresh
-// tp::tensor_parallel(dense), by name (copies).
-std::map<std::string, at::Tensor> cut_for_rank(TpView& v, const CommPtr& tp, const char* who) {
-  tp::TensorParallelOptions to;
-  to.sync_dense = false;  // the dense values are the same on every rank: no broadcast
-  auto shards = named_range(tp::tensor_parallel(v.dense, tp, to), v.first, v.end, false);
-  if (shards.size() != v.trained.size()) {
-    throw std::invalid_argument(std::string(who) + ": the dense model cuts into " + std::to_string(shards.size()) +
-                                " tensor-parallel parameters here, the model has " + std::to_string(v.trained.size()) +
-                                "; pass a dense model of the same shape");
-  }
-  std::map<std::string, at::Tensor> out;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    const auto& [n, t] = v.trained[i];
-    if (shards[i].first != n || shards[i].second.sizes() != t.sizes()) {
-      throw std::invalid_argument(std::string(who) + ": tensor-parallel parameter '" + n + "' " + shape_str(t.sizes()) +
-                                  " does not match the dense model's cut '" + shards[i].first + "' " +
-                                  shape_str(shards[i].second.sizes()) + "; pass a dense model of the same shape");
-    }
-    out[n] = shards[i].second.detach().clone();
-  }
-  return out;
-}
-
-}  // namespace
-
-std::string detail::save_tensor_parallel_checkpoint(const std::string& root, CheckpointMeta meta,
-                                                    const TensorParallelState& s, Communicator& comm,
-                                                    const CheckpointSaveOptions& o) {
-  const char* who = "save_tensor_parallel_checkpoint";
-  TpView v = tp_view(s, who);
-  // The trained values and slots of this rank's shards, by name.
-  WholeState mine;
-  if (s.zero) {
-    const at::Device dev = v.trained.empty() ? at::Device(at::kCPU) : v.trained.front().second.device();
-    mine = gather_zero(*s.zero, *s.dp, dev, who);
-  } else {
-    for (auto& [n, t] : v.trained) {
-      mine.params[n] = t.detach();
-      auto st = get_param_state(*s.opt, t);
-      mine.step = std::max(mine.step, st.step);
-      for (auto& [k, x] : st.slots) mine.slots[k][n] = x.detach();
-    }
-  }
-  // A scratch copy of the parallel model (cut from `dense`, whose values do not matter here):
-  // each field (the values, then each optimizer slot) is copied into its shards and gathered
-  // into `dense` by tp::gather_to_dense, which knows how every layer was cut.
-  tp::TensorParallelOptions to;
-  to.sync_dense = false;
-  auto scratch = tp::tensor_parallel(v.dense, s.tp, to);
-  auto sp = named_range(scratch, v.first, v.end, false);
-  auto dn = named_range(v.dense, v.first, v.end, false);
-  auto gather_field = [&](const std::map<std::string, at::Tensor>& field) {
-    {
-      torch::NoGradGuard ng;
-      for (auto& [n, t] : sp) {
-        auto it = field.find(n);
-        // A slot that some parameter lacks (one that never had a gradient) is saved as zeros for it.
-        if (it == field.end()) {
-          t.zero_();
-          continue;
-        }
-        if (it->second.sizes() != t.sizes()) {
-          throw std::invalid_argument(std::string(who) + ": tensor-parallel parameter '" + n + "' has shape " +
-                                      shape_str(it->second.sizes()) + ", the dense model cuts it to " +
-                                      shape_str(t.sizes()) + "; pass a dense model of the same shape");
-        }
-        t.copy_(it->second);
-      }
-    }
-    tp::gather_to_dense(scratch, v.dense, s.tp, v.first, v.end);
-    std::map<std::string, at::Tensor> out;
-    for (auto& [n, t] : dn) out[n] = t.detach().clone();
-    return out;
   };
-  if (sp.size() != v.trained.size()) {
-    throw std::invalid_argument(std::string(who) + ": the dense model cuts into " + std::to_string(sp.size()) +
-                                " tensor-parallel parameters here, the model has " + std::to_string(v.trained.size()) +
-                                "; pass a dense model of the same shape");
-  }
-  const bool writer = s.pipe ? (s.tp->rank() == 0 && s.dp->rank() == 0) : comm.rank() == 0;
-  SavePlan plan;
-  plan.meta = meta;
-  plan.meta.optimizer = v.optimizer;
-  auto values = gather_field(mine.params);
-  for (auto& [n, t] : dn) {
-    plan.params.push_back(tensor_desc(n, values.at(n)));
-    if (writer) plan.entries.emplace_back("param/" + n, values.at(n));
-  }
-  for (auto& [k, field] : mine.slots) {
-    auto whole = gather_field(field);
-    if (writer)
-      for (auto& [n, t] : dn) plan.entries.emplace_back(k + "/" + n, whole.at(n));
-    plan.slots.push_back(k);
-  }
-  plan.optimizer_step = mine.step;
-  for (auto& [n, b] : named_range(v.parallel, v.first, v.end, true)) {
-    plan.buffers.push_back(tensor_desc(n, b));
-    if (writer) plan.entries.emplace_back("buffer/" + n, b);
-  }
-  plan.entries.emplace_back("rng/cpu", cpu_rng_state());
-  if (s.pipe) return save_stages(root, std::move(plan), *s.pipe, writer, comm, o);
-  plan.layout = {{"kind", "replicated"}, {"owner", 0}};
-  return save_impl(root, std::move(plan), comm, o);
-}
-
-CheckpointMeta detail::load_tensor_parallel_checkpoint(const std::string& dir, const TensorParallelState& s, int rank,
-                                                       const CheckpointLoadOptions& o) {
-  const char* who = "load_tensor_parallel_checkpoint";
-  TpView v = tp_view(s, who);
-  auto fc = read_full_checkpoint(dir);
-  // The whole dense model is filled (a stage's cut may depend on its neighbours: the MLP pairs
-  // Linears across a ReLU), so the checkpoint must hold every parameter.
-  auto params = named_range(v.dense, 0, static_cast<int64_t>(v.dense->size()), false);
-  auto buffers = named_range(v.parallel, v.first, v.end, true);
-  check_fits(fc, dir, o, params, buffers, v.optimizer);
-  // Every field whole into `dense`, then cut for this rank.
-  auto cut_field = [&](const std::function<at::Tensor(const std::string&, const at::Tensor&)>& whole) {
-    {
-      torch::NoGradGuard ng;
-      for (auto& [n, t] : params) t.copy_(whole(n, t));
-    }
-    return cut_for_rank(v, s.tp, who);
-  };
-  auto values = cut_field([&](const std::string& n, const at::Tensor&) { return fc.params.at(n); });
-  std::set<std::string> slots;
-  int64_t step = 0;
-  for (auto& [n, st] : fc.optim) {
-    step = std::max(step, st.step);
-    for (auto& [k, x] : st.slots) slots.insert(k);
-  }
-  std::map<std::string, ParamOptimizerState> states;
-  for (const auto& k : slots) {
-    auto cut = cut_field([&](const std::string& n, const at::Tensor& t) {
-      const auto& sl = fc.optim.at(n).slots;
-      auto it = sl.find(k);
-      return it != sl.end() ? it->second : at::zeros_like(t);
-    });
-    for (auto& [n, t] : cut) {
-      states[n].slots[k] = t;
-      states[n].step = step;
-    }
-  }
-  if (s.zero) {
-    s.zero->load_full_state(values, states);
-    s.zero->restore_loss_scaler(fc.meta.loss_scale, fc.meta.loss_scale_good_steps, fc.meta.skipped_steps);
-  } else {
-    auto live = named_range(v.parallel, v.first, v.end, false);
-    torch::NoGradGuard ng;
-    for (size_t i = 0; i < v.trained.size(); ++i) {
-      const auto& [n, op] = v.trained[i];
-      op.copy_(values.at(n));
-      if (!op.is_same(live[i].second)) live[i].second.copy_(values.at(n));
-      set_param_state(*s.opt, op, states[n]);
-    }
-  }
-  finish_load(fc, buffers, rank, o);
-  return fc.meta;
+  t.pieces = [&] { return replicated_pieces(model, opt, 0); };
+  auto meta = load_state(dir, t, rank, nullptr, o);
+  torch::NoGradGuard ng;
+  auto named = model.named_parameters(true);
+  for (size_t i = 0; i < ops.size(); ++i)
+    if (!ops[i].is_same(named[i].value())) named[i].value().detach().copy_(ops[i]);
+  return meta;
 }
 
 std::string latest_checkpoint(const std::string& root) {
@@ -928,43 +691,25 @@ std::string latest_checkpoint(const std::string& root) {
 
 CheckpointMeta read_checkpoint_meta(const std::string& dir) { return read_manifest(dir).meta; }
 
-FullCheckpoint read_full_checkpoint(const std::string& dir) { return assemble(read_manifest(dir)); }
-
-CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& opt, int rank,
-                               const CheckpointLoadOptions& o) {
-  return load_whole_tensors(dir, model, opt, rank, o, /*whole_model=*/true);
-}
-
-CheckpointMeta detail::load_checkpoint(const std::string& dir, const Pipeline& pipe, torch::optim::Optimizer& opt,
-                                       int rank, const CheckpointLoadOptions& o) {
-  auto stage = pipe.stage_module();
-  return load_whole_tensors(dir, *stage, opt, rank, o, /*whole_model=*/false);
-}
-
-namespace {
-CheckpointMeta load_zero(const std::string& dir, ZeroDataParallel& zero, int rank, const CheckpointLoadOptions& o,
-                         bool whole_model) {
-  auto fc = read_full_checkpoint(dir);
-  std::vector<std::pair<std::string, at::Tensor>> params;
-  for (auto& p : zero.shard_state().params) params.emplace_back(p.name, at::empty(p.shape));
-  auto buffers = named_buffers(zero.module());
-  check_fits(fc, dir, o, params, buffers, optimizer_kind(zero.optimizer()), whole_model);
-  zero.load_full_state(fc.params, fc.optim);
-  zero.restore_loss_scaler(fc.meta.loss_scale, fc.meta.loss_scale_good_steps, fc.meta.skipped_steps);
-  finish_load(fc, buffers, rank, o);
-  return fc.meta;
-}
-}  // namespace
-
-CheckpointMeta detail::load_checkpoint(const std::string& dir, ZeroDataParallel& zero, int rank,
-                                       const CheckpointLoadOptions& o) {
-  return load_zero(dir, zero, rank, o, /*whole_model=*/true);
-}
-
-CheckpointMeta detail::load_checkpoint(const std::string& dir, const Pipeline& pipe, ZeroDataParallel& zero, int rank,
-                                       const CheckpointLoadOptions& o) {
-  (void)pipe;  // the stage's parameters are ZeRO's; the checkpoint may hold more (other stages)
-  return load_zero(dir, zero, rank, o, /*whole_model=*/false);
+FullCheckpoint read_full_checkpoint(const std::string& dir) {
+  Reader R(dir);
+  const auto& M = R.manifest();
+  FullCheckpoint fc;
+  fc.meta = M.meta;
+  for (const auto& p : M.params) {
+    fc.param_names.push_back(p.name);
+    fc.params[p.name] = R.whole(ckpt::state_key("param", p.name));
+    ParamOptimizerState s;
+    s.step = M.optimizer_step;
+    for (const auto& sl : M.slots) {
+      const auto key = ckpt::state_key(sl, p.name);
+      s.slots[sl] = M.tensors.count(key) ? R.whole(key) : at::zeros_like(fc.params[p.name]);
+    }
+    fc.optim[p.name] = std::move(s);
+  }
+  for (const auto& b : M.buffers) fc.buffers[b.name] = R.whole(ckpt::state_key("buffer", b.name));
+  for (int r = 0; r < M.meta.world_size; ++r) fc.rng.push_back(R.rng(r));
+  return fc;
 }
 
 }  // namespace tandem

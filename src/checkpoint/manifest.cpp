@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -18,6 +19,7 @@ namespace {
 using json = nlohmann::json;
 constexpr int64_t kMaxNumel = int64_t{1} << 56;
 constexpr int kMaxWorld = 1 << 20;
+constexpr int64_t kMaxRuns = int64_t{1} << 24;
 
 struct Parser {
   const std::string& path;
@@ -171,13 +173,144 @@ struct Parser {
     m.buffer_owner.assign(m.buffers.size(), 0);
   }
 
+  std::vector<int64_t> dims(const json& list, const std::string& what, size_t n) const {
+    if (!list.is_array() || list.size() != n) bad("has " + what + " that is not a list of " + std::to_string(n));
+    std::vector<int64_t> out;
+    for (auto& v : list) out.push_back(int_in(v, what, 0, kMaxNumel));
+    return out;
+  }
+
+  // One stored piece of a "pieces" layout: {"rank", "entry", "offset", "local_shape", "blocks":
+  // [{"local", "global", "shape"}], "flat": [begin, end]}.
+  StoredPiece piece(const json& e, const StoredTensor& t, const std::string& where, int world) const {
+    StoredPiece sp;
+    sp.rank = static_cast<int>(int_field(e, "rank", where, 0, world - 1));
+    sp.entry = str_field(e, "entry", where);
+    if (sp.entry.empty()) bad("has " + where + " with an empty entry name");
+    sp.entry_offset = int_field(e, "offset", where, 0, kMaxNumel);
+    auto& p = sp.placement;
+    p.global_shape = t.shape;
+    const size_t d = t.shape.size();
+    p.local_shape = dims(at(e, "local_shape", where), where + ".local_shape", d);
+    int64_t rows = 0;
+    for (auto& b : array_field(e, "blocks", where)) {
+      PlacementBlock blk;
+      blk.local_offset = dims(at(b, "local", where + ".blocks"), where + ".blocks.local", d);
+      blk.global_offset = dims(at(b, "global", where + ".blocks"), where + ".blocks.global", d);
+      blk.shape = dims(at(b, "shape", where + ".blocks"), where + ".blocks.shape", d);
+      int64_t r = 1;  // the runs it can make: bounded, so that a hostile manifest cannot exhaust memory
+      for (size_t i = 0; i + 1 < d; ++i) r = blk.shape[i] == 0 ? 0 : std::min(kMaxRuns + 1, r * blk.shape[i]);
+      rows = std::min(kMaxRuns + 1, rows + r);
+      p.blocks.push_back(std::move(blk));
+    }
+    if (rows > kMaxRuns) bad("has " + where + " cut into more than 2^24 runs");
+    const auto flat = dims(at(e, "flat", where), where + ".flat", 2);
+    p.flat_begin = flat[0];
+    p.flat_end = flat[1];
+    try {
+      p.check(where);
+    } catch (const std::invalid_argument& ex) {
+      bad(std::string("has an invalid ") + ex.what());
+    }
+    return sp;
+  }
+
+  void pieces_layout(const json& layout, Manifest& m) const {
+    for (auto& t : array_field(layout, "tensors", "layout")) {
+      const auto key = str_field(t, "key", "layout.tensors");
+      if (m.tensors.count(key)) bad("lists the tensor '" + key + "' twice");
+      StoredTensor st;
+      const auto desc =
+          tensor({{"name", key}, {"shape", at(t, "shape", "layout.tensors")}, {"dtype", "-"}}, "layout.tensors");
+      st.shape = desc.shape;
+      st.dtype = str_field(t, "dtype", "layout.tensors");
+      for (auto& e : array_field(t, "pieces", "layout.tensors['" + key + "']"))
+        st.pieces.push_back(piece(e, st, "a piece of '" + key + "'", m.meta.world_size));
+      m.tensors[key] = std::move(st);
+    }
+  }
+
+  // Version 1, replicated and stages: each tensor whole in its owner's shard, entry = key.
+  void owner_pieces(Manifest& m) const {
+    auto add = [&](const std::string& kind, const TensorDesc& d, int owner) {
+      const auto key = state_key(kind, d.name);
+      m.tensors[key] = StoredTensor{d.shape, d.dtype, {StoredPiece{owner, key, 0, Placement::whole(d.shape)}}};
+    };
+    for (size_t i = 0; i < m.params.size(); ++i) {
+      add("param", m.params[i], m.param_owner[i]);
+      for (auto& sl : m.slots) add(sl, m.params[i], m.param_owner[i]);
+    }
+    for (size_t i = 0; i < m.buffers.size(); ++i) add("buffer", m.buffers[i], m.buffer_owner[i]);
+  }
+
+  // Version 1, zero: rank r's chunk of a bucket holds the part of each parameter that falls in
+  // [r * chunk, (r + 1) * chunk), in entries "bucketB/param" and "bucketB/<slot>".
+  void zero_pieces(Manifest& m) const {
+    const int world = m.meta.world_size;
+    for (size_t i = 0; i < m.params.size(); ++i) {
+      const auto& d = m.params[i];
+      const auto b = m.param_bucket[i];
+      const int64_t chunk = m.buckets[b].chunk, off = m.param_offset[i];
+      std::vector<std::string> kinds{"param"};
+      kinds.insert(kinds.end(), m.slots.begin(), m.slots.end());
+      for (const auto& kind : kinds) {
+        StoredTensor st{d.shape, d.dtype, {}};
+        for (int r = 0; r < world && d.numel > 0; ++r) {
+          const int64_t lo = std::max(off, r * chunk), hi = std::min(off + d.numel, (r + 1) * chunk);
+          if (lo >= hi) continue;
+          st.pieces.push_back(StoredPiece{r, "bucket" + std::to_string(b) + "/" + kind, lo - r * chunk,
+                                          Placement::whole(d.shape).flat_range(lo - off, hi - off)});
+        }
+        m.tensors[state_key(kind, d.name)] = std::move(st);
+      }
+    }
+    for (auto& d : m.buffers)
+      m.tensors[state_key("buffer", d.name)] =
+          StoredTensor{d.shape, d.dtype, {StoredPiece{0, state_key("buffer", d.name), 0, Placement::whole(d.shape)}}};
+  }
+
+  // Every tensor belongs to a listed parameter, slot or buffer of its shape; every parameter
+  // and buffer has one; the pieces of each hold every element exactly once.
+  void check_tensors(const Manifest& m) const {
+    std::map<std::string, const TensorDesc*> expect;
+    std::set<std::string> required;
+    for (auto& d : m.params) {
+      expect[state_key("param", d.name)] = &d;
+      required.insert(state_key("param", d.name));
+      for (auto& sl : m.slots) expect[state_key(sl, d.name)] = &d;
+    }
+    for (auto& d : m.buffers) {
+      expect[state_key("buffer", d.name)] = &d;
+      required.insert(state_key("buffer", d.name));
+    }
+    for (auto& [key, t] : m.tensors) {
+      auto it = expect.find(key);
+      if (it == expect.end()) bad("lays out the tensor '" + key + "' that is no listed parameter, slot or buffer");
+      if (t.shape != it->second->shape) bad("gives '" + key + "' another shape than the model lists for it");
+      required.erase(key);
+      std::vector<std::vector<PlacementRun>> runs;
+      for (auto& p : t.pieces) runs.push_back(placement_runs(p.placement));
+      const auto err = placement_cover_error(runs, it->second->numel);
+      if (!err.empty()) bad("has pieces of '" + key + "' that do not fit together: " + err + pieces_where(m, t));
+    }
+    if (!required.empty()) bad("lists '" + *required.begin() + "' but lays out no piece of it");
+  }
+
+  // Which shard file holds each piece, for an error message.
+  static std::string pieces_where(const Manifest& m, const StoredTensor& t) {
+    std::string out = " (piece: file";
+    for (size_t i = 0; i < t.pieces.size(); ++i)
+      out += (i ? ", " : " ") + std::to_string(i) + ": " + m.files.at(static_cast<size_t>(t.pieces[i].rank));
+    return out + ")";
+  }
+
   Manifest parse(const json& j) const {
     Manifest m;
     if (!j.is_object() || !j.contains("format") || j["format"] != kManifestFormat)
       bad("is not a Tandem checkpoint manifest");
     const int64_t version = int_field(j, "version", "the manifest", 0, INT32_MAX);
-    if (version != kManifestVersion) {
-      bad("has format version " + std::to_string(version) + "; this build reads version " +
+    if (version != 1 && version != kManifestVersion) {
+      bad("has format version " + std::to_string(version) + "; this build reads versions 1 to " +
           std::to_string(kManifestVersion));
     }
     auto& meta = m.meta;
@@ -252,14 +385,25 @@ struct Parser {
       if (m.partition.empty()) bad("has a stages layout without a partition");
       m.param_owner = owners(array_field(layout, "params", "layout"), m.params, "params", meta.world_size);
       m.buffer_owner = owners(array_field(layout, "buffers", "layout"), m.buffers, "buffers", meta.world_size);
+    } else if (kind == "pieces") {
+      m.layout = LayoutKind::kPieces;
+      pieces_layout(layout, m);
     } else {
       bad("has an unknown layout '" + kind + "'");
     }
+    if (m.layout == LayoutKind::kZero) {
+      zero_pieces(m);
+    } else if (m.layout != LayoutKind::kPieces) {
+      owner_pieces(m);
+    }
+    check_tensors(m);
     return m;
   }
 };
 
 }  // namespace
+
+std::string state_key(const std::string& kind, const std::string& name) { return kind + "/" + name; }
 
 Manifest parse_manifest(const std::string& text, const std::string& path) {
   Parser p{path};

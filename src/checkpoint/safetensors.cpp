@@ -1,5 +1,7 @@
 #include "tandem/safetensors.h"
 
+#include "tandem/engine.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -472,6 +474,40 @@ const File& Checkpoint::file_of(const std::string& name) const {
     throw std::runtime_error("safetensors checkpoint '" + s.where + "': the index puts tensor '" + name +
                              "' in shard '" + it->second + "', which does not hold it");
   return *slot;
+}
+
+namespace {
+class SafetensorsSource final : public ParameterSource {
+ public:
+  SafetensorsSource(Checkpoint c, std::function<std::string(const std::string&)> to_name, bool allow_missing)
+      : c_(std::move(c)), to_name_(std::move(to_name)), allow_missing_(allow_missing) {}
+  bool find(const std::string& name, std::vector<int64_t>* shape) const override {
+    const auto file_name = mapped(name);
+    if (file_name.empty()) return false;
+    if (!c_.contains(file_name)) {
+      if (allow_missing_) return false;
+      throw std::runtime_error("safetensors: the checkpoint has no tensor '" + file_name + "' (for the parameter '" +
+                               name + "')");
+    }
+    *shape = c_.info(file_name).shape;
+    return true;
+  }
+  void read(const std::string& name, int64_t first, at::Tensor dest) const override {
+    dest.copy_(c_.read_flat(mapped(name), first, dest.numel()));
+  }
+
+ private:
+  std::string mapped(const std::string& name) const { return to_name_ ? to_name_(name) : name; }
+  Checkpoint c_;
+  std::function<std::string(const std::string&)> to_name_;
+  bool allow_missing_;
+};
+}  // namespace
+
+std::shared_ptr<const ParameterSource> parameter_source(Checkpoint checkpoint,
+                                                        std::function<std::string(const std::string&)> to_name,
+                                                        bool allow_missing) {
+  return std::make_shared<SafetensorsSource>(std::move(checkpoint), std::move(to_name), allow_missing);
 }
 
 }  // namespace tandem::safetensors

@@ -113,8 +113,16 @@ struct Engine::Impl {
   void build(std::shared_ptr<torch::nn::Module> model, ForwardFn forward, const OptimizerOptions& oo);
   at::Tensor pipeline_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn, const StepOptions& so);
   at::Tensor accumulate_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn, const StepOptions& so);
-  void gather_dense();
   void checkpoint_layers(std::vector<int64_t>& cut);
+  void initialise(const ParameterSource& source);
+  std::vector<StatePiece> state() {
+    auto pieces = up->state();
+    auto buffers = L.buffer_state();
+    pieces.insert(pieces.end(), buffers.begin(), buffers.end());
+    return pieces;
+  }
+  // The whole model's names and shapes, taken before any cut: what a checkpoint must hold.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> dense_params, dense_buffers;
 };
 
 // Wraps the chosen layers of `net` (after its tensor-parallel conversion, before the pipeline
@@ -139,10 +147,6 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   validate(cfg, world);
   validate(oo);
   if (!model) throw std::invalid_argument("tandem::Engine: the model is null");
-  if (L.opts.init_shard && !L.init_by_shard() && !L.opts.init_parameters) {
-    throw std::invalid_argument(std::string("EngineOptions::init_shard fills only ZeRO-3's shards; --strategy ") +
-                                to_string(cfg.strategy) + " needs init_parameters as well");
-  }
   const bool sequential = static_cast<bool>(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model));
   if (!sequential && cfg.tp * cfg.pp > 1) {
     throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " x --pp " + std::to_string(cfg.pp) +
@@ -156,6 +160,8 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   }
   L.dense = model;
   L.dense->to(L.rt->device());
+  for (auto& p : L.dense->named_parameters()) dense_params.emplace_back(p.key(), p.value().sizes().vec());
+  for (auto& b : L.dense->named_buffers()) dense_buffers.emplace_back(b.key(), b.value().sizes().vec());
   parameters = models::count_parameters(*L.dense);
   if (cfg.tp * cfg.pp > 1) L.grid = std::make_unique<ProcessGrid>(L.world, cfg.tp, cfg.pp);
   L.dp = L.grid ? L.grid->dp() : L.world;
@@ -189,16 +195,15 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     L.pipe = std::make_unique<Pipeline>(L.net_sequential(), L.grid->pp(), po);
   }
   L.trained_module = L.pipe ? L.pipe->stage_module().ptr() : L.net;
-  if (L.opts.init_parameters && !L.init_by_shard())
-    L.opts.init_parameters(*L.trained_module, L.grid ? L.grid->tp()->rank() : 0, cfg.tp);
-  L.opts.init_parameters = nullptr;  // once: what it holds (a mapped checkpoint) goes now
+  L.placed = engine::placements_of(*L.trained_module, L.grid ? L.grid->tp()->rank() : 0);
   L.trained = L.trained_module->parameters();
   L.run = std::move(forward);
   if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L.net)) {
     L.run = [seq](const at::Tensor& x) -> at::Tensor { return seq->forward(x); };
   }
   up = engine::make_updater(L, oo);
-  L.opts.init_shard = nullptr;  // the updater has filled the shards
+  if (L.opts.init_from) initialise(*L.opts.init_from);
+  L.opts.init_from = nullptr;  // once: what it holds (mapped files) goes now
   comms = {L.world};
   if (L.grid) comms.insert(comms.end(), {L.grid->tp(), L.grid->pp(), L.grid->dp()});
 }
@@ -416,7 +421,8 @@ std::string Engine::save(const std::string& root, CheckpointMeta meta, const Che
   meta.loss_scale = sc.scale();
   meta.loss_scale_good_steps = sc.overflow_free_steps();
   meta.skipped_steps = sc.skipped_steps();
-  auto dir = I.up->save(root, meta, options);
+  meta.optimizer = I.up->optimizer_kind();
+  auto dir = save_state(root, meta, I.state(), I.up->optimizer_step(), *I.L.rt->cpu_world(), options);
   if (options.async) I.pending_save = options.async;
   ++I.saves;
   I.save_stall_s += seconds_since(t0);
@@ -435,63 +441,69 @@ CheckpointMeta Engine::load(const std::string& dir_or_root, CheckpointLoadOption
                                "' (neither a checkpoint directory nor a root holding step-N checkpoints)");
     }
   }
-  if (options.expect_model.empty()) options.expect_model = impl_->L.opts.model_name;
-  return impl_->up->load(dir, impl_->L.world->rank(), options);
+  auto& I = *impl_;
+  if (options.expect_model.empty()) options.expect_model = I.L.opts.model_name;
+  StateTarget t;
+  t.params = I.dense_params;
+  t.buffers = I.dense_buffers;
+  t.optimizer = I.up->optimizer_kind();
+  t.prepare = [&I](const std::vector<std::string>& slots, int64_t step) { I.up->prepare_load(slots, step); };
+  t.pieces = [&I] { return I.state(); };
+  auto meta = load_state(dir, t, I.L.world->rank(), I.L.rt->cpu_world().get(), options);
+  I.up->finish_load();
+  I.up->restore_loss_scaler(meta);
+  return meta;
 }
 
-// Makes `dense` hold the trained values on every rank: each stage gathers its tensor-parallel
-// shards, then each layer is broadcast from the stage that owns it.
-void Engine::Impl::gather_dense() {
-  auto dense = L.dense_sequential();
-  const int64_t n = static_cast<int64_t>(dense->size());
-  if (L.grid->tp_size() > 1) {
-    tp::gather_to_dense(L.net_sequential(), dense, L.grid->tp(), L.pipe ? L.pipe->first_layer() : 0,
-                        L.pipe ? L.pipe->end_layer() : n);
-  }
-  if (!L.pipe) return;
-  const std::vector<int> owner = L.pipe->layer_owners();
-  torch::NoGradGuard ng;
-  for (int64_t l = 0; l < n; ++l) {
-    for (auto& p : dense->ptr(l)->parameters()) {
-      auto buf = p.detach().contiguous();
-      L.grid->pp()->broadcast(buf, owner[l]);
-      if (!buf.is_same(p)) p.detach().copy_(buf);
+// Every rank reads the elements it holds of each parameter the source has, run by run; a rank
+// that fails makes every rank throw (the values are then partly read).
+void Engine::Impl::initialise(const ParameterSource& source) {
+  std::string err;
+  try {
+    for (auto& piece : up->state()) {
+      if (piece.key.rfind("param/", 0) != 0) continue;
+      const std::string name = piece.key.substr(6);
+      std::vector<int64_t> shape;
+      if (!source.find(name, &shape)) continue;
+      if (shape != piece.placement.global_shape) {
+        throw std::runtime_error("the initial value of '" + name + "' has shape " + c10::str(c10::IntArrayRef(shape)) +
+                                 ", the model's parameter " + c10::str(c10::IntArrayRef(piece.placement.global_shape)));
+      }
+      auto dst = piece.data.device().is_cpu() ? piece.data
+                                              : at::empty({piece.data.numel()}, piece.data.options().device(at::kCPU));
+      for (const auto& r : placement_runs(piece.placement))
+        source.read(name, r.global, dst.narrow(0, r.held, r.length));
+      if (!dst.is_same(piece.data)) piece.data.copy_(dst);
     }
+  } catch (const std::exception& e) {
+    err = "rank " + std::to_string(L.world->rank()) + ": reading the initial parameters: " + e.what();
   }
+  auto flag = at::tensor({static_cast<int64_t>(err.empty() ? 0 : 1)}, at::kLong);
+  L.rt->cpu_world()->allreduce(flag, ReduceOp::kSum);
+  if (!err.empty()) throw std::runtime_error(err);
+  if (flag.item<int64_t>() > 0)
+    throw std::runtime_error("reading the initial parameters failed on another rank (see its error)");
+  up->finish_load();
 }
 
+// Every rank's pieces of the parameters written into whole tensors that are zero elsewhere, then
+// summed over the world: each element comes from the one rank that holds it as replica 0.
 std::map<std::string, at::Tensor> Engine::full_parameters() {
   auto& I = *impl_;
   Impl::Uncounted uncounted(I);
   std::map<std::string, at::Tensor> out;
-  auto masters = I.up->masters();
-  if (!I.L.grid) {
-    if (!masters.empty()) return masters;
-    for (auto& p : I.L.dense->named_parameters()) out[p.key()] = p.value().detach().to(torch::kCPU).clone();
-    return out;
+  for (const auto& [name, shape] : I.dense_params) out[name] = at::zeros(shape, at::kFloat);
+  torch::NoGradGuard ng;
+  for (const auto& piece : I.up->state()) {
+    if (piece.key.rfind("param/", 0) != 0 || piece.placement.replica != 0) continue;
+    auto flat = out.at(piece.key.substr(6)).view({-1});
+    const auto data = piece.data.to(at::kCPU, at::kFloat);
+    for (const auto& r : placement_runs(piece.placement))
+      flat.narrow(0, r.global, r.length).copy_(data.narrow(0, r.held, r.length));
   }
-  // A split model whose values live in masters (mixed precision, ZeRO's shards): they go into
-  // the split model's parameters for the gather (every other parameter as fp32 of its value),
-  // and each parameter gets its own storage back afterwards (ZeRO's parameters are views of
-  // its flat buffers).
-  std::vector<at::Tensor> params = I.L.net->parameters(), saved;
-  if (!masters.empty()) {
-    std::unordered_map<const void*, at::Tensor> master_of;
-    for (auto& p : I.L.trained_module->named_parameters()) {
-      auto m = masters.find(p.key());
-      if (m != masters.end()) master_of[p.value().unsafeGetTensorImpl()] = m->second;
-    }
-    torch::NoGradGuard ng;
-    for (auto& p : params) {
-      saved.push_back(p.data());
-      auto m = master_of.find(p.unsafeGetTensorImpl());
-      p.set_data(m != master_of.end() ? m->second.to(p.device(), torch::kFloat).clone() : p.detach().to(torch::kFloat));
-    }
-  }
-  I.gather_dense();
-  for (auto& p : I.L.dense->named_parameters())
-    out[p.key()] = p.value().detach().to(torch::kCPU, torch::kFloat).clone();
-  for (size_t i = 0; i < saved.size(); ++i) params[i].set_data(saved[i]);
+  auto cpu = I.L.rt->cpu_world();
+  if (cpu->size() > 1)
+    for (auto& [name, t] : out) cpu->allreduce(t, ReduceOp::kSum);
   return out;
 }
 

@@ -1,5 +1,5 @@
 // The two updaters behind the Engine (updater.h): replicas with a MixedPrecisionOptimizer
-// (single, ddp) and ZeroDataParallel (zero1-3), each with its checkpoint layouts.
+// (single, ddp) and ZeroDataParallel (zero1-3), each reporting the pieces of state it holds.
 #include "engine/updater.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -8,6 +8,7 @@
 #include <map>
 #include <stdexcept>
 
+#include "tandem/activation_checkpoint.h"
 #include "tandem/ddp.h"
 #include "tandem/tensor_parallel.h"
 #include "tandem/zero.h"
@@ -30,28 +31,55 @@ torch::nn::Sequential Layout::dense_sequential() const {
   return torch::nn::Sequential(seq);
 }
 
-TensorParallelState Layout::tp_state(torch::optim::Optimizer* opt, ZeroDataParallel* zero) {
-  if (!tp_scratch) {
-    if (!opts.make_dense) {
-      throw std::invalid_argument("tensor-parallel checkpoints need EngineOptions::make_dense (a function that builds "
-                                  "the dense model: its shape is the checkpoint's)");
-    }
-    // Its initialisation draws from the generator: keep the run's random stream as it was.
-    auto gen = at::detail::getDefaultCPUGenerator();
-    const auto state = gen.get_state();
-    tp_scratch = opts.make_dense();
-    gen.set_state(state);
-    tp_scratch->to(rt->device());
+int64_t Layout::replica_rank() const {
+  const int64_t tp_rank = grid ? grid->tp()->rank() : 0;
+  return tp_rank + static_cast<int64_t>(cfg.tp) * dp->rank();
+}
+
+std::vector<StatePiece> Layout::buffer_state() const {
+  std::vector<StatePiece> out;
+  for (auto& kv : trained_module->named_buffers(true)) {
+    auto p = Placement::whole(kv.value().sizes().vec());
+    p.replica = replica_rank();
+    out.push_back({"buffer/" + kv.key(), p, kv.value().detach().view({-1})});
   }
-  TensorParallelState s;
-  s.parallel = net_sequential().ptr();
-  s.dense = tp_scratch.ptr();
-  s.tp = grid->tp();
-  s.pipe = pipe.get();
-  s.opt = opt;
-  s.zero = zero;
-  s.dp = dp;
-  return s;
+  return out;
+}
+
+namespace {
+
+// The PlacedModule a module is, or wraps (activation checkpointing and ZeRO-3 units keep the
+// wrapped module's parameters under the same names).
+const PlacedModule* placed_module(torch::nn::Module& m) {
+  if (auto* p = dynamic_cast<const PlacedModule*>(&m)) return p;
+  if (auto* c = m.as<CheckpointedImpl>()) return dynamic_cast<const PlacedModule*>(c->inner().ptr().get());
+  if (auto* u = m.as<ShardedUnitImpl>()) return dynamic_cast<const PlacedModule*>(u->inner().ptr().get());
+  return nullptr;
+}
+
+// Outer modules first: what a PlacedModule lists for its descendants wins over theirs.
+void walk(torch::nn::Module& m, const std::string& prefix, const std::string& dense_prefix, int64_t replica,
+          std::map<std::string, Layout::Placed>& out) {
+  if (const auto* placed = placed_module(m)) {
+    for (auto& p : placed->parameter_placements()) {
+      out.emplace(prefix + p.name, Layout::Placed{dense_prefix + p.dense_name, p.placement});
+    }
+  }
+  for (auto& kv : m.named_parameters(/*recurse=*/false)) {
+    auto pl = Placement::whole(kv.value().sizes().vec());
+    pl.replica = replica;
+    out.emplace(prefix + kv.key(), Layout::Placed{dense_prefix + kv.key(), pl});
+  }
+  for (auto& c : m.named_children())
+    walk(*c.value(), prefix + c.key() + ".", dense_prefix + c.key() + ".", replica, out);
+}
+
+}  // namespace
+
+std::map<std::string, Layout::Placed> placements_of(torch::nn::Module& module, int64_t replica) {
+  std::map<std::string, Layout::Placed> out;
+  walk(module, "", "", replica, out);
+  return out;
 }
 
 namespace {
@@ -69,27 +97,15 @@ bool model_parallel_norms(const Layout& L, const OptimizerOptions& oo) {
   return whole_model_norm(L) || (L.grid && L.cfg.tp > 1 && is_layerwise(oo));
 }
 
+// Which of the trained parameters are blocks of a larger tensor (their squares summed over tp),
+// in the trained module's order.
 std::vector<bool> shard_flags(const Layout& L) {
-  if (!L.pipe) return tp::sharded_parameters(L.net_sequential(), 0, -1);
-  std::vector<bool> flags;  // the stage's parameters, chunk by chunk
-  for (auto [first, end] : L.pipe->layer_ranges()) {
-    const auto f = tp::sharded_parameters(L.net_sequential(), first, end);
-    flags.insert(flags.end(), f.begin(), f.end());
+  std::vector<bool> flags;
+  for (auto& p : L.trained_module->named_parameters()) {
+    const auto& pl = L.placed.at(p.key()).placement;
+    flags.push_back(pl.local_shape != pl.global_shape);
   }
   return flags;
-}
-
-// ZeroOptions::init_shard over EngineOptions::init_shard: each piece told the shape of its
-// parameter on this rank and the tp rank, since under --tp a flat range of a block is no flat
-// range of the dense tensor. The shapes are taken now: ZeRO-3 frees the parameters.
-std::function<bool(const std::string&, int64_t, at::Tensor)> shard_initialiser(const Layout& L) {
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& p : L.trained_module->named_parameters()) shapes[p.key()] = p.value().sizes().vec();
-  const int tp_rank = L.grid ? L.grid->tp()->rank() : 0, tp_size = L.cfg.tp;
-  return [init = L.opts.init_shard, shapes = std::move(shapes), tp_rank, tp_size](const std::string& name,
-                                                                                  int64_t first, at::Tensor dest) {
-    return init(ShardPiece{name, shapes.at(name), tp_rank, tp_size, first, std::move(dest)});
-  };
 }
 
 // single and ddp: every replica holds the whole (stage of the) model and steps it.
@@ -140,29 +156,41 @@ class Replicated final : public Updater {
   const LossScaler& scaler() const override { return opt_->scaler(); }
   DistributedDataParallel* ddp() override { return ddp_.get(); }
 
-  std::string save(const std::string& root, const CheckpointMeta& m, const CheckpointSaveOptions& o) override {
-    auto cpu = L_.rt->cpu_world();
-    auto& opt = opt_->optimizer();
-    if (L_.cfg.tp > 1) return detail::save_tensor_parallel_checkpoint(root, m, L_.tp_state(&opt, nullptr), *cpu, o);
-    if (L_.pipe)
-      return detail::save_checkpoint(root, m, *L_.pipe, opt, L_.grid->dp_rank() == 0, *cpu, o);  // one writer per stage
-    return save_checkpoint(root, m, *L_.net, opt, *cpu, o);
-  }
-  CheckpointMeta load(const std::string& dir, int rank, const CheckpointLoadOptions& o) override {
-    auto& opt = opt_->optimizer();
-    auto meta = L_.cfg.tp > 1 ? detail::load_tensor_parallel_checkpoint(dir, L_.tp_state(&opt, nullptr), rank, o)
-                : L_.pipe     ? detail::load_checkpoint(dir, *L_.pipe, opt, rank, o)
-                              : load_checkpoint(dir, *L_.net, opt, rank, o);
-    opt_->restore_loss_scaler(meta.loss_scale, meta.loss_scale_good_steps, meta.skipped_steps);
-    return meta;
-  }
-  std::map<std::string, at::Tensor> masters() override {
-    std::map<std::string, at::Tensor> out;
-    if (L_.cfg.precision == Precision::kFP32) return out;
-    const auto& masters = opt_->optimizer().param_groups().at(0).params();
-    auto named = L_.trained_module->named_parameters();
-    for (size_t i = 0; i < named.size(); ++i) out[named[i].key()] = masters.at(i).detach();
+  std::vector<StatePiece> state() override {
+    std::vector<StatePiece> out;
+    const auto masters = optimizer_tensors();
+    const auto named = L_.trained_module->named_parameters();
+    const int64_t dp_replica = static_cast<int64_t>(L_.cfg.tp) * L_.dp->rank();
+    for (size_t i = 0; i < named.size(); ++i) {
+      const auto& placed = L_.placed.at(named[i].key());
+      auto p = placed.placement;
+      p.replica += dp_replica;
+      append_optimizer_pieces(out, placed.dense_name, p, masters.at(i), opt_->optimizer());
+    }
     return out;
+  }
+  std::string optimizer_kind() const override { return tandem::optimizer_kind(opt_->optimizer()); }
+  int64_t optimizer_step() const override {
+    int64_t step = 0;
+    for (auto& m : optimizer_tensors()) step = std::max(step, get_param_state(opt_->optimizer(), m).step);
+    return step;
+  }
+  void prepare_load(const std::vector<std::string>& slots, int64_t step) override {
+    for (auto& m : optimizer_tensors()) {
+      ParamOptimizerState s;
+      s.step = step;
+      for (const auto& k : slots) s.slots[k] = at::zeros_like(m);
+      set_param_state(opt_->optimizer(), m, s);
+    }
+  }
+  void finish_load() override {
+    torch::NoGradGuard ng;
+    const auto masters = optimizer_tensors();
+    for (size_t i = 0; i < masters.size(); ++i)
+      if (!masters[i].is_same(L_.trained[i])) L_.trained[i].detach().copy_(masters[i]);
+  }
+  void restore_loss_scaler(const CheckpointMeta& m) override {
+    opt_->restore_loss_scaler(m.loss_scale, m.loss_scale_good_steps, m.skipped_steps);
   }
   void memory(EngineStats& s) const override {
     for (auto& p : L_.trained) {
@@ -174,6 +202,9 @@ class Replicated final : public Updater {
 
  private:
   static double lr_of(torch::optim::Optimizer& o) { return o.param_groups().at(0).options().get_lr(); }
+  // What the optimizer steps, in the trained module's parameter order (fp32 masters or the
+  // parameters themselves).
+  std::vector<at::Tensor> optimizer_tensors() const { return opt_->optimizer().param_groups().at(0).params(); }
   Layout& L_;
   std::unique_ptr<MixedPrecisionOptimizer> opt_;
   std::unique_ptr<DistributedDataParallel> ddp_;
@@ -192,7 +223,6 @@ class Sharded final : public Updater {
     o.precision = L.cfg.precision;
     o.loss_scaler = L.cfg.loss_scaler;
     o.max_grad_norm = L.cfg.max_grad_norm;
-    if (L.init_by_shard()) o.init_shard = shard_initialiser(L);
     zero_ = std::make_unique<ZeroDataParallel>(L.trained_module, L.dp, o);
     if (model_parallel_norms(L, oo)) zero_->set_model_parallel(shard_flags(L), L.grid->tp(), L.grid->pp());
     if (L.pipe && o.stage == 3) run_pipeline_layers_unit_by_unit(*L.pipe);
@@ -218,34 +248,26 @@ class Sharded final : public Updater {
   double gather_wait_seconds() const override { return zero_->gather_wait_seconds(); }
   ZeroDataParallel* zero() override { return zero_.get(); }
 
-  std::string save(const std::string& root, const CheckpointMeta& m, const CheckpointSaveOptions& o) override {
-    auto cpu = L_.rt->cpu_world();
-    if (L_.cfg.tp > 1)
-      return detail::save_tensor_parallel_checkpoint(root, m, L_.tp_state(nullptr, zero_.get()), *cpu, o);
-    // A stage's chunks are gathered over its replicas; the first replica writes it.
-    if (L_.pipe) return detail::save_checkpoint(root, m, *L_.pipe, *zero_, L_.dp, *cpu, o);
-    return detail::save_checkpoint(root, m, *zero_, *cpu, o);
-  }
-  CheckpointMeta load(const std::string& dir, int rank, const CheckpointLoadOptions& o) override {
-    if (L_.cfg.tp > 1) return detail::load_tensor_parallel_checkpoint(dir, L_.tp_state(nullptr, zero_.get()), rank, o);
-    if (L_.pipe) return detail::load_checkpoint(dir, *L_.pipe, *zero_, rank, o);
-    return detail::load_checkpoint(dir, *zero_, rank, o);
-  }
-  // The fp32 values of the shards (masters, or the parameters in fp32), gathered over the
-  // replicas; empty for stages 1-2 in fp32, whose parameters hold them whole.
-  std::map<std::string, at::Tensor> masters() override {
-    std::map<std::string, at::Tensor> out;
-    if (zero_->stage() != 3 && L_.cfg.precision == Precision::kFP32) return out;
-    auto st = zero_->shard_state();
-    std::vector<at::Tensor> full(st.buckets.size());
-    for (size_t b = 0; b < st.buckets.size(); ++b) {
-      auto chunk = st.buckets[b].slots.at("param").to(L_.rt->device(), torch::kFloat).contiguous();
-      auto whole = torch::empty({st.buckets[b].chunk * st.world_size}, chunk.options());
-      L_.dp->allgather(whole, chunk);
-      full[b] = whole.cpu();
+  // Each owned piece is a flat range of the parameter as this rank holds it (its
+  // tensor-parallel block, or the whole tensor); the data-parallel ranks hold disjoint ranges.
+  std::vector<StatePiece> state() override {
+    std::vector<StatePiece> out;
+    for (auto& z : zero_->owned_pieces()) {
+      const auto& placed = L_.placed.at(z.name);
+      const auto p = placed.placement.flat_range(z.first, z.first + z.count);
+      out.push_back({"param/" + placed.dense_name, p, z.value});
+      for (auto& [k, v] : z.slots) out.push_back({k + "/" + placed.dense_name, p, v});
     }
-    for (const auto& p : st.params) out[p.name] = full[p.bucket].narrow(0, p.offset, p.numel).view(p.shape).clone();
     return out;
+  }
+  std::string optimizer_kind() const override { return tandem::optimizer_kind(zero_->optimizer()); }
+  int64_t optimizer_step() const override { return zero_->optimizer_step(); }
+  void prepare_load(const std::vector<std::string>& slots, int64_t step) override {
+    zero_->reset_optimizer_state(slots, step);
+  }
+  void finish_load() override { zero_->refresh_from_shards(); }
+  void restore_loss_scaler(const CheckpointMeta& m) override {
+    zero_->restore_loss_scaler(m.loss_scale, m.loss_scale_good_steps, m.skipped_steps);
   }
   void memory(EngineStats& s) const override {
     auto m = zero_->memory();

@@ -18,6 +18,7 @@
 #include "tandem/checkpoint.h"
 #include "tandem/engine.h"
 #include "tandem/grid.h"
+#include "tandem/placement.h"
 
 namespace tandem {
 
@@ -40,17 +41,29 @@ struct Layout {
   std::shared_ptr<torch::nn::Module> trained_module;  // the stage (pp > 1) or `net`
   std::vector<at::Tensor> trained;                    // its parameters
   std::function<at::Tensor(const at::Tensor&)> run;   // net's forward (its own when not a Sequential)
-  // Tensor-parallel checkpoints: a dense model of the same shape, made on first use.
-  torch::nn::Sequential tp_scratch{nullptr};
+  // Where each parameter of trained_module lies in the dense model (tandem/placement.h), by its
+  // name in trained_module: its dense name, and its block for a tensor-parallel rank (replica
+  // id: its copy's number among the tp ranks). Set once the module is cut and converted.
+  struct Placed {
+    std::string dense_name;
+    Placement placement;
+  };
+  std::map<std::string, Placed> placed;
 
   int dp_size() const { return dp->size(); }
   torch::nn::Sequential net_sequential() const;  // throws when net is not a Sequential
   torch::nn::Sequential dense_sequential() const;
-  TensorParallelState tp_state(torch::optim::Optimizer* opt, ZeroDataParallel* zero);
-  // Whether opts.init_shard fills the parameters (ZeRO-3's flat shards) rather than
-  // opts.init_parameters; under --tp each piece names the rank's block it lies in.
-  bool init_by_shard() const { return opts.init_shard && zero_stage(cfg.strategy) == 3; }
+  // This rank's buffers (whole, replica id: the rank's place among those holding them).
+  std::vector<StatePiece> buffer_state() const;
+  // The rank's number among the tp x dp ranks that hold the same stage.
+  int64_t replica_rank() const;
 };
+
+// Placements of every parameter of `module` (recursively; what runs on a rank): a PlacedModule
+// says where its parameters lie (looked for through Checkpointed and ShardedUnit wrappers); the
+// others are whole under their own names, replica id `replica` (the rank among those that
+// replicate them).
+std::map<std::string, Layout::Placed> placements_of(torch::nn::Module& module, int64_t replica);
 
 class Updater {
  public:
@@ -77,12 +90,19 @@ class Updater {
   virtual DistributedDataParallel* ddp() { return nullptr; }
   virtual ZeroDataParallel* zero() { return nullptr; }
 
-  virtual std::string save(const std::string& root, const CheckpointMeta& meta, const CheckpointSaveOptions& o) = 0;
-  virtual CheckpointMeta load(const std::string& dir, int rank, const CheckpointLoadOptions& o) = 0;
-  // fp32 values of the trained module's parameters where the strategy keeps them apart from the
-  // parameters (masters of mixed precision, ZeRO's shards gathered over dp), by the trained
-  // module's parameter names; empty when the parameters themselves hold them. Collective.
-  virtual std::map<std::string, at::Tensor> masters() = 0;
+  // State that moves (checkpoints, initial values): what this rank holds of every parameter
+  // (its fp32 values: the masters where kept apart) and optimizer slot, as views by dense name
+  // (tandem/checkpoint.h's StatePiece). A save reads them; a load writes them between
+  // prepare_load() and finish_load().
+  virtual std::vector<StatePiece> state() = 0;
+  virtual std::string optimizer_kind() const = 0;
+  virtual int64_t optimizer_step() const = 0;
+  // Makes the optimizer's slots (zeros, with this step count; none when `slots` is empty).
+  virtual void prepare_load(const std::vector<std::string>& slots, int64_t step) = 0;
+  // Carries the loaded values to where they are computed with (low-precision parameters, ZeRO's
+  // replicas and shards). Collective over the data-parallel group for ZeRO.
+  virtual void finish_load() = 0;
+  virtual void restore_loss_scaler(const CheckpointMeta& meta) = 0;
   virtual void memory(EngineStats& s) const = 0;
 };
 

@@ -218,20 +218,8 @@ double terms(const torch::Tensor& targets, bool lm) {
   return static_cast<double>(targets.narrow(1, 1, targets.size(1) - 1).ne(-100).sum().item<int64_t>());
 }
 
-// Each rank reads only what it holds of the checkpoint: the tensors of its pipeline stage and its
-// tensor-parallel slices of them, or under ZeRO-3 the flat elements of its shard.
-void read_local_weights(EngineOptions& eo, const safetensors::Checkpoint& weights,
-                        const std::function<std::string(const std::string&)>& to_hf) {
-  eo.init_parameters = [weights, to_hf](torch::nn::Module& local, int tp_rank, int tp_size) {
-    llama::load_local_weights(local, weights, tp_rank, tp_size, to_hf);
-  };
-  eo.init_shard = [weights, to_hf](const ShardPiece& p) {
-    return llama::load_flat_part(weights, p.name, p.shape, p.tp_rank, p.tp_size, p.first, p.dest, to_hf);
-  };
-}
-
 // The model of the task, initialised from the directory's weights: checked against the
-// directory whole (headers only), then read by each rank in its part (read_local_weights). A
+// directory whole (headers only), then read by each rank in its part (EngineOptions::init_from). A
 // classification head the directory lacks starts at random (seeded, the same on every rank).
 Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& mc, const at::Tensor& sample) {
   const safetensors::Checkpoint weights(cfg.model_dir);
@@ -242,7 +230,7 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   if (lm && mc.tie_word_embeddings && cfg.loop.tp == 1) {
     llama::LlamaForCausalLM net(mc);
     llama::check_weights(*net, weights);
-    read_local_weights(eo, weights, nullptr);
+    eo.init_from = safetensors::parameter_source(weights);
     m.engine = make_engine(rt, cfg.loop, net, sample, eo);
     m.module = net.ptr();
     m.form = "tree";
@@ -258,11 +246,11 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   auto net = positional(mc, task);
   // A classifier may start from an LM's directory: its lm_head goes unused.
   llama::check_weights(*net, weights, /*allow_unused=*/!lm, to_hf);
-  read_local_weights(eo, weights, to_hf);
-  if (cfg.loop.tp > 1) {
+  // Each rank reads only what it holds: its stage's tensors, its tensor-parallel blocks of them,
+  // under ZeRO-3 its shard's elements.
+  eo.init_from = safetensors::parameter_source(weights, to_hf);
+  if (cfg.loop.tp > 1)
     eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
-    eo.make_dense = [mc, task] { return positional(mc, task); };
-  }
   m.engine = make_engine(rt, cfg.loop, net, sample, eo);
   m.module = net.ptr();
   m.form = "sequential";

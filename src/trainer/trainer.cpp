@@ -462,7 +462,6 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   }
   EngineOptions eo;
   eo.model_name = cfg.model;
-  eo.make_dense = [&cfg] { return models::make_model(cfg.model); };
   if (cfg.pp > 1 && pc.partition.method == PartitionMethod::kTime) {  // one micro-batch of training images
     const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(cfg.batch / dp / cfg.micro_batches, train_set.size()));
     eo.partition_sample = train_set.images.narrow(0, 0, rows);

@@ -39,6 +39,22 @@ run() {  # name, args...
 
 # compare REF NAME:KIND:FIRST-LAST...: run NAME logged exactly steps FIRST..LAST, with the losses
 # of run REF bit for bit (KIND bitwise) or within 1e-5 relative (KIND tol).
+# writers MANIFEST KEY RANKS ...: the ranks whose shards hold pieces of each tensor (comma-separated).
+writers() {
+  python3 - "$@" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))
+tensors = {t["key"]: t for t in m["layout"]["tensors"]}
+ok = m["layout"]["kind"] == "pieces"
+for key, want in zip(sys.argv[2::2], sys.argv[3::2]):
+    got = sorted(p["rank"] for p in tensors[key]["pieces"])
+    good = got == sorted(int(r) for r in want.split(","))
+    ok = ok and good
+    print(f"{key}: written by rank(s) {got} {'ok' if good else 'FAILED, expected ' + want}")
+sys.exit(0 if ok else 1)
+PY
+}
+
 compare() {
   python3 - "$out" "$@" <<'PY'
 import json, sys
@@ -87,12 +103,12 @@ if [[ "$mode" == async ]]; then
 fi
 
 if [[ "$mode" == tp ]]; then
-  # Tensor parallelism (--tp 2): the shards are gathered and rank 0 writes the whole model.
+  # Tensor parallelism (--tp 2): each rank writes its own block of every split weight, and rank 0
+  # alone what the tp ranks replicate.
   common=(--model mlp --batch 64 --optimizer adamw --lr 0.001 --seed 5 --max-steps 24 --no-eval --no-baseline
           --no-progress --threads 1)
   run full -n 2 --tp 2 --checkpoint-every 10 --checkpoint-dir "$out/full"
-  python3 -c "import json,sys; l=json.load(open(sys.argv[1]))['layout']; print('layout', l); sys.exit(l['kind'] != 'replicated')" \
-    "$out/full/step-00000010/manifest.json"
+  writers "$out/full/step-00000010/manifest.json" param/1.weight 0,1 param/5.weight 0
   # Checkpointing leaves the run itself unchanged.
   run plain -n 2 --tp 2
   common+=(--checkpoint-every 10)
@@ -128,8 +144,7 @@ if [[ "$mode" == tp ]]; then
     run "${name}_one" -n 1 --strategy single --checkpoint-dir "$out/${name}_one" --resume
     compare "$name" "${name}_r:bitwise:11-24" "${name}_one:tol:11-24"
   done
-  python3 -c "import json,sys; l=json.load(open(sys.argv[1]))['layout']; print('tp x pp layout', l['kind']); sys.exit(l['kind'] != 'stages')" \
-    "$out/tppz/step-00000010/manifest.json"
+  writers "$out/tppz/step-00000010/manifest.json" param/1.weight 0,1 param/5.weight 2
   # A DDP checkpoint cut for tensor, pipeline and ZeRO-1 parallelism at once.
   mkdir -p "$out/d3" && cp -r "$out/dfull/step-00000010" "$out/d3/"
   run d3 -n 4 --tp 2 --pp 2 --micro-batches 2 --strategy zero1 --checkpoint-dir "$out/d3" --resume
@@ -144,8 +159,7 @@ if [[ "$mode" == pipeline ]]; then
   common=(--model mlp --batch 64 --micro-batches 2 --optimizer adamw --lr 0.001 --seed 5 --no-eval --no-baseline
           --no-progress --threads 1 --checkpoint-every 10)
   run full -n 2 --pp 2 --max-steps 24 --checkpoint-dir "$out/full"
-  python3 -c "import json,sys; l=json.load(open(sys.argv[1]))['layout']; print('layout', l['kind'], 'partition', l['partition']); sys.exit(l['kind'] != 'stages')" \
-    "$out/full/step-00000010/manifest.json"
+  writers "$out/full/step-00000010/manifest.json" param/1.weight 0 param/5.weight 1
   for d in pp one ddp pp4; do
     mkdir -p "$out/$d"
     cp -r "$out/full/step-00000010" "$out/$d/"

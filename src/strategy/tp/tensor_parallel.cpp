@@ -161,6 +161,28 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(at::Tensor w, at::Tensor b, C
   if (b.defined()) bias = register_parameter("bias", b.detach().clone());
 }
 
+namespace {
+// A block of a tensor whose dimension `dim` is split over the tp ranks: the global shape is the
+// local one with that dimension times the tp size.
+ParameterPlacement block_of(const char* name, const at::Tensor& local, int64_t dim, int64_t sections,
+                            const Communicator& tp) {
+  auto global = local.sizes().vec();
+  global[dim] *= tp.size();
+  return {name, name, Placement::split_sections(global, dim, sections, tp.rank(), tp.size())};
+}
+ParameterPlacement replicated(const char* name, const at::Tensor& t, const Communicator& tp) {
+  auto p = Placement::whole(t.sizes().vec());
+  p.replica = tp.rank();
+  return {name, name, p};
+}
+}  // namespace
+
+std::vector<ParameterPlacement> ColumnParallelLinearImpl::parameter_placements() const {
+  std::vector<ParameterPlacement> out{block_of("weight", weight, 0, sections, *tp)};
+  if (bias.defined()) out.push_back(block_of("bias", bias, 0, sections, *tp));
+  return out;
+}
+
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
   auto y = at::linear(copy_to_tp(x, tp), weight, bias);
   return gather_output || (gather_in_eval && !is_training()) ? gather_from_tp(y, tp) : y;
@@ -171,6 +193,12 @@ RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& dense, Com
   const int64_t n = shard_size(dense->options.in_features(), tp->size(), "the input features of a row-parallel linear");
   weight = register_parameter("weight", shard(dense->weight, 1, n, tp->rank()));
   if (dense->options.bias()) bias = register_parameter("bias", dense->bias.detach().clone());
+}
+
+std::vector<ParameterPlacement> RowParallelLinearImpl::parameter_placements() const {
+  std::vector<ParameterPlacement> out{block_of("weight", weight, 1, 1, *tp)};
+  if (bias.defined()) out.push_back(replicated("bias", bias, *tp));
+  return out;
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
@@ -186,6 +214,10 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embeddin
   vocab_end = vocab_begin + n;
   if (dense->options.padding_idx()) padding_idx = *dense->options.padding_idx();
   weight = register_parameter("weight", shard(dense->weight, 0, n, tp->rank()));
+}
+
+std::vector<ParameterPlacement> VocabParallelEmbeddingImpl::parameter_placements() const {
+  return {block_of("weight", weight, 0, 1, *tp)};
 }
 
 torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
@@ -236,6 +268,7 @@ ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(const torch::nn::Linear& dq
   if (dqkv->options.bias())
     b = dqkv->bias.detach().view({3, heads, hd}).narrow(1, r * local_heads, local_heads).reshape({-1});
   qkv = register_module("qkv", ColumnParallelLinear(w, b, tp, false));
+  qkv->sections = 3;
   proj = register_module("proj", RowParallelLinear(dproj, tp, true));
 }
 
@@ -257,6 +290,16 @@ ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(const models::Transfo
   attn = register_module("attn", ParallelSelfAttention(dense.qkv, dense.proj, dense.heads, tp));
   ln2 = register_module("ln2", dense.ln2);
   mlp = register_module("mlp", ParallelMLP(dense.fc1, dense.fc2, tp));
+}
+
+std::vector<ParameterPlacement> ParallelTransformerBlockImpl::parameter_placements() const {
+  std::vector<ParameterPlacement> out;
+  auto add = [&out](std::vector<ParameterPlacement> l) { out.insert(out.end(), l.begin(), l.end()); };
+  add(prefixed(attn->qkv->parameter_placements(), "attn.qkv.", "qkv."));
+  add(prefixed(attn->proj->parameter_placements(), "attn.proj.", "proj."));
+  add(prefixed(mlp->fc1->parameter_placements(), "mlp.fc1.", "fc1."));
+  add(prefixed(mlp->fc2->parameter_placements(), "mlp.fc2.", "fc2."));
+  return out;
 }
 
 torch::Tensor ParallelTransformerBlockImpl::forward(const torch::Tensor& x) {
@@ -389,119 +432,6 @@ at::Tensor gather_shards(const at::Tensor& t, int64_t dim, Communicator& comm) {
   auto out = at::empty(shape, in.options());
   comm.allgather(out, in);
   return at::cat(out.unbind(0), dim);
-}
-
-namespace {
-void set(const at::Tensor& dst, const at::Tensor& src, const char* what) {
-  if (dst.sizes() != src.sizes()) {
-    throw std::invalid_argument(std::string("tandem::tp::gather_to_dense: ") + what + " gathers to " +
-                                c10::str(src.sizes()) + ", the dense model has " + c10::str(dst.sizes()));
-  }
-  dst.copy_(src);
-}
-}  // namespace
-
-namespace {
-// The layer itself, when activation checkpointing wrapped it (the wrapper shares its parameters).
-std::shared_ptr<torch::nn::Module> unwrapped(std::shared_ptr<torch::nn::Module> m) {
-  if (auto* w = m->as<CheckpointedImpl>()) return w->inner().ptr();
-  return m;
-}
-}  // namespace
-
-void gather_to_dense(torch::nn::Sequential parallel, torch::nn::Sequential dense, const CommPtr& tp, int64_t first,
-                     int64_t end) {
-  if (!parallel || !dense || parallel->size() != dense->size()) {
-    throw std::invalid_argument("tandem::tp::gather_to_dense: the tensor-parallel and dense models differ in children");
-  }
-  if (end < 0) end = static_cast<int64_t>(dense->size());
-  auto& c = *tp;
-  torch::NoGradGuard ng;
-  for (int64_t i = first; i < end; ++i) {
-    auto p = unwrapped(parallel->ptr(i));
-    auto d = dense->ptr(i);
-    if (p == d) continue;  // shared (replicated) child
-    if (auto* own = dynamic_cast<const ParallelForm*>(p.get())) {
-      own->gather_into(*d, c);
-    } else if (auto* v = p->as<VocabParallelEmbeddingImpl>()) {
-      auto* dv = d->as<torch::nn::EmbeddingImpl>();
-      if (!dv)
-        throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no Embedding");
-      set(dv->weight, gather_shards(v->weight, 0, c), "the vocabulary-parallel embedding");
-    } else if (auto* e = p->as<ParallelTokenEmbeddingImpl>()) {
-      auto* de = d->as<models::TokenEmbeddingImpl>();
-      if (!de)
-        throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) +
-                                    " is no TokenEmbedding");
-      set(de->tok->weight, gather_shards(e->tok->weight, 0, c), "the token embedding");
-      set(de->pos->weight, e->pos->weight, "the position embedding");
-    } else if (auto* b = p->as<ParallelTransformerBlockImpl>()) {
-      auto* db = d->as<models::TransformerBlockImpl>();
-      if (!db)
-        throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) +
-                                    " is no TransformerBlock");
-      const int64_t dm = db->qkv->options.in_features();
-      // Fused qkv rows are (q|k|v, head, dim); each rank holds its heads of each of the three.
-      auto w = gather_shards(b->attn->qkv->weight.view({3, -1, dm}).unsqueeze(0), 0, c);  // [tp, 3, rows, D]
-      set(db->qkv->weight, w.transpose(0, 1).reshape({3 * dm, dm}), "the qkv weight");
-      if (db->qkv->bias.defined()) {
-        auto bb = gather_shards(b->attn->qkv->bias.view({3, -1}).unsqueeze(0), 0, c);
-        set(db->qkv->bias, bb.transpose(0, 1).reshape({3 * dm}), "the qkv bias");
-      }
-      set(db->proj->weight, gather_shards(b->attn->proj->weight, 1, c), "the attention projection");
-      if (db->proj->bias.defined()) set(db->proj->bias, b->attn->proj->bias, "the attention projection bias");
-      set(db->fc1->weight, gather_shards(b->mlp->fc1->weight, 0, c), "fc1");
-      if (db->fc1->bias.defined()) set(db->fc1->bias, gather_shards(b->mlp->fc1->bias, 0, c), "the fc1 bias");
-      set(db->fc2->weight, gather_shards(b->mlp->fc2->weight, 1, c), "fc2");
-      if (db->fc2->bias.defined()) set(db->fc2->bias, b->mlp->fc2->bias, "the fc2 bias");
-      set(db->ln1->weight, b->ln1->weight, "ln1");
-      set(db->ln1->bias, b->ln1->bias, "ln1");
-      set(db->ln2->weight, b->ln2->weight, "ln2");
-      set(db->ln2->bias, b->ln2->bias, "ln2");
-    } else if (auto* col = p->as<ColumnParallelLinearImpl>()) {
-      auto* dl = d->as<torch::nn::LinearImpl>();
-      if (!dl) throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no Linear");
-      set(dl->weight, gather_shards(col->weight, 0, c), "a column-parallel linear");
-      if (dl->bias.defined()) set(dl->bias, gather_shards(col->bias, 0, c), "a column-parallel bias");
-    } else if (auto* row = p->as<RowParallelLinearImpl>()) {
-      auto* dl = d->as<torch::nn::LinearImpl>();
-      if (!dl) throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) + " is no Linear");
-      set(dl->weight, gather_shards(row->weight, 1, c), "a row-parallel linear");
-      if (dl->bias.defined()) set(dl->bias, row->bias, "a row-parallel bias");
-    } else {  // a replicated child of another dense model: parameter by parameter
-      auto dn = d->named_parameters();
-      for (auto& q : p->named_parameters()) {
-        auto* t = dn.find(q.key());
-        if (!t) {
-          throw std::invalid_argument("tandem::tp::gather_to_dense: child " + std::to_string(i) +
-                                      " of the dense model has no '" + q.key() + "'");
-        }
-        set(*t, q.value(), "a replicated parameter");
-      }
-    }
-  }
-}
-
-std::vector<bool> sharded_parameters(torch::nn::Sequential parallel, int64_t first, int64_t end) {
-  if (!parallel) throw std::invalid_argument("tandem::tp::sharded_parameters: no model given");
-  if (end < 0) end = static_cast<int64_t>(parallel->size());
-  std::vector<bool> out;
-  for (int64_t i = first; i < end; ++i) {
-    auto child = unwrapped(parallel->ptr(i));
-    std::set<const void*> shards;
-    for (auto& m : child->modules(/*include_self=*/true)) {
-      if (auto* c = m->as<ColumnParallelLinearImpl>()) {
-        shards.insert(c->weight.unsafeGetTensorImpl());
-        if (c->bias.defined()) shards.insert(c->bias.unsafeGetTensorImpl());
-      } else if (auto* r = m->as<RowParallelLinearImpl>()) {
-        shards.insert(r->weight.unsafeGetTensorImpl());
-      } else if (auto* e = m->as<VocabParallelEmbeddingImpl>()) {
-        shards.insert(e->weight.unsafeGetTensorImpl());
-      }
-    }
-    for (auto& t : child->parameters()) out.push_back(shards.count(t.unsafeGetTensorImpl()) > 0);
-  }
-  return out;
 }
 
 }  // namespace tandem::tp

@@ -373,21 +373,10 @@ struct ZeroDataParallel::Impl {
     return y;
   }
 
-  // The bucket's flat values, padding zero: every parameter's, or with init_shard (stage 3)
-  // this rank's chunk from the source and the rest zero, since only the chunk is kept.
+  // The bucket's flat values, padding zero.
   at::Tensor initial_values(const Bucket& bk, const at::TensorOptions& o) const {
     auto values = at::zeros({bk.padded}, o);
-    if (!opts.init_shard) {
-      for (size_t i : bk.params) param_view(values, i).copy_(params[i].detach());
-      return values;
-    }
-    const int64_t lo = static_cast<int64_t>(rank) * bk.chunk;
-    for (const auto& [i, from, to] : owned_pieces(bk)) {
-      auto dest = values.narrow(0, lo + from, to - from);
-      const int64_t first = lo + from - offset_of[i];
-      if (!opts.init_shard(names[i], first, dest))
-        dest.copy_(params[i].detach().reshape({-1}).narrow(0, first, to - from));
-    }
+    for (size_t i : bk.params) param_view(values, i).copy_(params[i].detach());
     return values;
   }
 
@@ -806,9 +795,16 @@ struct ZeroDataParallel::Impl {
     }
     optim->step();
     drop_master_grads();
+    publish_shards();
+    return true;
+  }
+
+  // The owned masters become the compute-dtype shards and (stages 1, 2) the whole parameters
+  // on every rank; stage 3's next forward gathers them. Collective for stages 1, 2.
+  void publish_shards() {
     if (mixed)
       for (auto& bk : buckets) bk.shard.copy_(bk.master);
-    if (opts.stage == 3) return true;  // the next forward gathers the new values
+    if (opts.stage == 3) return;
     std::vector<WorkPtr> works;
     // In place: the owned chunk is where the all-gather receives this rank's part.
     for (auto& bk : buckets) works.push_back(comm->allgather_async(bk.full, bk.shard));
@@ -821,7 +817,6 @@ struct ZeroDataParallel::Impl {
       }
     }
     if (err) std::rethrow_exception(err);
-    return true;
   }
 };
 
@@ -838,10 +833,6 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
   if (opts.max_inflight_buckets < -1) {
     throw std::invalid_argument("ZeRO max_inflight_buckets must be >= 0 (0: each reduce-scatter finishes before "
                                 "backward goes on), or -1 for the default");
-  }
-  if (opts.init_shard && opts.stage < 3) {
-    throw std::invalid_argument("ZeRO-" + std::to_string(opts.stage) +
-                                " holds whole parameters: set them before, not through init_shard (stage 3 only)");
   }
   validate(opts.optimizer);
   if (opts.precision == Precision::kFP16) validate(opts.loss_scaler);
@@ -885,7 +876,6 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
     I.opts.max_inflight_buckets = I.opts.stage == 3 && cpu ? 0 : 2;
   }
   I.build_layout();
-  I.opts.init_shard = nullptr;  // used once: what it holds (a mapped checkpoint) goes now
   I.build_optimizer();
 
   std::weak_ptr<Impl*> weak = I.self;
@@ -1037,87 +1027,46 @@ int64_t ZeroDataParallel::padded_numel() const {
 
 torch::optim::Optimizer& ZeroDataParallel::optimizer() { return *impl_->optim; }
 
-ZeroShardState ZeroDataParallel::shard_state() const {
-  const auto& I = *impl_;
-  ZeroShardState st;
-  st.stage = I.opts.stage;
-  st.world_size = I.world;
-  st.rank = I.rank;
-  for (size_t i = 0; i < I.params.size(); ++i) {
-    ZeroShardState::Param p;
-    p.name = I.names[i];
-    p.shape = I.params[i].sizes().vec();
-    p.bucket = static_cast<int64_t>(I.bucket_of[i]);
-    p.offset = I.offset_of[i];
-    p.numel = I.params[i].numel();
-    st.params.push_back(std::move(p));
-  }
+std::vector<ZeroOwnedPiece> ZeroDataParallel::owned_pieces() {
+  auto& I = *impl_;
+  std::vector<ZeroOwnedPiece> out;
   for (auto& bk : I.buckets) {
-    ZeroShardState::Bucket b;
-    b.numel = bk.numel;
-    b.padded = bk.padded;
-    b.chunk = bk.chunk;
-    b.slots["param"] = bk.master.detach().to(at::kCPU).clone();
-    auto os = get_param_state(*I.optim, bk.master);
-    for (auto& [k, v] : os.slots) b.slots[k] = v.detach().to(at::kCPU).clone();
-    st.optimizer_step = std::max(st.optimizer_step, os.step);
-    st.buckets.push_back(std::move(b));
+    const auto state = get_param_state(*I.optim, bk.master);
+    const int64_t lo = static_cast<int64_t>(I.rank) * bk.chunk;
+    for (const auto& [i, from, to] : I.owned_pieces(bk)) {
+      ZeroOwnedPiece p;
+      p.name = I.names[i];
+      p.first = lo + from - I.offset_of[i];
+      p.count = to - from;
+      p.value = bk.master.detach().narrow(0, from, to - from);
+      for (const auto& [k, v] : state.slots) p.slots[k] = v.detach().view({-1}).narrow(0, from, to - from);
+      out.push_back(std::move(p));
+    }
   }
-  return st;
+  return out;
 }
 
-void ZeroDataParallel::load_full_state(const std::map<std::string, at::Tensor>& params,
-                                       const std::map<std::string, ParamOptimizerState>& optim) {
+int64_t ZeroDataParallel::optimizer_step() const {
+  int64_t step = 0;
+  for (auto& bk : impl_->buckets) step = std::max(step, get_param_state(*impl_->optim, bk.master).step);
+  return step;
+}
+
+void ZeroDataParallel::reset_optimizer_state(const std::vector<std::string>& slots, int64_t step) {
   auto& I = *impl_;
-  torch::NoGradGuard ng;
-  I.release_all();
   for (auto& bk : I.buckets) {
-    const auto master_opts = bk.master.options();
-    // Full padded flat vectors of the bucket: the values, then each optimizer slot.
-    auto values = at::zeros({bk.padded}, master_opts);
-    std::map<std::string, at::Tensor> slots;
-    int64_t step = 0;
-    size_t with_state = 0;
-    for (size_t i : bk.params) {
-      auto it = params.find(I.names[i]);
-      if (it == params.end()) throw std::invalid_argument(I.where() + ": no value for parameter '" + I.names[i] + "'");
-      if (it->second.sizes() != I.params[i].sizes()) {
-        std::ostringstream os;
-        os << I.where() << ": parameter '" << I.names[i] << "' has shape " << it->second.sizes() << ", expected "
-           << I.params[i].sizes();
-        throw std::invalid_argument(os.str());
-      }
-      I.param_view(values, i).copy_(it->second);
-      auto o = optim.find(I.names[i]);
-      if (o == optim.end() || o->second.slots.empty()) continue;
-      ++with_state;
-      step = std::max(step, o->second.step);
-      for (auto& [k, v] : o->second.slots) {
-        auto& flat = slots[k];
-        if (!flat.defined()) flat = at::zeros({bk.padded}, master_opts);
-        if (v.numel() != I.params[i].numel()) {
-          throw std::invalid_argument(I.where() + ": optimizer state '" + k + "' of '" + I.names[i] + "' has " +
-                                      std::to_string(v.numel()) + " elements, expected " +
-                                      std::to_string(I.params[i].numel()));
-        }
-        I.param_view(flat, i).copy_(v.reshape(I.params[i].sizes()));
-      }
-    }
-    if (with_state != 0 && with_state != bk.params.size()) {
-      throw std::invalid_argument(I.where() + ": optimizer state is given for some parameters of a bucket only");
-    }
-    auto mine = values.narrow(0, I.rank * bk.chunk, bk.chunk);
-    if (I.opts.stage < 3) {
-      bk.full.copy_(values);  // the replica; in fp32 the master is a view of it
-    } else {
-      bk.shard.copy_(mine);
-    }
-    if (I.mixed) bk.master.copy_(mine);
     ParamOptimizerState ps;
     ps.step = step;
-    for (auto& [k, flat] : slots) ps.slots[k] = flat.narrow(0, I.rank * bk.chunk, bk.chunk);
+    for (const auto& k : slots) ps.slots[k] = at::zeros_like(bk.master);
     set_param_state(*I.optim, bk.master, ps);
   }
+}
+
+void ZeroDataParallel::refresh_from_shards() {
+  auto& I = *impl_;
+  torch::NoGradGuard ng;
+  I.release_all();  // stage 3: gathered values are stale now
+  I.publish_shards();
 }
 
 void ZeroDataParallel::restore_loss_scaler(double scale, int64_t overflow_free_steps, int64_t skipped_steps) {
