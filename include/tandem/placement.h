@@ -7,12 +7,16 @@
 // tensor it shards, a pipeline stage lists only its own names, and DDP or replicas hold the
 // whole tensor with the data-parallel rank as replica id. Pieces compose: a ZeRO flat range of
 // a tensor-parallel block is one Placement. LibTorch-free, so that the checkpoint manifest's
-// parser (and its fuzz target) use it as it is.
+// parser (and its fuzz target) use it as it is; parameter_placements() alone needs a module.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+namespace torch::nn {
+class Module;
+}
 
 namespace tandem {
 
@@ -105,5 +109,12 @@ class PlacedModule {
 // The same list with every name prefixed: a module holding placed children reports theirs.
 std::vector<ParameterPlacement> prefixed(std::vector<ParameterPlacement> list, const std::string& name_prefix,
                                          const std::string& dense_prefix);
+
+// Every parameter of `module` (recursively, by its name there): its dense name and placement.
+// A PlacedModule says where its parameters lie (found through tandem::Checkpointed and
+// tandem::ShardedUnit wrappers too), and what an outer one lists wins over its children's; every
+// other parameter is whole under its own name, with replica id `replica` (its rank among the
+// ranks that hold the same module, e.g. the tensor-parallel rank). Defined with the Engine.
+std::vector<ParameterPlacement> parameter_placements(torch::nn::Module& module, int64_t replica);
 
 }  // namespace tandem

@@ -195,7 +195,8 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     L.pipe = std::make_unique<Pipeline>(L.net_sequential(), L.grid->pp(), po);
   }
   L.trained_module = L.pipe ? L.pipe->stage_module().ptr() : L.net;
-  L.placed = engine::placements_of(*L.trained_module, L.grid ? L.grid->tp()->rank() : 0);
+  for (auto& p : parameter_placements(*L.trained_module, L.grid ? L.grid->tp()->rank() : 0))
+    L.placed[p.name] = {p.dense_name, p.placement};
   L.trained = L.trained_module->parameters();
   L.run = std::move(forward);
   if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L.net)) {

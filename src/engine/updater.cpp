@@ -48,42 +48,6 @@ std::vector<StatePiece> Layout::buffer_state() const {
 
 namespace {
 
-// The PlacedModule a module is, or wraps (activation checkpointing and ZeRO-3 units keep the
-// wrapped module's parameters under the same names).
-const PlacedModule* placed_module(torch::nn::Module& m) {
-  if (auto* p = dynamic_cast<const PlacedModule*>(&m)) return p;
-  if (auto* c = m.as<CheckpointedImpl>()) return dynamic_cast<const PlacedModule*>(c->inner().ptr().get());
-  if (auto* u = m.as<ShardedUnitImpl>()) return dynamic_cast<const PlacedModule*>(u->inner().ptr().get());
-  return nullptr;
-}
-
-// Outer modules first: what a PlacedModule lists for its descendants wins over theirs.
-void walk(torch::nn::Module& m, const std::string& prefix, const std::string& dense_prefix, int64_t replica,
-          std::map<std::string, Layout::Placed>& out) {
-  if (const auto* placed = placed_module(m)) {
-    for (auto& p : placed->parameter_placements()) {
-      out.emplace(prefix + p.name, Layout::Placed{dense_prefix + p.dense_name, p.placement});
-    }
-  }
-  for (auto& kv : m.named_parameters(/*recurse=*/false)) {
-    auto pl = Placement::whole(kv.value().sizes().vec());
-    pl.replica = replica;
-    out.emplace(prefix + kv.key(), Layout::Placed{dense_prefix + kv.key(), pl});
-  }
-  for (auto& c : m.named_children())
-    walk(*c.value(), prefix + c.key() + ".", dense_prefix + c.key() + ".", replica, out);
-}
-
-}  // namespace
-
-std::map<std::string, Layout::Placed> placements_of(torch::nn::Module& module, int64_t replica) {
-  std::map<std::string, Layout::Placed> out;
-  walk(module, "", "", replica, out);
-  return out;
-}
-
-namespace {
-
 // A split model clips, and in fp16 checks overflow, by the norm of the whole model's gradient:
 // the tensor-parallel shards' squares summed over tp, each stage's total over pp, so that every
 // stage and shard clips by one coefficient and skips a step together.

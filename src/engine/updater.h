@@ -59,12 +59,6 @@ struct Layout {
   int64_t replica_rank() const;
 };
 
-// Placements of every parameter of `module` (recursively; what runs on a rank): a PlacedModule
-// says where its parameters lie (looked for through Checkpointed and ShardedUnit wrappers); the
-// others are whole under their own names, replica id `replica` (the rank among those that
-// replicate them).
-std::map<std::string, Layout::Placed> placements_of(torch::nn::Module& module, int64_t replica);
-
 class Updater {
  public:
   virtual ~Updater() = default;

@@ -132,12 +132,10 @@ const char* name_of(SeqLayout l) {
   return names[static_cast<int>(l)];
 }
 
-// `init`, `init_shard`: EngineOptions::init_parameters and init_shard (null: the Sequential's
-// values).
+// `init`: EngineOptions::init_from (null: the Sequential's values).
 std::unique_ptr<Engine> sequential_engine(SeqLayout layout, torch::nn::Sequential seq,
                                           Precision precision = Precision::kFP32,
-                                          decltype(EngineOptions::init_parameters) init = nullptr,
-                                          decltype(EngineOptions::init_shard) init_shard = nullptr) {
+                                          std::shared_ptr<const ParameterSource> init = nullptr) {
   ParallelConfig config;
   config.precision = precision;
   const bool zero3 = layout == SeqLayout::kZero3 || layout == SeqLayout::kTp2Zero3;
@@ -147,8 +145,7 @@ std::unique_ptr<Engine> sequential_engine(SeqLayout layout, torch::nn::Sequentia
   config.micro_batches = layout == SeqLayout::kPp2 ? 3 : 1;
   EngineOptions eo;
   eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
-  eo.init_parameters = std::move(init);
-  eo.init_shard = std::move(init_shard);
+  eo.init_from = std::move(init);
   return std::make_unique<Engine>(runtime(), seq, adam(), config, eo);
 }
 
@@ -218,10 +215,10 @@ int64_t zero3_owned_elements(const torch::nn::Sequential& seq, int rank, int wor
 }
 
 // transformers builds a tiny random Llama and a sequence classifier (tests/hf/llama_reference.py)
-// and their logits. Each rank of tp2 and pp2 reads its part of the checkpoint
-// (EngineOptions::init_parameters): exactly the bytes of the parameters it trains, under 2/3 of
-// the model's; each rank of zero3 reads exactly the bytes of the elements of its flat shard
-// (EngineOptions::init_shard), half the model's. The logits then match transformers' within
+// and their logits. Each rank reads its part of the checkpoint through its placements
+// (EngineOptions::init_from): under tp2 and pp2 exactly the bytes of the parameters it trains,
+// under 2/3 of the model's; under zero3 exactly the bytes of the elements of its flat shard,
+// half the model's. The logits then match transformers' within
 // 1e-4 in fp32 (the classifier's pooled at each row's last token that is not padding), and tp2
 // and zero3 in bf16 within bf16's resolution (1.5 times transformers' own bf16 error).
 TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
@@ -274,14 +271,7 @@ TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
     // tp2 x zero3: by data-parallel rank (2 replicas), the same on both tp ranks.
     const int64_t owned_tp2[] = {zero3_owned_elements(seq, 0, 2, 2), zero3_owned_elements(seq, 1, 2, 2)};
     for (const auto& n : weights.names()) ASSERT_EQ(weights.info(n).dtype, at::kFloat) << n;
-    auto eng = sequential_engine(
-        layout, seq, precision,
-        [&](torch::nn::Module& local, int tp_rank, int tp_size) {
-          llama::load_local_weights(local, weights, tp_rank, tp_size, to_hf);
-        },
-        [&](const ShardPiece& p) {
-          return llama::load_flat_part(weights, p.name, p.shape, p.tp_rank, p.tp_size, p.first, p.dest, to_hf);
-        });
+    auto eng = sequential_engine(layout, seq, precision, safetensors::parameter_source(weights, to_hf));
     if (layout == SeqLayout::kTp2Zero3) {  // each rank: the elements it owns of its tp block
       EXPECT_EQ(weights.bytes_read(), 4 * owned_tp2[eng->grid()->dp_rank()]);
     } else if (layout == SeqLayout::kZero3) {  // 4-byte elements

@@ -4,9 +4,11 @@
 // and every gradient (this rank's shard of the dense gradient) in float64; bad sizes.
 #include <cstring>
 #include <gtest/gtest.h>
+#include <set>
 #include <torch/torch.h>
 
 #include "tandem/models.h"
+#include "tandem/placement.h"
 #include "tandem/tensor_parallel.h"
 #include "tests/dist/dist_env.h"
 #include "tests/dist/train_test_util.h"
@@ -200,12 +202,13 @@ TEST(TensorParallel, ConvertedTransformerMatchesDense) {
 
 // Which parameters are shards (for a global gradient norm): by name, over the whole transformer
 // and over a range of its children.
-TEST(TensorParallel, ShardedParametersByKind) {
+TEST(TensorParallel, PlacementsByKind) {
   auto tp = world();
+  auto dense = double_transformer(small_lm(), 5);
   auto par = tp::tensor_parallel(double_transformer(small_lm(), 5), tp);
-  auto flags = tp::sharded_parameters(par);
+  auto placed = parameter_placements(*par, tp->rank());
   auto named = par->named_parameters();
-  ASSERT_EQ(flags.size(), named.size());
+  ASSERT_EQ(placed.size(), named.size());
   auto expect_shard = [](const std::string& n) {
     for (const char* k :
          {"tok.weight", "qkv.weight", "qkv.bias", "proj.weight", "fc1.weight", "fc1.bias", "fc2.weight"})
@@ -213,18 +216,44 @@ TEST(TensorParallel, ShardedParametersByKind) {
     return n.rfind("4.", 0) == 0;  // the LM head (after the final LayerNorm, 3), column-parallel
   };
   int shards = 0;
-  for (size_t i = 0; i < flags.size(); ++i) {
-    EXPECT_EQ(flags[i], expect_shard(named[i].key())) << named[i].key();
-    shards += flags[i];
+  std::set<std::string> dense_names;
+  auto dn = dense->named_parameters();
+  for (const auto& p : placed) {
+    const bool shard = p.placement.local_shape != p.placement.global_shape;
+    EXPECT_EQ(shard, expect_shard(p.name)) << p.name;
+    EXPECT_EQ(p.placement.local_shape, named[p.name].sizes().vec()) << p.name;
+    ASSERT_NE(dn.find(p.dense_name), nullptr) << p.name << " -> " << p.dense_name;
+    EXPECT_EQ(p.placement.global_shape, dn[p.dense_name].sizes().vec()) << p.name;
+    EXPECT_EQ(p.placement.replica, shard ? 0 : tp->rank()) << p.name;
+    dense_names.insert(p.dense_name);
+    shards += shard;
   }
   EXPECT_GT(shards, 0);
-  auto mid = tp::sharded_parameters(par, 1, 2);  // the first block alone
-  EXPECT_EQ(mid.size(), par->ptr(1)->parameters().size());
+  EXPECT_EQ(dense_names.size(), dn.size()) << "every dense parameter is placed once";
+}
+
+// The whole values of `par`'s parameters, by dense name, from every tp rank's blocks (replica 0
+// writes, the sum over tp assembles).
+std::map<std::string, torch::Tensor> assembled(torch::nn::Module& par, const CommPtr& tp) {
+  std::map<std::string, torch::Tensor> out;
+  auto named = par.named_parameters();
+  for (const auto& p : parameter_placements(par, tp->rank())) {
+    auto whole = torch::zeros(p.placement.global_shape, named[p.name].options());
+    if (p.placement.replica == 0) {
+      auto flat = whole.view({-1});
+      auto local = named[p.name].detach().reshape({-1});
+      for (const auto& r : placement_runs(p.placement))
+        flat.narrow(0, r.global, r.length).copy_(local.narrow(0, r.held, r.length));
+    }
+    tp->allreduce(whole, ReduceOp::kSum);
+    out[p.dense_name] = whole;
+  }
+  return out;
 }
 
 // The padded transformer of `tandem pretrain/finetune` (mask channel, pooled classifier head):
 // the converted model computes the dense one's outputs, keeps a classification head replicated,
-// and gather_to_dense() writes the dense weights back (for saving a checkpoint).
+// and its placements give back the dense weights (what a checkpoint saves).
 TEST(TensorParallel, PaddedTransformerMatchesDenseAndGathersBack) {
   auto tp = world();
   for (int64_t classes : {0, 3}) {
@@ -242,10 +271,9 @@ TEST(TensorParallel, PaddedTransformerMatchesDenseAndGathersBack) {
     auto head = par->ptr(par->size() - 1);
     EXPECT_EQ(head->as<torch::nn::LinearImpl>() != nullptr, classes > 0) << "a classification head stays replicated";
     EXPECT_LE(rel_err(par->forward(ids), want), kTol);
-    auto back = make(200 + tp->rank());
-    tp::gather_to_dense(par, back, tp);
-    auto bn = back->named_parameters();
-    for (auto& p : dense->named_parameters()) EXPECT_TRUE(torch::equal(bn[p.key()], p.value())) << p.key();
+    auto bn = assembled(*par, tp);
+    ASSERT_EQ(bn.size(), dense->named_parameters().size());
+    for (auto& p : dense->named_parameters()) EXPECT_TRUE(torch::equal(bn.at(p.key()), p.value())) << p.key();
   }
 }
 

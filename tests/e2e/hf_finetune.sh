@@ -76,7 +76,7 @@ lm=(--init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --seq 32 --batch 8 --steps 2
 run single -n 1 --strategy single "${lm[@]}"
 run ddp -n 2 --strategy ddp "${lm[@]}" && same single ddp
 run zero2 -n 2 --strategy zero2 "${lm[@]}" && same single zero2
-# zero3: each rank initialises only its flat shard from the files (EngineOptions::init_shard).
+# zero3: each rank initialises only its flat shard from the files (EngineOptions::init_from).
 run zero3 -n 2 --strategy zero3 "${lm[@]}" && same single zero3
 run pp2 -n 2 --strategy ddp --pp 2 --micro-batches 2 --checkpoint-dir "$tmp/ck" --checkpoint-every 10 "${lm[@]}" &&
   same single pp2

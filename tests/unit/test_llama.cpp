@@ -12,7 +12,9 @@
 #include <iterator>
 
 #include "tandem/backends.h"
+#include "tandem/engine.h"
 #include "tandem/llama.h"
+#include "tandem/placement.h"
 #include "temp_dir.h"
 
 namespace ll = tandem::llama;
@@ -304,10 +306,27 @@ TEST(Llama, SequentialClassifierEqualsTheModuleTree) {
   EXPECT_TRUE(same_bits(ll::load_sequence_classifier(d2.path)(ids), tree(ids)));
 }
 
+// What `module` holds of each parameter (its placements, tandem/placement.h), or of each
+// parameter's held elements [first, first + count) when count >= 0, read from `source`.
+void read_held(torch::nn::Module& module, int64_t replica, const tandem::ParameterSource& source, int64_t first = 0,
+               int64_t count = -1) {
+  auto named = module.named_parameters();
+  torch::NoGradGuard ng;
+  for (auto& p : tandem::parameter_placements(module, replica)) {
+    std::vector<int64_t> shape;
+    if (!source.find(p.dense_name, &shape)) continue;
+    ASSERT_EQ(shape, p.placement.global_shape) << p.dense_name;
+    auto pl = count < 0 ? p.placement : p.placement.flat_range(first, first + count);
+    auto flat = named[p.name].detach().view({-1}).narrow(0, pl.flat_begin, pl.held_numel());
+    for (const auto& r : tandem::placement_runs(pl))
+      source.read(p.dense_name, r.global, flat.narrow(0, r.held, r.length));
+  }
+}
+
 // A rank reads only what it holds: the last stage of a two-stage pipeline (layer1, norm, score)
 // and tensor-parallel rank r of 2 of a decoder layer (q/k/v and gate/up rows, o and down columns,
-// norms whole) read exactly their parameters' bytes, and hold what cutting the whole loaded
-// model gives.
+// norms whole) read exactly their parameters' bytes through their placements, and hold what
+// cutting the whole loaded model gives; so do flat ranges of each block (ZeRO-3's shards of it).
 TEST(Llama, EachRankReadsOnlyItsStageAndShards) {
   TempDir d;
   const auto whole = saved_classifier(8, d.path).second;
@@ -316,7 +335,7 @@ TEST(Llama, EachRankReadsOnlyItsStageAndShards) {
   const std::string names[] = {"embed_tokens", "layer0", "layer1", "norm", "score"};
   for (size_t i = 2; i < 5; ++i) stage->push_back(names[i], *(fresh->begin() + static_cast<std::ptrdiff_t>(i)));
   const st::Checkpoint for_stage(d.path);
-  ll::load_local_weights(*stage, for_stage, 0, 1, ll::sequential_to_hf);
+  read_held(*stage, 0, *st::parameter_source(for_stage, ll::sequential_to_hf));
   expect_same_parameters(*stage, *whole);
   EXPECT_EQ(for_stage.bytes_read(), bytes_of(*stage));
   EXPECT_LT(for_stage.bytes_read(), bytes_of(*whole) / 2);
@@ -330,37 +349,32 @@ TEST(Llama, EachRankReadsOnlyItsStageAndShards) {
     SCOPED_TRACE("tp rank " + std::to_string(r));
     ll::ParallelDecoderLayer cut(dense, tp[r]), read(random, tp[r]);
     const st::Checkpoint for_rank(d.path);
-    ll::load_local_weights(*read, for_rank, r, 2, layer1);
+    read_held(*read, r, *st::parameter_source(for_rank, layer1));
     expect_same_parameters(*read, *cut);
     EXPECT_EQ(for_rank.bytes_read(), bytes_of(*read));
     EXPECT_LT(for_rank.bytes_read(), bytes_of(dense) * 2 / 3);
-  }
-  // Flat ranges of each tp block (ZeRO-3's shards of it), across row boundaries of the column
-  // blocks: the block's elements, reading exactly their bytes.
-  for (int r = 0; r < 2; ++r) {
-    SCOPED_TRACE("flat, tp rank " + std::to_string(r));
-    ll::ParallelDecoderLayer cut(dense, tp[r]);
-    for (const auto& p : cut->named_parameters()) {
-      const auto flat = p.value().detach().reshape({-1});
-      const int64_t n = flat.numel();
-      for (auto [first, count] : {std::pair<int64_t, int64_t>{0, n}, {3, n / 2}, {n / 3, n - n / 3}, {n - 1, 1}}) {
-        const st::Checkpoint from(d.path);
-        auto dest = torch::zeros({count});
-        ASSERT_TRUE(ll::load_flat_part(from, p.key(), p.value().sizes(), r, 2, first, dest, layer1));
-        EXPECT_TRUE(same_bits(dest, flat.narrow(0, first, count))) << p.key() << " from " << first;
-        EXPECT_EQ(from.bytes_read(), 4 * count) << p.key();
+    // Flat ranges of the blocks, across the column blocks' row boundaries.
+    for (int64_t first : {0, 3, 17}) {
+      ll::ParallelDecoderLayer part(random, tp[r]);
+      const st::Checkpoint from(d.path);
+      int64_t held = 0, smallest = INT64_MAX;
+      for (auto& p : part->parameters()) smallest = std::min(smallest, p.numel());
+      const int64_t count = std::min<int64_t>(smallest - first, 29);
+      read_held(*part, r, *st::parameter_source(from, layer1), first, count);
+      auto got = part->named_parameters();
+      for (auto& p : cut->named_parameters()) {
+        const auto want = p.value().detach().reshape({-1}).narrow(0, first, count);
+        EXPECT_TRUE(same_bits(got[p.key()].detach().reshape({-1}).narrow(0, first, count), want)) << p.key();
+        held += count * p.value().element_size();
       }
-      auto past = torch::zeros({2});
-      EXPECT_THROW(ll::load_flat_part(st::Checkpoint(d.path), p.key(), p.value().sizes(), r, 2, n - 1, past, layer1),
-                   std::out_of_range);
+      EXPECT_EQ(from.bytes_read(), held);
     }
   }
-  // A shard read as if there were no tensor parallelism is refused, naming the tensor.
+  // A checkpoint tensor of another shape than the placement's global one is reported.
   ll::ParallelDecoderLayer shard(random, tp[0]);
-  try {
-    ll::load_local_weights(*shard, st::Checkpoint(d.path), 0, 1, layer1);
-    FAIL() << "expected std::runtime_error";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("model.layers.1."), std::string::npos) << e.what();
-  }
+  std::vector<int64_t> shape;
+  EXPECT_TRUE(st::parameter_source(st::Checkpoint(d.path), layer1)->find("self_attn.q_proj.weight", &shape));
+  EXPECT_NE(shape, shard->self_attn->q_proj->weight.sizes().vec());
+  EXPECT_THROW(st::parameter_source(st::Checkpoint(d.path), layer1)->find("no_such.weight", &shape),
+               std::runtime_error);
 }
