@@ -270,8 +270,9 @@ class Engine {
   // Collective: commits the asynchronous save in flight, if any, and returns its directory
   // ("" when none was in flight). Throws as save() does when a rank's write failed.
   std::string wait_checkpoint();
-  // The whole model's fp32 values by the dense model's parameter names, on the CPU, on every
-  // rank (collective: shards, stages and ZeRO's masters are gathered).
+  // The whole model's fp32 values (float64 for parameters given in float64) by the dense model's
+  // parameter names, on the CPU, on every rank (collective: each element comes from the rank
+  // that holds it as replica 0, tandem/placement.h).
   std::map<std::string, at::Tensor> full_parameters();
 
   EngineStats stats() const;

@@ -123,6 +123,7 @@ struct Engine::Impl {
   }
   // The whole model's names and shapes, taken before any cut: what a checkpoint must hold.
   std::vector<std::pair<std::string, std::vector<int64_t>>> dense_params, dense_buffers;
+  std::set<std::string> float64;  // parameters given in float64 (kept so by full_parameters)
 };
 
 // Wraps the chosen layers of `net` (after its tensor-parallel conversion, before the pipeline
@@ -160,7 +161,10 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   }
   L.dense = model;
   L.dense->to(L.rt->device());
-  for (auto& p : L.dense->named_parameters()) dense_params.emplace_back(p.key(), p.value().sizes().vec());
+  for (auto& p : L.dense->named_parameters()) {
+    dense_params.emplace_back(p.key(), p.value().sizes().vec());
+    if (p.value().scalar_type() == at::kDouble) float64.insert(p.key());
+  }
   for (auto& b : L.dense->named_buffers()) dense_buffers.emplace_back(b.key(), b.value().sizes().vec());
   parameters = models::count_parameters(*L.dense);
   if (cfg.tp * cfg.pp > 1) L.grid = std::make_unique<ProcessGrid>(L.world, cfg.tp, cfg.pp);
@@ -493,12 +497,13 @@ std::map<std::string, at::Tensor> Engine::full_parameters() {
   auto& I = *impl_;
   Impl::Uncounted uncounted(I);
   std::map<std::string, at::Tensor> out;
-  for (const auto& [name, shape] : I.dense_params) out[name] = at::zeros(shape, at::kFloat);
+  for (const auto& [name, shape] : I.dense_params)
+    out[name] = at::zeros(shape, I.float64.count(name) ? at::kDouble : at::kFloat);
   torch::NoGradGuard ng;
   for (const auto& piece : I.up->state()) {
     if (piece.key.rfind("param/", 0) != 0 || piece.placement.replica != 0) continue;
     auto flat = out.at(piece.key.substr(6)).view({-1});
-    const auto data = piece.data.to(at::kCPU, at::kFloat);
+    const auto data = piece.data.to(at::kCPU, flat.scalar_type());
     for (const auto& r : placement_runs(piece.placement))
       flat.narrow(0, r.global, r.length).copy_(data.narrow(0, r.held, r.length));
   }

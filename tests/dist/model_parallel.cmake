@@ -8,3 +8,6 @@ foreach(np 2 4)
   tandem_add_dist_test(dist_tensor_parallel_np${np} ${np} "TensorParallel.*" TIMEOUT 120)
 endforeach()
 tandem_add_dist_test(dist_grid_np4 4 "Grid.*" TIMEOUT 150)
+# A test-only layer with its own split (interleaved rows): checkpoints across tp 2 and DDP, the
+# checkpoint read whole, and initial values from a source, with no code of their own.
+tandem_add_dist_test(dist_toy_placement_np2 2 "ToyPlacement.*" TIMEOUT 120)
