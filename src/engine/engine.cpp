@@ -115,6 +115,7 @@ struct Engine::Impl {
   at::Tensor accumulate_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn, const StepOptions& so);
   void checkpoint_layers(std::vector<int64_t>& cut);
   void initialise(const ParameterSource& source);
+  void place_parameters();
   std::vector<StatePiece> state() {
     auto pieces = up->state();
     auto buffers = L.buffer_state();
@@ -140,6 +141,27 @@ void Engine::Impl::checkpoint_layers(std::vector<int64_t>& cut) {
   torch::nn::Sequential net(seq);
   if (cfg.pp > 1 && cut.empty()) cut = partition_by_parameters(net, cfg.pp * cfg.virtual_stages);
   L.net = checkpoint_sequential(net, cfg.activation_checkpointing, cfg.pp > 1 ? cut : std::vector<int64_t>{}).ptr();
+}
+
+// L.placed: each trained parameter's placement under the dense model's names. A cut or
+// converted Sequential names its children otherwise (a pipeline stage by their index, the
+// tensor-parallel form as it builds them): the first component of a name is the child's
+// position, and the dense model's name at that position replaces it.
+void Engine::Impl::place_parameters() {
+  std::map<std::string, std::string> child_name;
+  if (L.grid) {
+    std::vector<std::string> dense_names, net_names;
+    for (auto& c : L.dense_sequential()->named_children()) dense_names.push_back(c.key());
+    for (auto& c : L.net_sequential()->named_children()) net_names.push_back(c.key());
+    for (size_t i = 0; i < dense_names.size() && i < net_names.size(); ++i)
+      child_name[L.pipe ? std::to_string(i) : net_names[i]] = dense_names[i];
+  }
+  for (auto& p : parameter_placements(*L.trained_module, L.grid ? L.grid->tp()->rank() : 0)) {
+    const auto dot = p.dense_name.find('.');
+    auto it = child_name.find(p.dense_name.substr(0, dot));
+    if (it != child_name.end()) p.dense_name = it->second + p.dense_name.substr(dot);
+    L.placed[p.name] = {p.dense_name, p.placement};
+  }
 }
 
 void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn forward, const OptimizerOptions& oo) {
@@ -199,8 +221,7 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     L.pipe = std::make_unique<Pipeline>(L.net_sequential(), L.grid->pp(), po);
   }
   L.trained_module = L.pipe ? L.pipe->stage_module().ptr() : L.net;
-  for (auto& p : parameter_placements(*L.trained_module, L.grid ? L.grid->tp()->rank() : 0))
-    L.placed[p.name] = {p.dense_name, p.placement};
+  place_parameters();
   L.trained = L.trained_module->parameters();
   L.run = std::move(forward);
   if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L.net)) {
