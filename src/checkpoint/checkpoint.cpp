@@ -327,7 +327,8 @@ std::pair<std::string, std::string> split_key(const std::string& key) {
   return {key.substr(0, slash), key.substr(slash + 1)};
 }
 
-// This rank's pieces with replica id 0, described for the manifest (and its entries in `plan`).
+// This rank's pieces, described for the manifest: those with replica id 0 with their placement
+// (and their entries in `plan`), the others by key and shape alone.
 json own_pieces(const std::vector<StatePiece>& pieces, int rank, SavePlan& plan) {
   json mine = json::array();
   std::set<std::string> keys;
@@ -339,7 +340,11 @@ json own_pieces(const std::vector<StatePiece>& pieces, int rank, SavePlan& plan)
                                   std::to_string(p.placement.held_numel()) +
                                   " elements, its data is not a 1-D view of as many");
     }
-    if (p.placement.replica != 0) continue;
+    if (p.placement.replica != 0) {  // described all the same: a tensor no rank writes is refused
+      mine.push_back(
+          {{"key", p.key}, {"shape", p.placement.global_shape}, {"dtype", c10::toString(p.data.scalar_type())}});
+      continue;
+    }
     if (!keys.insert(p.key).second) {
       throw std::invalid_argument("checkpoint: rank " + std::to_string(rank) + " holds two pieces of '" + p.key +
                                   "' as replica 0");
@@ -375,7 +380,13 @@ void lay_out(const std::vector<std::string>& all, SavePlan& plan, int world) {
         throw std::invalid_argument("checkpoint: the ranks disagree on the shape of '" + key +
                                     "': " + it->second.at("shape").dump() + " and " + d.at("shape").dump());
       }
-      it->second["pieces"].push_back(d.at("piece"));
+      if (d.contains("piece")) it->second["pieces"].push_back(d.at("piece"));
+    }
+  }
+  for (const auto& key : order) {
+    if (tensors.at(key).at("pieces").empty()) {
+      throw std::invalid_argument("checkpoint save: no rank writes '" + key +
+                                  "' (every rank holding it has a replica id other than 0)");
     }
   }
   std::set<std::string> slots;

@@ -182,7 +182,9 @@ struct Parser {
 
   // One stored piece of a "pieces" layout: {"rank", "entry", "offset", "local_shape", "blocks":
   // [{"local", "global", "shape"}], "flat": [begin, end]}.
-  StoredPiece piece(const json& e, const StoredTensor& t, const std::string& where, int world) const {
+  StoredPiece piece(const json& e, const StoredTensor& t, const std::string& where,
+                    const std::vector<std::string>& files) const {
+    const int world = static_cast<int>(files.size());
     StoredPiece sp;
     sp.rank = static_cast<int>(int_field(e, "rank", where, 0, world - 1));
     sp.entry = str_field(e, "entry", where);
@@ -210,7 +212,8 @@ struct Parser {
     try {
       p.check(where);
     } catch (const std::invalid_argument& ex) {
-      bad(std::string("has an invalid ") + ex.what());
+      bad("has a piece that does not fit its tensor (in the shard file '" + files.at(static_cast<size_t>(sp.rank)) +
+          "'): " + ex.what());
     }
     return sp;
   }
@@ -225,7 +228,7 @@ struct Parser {
       st.shape = desc.shape;
       st.dtype = str_field(t, "dtype", "layout.tensors");
       for (auto& e : array_field(t, "pieces", "layout.tensors['" + key + "']"))
-        st.pieces.push_back(piece(e, st, "a piece of '" + key + "'", m.meta.world_size));
+        st.pieces.push_back(piece(e, st, "a piece of '" + key + "'", m.files));
       m.tensors[key] = std::move(st);
     }
   }

@@ -197,13 +197,6 @@ nlohmann::json run_record(const char* command, const TextTrainConfig& cfg, const
 void validate(const TextTrainConfig& cfg, int world) {
   const ParallelConfig pc = parallel_config(cfg);  // throws naming a bad strategy, precision or partition
   if (!cfg.trace.empty()) trace::check_path(cfg.trace);
-  // ZeRO-2/3 reduce-scatter in backward hooks, which the transformer's tensor-parallel blocks
-  // do not compose with yet (a pipeline's stages do).
-  if (cfg.tp > 1 && zero_stage(pc.strategy) > 1) {
-    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) +
-                                " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
-                                cfg.strategy);
-  }
   tandem::validate(pc, world);
   const int dp = data_parallel_size(pc, world);
   if (cfg.batch < 1 || cfg.batch % dp != 0) {

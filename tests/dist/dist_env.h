@@ -14,6 +14,10 @@ namespace tandem::test {
 Runtime& runtime();
 // runtime().world(): the communicator over all ranks (MPI in this binary).
 CommPtr world();
+// A Runtime over `comm` (a part of the job's ranks, all on this host), for an Engine on fewer
+// workers than the test binary runs; placement_over: what it is made from.
+ReplicaPlacement placement_over(const CommPtr& comm);
+Runtime runtime_over(const CommPtr& comm);
 // Default timeout of the communicators in the tests: long enough for 4 ranks on 2 cores,
 // short enough that a desynchronized test fails with CommTimeout instead of a ctest timeout.
 inline constexpr std::chrono::milliseconds kTestTimeout{std::chrono::seconds(60)};

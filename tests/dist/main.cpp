@@ -84,6 +84,22 @@ Runtime& runtime() {
 
 CommPtr world() { return runtime().world(); }
 
+ReplicaPlacement placement_over(const CommPtr& comm) {
+  ReplicaPlacement p;
+  p.info.rank = p.info.local_rank = comm->rank();
+  p.info.world_size = p.info.local_size = comm->size();
+  p.info.launcher = "mpirun";
+  p.world = p.cpu_world = comm;
+  HostInfo host = runtime().hosts().at(0);
+  host.ranks.resize(comm->size());
+  for (int r = 0; r < comm->size(); ++r) host.ranks[r] = r;
+  p.hosts = {host};
+  p.host_of.assign(comm->size(), 0);
+  return p;
+}
+
+Runtime runtime_over(const CommPtr& comm) { return Runtime(placement_over(comm)); }
+
 }  // namespace tandem::test
 
 int main(int argc, char** argv) {

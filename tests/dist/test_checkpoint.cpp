@@ -1,11 +1,14 @@
-// Sharded checkpoints (tandem/checkpoint.h): bitwise resume in the same configuration,
-// resharding across world sizes and strategies (ZeRO-2 on N -> ZeRO-3 on 2 -> DDP on 1 ->
-// ZeRO-1 on N) against an uninterrupted single-process reference, and bad input: corrupted
-// and truncated shards, a damaged manifest, missing files, another model, and a save killed
-// midway (fork + SIGKILL), each leaving what existed untouched. Pipeline stages (one stage per
-// rank, each writing its own) resume bitwise as stages and continue in one process. A
-// tensor-parallel transformer's checkpoint (gathered) equals a dense run's state and loads back
-// into shards exactly.
+// Sharded checkpoints (tandem/checkpoint.h) through tandem::Engine and the replicated loop's
+// save_checkpoint/load_checkpoint: bitwise resume in the same configuration (ZeRO stages 1-3,
+// DDP, bf16 and fp16 with their loss scaler), resharding across world sizes and strategies
+// (ZeRO-2 on N -> ZeRO-3 on 2 -> DDP on 1 -> ZeRO-1 on N) against an uninterrupted
+// single-process reference, pipeline stages (one per rank, and interleaved chunks) resumed as
+// stages, as 1F1B and in one process, a tensor-parallel transformer whose checkpoint equals a
+// dense run's state and loads back into shards exactly, and saves whose pieces do not describe
+// the state refused on every rank. Bad input: corrupted and truncated shards, a damaged
+// manifest, pieces that leave an element out, hold one twice or lie outside their tensor,
+// missing files, another model, and a save killed midway (fork + SIGKILL), each leaving what
+// existed untouched. Every layout against every other: test_checkpoint_matrix.cpp.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
@@ -16,23 +19,19 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 
 #include "checkpoint/shard_io.h"
 #include "tandem/backends.h"
 #include "tandem/checkpoint.h"
 #include "tandem/ddp.h"
-#include "tandem/grid.h"
+#include "tandem/engine.h"
 #include "tandem/models.h"
 #include "tandem/optim.h"
-#include "tandem/pipeline.h"
-#include "tandem/tensor_parallel.h"
-#include "tandem/zero.h"
 #include "tests/dist/dist_env.h"
 #include "tests/dist/train_test_util.h"
 
 namespace tandem::test {
-// The per-layout forms (pipeline stages, ZeRO, tensor parallel) the Engine calls.
-using namespace ::tandem::detail;
 namespace {
 
 constexpr int64_t kBatch = 24;  // splits evenly over 1, 2, 3 and 4 ranks
@@ -44,14 +43,6 @@ torch::nn::Sequential make_seq(uint64_t seed) {
                           torch::nn::Linear(5, 3));
   s->to(torch::kDouble);
   return s;
-}
-
-OptimizerOptions adamw() {
-  OptimizerOptions o;
-  o.kind = "adamw";
-  o.lr = 1e-2;
-  o.weight_decay = 0.01;
-  return o;
 }
 
 OptimizerOptions sgd_momentum() {
@@ -67,6 +58,50 @@ std::pair<torch::Tensor, torch::Tensor> batch_of_step(int64_t step) {
   return {x.to(torch::kDouble), y};
 }
 
+const LossFn kCrossEntropy = [](const at::Tensor& out, const at::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out, y);
+};
+
+CheckpointMeta meta_at(int64_t step, const std::string& strategy) {
+  CheckpointMeta m;
+  m.model = "seq13";
+  m.model_description = "13-9-5-3 tanh MLP, float64";
+  m.strategy = strategy;
+  m.step = step;
+  return m;
+}
+
+ParallelConfig layout(Strategy s, int tp = 1, int pp = 1, int64_t micro_batches = 1) {
+  ParallelConfig c;
+  c.strategy = s;
+  c.tp = tp;
+  c.pp = pp;
+  c.micro_batches = micro_batches;
+  return c;
+}
+
+EngineOptions named(const std::string& model = "seq13") {
+  EngineOptions o;
+  o.model_name = model;
+  return o;
+}
+
+// Steps [from, from + k) of the global batches through the engine (each replica its slice, every
+// tp and pp rank of a replica the same); returns the global mean loss of each.
+std::vector<double> train(Engine& eng, int64_t from, int64_t k,
+                          const std::function<at::Tensor(const at::Tensor&)>& input = nullptr) {
+  std::vector<double> out;
+  for (int64_t s = from; s < from + k; ++s) {
+    auto [x, y] = batch_of_step(s);
+    if (input) x = input(x);
+    auto xs = slice_for_rank(x, eng.dp_rank(), eng.dp_size()), ys = slice_for_rank(y, eng.dp_rank(), eng.dp_size());
+    auto l = eng.step(xs, ys, kCrossEntropy).detach().to(torch::kCPU, torch::kDouble).reshape({1}).clone();
+    eng.world()->allreduce(l, ReduceOp::kAvg);
+    out.push_back(l.item<double>());
+  }
+  return out;
+}
+
 // One training step on this rank's slice of the global batch; returns the global mean loss.
 template <typename StepFn>
 double step_on_slice(Communicator& comm, int64_t step, StepFn fn) {
@@ -76,21 +111,6 @@ double step_on_slice(Communicator& comm, int64_t step, StepFn fn) {
   at::Tensor l = torch::tensor({local}, torch::kDouble);
   comm.allreduce(l, ReduceOp::kAvg);
   return l.item<double>();
-}
-
-std::vector<double> train_zero(ZeroDataParallel& z, Communicator& comm, int64_t from, int64_t k) {
-  std::vector<double> out;
-  for (int64_t s = from; s < from + k; ++s) {
-    out.push_back(step_on_slice(comm, s, [&](const torch::Tensor& x, const torch::Tensor& y) {
-      z.prepare_forward();
-      z.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(z.forward(x), y);
-      loss.backward();
-      z.step();
-      return loss.item<double>();
-    }));
-  }
-  return out;
 }
 
 std::vector<double> train_ddp(torch::nn::Sequential m, DistributedDataParallel& ddp, torch::optim::Optimizer& opt,
@@ -125,60 +145,78 @@ std::vector<double> reference_losses(const OptimizerOptions& o, int64_t steps) {
   return out;
 }
 
-CheckpointMeta meta_at(int64_t step, const std::string& strategy) {
+// The whole state an engine holds (fp32 masters or the parameters, every optimizer slot and
+// Adam's step, buffers), as a checkpoint of it under `root` reads back. Collective.
+FullCheckpoint state_of(Engine& eng, const std::string& root, int64_t step) {
   CheckpointMeta m;
-  m.model = "seq13";
-  m.model_description = "13-9-5-3 tanh MLP, float64";
-  m.strategy = strategy;
   m.step = step;
-  return m;
+  return read_full_checkpoint(eng.save(root, m));
 }
 
-ZeroOptions zero_opts(int stage, const OptimizerOptions& o) {
-  ZeroOptions z;
-  z.stage = stage;
-  z.optimizer = o;
-  z.bucket_cap_bytes = 400;  // several buckets, each padded
-  return z;
-}
-
-bool same_state(const ZeroShardState& a, const ZeroShardState& b) {
-  if (a.buckets.size() != b.buckets.size() || a.optimizer_step != b.optimizer_step) return false;
-  for (size_t i = 0; i < a.buckets.size(); ++i) {
-    if (a.buckets[i].slots.size() != b.buckets[i].slots.size()) return false;
-    for (auto& [k, v] : a.buckets[i].slots) {
-      auto it = b.buckets[i].slots.find(k);
-      if (it == b.buckets[i].slots.end() || !torch::equal(v, it->second)) return false;
+// Bit for bit: every parameter, buffer and optimizer state tensor, and the step counts.
+void expect_same_state(const FullCheckpoint& a, const FullCheckpoint& b, const std::string& what) {
+  EXPECT_EQ(a.param_names, b.param_names) << what;
+  for (auto& [n, v] : a.params) {
+    auto it = b.params.find(n);
+    ASSERT_NE(it, b.params.end()) << what << ": " << n;
+    EXPECT_EQ(v.scalar_type(), it->second.scalar_type()) << what << ": " << n;
+    EXPECT_TRUE(torch::equal(v, it->second)) << what << ": " << n;
+  }
+  for (auto& [n, v] : a.buffers)
+    EXPECT_TRUE(b.buffers.count(n) && torch::equal(v, b.buffers.at(n))) << what << ": " << n;
+  EXPECT_EQ(a.optim.size(), b.optim.size()) << what;
+  for (auto& [n, st] : a.optim) {
+    auto it = b.optim.find(n);
+    ASSERT_NE(it, b.optim.end()) << what << ": state of " << n;
+    EXPECT_EQ(st.step, it->second.step) << what << ": step of " << n;
+    EXPECT_EQ(st.slots.size(), it->second.slots.size()) << what << ": slots of " << n;
+    for (auto& [k, v] : st.slots) {
+      EXPECT_TRUE(it->second.slots.count(k) && torch::equal(v, it->second.slots.at(k)))
+          << what << ": " << k << " of " << n;
     }
   }
-  return true;
+}
+
+void expect_same_parameters(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b,
+                            const std::string& what) {
+  EXPECT_EQ(a.size(), b.size()) << what;
+  for (auto& [n, v] : a) EXPECT_TRUE(b.count(n) && torch::equal(v, b.at(n))) << what << ": " << n;
 }
 
 // ---- same configuration: bitwise
 
 class CheckpointResume : public ::testing::TestWithParam<int> {};
 
+// ZeRO stage 1, 2 or 3 on every rank, AdamW and SGD with momentum: the engine that loads the
+// checkpoint (from other initial values) continues exactly as the one that went on, in losses,
+// parameters and optimizer state.
 TEST_P(CheckpointResume, ZeroContinuesBitwise) {
   const int stage = GetParam();
+  const Strategy strategy = stage == 1 ? Strategy::kZero1 : stage == 2 ? Strategy::kZero2 : Strategy::kZero3;
   auto comm = world();
   const auto dir = shared_dir(*comm, "ckpt_bitwise");
   for (auto o : {adamw(), sgd_momentum()}) {
-    ZeroDataParallel a(make_seq(7).ptr(), comm, zero_opts(stage, o));
-    train_zero(a, *comm, 0, 3);
-    auto path = save_checkpoint(dir, meta_at(3, "zero" + std::to_string(stage)), a, *comm);
-    train_zero(a, *comm, 3, 3);
+    const std::string what = "stage " + std::to_string(stage) + " " + o.kind;
+    Engine a(runtime(), make_seq(7), o, layout(strategy), named());
+    train(a, 0, 3);
+    auto path = a.save(dir + "/" + o.kind, meta_at(3, to_string(strategy)));
+    const auto went_on = train(a, 3, 3);
 
-    ZeroDataParallel b(make_seq(99).ptr(), comm, zero_opts(stage, o));  // other initial values
-    auto meta = load_checkpoint(path, b, comm->rank());
+    Engine b(runtime(), make_seq(99), o, layout(strategy), named());  // other initial values
+    auto meta = b.load(path);
     EXPECT_EQ(meta.step, 3);
     EXPECT_EQ(meta.world_size, comm->size());
-    train_zero(b, *comm, 3, 3);
-    EXPECT_TRUE(same_state(a.shard_state(), b.shard_state())) << "stage " << stage << " " << o.kind;
+    const auto resumed = train(b, 3, 3);
+    EXPECT_EQ(resumed, went_on) << what;
+    expect_same_parameters(a.full_parameters(), b.full_parameters(), what);
+    expect_same_state(state_of(a, dir + "/a_" + o.kind, 6), state_of(b, dir + "/b_" + o.kind, 6), what);
   }
   comm->barrier();
   if (comm->rank() == 0) ckpt::remove_tree(dir);
 }
 
+// A replicated loop of its own (DDP and LibTorch's optimizer): save_checkpoint and
+// load_checkpoint resume it bitwise, Adam's moments and step included.
 TEST_P(CheckpointResume, DdpContinuesBitwise) {
   if (GetParam() != 1) GTEST_SKIP() << "once is enough";
   auto comm = world();
@@ -200,6 +238,7 @@ TEST_P(CheckpointResume, DdpContinuesBitwise) {
     EXPECT_TRUE(torch::equal(pa[i], pb[i])) << i;
     auto sa = get_param_state(*oa, pa[i]), sb = get_param_state(*ob, pb[i]);
     EXPECT_EQ(sa.step, sb.step);
+    EXPECT_TRUE(torch::equal(sa.slots.at("exp_avg"), sb.slots.at("exp_avg")));
     EXPECT_TRUE(torch::equal(sa.slots.at("exp_avg_sq"), sb.slots.at("exp_avg_sq")));
   }
   comm->barrier();
@@ -213,56 +252,41 @@ INSTANTIATE_TEST_SUITE_P(Stages, CheckpointResume, ::testing::Values(1, 2, 3));
 TEST(CheckpointMixed, ZeroBf16AndFp16ContinueBitwise) {
   auto comm = world();
   const auto dir = shared_dir(*comm, "ckpt_mixed");
+  auto fp32_seq = [](uint64_t seed) {
+    auto m = make_seq(seed);
+    m->to(torch::kFloat);
+    return m;
+  };
+  auto as_float = [](const at::Tensor& x) { return x.to(torch::kFloat); };
   for (auto prec : {Precision::kBF16, Precision::kFP16}) {
-    auto opts = [&](int stage) {
-      auto z = zero_opts(stage, adamw());
-      z.precision = prec;
-      z.loss_scaler.init_scale = 1024.0;
-      z.loss_scaler.growth_interval = 2;  // the scale changes within the run
-      return z;
+    const std::string name = precision_name(prec);
+    auto config = [&](Strategy s) {
+      auto c = layout(s);
+      c.precision = prec;
+      c.loss_scaler.init_scale = 1024.0;
+      c.loss_scaler.growth_interval = 2;  // the scale changes within the run
+      return c;
     };
-    auto fp32_seq = [](uint64_t seed) {
-      auto m = make_seq(seed);
-      m->to(torch::kFloat);
-      return m;
-    };
-    auto train = [&](ZeroDataParallel& z, int64_t from, int64_t k) {
-      for (int64_t s = from; s < from + k; ++s) {
-        step_on_slice(*comm, s, [&](const torch::Tensor& x, const torch::Tensor& y) {
-          z.prepare_forward();
-          z.zero_grad();
-          auto loss = torch::nn::functional::cross_entropy(z.forward(x.to(compute_dtype(prec))).to(torch::kFloat), y);
-          z.scale_loss(loss).backward();
-          z.step();
-          return loss.item<double>();
-        });
-      }
-    };
-    ZeroDataParallel a(fp32_seq(7).ptr(), comm, opts(2));
-    train(a, 0, 3);
-    auto meta = meta_at(3, "zero2");
-    meta.precision = precision_name(prec);
-    meta.loss_scale = a.loss_scaler().scale();
-    meta.loss_scale_good_steps = a.loss_scaler().overflow_free_steps();
-    auto path = save_checkpoint(dir, meta, a, *comm);
-    train(a, 3, 3);
-    for (int stage : {2, 3}) {
-      ZeroDataParallel b(fp32_seq(99).ptr(), comm, opts(stage));
-      load_checkpoint(path, b, comm->rank());
-      EXPECT_EQ(b.loss_scaler().scale(), meta.loss_scale);
-      train(b, 3, 3);
-      EXPECT_EQ(a.loss_scaler().scale(), b.loss_scaler().scale()) << precision_name(prec);
-      if (stage == 2) {
-        EXPECT_TRUE(same_state(a.shard_state(), b.shard_state())) << precision_name(prec);
-      } else {
-        // Another stage has other buckets: compare the assembled masters by name.
-        auto pa = read_full_checkpoint(save_checkpoint(dir + "/a", meta_at(6, "zero2"), a, *comm));
-        auto pb = read_full_checkpoint(save_checkpoint(dir + "/b", meta_at(6, "zero3"), b, *comm));
-        for (auto& [n, v] : pa.params)
-          EXPECT_TRUE(torch::equal(v, pb.params.at(n))) << n << " " << precision_name(prec);
-        for (auto& [n, st] : pa.optim)
-          EXPECT_TRUE(torch::equal(st.slots.at("exp_avg"), pb.optim.at(n).slots.at("exp_avg"))) << n;
-      }
+    Engine a(runtime(), fp32_seq(7), adamw(), config(Strategy::kZero2), named());
+    train(a, 0, 3, as_float);
+    const double scale = a.loss_scaler().scale();
+    auto path = a.save(dir + "/" + name, meta_at(3, "zero2"));
+    const auto saved = read_checkpoint_meta(path);
+    EXPECT_EQ(saved.precision, name);
+    EXPECT_EQ(saved.loss_scale, scale);
+    EXPECT_EQ(saved.loss_scale_good_steps, a.loss_scaler().overflow_free_steps());
+    const auto went_on = train(a, 3, 3, as_float);
+    const auto state_a = state_of(a, dir + "/a_" + name, 6);
+    for (Strategy s : {Strategy::kZero2, Strategy::kZero3}) {
+      const std::string what = name + " resumed as " + to_string(s);
+      Engine b(runtime(), fp32_seq(99), adamw(), config(s), named());
+      b.load(path);
+      EXPECT_EQ(b.loss_scaler().scale(), scale) << what;
+      const auto resumed = train(b, 3, 3, as_float);
+      EXPECT_EQ(a.loss_scaler().scale(), b.loss_scaler().scale()) << what;
+      EXPECT_EQ(resumed, went_on) << what;
+      expect_same_parameters(a.full_parameters(), b.full_parameters(), what);
+      expect_same_state(state_a, state_of(b, dir + "/b_" + name + "_" + to_string(s), 6), what);
     }
   }
   comm->barrier();
@@ -286,37 +310,37 @@ TEST(CheckpointReshard, AcrossWorldSizesAndStrategies) {
 
   // A: ZeRO-2 on all N ranks, steps 0..K.
   {
-    ZeroDataParallel z(make_seq(7).ptr(), comm, zero_opts(2, o));
-    near(train_zero(z, *comm, 0, K), 0, "zero2 on N");
-    save_checkpoint(dir + "/a", meta_at(K, "zero2"), z, *comm);
+    Engine eng(runtime(), make_seq(7), o, layout(Strategy::kZero2), named());
+    near(train(eng, 0, K), 0, "zero2 on N");
+    eng.save(dir + "/a", meta_at(K, "zero2"));
   }
   // B: ZeRO-3 on ranks 0 and 1, steps K..2K.
   auto two = comm->split(rank < 2 ? 0 : -1, rank);
   if (two) {
-    ZeroDataParallel z(make_seq(99).ptr(), two, zero_opts(3, o));
-    auto meta = load_checkpoint(latest_checkpoint(dir + "/a"), z, two->rank());
+    Runtime rt = runtime_over(two);
+    Engine eng(rt, make_seq(99), o, layout(Strategy::kZero3), named());
+    auto meta = eng.load(dir + "/a");  // the root: its newest checkpoint
     EXPECT_EQ(meta.world_size, N);
     EXPECT_EQ(meta.step, K);
-    near(train_zero(z, *two, K, K), K, "zero3 on 2");
-    save_checkpoint(dir + "/b", meta_at(2 * K, "zero3"), z, *two);
+    near(train(eng, K, K), K, "zero3 on 2");
+    eng.save(dir + "/b", meta_at(2 * K, "zero3"));
   }
   comm->barrier();
   // C: DDP on rank 0 alone, steps 2K..3K.
   auto one = comm->split(rank == 0 ? 0 : -1, 0);
   if (one) {
-    auto m = make_seq(99);
-    auto opt = make_optimizer(m->parameters(), o);
-    DistributedDataParallel ddp(m.ptr(), one);
-    load_checkpoint(latest_checkpoint(dir + "/b"), *m, *opt, 0);
-    near(train_ddp(m, ddp, *opt, *one, 2 * K, K), 2 * K, "ddp on 1");
-    save_checkpoint(dir + "/c", meta_at(3 * K, "ddp"), *m, *opt, *one);
+    Runtime rt = runtime_over(one);
+    Engine eng(rt, make_seq(99), o, layout(Strategy::kDDP), named());
+    EXPECT_EQ(eng.load(latest_checkpoint(dir + "/b")).world_size, 2);
+    near(train(eng, 2 * K, K), 2 * K, "ddp on 1");
+    eng.save(dir + "/c", meta_at(3 * K, "ddp"));
   }
   comm->barrier();
-  // D: ZeRO-1 on all N ranks from the replicated checkpoint, steps 3K..4K.
+  // D: ZeRO-1 on all N ranks from the one-rank checkpoint, steps 3K..4K.
   {
-    ZeroDataParallel z(make_seq(99).ptr(), comm, zero_opts(1, o));
-    load_checkpoint(latest_checkpoint(dir + "/c"), z, rank);
-    near(train_zero(z, *comm, 3 * K, K), 3 * K, "zero1 on N");
+    Engine eng(runtime(), make_seq(99), o, layout(Strategy::kZero1), named());
+    EXPECT_EQ(eng.load(latest_checkpoint(dir + "/c")).world_size, 1);
+    near(train(eng, 3 * K, K), 3 * K, "zero1 on N");
   }
   comm->barrier();
   if (rank == 0) ckpt::remove_tree(dir);
@@ -340,99 +364,80 @@ CheckpointMeta continue_in_one_process(const std::string& path, const OptimizerO
   return meta;
 }
 
+std::vector<at::Tensor> clones(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (auto& t : ts) out.push_back(t.detach().clone());
+  return out;
+}
+
 // One pipeline stage per rank (each rank writes its stage), K steps; the stages reload their
-// own parameters bit for bit, one process continues from the checkpoint as the reference does,
-// and a save with a stage nobody writes is refused on every rank.
+// own parameters bit for bit, and one process continues from the checkpoint as the reference
+// does.
 TEST(CheckpointReshard, PipelineStagesToOneProcess) {
   auto comm = world();
-  const int rank = comm->rank();
+  const int rank = comm->rank(), N = comm->size();
   const int64_t K = 3;
   const auto o = adamw();
   const auto ref = reference_losses(o, 2 * K);
   const auto dir = shared_dir(*comm, "ckpt_pipeline");
-  PipelineOptions po;
-  po.micro_batches = 2;
-  auto loss_fn = [](const at::Tensor& out, const at::Tensor& y) {
-    return torch::nn::functional::cross_entropy(out, y);
-  };
-  std::vector<torch::Tensor> trained;
+  const auto pp = layout(Strategy::kDDP, /*tp=*/1, /*pp=*/N, /*micro_batches=*/2);
+  std::vector<at::Tensor> trained;
+  std::map<std::string, at::Tensor> whole;
   {
-    Pipeline pipe(make_seq(7), comm, po);
-    auto opt = make_optimizer(pipe.parameters(), o);
-    for (int64_t s = 0; s < K; ++s) {
-      auto [x, y] = batch_of_step(s);
-      opt->zero_grad();
-      const double l = pipe.train_step(x, y, loss_fn).item<double>();
-      opt->step();
-      EXPECT_NEAR(l, ref[s], 1e-9) << "pipeline step " << s;
-    }
-    save_checkpoint(dir, meta_at(K, "pp"), pipe, *opt, /*writer=*/true, *comm);
-    for (auto& p : pipe.parameters()) trained.push_back(p.detach().clone());
-    if (comm->size() > 1) {
-      EXPECT_THROW(save_checkpoint(dir, meta_at(K + 1, "pp"), pipe, *opt, rank == 0, *comm), std::invalid_argument);
-    }
+    Engine eng(runtime(), make_seq(7), o, pp, named());
+    const auto got = train(eng, 0, K);
+    for (int64_t s = 0; s < K; ++s) EXPECT_NEAR(got[s], ref[s], 1e-9) << "pipeline step " << s;
+    EXPECT_EQ(eng.save(dir, meta_at(K, "pp")), dir + "/step-00000003");
+    trained = clones(eng.trained_parameters());
+    whole = eng.full_parameters();
   }
   const auto path = latest_checkpoint(dir);
   EXPECT_EQ(path, dir + "/step-00000003");
   {
-    Pipeline pipe(make_seq(99), comm, po);
-    auto opt = make_optimizer(pipe.parameters(), o);
-    load_checkpoint(path, pipe, *opt, rank);
-    auto got = pipe.parameters();
+    Engine eng(runtime(), make_seq(99), o, pp, named());
+    eng.load(path);
+    auto got = eng.trained_parameters();
     ASSERT_EQ(got.size(), trained.size());
     for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], trained[i])) << "stage parameter " << i;
+    expect_same_parameters(eng.full_parameters(), whole, "the whole model after loading the stages");
   }
   comm->barrier();
   if (rank == 0) {
-    EXPECT_EQ(continue_in_one_process(path, o, ref, K, "the pipeline").world_size, comm->size());
+    EXPECT_EQ(continue_in_one_process(path, o, ref, K, "the pipeline").world_size, N);
     ckpt::remove_tree(dir);
   }
   comm->barrier();
 }
 
 // Interleaved 1F1B over pp 2 x 2 virtual stages (each rank's chunks hold non-adjacent layers;
-// on 4 ranks two identical replicas, one writer per stage): the checkpoint names the whole
-// model's layers, so it resumes into contiguous 1F1B stages and into one process, and both
-// continue as the reference does.
+// on 4 ranks two replicas, one writer per stage): the checkpoint names the whole model's
+// layers, so it resumes into contiguous 1F1B stages and into one process, and both continue as
+// the reference does.
 TEST(CheckpointReshard, InterleavedStagesResumeIntoOtherLayouts) {
   auto w = world();
   ASSERT_EQ(w->size() % 2, 0) << "run on an even number of ranks";
-  ProcessGrid g(w, /*tp=*/1, /*pp=*/2);
   const int64_t K = 3;
   const auto o = adamw();
   const auto ref = reference_losses(o, 2 * K);
   const auto dir = shared_dir(*w, "interleaved");
-  auto loss_fn = [](const at::Tensor& out, const at::Tensor& y) {
-    return torch::nn::functional::cross_entropy(out, y);
-  };
-  auto train = [&](Pipeline& pipe, torch::optim::Optimizer& opt, int64_t from, const char* phase) {
-    for (int64_t s = from; s < from + K; ++s) {
-      auto [x, y] = batch_of_step(s);
-      opt.zero_grad();
-      const double l = pipe.train_step(x, y, loss_fn).item<double>();
-      opt.step();
-      EXPECT_NEAR(l, ref[s], 1e-9) << phase << " step " << s;
-    }
+  auto near = [&](const std::vector<double>& got, int64_t from, const char* phase) {
+    for (int64_t i = 0; i < K; ++i) EXPECT_NEAR(got[i], ref[from + i], 1e-9) << phase << " step " << from + i;
   };
   {
-    PipelineOptions po;
-    po.schedule = PipelineSchedule::kInterleaved;
-    po.virtual_stages = 2;
-    po.micro_batches = 4;
-    Pipeline pipe(make_seq(7), g.pp(), po);
-    ASSERT_EQ(pipe.layer_ranges().size(), 2u);
-    auto opt = make_optimizer(pipe.parameters(), o);
-    train(pipe, *opt, 0, "interleaved");
-    save_checkpoint(dir, meta_at(K, "pp2 interleaved v2"), pipe, *opt, g.dp_rank() == 0, *w);
+    auto c = layout(Strategy::kDDP, /*tp=*/1, /*pp=*/2, /*micro_batches=*/4);
+    c.schedule = PipelineSchedule::kInterleaved;
+    c.virtual_stages = 2;
+    Engine eng(runtime(), make_seq(7), o, c, named());
+    ASSERT_NE(eng.pipeline(), nullptr);
+    ASSERT_EQ(eng.pipeline()->layer_ranges().size(), 2u);
+    near(train(eng, 0, K), 0, "interleaved");
+    eng.save(dir, meta_at(K, "pp2 interleaved v2"));
   }
   const auto path = latest_checkpoint(dir);
   {
-    PipelineOptions po;
-    po.micro_batches = 2;
-    Pipeline pipe(make_seq(99), g.pp(), po);
-    auto opt = make_optimizer(pipe.parameters(), o);
-    load_checkpoint(path, pipe, *opt, w->rank());
-    train(pipe, *opt, K, "1f1b after interleaved");
+    Engine eng(runtime(), make_seq(99), o, layout(Strategy::kDDP, 1, 2, 2), named());
+    eng.load(path);
+    near(train(eng, K, K), K, "1f1b after interleaved");
   }
   w->barrier();
   if (w->rank() == 0) {
@@ -443,93 +448,154 @@ TEST(CheckpointReshard, InterleavedStagesResumeIntoOtherLayouts) {
 }
 
 // A transformer split over every rank (tp = world, heads and the fused qkv cut per head): two
-// AdamW steps, a checkpoint of the gathered whole; it equals a dense run's state in one process,
-// and loads back into another tensor-parallel model shard for shard, optimizer state included.
+// AdamW steps and a checkpoint of its pieces; it equals a dense run's state in one process, and
+// loads back into another tensor-parallel engine exactly, optimizer state included. A model of
+// another shape is refused, naming the parameter, and keeps its values.
 TEST(CheckpointReshard, TensorParallelTransformer) {
   auto comm = world();
-  const int rank = comm->rank();
+  const int rank = comm->rank(), N = comm->size();
   const auto c = small_lm();
-  auto make = [&](uint64_t seed) {
+  auto make = [](const models::TransformerConfig& cfg, uint64_t seed) {
     torch::manual_seed(seed);
-    auto m = models::transformer(c);
+    auto m = models::transformer(cfg);
     m->to(torch::kDouble);
     return m;
   };
   auto g = at::detail::createCPUGenerator(12);
   auto ids = torch::randint(0, c.vocab, {3, 6}, g);
   auto tgt = torch::randint(0, c.vocab, {3, 6}, g);
-  auto ce = [](const at::Tensor& out, const at::Tensor& y) {
+  const LossFn ce = [](const at::Tensor& out, const at::Tensor& y) {
     return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
   };
   const auto o = adamw();
-  auto train2 = [&](torch::nn::Sequential m, torch::optim::Optimizer& opt) {
-    for (int s = 0; s < 2; ++s) {
-      opt.zero_grad();
-      ce(m->forward(ids), tgt).backward();
-      opt.step();
-    }
-  };
-  auto par = tp::tensor_parallel(make(5), comm);
-  auto opt = make_optimizer(par->parameters(), o);
-  train2(par, *opt);
+  const auto tp = layout(Strategy::kDDP, /*tp=*/N);
+  Engine par(runtime(), make(c, 5), o, tp, named("lm"));
+  for (int s = 0; s < 2; ++s) par.step(ids, tgt, ce);
   const auto dir = shared_dir(*comm, "ckpt_tp");
-  auto state = [&](torch::nn::Sequential p, torch::nn::Sequential dense, torch::optim::Optimizer& o) {
-    TensorParallelState s;
-    s.parallel = p.ptr();
-    s.dense = dense.ptr();
-    s.tp = comm;
-    s.opt = &o;
-    return s;
-  };
-  const auto path = save_tensor_parallel_checkpoint(dir, meta_at(2, "tp"), state(par, make(99), *opt), *comm);
+  auto meta = meta_at(2, "tp");
+  meta.model = "lm";
+  meta.model_description = "small_lm, float64";
+  const auto path = par.save(dir, meta);
   EXPECT_EQ(path, dir + "/step-00000002");
   if (rank == 0) {  // whole, as a dense run in one process left it
-    auto dense = make(5);
-    auto dopt = make_optimizer(dense->parameters(), o);
-    train2(dense, *dopt);
-    auto loaded = make(98);
-    auto lopt = make_optimizer(loaded->parameters(), o);
-    load_checkpoint(path, *loaded, *lopt, 0);
-    auto want = dense->named_parameters();
-    for (auto& kv : loaded->named_parameters()) {
-      EXPECT_LE((kv.value() - want[kv.key()]).abs().max().item<double>(), 1e-9) << kv.key();
-      auto a = get_param_state(*lopt, kv.value()), b = get_param_state(*dopt, want[kv.key()]);
-      EXPECT_EQ(a.step, b.step) << kv.key();
-      for (auto& [k, v] : b.slots)
-        EXPECT_LE((a.slots.at(k) - v).abs().max().item<double>(), 1e-9) << k << " of " << kv.key();
+    try {
+      auto dense = make(c, 5);
+      auto dopt = make_optimizer(dense->parameters(), o);
+      for (int s = 0; s < 2; ++s) {
+        dopt->zero_grad();
+        ce(dense->forward(ids), tgt).backward();
+        dopt->step();
+      }
+      auto loaded = make(c, 98);
+      auto lopt = make_optimizer(loaded->parameters(), o);
+      load_checkpoint(path, *loaded, *lopt, 0, {"lm", true});
+      auto want = dense->named_parameters();
+      for (auto& kv : loaded->named_parameters()) {
+        EXPECT_LE((kv.value() - want[kv.key()]).abs().max().item<double>(), 1e-9) << kv.key();
+        auto a = get_param_state(*lopt, kv.value()), b = get_param_state(*dopt, want[kv.key()]);
+        EXPECT_EQ(a.step, b.step) << kv.key();
+        for (auto& [k, v] : b.slots)
+          EXPECT_LE((a.slots.at(k) - v).abs().max().item<double>(), 1e-9) << k << " of " << kv.key();
+      }
+    } catch (const std::exception& e) {  // not thrown past the collectives below
+      ADD_FAILURE() << "loading the tensor-parallel checkpoint in one process: " << e.what();
     }
   }
   {  // back into shards: every one as it was saved
-    auto par2 = tp::tensor_parallel(make(77), comm);
-    auto opt2 = make_optimizer(par2->parameters(), o);
-    load_tensor_parallel_checkpoint(path, state(par2, make(98), *opt2), rank);
-    auto want = par->parameters(), got = par2->parameters();
+    Engine par2(runtime(), make(c, 77), o, tp, named("lm"));
+    par2.load(path);
+    auto want = par.trained_parameters(), got = par2.trained_parameters();
     ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_TRUE(torch::equal(got[i], want[i])) << "shard " << i;
-      auto a = get_param_state(*opt2, got[i]), b = get_param_state(*opt, want[i]);
-      EXPECT_EQ(a.step, b.step);
-      ASSERT_EQ(a.slots.size(), b.slots.size());
-      for (auto& [k, v] : b.slots) EXPECT_TRUE(torch::equal(a.slots.at(k), v)) << k << " of shard " << i;
-    }
-    // A scratch model of another shape is refused, naming the parameter; nothing is changed.
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], want[i])) << "shard " << i;
+    expect_same_parameters(par2.full_parameters(), par.full_parameters(), "tp -> tp");
+    expect_same_state(state_of(par, dir + "/a", 2), state_of(par2, dir + "/b", 2), "tp -> tp");
+  }
+  {  // a model of another shape: refused naming the parameter; nothing is changed
     auto other = c;
     other.mlp_ratio = 4;
-    torch::manual_seed(1);
-    auto wrong = models::transformer(other);
-    wrong->to(torch::kDouble);
+    Engine wrong(runtime(), make(other, 1), o, tp, named("lm"));
+    const auto before = wrong.full_parameters();
     try {
-      load_tensor_parallel_checkpoint(path, state(par2, wrong, *opt2), rank);
-      ADD_FAILURE() << "a dense model of another shape was accepted";
+      wrong.load(path);
+      ADD_FAILURE() << "a model of another shape was accepted";
     } catch (const std::runtime_error& e) {
       EXPECT_NE(std::string(e.what()).find("fc1.weight"), std::string::npos) << e.what();
     }
-    for (size_t i = 0; i < got.size(); ++i)
-      EXPECT_TRUE(torch::equal(got[i], want[i])) << "shard " << i << " after the refusal";
+    expect_same_parameters(wrong.full_parameters(), before, "after the refusal");
   }
   comm->barrier();
   if (rank == 0) ckpt::remove_tree(dir);
   comm->barrier();
+}
+
+// ---- saves whose pieces do not describe the state: a strategy's bug, refused on every rank
+// before anything is written
+
+// Every rank reports the parameters of make_seq as a replicated loop does (whole, replica id =
+// its rank), except `broken`, which `piece_of(rank, numel)` describes instead.
+void expect_save_refused(const std::string& broken, const std::function<Placement(int rank, int64_t numel)>& piece_of,
+                         const std::string& what) {
+  auto comm = world();
+  const auto root = shared_dir(*comm, "ckpt_pieces");
+  auto m = make_seq(7);
+  std::vector<StatePiece> pieces;
+  for (auto& kv : m->named_parameters()) {
+    auto p = Placement::whole(kv.value().sizes().vec());
+    p.replica = comm->rank();
+    if (kv.key() == broken) p = piece_of(comm->rank(), kv.value().numel());
+    auto flat = kv.value().detach().reshape({-1});
+    pieces.push_back({"param/" + kv.key(), p, flat.narrow(0, p.held_begin(), p.held_numel())});
+  }
+  try {
+    save_state(root, meta_at(1, "broken"), pieces, 0, *comm);
+    ADD_FAILURE() << what << ": the save was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'param/" + broken + "'"), std::string::npos) << what << ": " << e.what();
+  }
+  EXPECT_EQ(latest_checkpoint(root), "") << what << ": something was written";
+  comm->barrier();
+  if (comm->rank() == 0) ckpt::remove_tree(root);
+}
+
+TEST(CheckpointPieces, SaveRefusesPiecesThatDoNotCoverATensor) {
+  const int N = world()->size();
+  // ZeRO-like flat ranges of equal chunks, the last one short by an element: a hole.
+  expect_save_refused(
+      "2.weight",
+      [N](int r, int64_t n) {
+        const int64_t chunk = (n + N - 1) / N;
+        const int64_t lo = std::min(n, r * chunk), hi = std::min(n, (r + 1) * chunk);
+        return Placement::whole({5, 9}).flat_range(lo, r == N - 1 ? hi - 1 : hi);
+      },
+      "a hole");
+  // Nobody writes it (a pipeline stage without a writer): every rank holds it as a replica.
+  expect_save_refused(
+      "4.bias",
+      [](int r, int64_t) {
+        auto p = Placement::whole({3});
+        p.replica = r + 1;
+        return p;
+      },
+      "no writer");
+  if (N == 1) return;
+  // Equal flat chunks, each one element longer: every boundary element twice.
+  expect_save_refused(
+      "2.weight",
+      [N](int r, int64_t n) {
+        const int64_t chunk = (n + N - 1) / N;
+        const int64_t lo = std::min(n, r * chunk), hi = std::min(n, (r + 1) * chunk + 1);
+        return Placement::whole({5, 9}).flat_range(lo, hi);
+      },
+      "an overlap");
+  // The ranks (each writing its flat chunk) disagree on the tensor's shape.
+  expect_save_refused(
+      "0.bias",
+      [N](int r, int64_t n) {
+        const int64_t chunk = (n + N - 1) / N;
+        const int64_t lo = std::min(n, r * chunk), hi = std::min(n, (r + 1) * chunk);
+        return (r == 0 ? Placement::whole({9}) : Placement::whole({3, 3})).flat_range(lo, hi);
+      },
+      "another shape");
 }
 
 // ---- bad input (each rank on its own, in its own directory)
@@ -740,6 +806,86 @@ TEST_F(CheckpointErrors, KillDuringAsyncSaveKeepsThePrevious) {
   EXPECT_EQ(so.async->finish(*comm_), root_ + "/step-00000007");
   EXPECT_EQ(latest_checkpoint(root_), root_ + "/step-00000007");
   EXPECT_FALSE(ckpt::exists(root_ + "/.tmp-step-00000007"));
+}
+
+// The manifest's pieces of a tensor edited (the one whole piece of a replicated save split into
+// two flat ranges first, which loads as it is): pieces that leave an element out, hold one twice
+// or lie outside the tensor are refused naming the tensor and the shard file, before anything
+// changes.
+class CheckpointPieceErrors : public CheckpointErrors {
+ protected:
+  static constexpr const char* kKey = "param/0.weight";  // [9, 13]: 117 elements
+  void edit_pieces(const std::function<void(nlohmann::json& pieces)>& f) {
+    const auto path = path_ + "/manifest.json";
+    auto j = nlohmann::json::parse(ckpt::read_all(path));
+    int found = 0;
+    for (auto& t : j.at("layout").at("tensors")) {
+      if (t.at("key") != kKey) continue;
+      auto& pieces = t.at("pieces");
+      ASSERT_EQ(pieces.size(), 1u) << pieces.dump();
+      f(pieces);
+      ++found;
+    }
+    ASSERT_EQ(found, 1) << kKey << " in " << j.at("layout").dump();
+    ckpt::write_synced(path, j.dump(1));
+  }
+  // Elements [begin, end) of the tensor, from the same entry of the same shard.
+  static nlohmann::json range(const nlohmann::json& whole, int64_t begin, int64_t end) {
+    auto p = whole;
+    p["offset"] = whole.at("offset").get<int64_t>() + begin;
+    p["flat"] = {begin, end};
+    return p;
+  }
+  void expect_refused(const std::string& what) {
+    const std::string shard_name = shard_.substr(shard_.rfind('/') + 1);
+    expect_load_fails(path_, {kKey, shard_name});
+    SCOPED_TRACE(what);
+    try {
+      read_full_checkpoint(path_);
+      ADD_FAILURE() << "read_full_checkpoint accepted it";
+    } catch (const std::runtime_error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(kKey), std::string::npos) << msg;
+      EXPECT_NE(msg.find(shard_name), std::string::npos) << msg;
+    }
+  }
+};
+
+TEST_F(CheckpointPieceErrors, TwoRangesLoad) {
+  edit_pieces([](nlohmann::json& ps) { ps = {range(ps[0], 0, 50), range(ps[0], 50, 117)}; });
+  auto m = make_seq(99);
+  auto opt = make_optimizer(m->parameters(), adamw());
+  load_checkpoint(path_, *m, *opt, 0, {"seq13", true});
+  auto a = model_->parameters(), b = m->parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
+}
+
+TEST_F(CheckpointPieceErrors, PieceDropped) {
+  edit_pieces([](nlohmann::json& ps) { ps = {range(ps[0], 0, 50)}; });
+  expect_refused("elements 50-116 in no piece");
+}
+
+TEST_F(CheckpointPieceErrors, PiecesOverlap) {
+  edit_pieces([](nlohmann::json& ps) { ps = {range(ps[0], 0, 50), range(ps[0], 50, 117), range(ps[0], 40, 60)}; });
+  expect_refused("elements 40-59 in two pieces");
+}
+
+TEST_F(CheckpointPieceErrors, PieceOutsideTheTensor) {
+  // The whole local [9, 13] said to lie at global row 1: its last row falls outside the tensor's
+  // 9 rows (the piece's box disagrees with the tensor's global shape).
+  edit_pieces([](nlohmann::json& ps) {
+    ps[0]["blocks"] = {{{"local", {0, 0}}, {"global", {1, 0}}, {"shape", {9, 13}}}};
+  });
+  expect_refused("a box outside the global shape");
+}
+
+TEST_F(CheckpointPieceErrors, PieceOfAnotherShape) {
+  // The piece's local tensor [13, 9] (same elements) against the tensor's [9, 13].
+  edit_pieces([](nlohmann::json& ps) {
+    ps[0]["local_shape"] = {13, 9};
+    ps[0]["blocks"] = {{{"local", {0, 0}}, {"global", {0, 0}}, {"shape", {13, 9}}}};
+  });
+  expect_refused("a piece of another shape");
 }
 
 }  // namespace

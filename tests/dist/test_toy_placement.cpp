@@ -75,14 +75,6 @@ torch::nn::Sequential toy(uint64_t seed) {
   return s;
 }
 
-OptimizerOptions adamw() {
-  OptimizerOptions o;
-  o.kind = "adamw";
-  o.lr = 0.05;
-  o.weight_decay = 0.01;
-  return o;
-}
-
 std::unique_ptr<Engine> engine(int tp, uint64_t seed, std::shared_ptr<const ParameterSource> init = nullptr) {
   ParallelConfig c;
   c.strategy = Strategy::kDDP;
@@ -90,7 +82,7 @@ std::unique_ptr<Engine> engine(int tp, uint64_t seed, std::shared_ptr<const Para
   EngineOptions eo;
   eo.model_name = "toy";
   eo.init_from = std::move(init);
-  return std::make_unique<Engine>(runtime(), toy(seed), adamw(), c, eo);
+  return std::make_unique<Engine>(runtime(), toy(seed), adamw(0.05), c, eo);
 }
 
 // Steps [from, from + k) on fixed batches (every replica the whole batch: one data-parallel

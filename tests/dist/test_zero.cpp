@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tandem/ddp.h"
+#include "tandem/engine.h"
 #include "tandem/pipeline.h"
 #include "tandem/zero.h"
 #include "tests/dist/dist_env.h"
@@ -77,14 +78,6 @@ ZeroOptimizerOptions sgd_momentum() {
   o.lr = 0.1;
   o.momentum = 0.9;
   o.weight_decay = 1e-3;
-  return o;
-}
-
-ZeroOptimizerOptions adamw() {
-  ZeroOptimizerOptions o;
-  o.kind = "adamw";
-  o.lr = 1e-2;
-  o.weight_decay = 0.05;
   return o;
 }
 
@@ -179,13 +172,13 @@ TEST(Zero, Stage2MatchesDDPWithSgdMomentum) {
 }
 
 TEST(Zero, Stage1MatchesDDPWithAdamW) {
-  compare_with_ddp(1, adamw(), 100, 0.0, 20);
-  compare_with_ddp(1, adamw(), 1 << 20, 0.0, 20);
+  compare_with_ddp(1, adamw(1e-2, 0.05), 100, 0.0, 20);
+  compare_with_ddp(1, adamw(1e-2, 0.05), 1 << 20, 0.0, 20);
 }
 
 TEST(Zero, Stage2MatchesDDPWithAdamW) {
-  compare_with_ddp(2, adamw(), 100, 0.0, 20);
-  compare_with_ddp(2, adamw(), 1 << 20, 0.0, 20);
+  compare_with_ddp(2, adamw(1e-2, 0.05), 100, 0.0, 20);
+  compare_with_ddp(2, adamw(1e-2, 0.05), 1 << 20, 0.0, 20);
 }
 
 TEST(Zero, Stage3MatchesDDPWithSgdMomentum) {
@@ -194,20 +187,20 @@ TEST(Zero, Stage3MatchesDDPWithSgdMomentum) {
 }
 
 TEST(Zero, Stage3MatchesDDPWithAdamW) {
-  compare_with_ddp(3, adamw(), 100, 0.0, 20, /*sequential=*/true);
-  compare_with_ddp(3, adamw(), 100, 0.0, 20, /*sequential=*/false);
+  compare_with_ddp(3, adamw(1e-2, 0.05), 100, 0.0, 20, /*sequential=*/true);
+  compare_with_ddp(3, adamw(1e-2, 0.05), 100, 0.0, 20, /*sequential=*/false);
 }
 
 TEST(Zero, Stage1And2ThroughForwardOfASequential) {
-  compare_with_ddp(1, adamw(), 100, 0.0, 5, /*sequential=*/true);
-  compare_with_ddp(2, adamw(), 100, 0.0, 5, /*sequential=*/true);
+  compare_with_ddp(1, adamw(1e-2, 0.05), 100, 0.0, 5, /*sequential=*/true);
+  compare_with_ddp(2, adamw(1e-2, 0.05), 100, 0.0, 5, /*sequential=*/true);
 }
 
 TEST(Zero, ClippingMatchesDDPWithClipGradNorm) {
   compare_with_ddp(1, sgd_momentum(), 300, 0.05, 8);
   compare_with_ddp(2, sgd_momentum(), 300, 0.05, 8);
-  compare_with_ddp(2, adamw(), 1 << 20, 0.05, 8);
-  compare_with_ddp(3, adamw(), 1 << 20, 0.05, 8, /*sequential=*/true);
+  compare_with_ddp(2, adamw(1e-2, 0.05), 1 << 20, 0.05, 8);
+  compare_with_ddp(3, adamw(1e-2, 0.05), 1 << 20, 0.05, 8, /*sequential=*/true);
 }
 
 // Two backward passes on the halves of each rank's batch, then one step: the same update as
@@ -221,7 +214,7 @@ TEST(Zero, GradientAccumulationMatchesOneBigBatch) {
     ZeroOptions zo;
     zo.stage = stage;
     zo.bucket_cap_bytes = 200;
-    zo.optimizer = adamw();
+    zo.optimizer = adamw(1e-2, 0.05);
     ZeroDataParallel zbig(big.ptr(), comm, zo), zacc(acc.ptr(), comm, zo);
     for (int step = 0; step < 6; ++step) {
       auto [x, y] = global_batch(8 * R, 300 + step);
@@ -252,7 +245,7 @@ TEST(Zero, StageOneNoSyncReducesOnceAndMatchesOneBigBatch) {
   ZeroOptions zo;
   zo.stage = 1;
   zo.bucket_cap_bytes = 200;
-  zo.optimizer = adamw();
+  zo.optimizer = adamw(1e-2, 0.05);
   ZeroDataParallel zbig(big.ptr(), comm, zo), zacc(acc.ptr(), comm, zo);
   auto calls = [&] {
     auto st = comm->stats();
@@ -353,7 +346,7 @@ TEST(Zero, Bf16FollowsFp32WithShardedMasters) {
     SCOPED_TRACE("stage " + std::to_string(stage));
     auto ref = make_seq(11), net = make_seq(11);
     DistributedDataParallel ddp(ref.ptr(), comm);
-    auto oo = adamw();
+    auto oo = adamw(1e-2, 0.05);
     auto ref_opt = plain_optimizer(oo, ref->parameters());
     ZeroOptions zo;
     zo.stage = stage;
@@ -666,52 +659,61 @@ TEST(Zero, ModelParallelNormSpansTheOtherAxes) {
   }
 }
 
-// Stage 3's init_shard: each rank is asked only for pieces of its own chunks, which together
-// cover every parameter element exactly once over the ranks; the model then computes with the
-// source's values (in bf16 too, whose fp32 masters hold them exactly), and a piece the source
-// declines keeps rank 0's values of the parameter.
-TEST(Zero, Stage3InitShardFillsEachElementFromItsOwner) {
+// Initial values from a source under ZeRO-3 (EngineOptions::init_from): each rank is asked only
+// for the flat ranges of its own shard, which together cover every parameter element exactly
+// once over the ranks; the model then computes with the source's values (in bf16 too, whose fp32
+// masters hold them exactly), and a parameter the source lacks keeps rank 0's values.
+class CountingSource : public ParameterSource {
+ public:
+  std::map<std::string, at::Tensor> values;
+  std::string lacks;                                // find() says it has no such parameter
+  mutable std::map<std::string, at::Tensor> asked;  // per element: how often read() took it
+  bool find(const std::string& name, std::vector<int64_t>* shape) const override {
+    if (name == lacks || !values.count(name)) return false;
+    if (shape) *shape = values.at(name).sizes().vec();
+    return true;
+  }
+  void read(const std::string& name, int64_t first, at::Tensor dest) const override {
+    EXPECT_EQ(dest.dim(), 1) << name;
+    asked.at(name).narrow(0, first, dest.numel()).add_(1.0);
+    dest.copy_(values.at(name).reshape({-1}).narrow(0, first, dest.numel()));
+  }
+};
+
+TEST(Zero, Stage3InitFromReadsEachElementOnItsOwner) {
   auto comm = world();
   const int me = comm->rank();
   for (auto precision : {Precision::kFP32, Precision::kBF16}) {
     SCOPED_TRACE(precision_name(precision));
     auto net = make_seq(5), want = make_seq(5);
-    std::map<std::string, torch::Tensor> source, asked;
+    auto source = std::make_shared<CountingSource>();
+    source->lacks = "4.bias";
     {
       torch::NoGradGuard ng;
       for (auto& p : want->named_parameters()) {
-        source[p.key()] = torch::randn_like(p.value()).to(at::kBFloat16).to(at::kFloat);  // exact in bf16
-        asked[p.key()] = torch::zeros({p.value().numel()});
-        if (p.key() != "4.bias") p.value().copy_(source[p.key()]);
+        source->values[p.key()] = torch::randn_like(p.value()).to(at::kBFloat16).to(at::kFloat);  // exact in bf16
+        source->asked[p.key()] = torch::zeros({p.value().numel()});
+        if (p.key() != source->lacks) p.value().copy_(source->values[p.key()]);
       }
       if (me != 0) net[4]->as<torch::nn::Linear>()->bias.add_(1.0);  // rank 0's values win
     }
-    ZeroOptions zo;
-    zo.stage = 3;
-    zo.precision = precision;
-    zo.optimizer = adamw();
-    zo.init_shard = [&](const std::string& name, int64_t first, at::Tensor dest) {
-      EXPECT_EQ(dest.dim(), 1);
-      asked.at(name).narrow(0, first, dest.numel()).add_(1.0);
-      if (name == "4.bias") return false;
-      dest.copy_(source.at(name).reshape({-1}).narrow(0, first, dest.numel()));
-      return true;
-    };
-    ZeroDataParallel zero(net.ptr(), comm, zo);
-    double squares = 0;
-    for (auto& [name, count] : asked) {
+    ParallelConfig pc;
+    pc.strategy = Strategy::kZero3;
+    pc.precision = precision;
+    EngineOptions eo;
+    eo.init_from = source;
+    Engine eng(runtime(), net, adamw(1e-2, 0.05), pc, eo);
+    for (auto& [name, count] : source->asked) {
       comm->allreduce(count, ReduceOp::kSum);
-      EXPECT_TRUE(count.eq(1.0).all().item<bool>()) << name << " asked " << count;
-      squares += want->named_parameters()[name].to(at::kDouble).pow(2).sum().item<double>();
+      const double expect = name == source->lacks ? 0.0 : 1.0;
+      EXPECT_TRUE(count.eq(expect).all().item<bool>()) << name << " asked " << count;
     }
-    auto masters = torch::zeros({1}, torch::kDouble);
-    for (auto& m : zero.optimizer().param_groups()[0].params()) masters += m.detach().to(at::kDouble).pow(2).sum();
-    comm->allreduce(masters, ReduceOp::kSum);
-    EXPECT_NEAR(masters.item<double>(), squares, 1e-9 * squares) << "the masters hold the source's values";
+    // The masters (fp32) hold the source's values exactly; the one it lacks, rank 0's.
+    const auto full = eng.full_parameters();
+    for (auto& p : want->named_parameters()) EXPECT_TRUE(torch::equal(full.at(p.key()), p.value())) << p.key();
     torch::NoGradGuard ng;
     const auto x = torch::randn({4, 13}, at::TensorOptions().dtype(at::kFloat));
-    const auto dtype = precision == Precision::kBF16 ? at::kBFloat16 : at::kFloat;
-    const auto got = zero.forward(x.to(dtype)).to(at::kFloat), expected = want->forward(x);
+    const auto got = eng.predict(x).to(at::kFloat), expected = want->forward(x);
     EXPECT_LT((got - expected).abs().max().item<double>(), precision == Precision::kBF16 ? 5e-2 : 1e-6);
   }
 }
@@ -750,10 +752,6 @@ TEST(Zero, RejectsBadOptions) {
   zo.stage = 2;
   zo.max_inflight_buckets = -2;
   expect_invalid(zo, "max_inflight_buckets below -1");
-  zo = ZeroOptions();
-  zo.stage = 2;
-  zo.init_shard = [](const std::string&, int64_t, at::Tensor) { return true; };
-  expect_invalid(zo, "init_shard below stage 3");
   // A double-precision model cannot train in bf16 with fp32 masters.
   zo = ZeroOptions();
   zo.precision = Precision::kBF16;

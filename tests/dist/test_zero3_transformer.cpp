@@ -40,14 +40,6 @@ torch::nn::Sequential make_lm(uint64_t seed) {
   return models::transformer(eight_blocks());
 }
 
-OptimizerOptions adamw() {
-  OptimizerOptions o;
-  o.kind = "adamw";
-  o.lr = 3e-3;
-  o.weight_decay = 0.01;
-  return o;
-}
-
 ParallelConfig with(Strategy s) {
   ParallelConfig c;
   c.strategy = s;
@@ -76,22 +68,6 @@ std::vector<double> train(Engine& eng, int first, int n) {
   return out;
 }
 
-// A Runtime over `comm` (a part of the job's ranks, all on this host), for an Engine on fewer
-// workers than the test binary runs.
-Runtime runtime_over(const CommPtr& comm) {
-  ReplicaPlacement p;
-  p.info.rank = p.info.local_rank = comm->rank();
-  p.info.world_size = p.info.local_size = comm->size();
-  p.info.launcher = "mpirun";
-  p.world = p.cpu_world = comm;
-  HostInfo host = runtime().hosts().at(0);
-  host.ranks.resize(comm->size());
-  for (int r = 0; r < comm->size(); ++r) host.ranks[r] = r;
-  p.hosts = {host};
-  p.host_of.assign(comm->size(), 0);
-  return Runtime(std::move(p));
-}
-
 int64_t fp32_bytes(torch::nn::Module& m) {
   int64_t n = 0;
   for (const auto& p : m.parameters()) n += p.numel() * 4;
@@ -108,7 +84,7 @@ TEST(Zero3Transformer, FollowsDdpWithinThreeUnitsAndResumesOnOtherCounts) {
   const int N = world()->size(), rank = world()->rank();
   std::vector<double> ddp;
   {
-    Engine eng(runtime(), make_lm(5), adamw(), with(Strategy::kDDP));
+    Engine eng(runtime(), make_lm(5), adamw(3e-3), with(Strategy::kDDP));
     ddp = train(eng, 0, kSteps);
   }
   const std::string root = shared_dir(*world(), "zero3_lm");
@@ -125,7 +101,7 @@ TEST(Zero3Transformer, FollowsDdpWithinThreeUnitsAndResumesOnOtherCounts) {
     const int64_t bound = units[0] + units[1] + units[2] + 3 * 4 * N;
     EXPECT_EQ(units[0], block) << "a block is no longer the largest unit: the bound below is not three blocks";
 
-    Engine eng(runtime(), lm, adamw(), with(Strategy::kZero3));
+    Engine eng(runtime(), lm, adamw(3e-3), with(Strategy::kZero3));
     zero3 = train(eng, 0, kSteps / 2);
     CheckpointMeta m;
     m.step = kSteps / 2;
@@ -149,7 +125,7 @@ TEST(Zero3Transformer, FollowsDdpWithinThreeUnitsAndResumesOnOtherCounts) {
   const int M = std::max(1, N / 2);
   if (auto part = world()->split(rank < M ? 0 : -1, rank)) {
     Runtime rt = runtime_over(part);
-    Engine eng(rt, make_lm(99), adamw(), with(Strategy::kZero3));
+    Engine eng(rt, make_lm(99), adamw(3e-3), with(Strategy::kZero3));
     const auto meta = eng.load(root);
     EXPECT_EQ(meta.step, kSteps / 2);
     EXPECT_EQ(meta.world_size, N);
@@ -187,7 +163,7 @@ TEST(Zero3WrapPolicy, BlockUnitsByTypePathOrSizeFollowDdp) {
   const int N = world()->size();
   std::vector<double> ddp;
   {
-    Engine eng(runtime(), make_lm(5), adamw(), with(Strategy::kDDP));
+    Engine eng(runtime(), make_lm(5), adamw(3e-3), with(Strategy::kDDP));
     ddp = train(eng, 0, 6);
   }
   auto plain = make_lm(5);
@@ -199,7 +175,7 @@ TEST(Zero3WrapPolicy, BlockUnitsByTypePathOrSizeFollowDdp) {
     auto wrapped = apply_wrap_policy(make_lm(5), blocks_by(rule, block / 4));
     EXPECT_EQ(wrapped->units(), blocks) << rule;
     EXPECT_EQ(names_of(*wrapped), names_of(*plain)) << rule;
-    Engine eng(runtime(), wrapped, adamw(), with(Strategy::kZero3));
+    Engine eng(runtime(), wrapped, adamw(3e-3), with(Strategy::kZero3));
     const auto got = train(eng, 0, 6);
     for (size_t i = 0; i < ddp.size(); ++i) EXPECT_NEAR(got[i], ddp[i], 1e-5) << rule << ", step " << i;
     peak_blocks = eng.stats().peak_gathered_bytes;
@@ -209,7 +185,7 @@ TEST(Zero3WrapPolicy, BlockUnitsByTypePathOrSizeFollowDdp) {
   }
   WrapPolicy half;
   half.paths = {"1", "2", "3", "4"};
-  Engine eng(runtime(), apply_wrap_policy(make_lm(5), half), adamw(), with(Strategy::kZero3));
+  Engine eng(runtime(), apply_wrap_policy(make_lm(5), half), adamw(3e-3), with(Strategy::kZero3));
   const auto got = train(eng, 0, 6);
   for (size_t i = 0; i < ddp.size(); ++i) EXPECT_NEAR(got[i], ddp[i], 1e-5) << "blocks 1-4, step " << i;
   EXPECT_GE(eng.stats().peak_gathered_bytes, root + 4 * block) << "blocks 5-8 belong to the root unit";

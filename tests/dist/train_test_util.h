@@ -16,6 +16,7 @@
 
 #include "tandem/comm.h"
 #include "tandem/models.h"
+#include "tandem/optim.h"
 
 namespace tandem::test {
 
@@ -39,6 +40,15 @@ inline double rel_err(const torch::Tensor& a, const torch::Tensor& b) {
 }
 
 // A transformer small enough for the tests, split evenly over 1, 2 or 4 tensor-parallel ranks.
+// AdamW: two moments and a step count for the tests to carry across layouts.
+inline OptimizerOptions adamw(double lr = 1e-2, double weight_decay = 0.01) {
+  OptimizerOptions o;
+  o.kind = "adamw";
+  o.lr = lr;
+  o.weight_decay = weight_decay;
+  return o;
+}
+
 inline models::TransformerConfig small_lm() {
   models::TransformerConfig c;
   c.vocab = 20;

@@ -6,3 +6,7 @@ add_test(NAME e2e_hf_finetune COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_finetun
 set_tests_properties(e2e_hf_finetune PROPERTIES TIMEOUT 600 PROCESSORS 2 SKIP_RETURN_CODE 77)
 add_test(NAME e2e_hf_bad_input COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_bad_input.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
 set_tests_properties(e2e_hf_bad_input PROPERTIES TIMEOUT 300 PROCESSORS 2 SKIP_RETURN_CODE 77)
+# tp2 x zero3 and pp2 x zero2 on 4 workers, initialised through each rank's placements: the
+# step-1 loss is transformers' on the same batch, and the export after 5 steps gives step 6's.
+add_test(NAME e2e_hf_placements COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_placements.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
+set_tests_properties(e2e_hf_placements PROPERTIES TIMEOUT 400 PROCESSORS 2 SKIP_RETURN_CODE 77 LABELS e2e)

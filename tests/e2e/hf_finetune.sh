@@ -14,20 +14,14 @@ tandem=$1
 src=$2
 . "$src/tests/e2e/hf_lib.sh"
 # Fortune cookies as {"text"}, and as {"text", "label"} with the classifier's label names.
+fortunes_jsonl "$tmp/lm.jsonl" 300
 "$py" - "$tmp" <<'PY'
 import json, os, sys
-root, out = "/usr/share/games/fortunes", sys.argv[1]
-docs = []
-for name in sorted(os.listdir(root)):
-    p = os.path.join(root, name)
-    if os.path.isfile(p) and not os.path.islink(p) and not name.endswith((".dat", ".u8")):
-        docs += [d.strip() for d in open(p, encoding="utf-8", errors="replace").read().split("\n%\n") if d.strip()]
-    if len(docs) >= 300:
-        break
+out = sys.argv[1]
 labels = ["negative", "neutral", "positive"]
-with open(os.path.join(out, "lm.jsonl"), "w") as f, open(os.path.join(out, "cls.jsonl"), "w") as g:
-    for i, d in enumerate(docs[:300]):
-        f.write(json.dumps({"text": d}) + "\n")
+with open(os.path.join(out, "lm.jsonl")) as f, open(os.path.join(out, "cls.jsonl"), "w") as g:
+    for line in f:
+        d = json.loads(line)["text"]
         g.write(json.dumps({"text": d, "label": labels[(len(d) > 80) + (len(d) > 250)]}) + "\n")
 PY
 fails=0
