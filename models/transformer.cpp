@@ -1,5 +1,6 @@
 // The reference causal transformer: pre-LN blocks, fused qkv, scaled_dot_product_attention, GELU.
 #include "tandem/models.h"
+#include "tandem/tensor_parallel.h"
 
 #include <torch/torch.h>
 
@@ -144,5 +145,34 @@ TransformerConfig transformer_tiny_config() {
   c.num_classes = 0;
   return c;
 }
+
+// ---- tensor parallelism (tandem/parallelizable.h)
+
+namespace {
+// A replicated layer's tensor-parallel form: the layer itself, shared.
+template <typename Holder, typename Impl>
+torch::nn::AnyModule itself(const Impl& layer) {
+  return torch::nn::AnyModule(
+      Holder(std::const_pointer_cast<Impl>(std::dynamic_pointer_cast<const Impl>(layer.shared_from_this()))));
+}
+}  // namespace
+
+void TokenEmbeddingImpl::check_tensor_parallel(int tp_size) const {
+  tp::shard_size(tok->options.num_embeddings(), tp_size, "the vocabulary");
+}
+torch::nn::AnyModule TokenEmbeddingImpl::to_tensor_parallel(const CommPtr& tp) const {
+  return torch::nn::AnyModule(tp::ParallelTokenEmbedding(*this, tp));
+}
+
+void TransformerBlockImpl::check_tensor_parallel(int tp_size) const {
+  tp::shard_size(heads, tp_size, "the number of attention heads");
+  tp::shard_size(fc1->options.out_features(), tp_size, "the MLP hidden width");
+}
+torch::nn::AnyModule TransformerBlockImpl::to_tensor_parallel(const CommPtr& tp) const {
+  return torch::nn::AnyModule(tp::ParallelTransformerBlock(*this, tp));
+}
+
+torch::nn::AnyModule LastTokenImpl::to_tensor_parallel(const CommPtr&) const { return itself<LastToken>(*this); }
+torch::nn::AnyModule UnpadImpl::to_tensor_parallel(const CommPtr&) const { return itself<Unpad>(*this); }
 
 }  // namespace tandem::models

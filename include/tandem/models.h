@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "tandem/parallelizable.h"
+
 namespace tandem::models {
 
 // Flatten, then Linear-ReLU for each hidden width, then Linear to `out`. Input [B, ...] with
@@ -44,10 +46,13 @@ struct TransformerConfig {
 // Token + learned position embedding: int64 ids [B, T] (T <= seq) -> float [B, T, d_model].
 // With pad_id >= 0 the output is [B, T, d_model + 1]: the last channel is the attention mask
 // (1 for a real token, 0 for padding), carried through the padded blocks (see transformer()).
-class TokenEmbeddingImpl : public torch::nn::Module {
+class TokenEmbeddingImpl : public torch::nn::Module, public tp::Parallelizable {
  public:
   TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t seq, int64_t pad_id = -1);
   torch::Tensor forward(const torch::Tensor& ids);
+  // The token table split over the vocabulary, positions replicated (tp::ParallelTokenEmbedding).
+  void check_tensor_parallel(int tp_size) const override;
+  torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
   int64_t seq;
   int64_t pad_id = -1;
@@ -58,10 +63,13 @@ TORCH_MODULE(TokenEmbedding);
 // linear and at::scaled_dot_product_attention(is_causal); the MLP uses GELU. [B,T,D] -> [B,T,D].
 // padded = true: input and output [B, T, D + 1], the last channel the mask of TokenEmbedding;
 // attention is causal and skips padded keys (a position always sees itself).
-class TransformerBlockImpl : public torch::nn::Module {
+class TransformerBlockImpl : public torch::nn::Module, public tp::Parallelizable {
  public:
   TransformerBlockImpl(int64_t d_model, int64_t heads, int64_t mlp_ratio, bool padded = false);
   torch::Tensor forward(const torch::Tensor& x);
+  // Heads and the MLP's hidden units split (tp::ParallelTransformerBlock).
+  void check_tensor_parallel(int tp_size) const override;
+  torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
   int64_t heads;
@@ -75,19 +83,27 @@ TORCH_MODULE(TransformerBlock);
 torch::Tensor padded_attention_mask(const torch::Tensor& mask_channel);
 
 // [B, T, D] -> [B, D]: the last position, the only one that sees the whole causal sequence.
-class LastTokenImpl : public torch::nn::Module {
+class LastTokenImpl : public torch::nn::Module, public tp::Parallelizable {
  public:
   torch::Tensor forward(const torch::Tensor& x);
+  // Replicated; the Linear after it is a classification head.
+  void check_tensor_parallel(int) const override {}
+  torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
+  bool pools() const override { return true; }
 };
 TORCH_MODULE(LastToken);
 
 // Ends the padded part of a padded transformer: [B, T, D + 1] (mask in the last channel) ->
 // [B, T, D] (pool = false: the mask dropped) or [B, D] (pool = true: the mean over the real
 // tokens, padding excluded).
-class UnpadImpl : public torch::nn::Module {
+class UnpadImpl : public torch::nn::Module, public tp::Parallelizable {
  public:
   explicit UnpadImpl(bool pool) : pool(pool) {}
   torch::Tensor forward(const torch::Tensor& x);
+  // Replicated; with pool, the Linear after it is a classification head.
+  void check_tensor_parallel(int) const override {}
+  torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
+  bool pools() const override { return pool; }
   bool pool;
 };
 TORCH_MODULE(Unpad);

@@ -19,6 +19,7 @@
 
 #include "tandem/comm.h"
 #include "tandem/models.h"
+#include "tandem/parallelizable.h"
 #include "tandem/placement.h"
 
 namespace tandem::tp {
@@ -42,23 +43,6 @@ at::Tensor gather_shards(const at::Tensor& t, int64_t dim, Communicator& tp);
 // Shard `n` rows/columns: this rank's [begin, end). Throws std::invalid_argument naming `what`
 // when n is not divisible by the tp size.
 int64_t shard_size(int64_t n, int tp_size, const char* what);
-
-// ---- layers of other models ----
-
-// A layer of a model outside models.h that has a tensor-parallel form: tensor_parallel() converts
-// such a child of the dense Sequential by calling to_tensor_parallel() (and treats the model as
-// a transformer: a plain Embedding child becomes vocabulary-parallel, a final Linear the LM head).
-class Parallelizable {
- public:
-  virtual ~Parallelizable() = default;
-  // Throws std::invalid_argument naming the size that `tp_size` does not divide. Called for
-  // every child before any collective, so that bad input fails at once on every rank.
-  virtual void check_tensor_parallel(int tp_size) const = 0;
-  // This layer's form over `tp`, cut from its current values for tp's rank. Where its parameters
-  // lie in this layer's is said by PlacedModule (tandem/placement.h): the returned module, or its
-  // tensor-parallel layers below, implement it.
-  virtual torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const = 0;
-};
 
 // ---- layers ----
 
@@ -180,17 +164,17 @@ struct TensorParallelOptions {
   bool gather_logits_in_eval = false;
 };
 
-// Converts a model of models.h into its tensor-parallel form over `tp` (collective): for the
-// transformer, TokenEmbedding -> ParallelTokenEmbedding, TransformerBlock -> ParallelTransformerBlock,
-// the LM head Linear -> ColumnParallelLinear (a classification head, after LastToken or a pooling
-// Unpad, stays replicated); for an MLP,
-// Linear layers pair up as column-parallel then row-parallel (an odd last one stays replicated).
-// A Parallelizable child (a layer of another model, e.g. tandem/llama.h's decoder layers) becomes
-// its own tensor-parallel form, and in such a model a torch::nn::Embedding child becomes a
-// VocabParallelEmbedding and a final Linear the column-parallel LM head.
-// Other children (LayerNorm, activations, Flatten, LastToken) are shared as they are. The result
-// is still a flat Sequential with the same children, so a Pipeline can cut it. Throws
-// std::invalid_argument for heads, vocabulary or widths not divisible by the tp size.
+// Converts a Sequential into its tensor-parallel form over `tp` (collective). Each child that
+// implements Parallelizable (tandem/parallelizable.h: models.h's TokenEmbedding and
+// TransformerBlock, tandem/llama.h's decoder layers, a user's own layer) becomes its own
+// tensor-parallel form; in such a model a plain torch::nn::Embedding child becomes a
+// VocabParallelEmbedding and a final Linear, unless a pooling layer comes before it (a
+// classification head, kept replicated), the column-parallel LM head. In a model without such
+// layers (an MLP), Linear layers pair up as column-parallel then row-parallel across elementwise
+// children (an odd last one stays replicated). Other children (LayerNorm, activations, Flatten)
+// are shared as they are. The result is still a flat Sequential with the same children, so a
+// Pipeline can cut it. Throws std::invalid_argument for heads, vocabulary or widths not
+// divisible by the tp size.
 torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, TensorParallelOptions opts = {});
 
 }  // namespace tandem::tp

@@ -318,7 +318,7 @@ torch::Tensor ParallelTransformerBlockImpl::forward(const torch::Tensor& x) {
 // ---------------------------------------------------------------- the converter
 
 namespace {
-enum class Action { kKeep, kEmbedding, kVocabEmbedding, kBlock, kOwnForm, kColumn, kColumnGather, kRow };
+enum class Action { kKeep, kVocabEmbedding, kOwnForm, kColumn, kColumnGather, kRow };
 
 const Parallelizable* parallelizable(const std::shared_ptr<torch::nn::Module>& m) {
   return dynamic_cast<const Parallelizable*>(m.get());
@@ -340,9 +340,15 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, T
 
   // Plan (and check every size) before any collective, so that bad input fails at once everywhere.
   std::vector<Action> plan(n, Action::kKeep);
-  bool is_transformer = false;
-  for (auto& k : kids)
-    is_transformer = is_transformer || k->as<models::TransformerBlockImpl>() != nullptr || parallelizable(k);
+  // A model whose layers say how they split is a transformer: its plain Embedding is the token
+  // table (vocabulary-parallel) and a final Linear after no pooling layer the LM head.
+  bool is_transformer = false, classifier = false;
+  for (auto& k : kids) {
+    if (auto* own = parallelizable(k)) {
+      is_transformer = true;
+      classifier = classifier || own->pools();
+    }
+  }
   for (size_t i = 0; i < n; ++i) {
     if (auto* own = parallelizable(kids[i])) {
       own->check_tensor_parallel(T);
@@ -350,23 +356,9 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, T
     } else if (auto* v = kids[i]->as<torch::nn::EmbeddingImpl>(); v && is_transformer) {
       shard_size(v->options.num_embeddings(), T, "the vocabulary");
       plan[i] = Action::kVocabEmbedding;
-    } else if (auto* e = kids[i]->as<models::TokenEmbeddingImpl>()) {
-      shard_size(e->tok->options.num_embeddings(), T, "the vocabulary");
-      plan[i] = Action::kEmbedding;
-    } else if (auto* b = kids[i]->as<models::TransformerBlockImpl>()) {
-      shard_size(b->heads, T, "the number of attention heads");
-      shard_size(b->fc1->options.out_features(), T, "the MLP hidden width");
-      plan[i] = Action::kBlock;
     }
   }
   if (is_transformer) {
-    // The LM head: a final Linear after no LastToken or pooling Unpad (a classification head
-    // stays replicated).
-    bool classifier = false;
-    for (auto& k : kids) {
-      auto* u = k->as<models::UnpadImpl>();
-      classifier = classifier || k->as<models::LastTokenImpl>() != nullptr || (u && u->pool);
-    }
     if (n >= 2 && kids[n - 1]->as<torch::nn::LinearImpl>() && !classifier) {
       shard_size(kids[n - 1]->as<torch::nn::LinearImpl>()->options.out_features(), T, "the vocabulary of the LM head");
       plan[n - 1] = opts.vocab_parallel_output ? Action::kColumn : Action::kColumnGather;
@@ -394,16 +386,10 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, T
     auto it = dense->begin() + static_cast<std::ptrdiff_t>(i);
     switch (plan[i]) {
       case Action::kKeep: out->push_back(*it); break;
-      case Action::kEmbedding:
-        out->push_back(ParallelTokenEmbedding(*kids[i]->as<models::TokenEmbeddingImpl>(), tp));
-        break;
       case Action::kVocabEmbedding:
         out->push_back(
             VocabParallelEmbedding(torch::nn::Embedding(std::dynamic_pointer_cast<torch::nn::EmbeddingImpl>(kids[i])),
                                    tp));
-        break;
-      case Action::kBlock:
-        out->push_back(ParallelTransformerBlock(*kids[i]->as<models::TransformerBlockImpl>(), tp));
         break;
       case Action::kOwnForm: out->push_back(parallelizable(kids[i])->to_tensor_parallel(tp)); break;
       case Action::kColumn:
