@@ -350,28 +350,27 @@ at::Tensor Engine::Impl::pipeline_pass(const at::Tensor& x, const at::Tensor& y,
 at::Tensor Engine::Impl::accumulate_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn,
                                          const StepOptions& so) {
   const double norm = static_cast<double>(L.dp_size()) / std::max(1.0, so.terms);
-  return accumulate_gradients(x, y, L.cfg.grad_accum, up->ddp(), up->zero(),
-                              [&](const at::Tensor& xp, const at::Tensor& yp, double w) {
-                                const auto t0 = Clock::now();
-                                const double waited = up->gather_wait_seconds();
-                                at::Tensor part;
-                                {
-                                  trace::Span span("forward", "compute");
-                                  part = loss_fn(up->forward(xp), yp);
-                                }
-                                // Time spent waiting for other ranks' parameters is theirs.
-                                forward_s += seconds_since(t0) - (up->gather_wait_seconds() - waited);
-                                trace::Span span("backward", "compute");
-                                if (so.reduction == LossReduction::kSum) {
-                                  at::Tensor l = part * norm;
-                                  up->scale_loss(l).backward();
-                                  return l;
-                                }
-                                at::Tensor weighted = so.loss_weight != 1.0 ? part * so.loss_weight : part;
-                                if (w != 1.0) weighted = weighted * w;
-                                up->scale_loss(weighted).backward();
-                                return w == 1.0 ? part : part * w;
-                              });
+  return up->accumulate(x, y, L.cfg.grad_accum, [&](const at::Tensor& xp, const at::Tensor& yp, double w) {
+    const auto t0 = Clock::now();
+    const double waited = up->gather_wait_seconds();
+    at::Tensor part;
+    {
+      trace::Span span("forward", "compute");
+      part = loss_fn(up->forward(xp), yp);
+    }
+    // Time spent waiting for other ranks' parameters is theirs.
+    forward_s += seconds_since(t0) - (up->gather_wait_seconds() - waited);
+    trace::Span span("backward", "compute");
+    if (so.reduction == LossReduction::kSum) {
+      at::Tensor l = part * norm;
+      up->scale_loss(l).backward();
+      return l;
+    }
+    at::Tensor weighted = so.loss_weight != 1.0 ? part * so.loss_weight : part;
+    if (w != 1.0) weighted = weighted * w;
+    up->scale_loss(weighted).backward();
+    return w == 1.0 ? part : part * w;
+  });
 }
 
 at::Tensor Engine::predict(const at::Tensor& inputs) {
@@ -562,13 +561,7 @@ EngineStats Engine::stats() const {
     }
     s.wire_bytes += wire_bytes(delta, I.comms[c]->size());
   }
-  if (auto* ddp = I.up->ddp()) {
-    auto d = ddp->stats();
-    s.ddp_comm_seconds = d.comm_seconds;
-    s.ddp_exposed_seconds = d.exposed_seconds;
-    s.hidden_fraction = d.hidden_fraction();
-    s.ddp_bytes = d.bytes;
-  }
+  I.up->communication(s);
   I.up->memory(s);
   s.peak_rss_bytes = peak_rss_bytes();
   s.peak_activation_bytes = I.peak_activation;
@@ -600,7 +593,7 @@ void Engine::reset_stats() {
   I.peak_live = 0;
   I.saves = 0;
   I.save_stall_s = 0.0;
-  if (auto* ddp = I.up->ddp()) ddp->reset_stats();
+  I.up->reset_stats();
 }
 
 // ---- layout

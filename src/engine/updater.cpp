@@ -118,7 +118,20 @@ class Replicated final : public Updater {
   void set_lr(double lr) override { opt_->set_lr(lr); }
   double lr() const override { return lr_of(opt_->optimizer()); }
   const LossScaler& scaler() const override { return opt_->scaler(); }
-  DistributedDataParallel* ddp() override { return ddp_.get(); }
+  at::Tensor accumulate(const at::Tensor& x, const at::Tensor& y, int64_t k, const MicroBatchPass& pass) override {
+    return accumulate_gradients(x, y, k, ddp_.get(), nullptr, pass);
+  }
+  void communication(EngineStats& s) const override {
+    if (!ddp_) return;
+    auto d = ddp_->stats();
+    s.ddp_comm_seconds = d.comm_seconds;
+    s.ddp_exposed_seconds = d.exposed_seconds;
+    s.hidden_fraction = d.hidden_fraction();
+    s.ddp_bytes = d.bytes;
+  }
+  void reset_stats() override {
+    if (ddp_) ddp_->reset_stats();
+  }
 
   std::vector<StatePiece> state() override {
     std::vector<StatePiece> out;
@@ -210,7 +223,9 @@ class Sharded final : public Updater {
   double lr() const override { return zero_->lr(); }
   const LossScaler& scaler() const override { return zero_->loss_scaler(); }
   double gather_wait_seconds() const override { return zero_->gather_wait_seconds(); }
-  ZeroDataParallel* zero() override { return zero_.get(); }
+  at::Tensor accumulate(const at::Tensor& x, const at::Tensor& y, int64_t k, const MicroBatchPass& pass) override {
+    return accumulate_gradients(x, y, k, nullptr, zero_.get(), pass);
+  }
 
   // Each owned piece is a flat range of the parameter as this rank holds it (its
   // tensor-parallel block, or the whole tensor); the data-parallel ranks hold disjoint ranges.

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/accumulate.h"
 #include "tandem/checkpoint.h"
 #include "tandem/engine.h"
 #include "tandem/grid.h"
@@ -80,9 +81,12 @@ class Updater {
   virtual const LossScaler& scaler() const = 0;
   // Seconds this rank waited for other ranks' parameters (ZeRO-3), for timing its own compute.
   virtual double gather_wait_seconds() const { return 0.0; }
-  // For tandem::accumulate_gradients (null when not that strategy).
-  virtual DistributedDataParallel* ddp() { return nullptr; }
-  virtual ZeroDataParallel* zero() { return nullptr; }
+  // --grad-accum: `pass` over k micro-batches of this replica's batch, communicating as the
+  // strategy does (tandem/accumulate.h).
+  virtual at::Tensor accumulate(const at::Tensor& x, const at::Tensor& y, int64_t k, const MicroBatchPass& pass) = 0;
+  // The strategy's own communication figures (DDP's exposed and hidden all-reduce time).
+  virtual void communication(EngineStats&) const {}
+  virtual void reset_stats() {}
 
   // State that moves (checkpoints, initial values): what this rank holds of every parameter
   // (its fp32 values: the masters where kept apart) and optimizer slot, as views by dense name
