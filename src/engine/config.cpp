@@ -125,7 +125,9 @@ void validate_layout(const ParallelConfig& c, int world) {
   if (c.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
   validate_virtual_stages(c);
   const int64_t cuts = static_cast<int64_t>(c.pp) * c.virtual_stages;
-  if (c.partition.method == PartitionMethod::kLayers && static_cast<int64_t>(c.partition.layers.size()) != cuts) {
+  // Without a pipeline nothing is cut, and a partition goes unused.
+  if (c.pp > 1 && c.partition.method == PartitionMethod::kLayers &&
+      static_cast<int64_t>(c.partition.layers.size()) != cuts) {
     throw std::invalid_argument(
         "--pp-partition lists " + std::to_string(c.partition.layers.size()) + " stage(s) for --pp " +
         std::to_string(c.pp) + (c.virtual_stages > 1 ? " x --virtual-stages " + std::to_string(c.virtual_stages) : "") +
