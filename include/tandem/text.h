@@ -3,8 +3,8 @@
 // deterministic train/validation/test split by a hash of each document's text, a SentencePiece
 // tokenizer trained on the training split, and the loops behind `tandem pretrain` (causal LM)
 // and `tandem finetune` (classification) under single, ddp and zero1-3, in fp32, bf16 or fp16,
-// with tensor (--tp) and pipeline (--pp) parallelism over ddp/zero1 replicas. Every error names
-// the file or setting at fault and what to do.
+// with tensor (--tp) and pipeline (--pp) parallelism over ddp or zero1-3 replicas. Every error
+// names the file or setting at fault and what to do.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -202,13 +202,6 @@ ParallelConfig default_text_parallel() {
 
 void validate(const TextTrainConfig& cfg, int world) {
   if (!cfg.trace.empty()) trace::check_path(cfg.trace);
-  // ZeRO-2/3 reduce-scatter in backward hooks, which the transformer's tensor-parallel blocks
-  // do not compose with yet (a pipeline's stages do).
-  if (cfg.parallel.tp > 1 && zero_stage(cfg.parallel.strategy) > 1) {
-    throw std::invalid_argument("--tp " + std::to_string(cfg.parallel.tp) +
-                                " composes with --strategy ddp or zero1 over the data-parallel ranks, not " +
-                                to_string(cfg.parallel.strategy));
-  }
   tandem::validate(cfg.parallel, world);
   // The loop gives every replica an equal share of the global batch.
   const int dp = data_parallel_size(cfg.parallel, world);
