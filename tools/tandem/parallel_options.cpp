@@ -27,7 +27,7 @@ void add_parallel_options(CLI::App& app, ParallelConfig& pc) {
       ->capture_default_str();
   app.add_option("--tp", pc.tp,
                  "tensor-parallel ranks per replica (Megatron column/row-parallel layers; it must divide the model's "
-                 "heads, widths and vocabulary); composes with --pp and every --strategy but single")
+                 "attention and KV heads, widths and vocabulary); composes with --pp and every --strategy but single")
       ->capture_default_str();
   app.add_option("--pp", pc.pp,
                  "pipeline stages per replica (the model cut as --pp-partition says); composes with --tp and every "
