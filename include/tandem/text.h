@@ -3,8 +3,8 @@
 // deterministic train/validation/test split by a hash of each document's text, a SentencePiece
 // tokenizer trained on the training split, and the loops behind `tandem pretrain` (causal LM)
 // and `tandem finetune` (classification) under single, ddp and zero1-3, in fp32, bf16 or fp16,
-// with tensor (--tp) and pipeline (--pp) parallelism over ddp/zero1 replicas. Every error names
-// the file or setting at fault and what to do.
+// with tensor (--tp) and pipeline (--pp) parallelism over ddp or zero1-3 replicas. Every error
+// names the file or setting at fault and what to do.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tandem/engine.h"
 #include "tandem/report.h"
 #include "tandem/runtime.h"
 
@@ -170,24 +171,21 @@ struct TextCheckpoints {
   bool batch_may_change = false;
 };
 
+// The text loops' layout unless told otherwise: single, one micro-batch per step.
+ParallelConfig default_text_parallel();
+
 struct TextTrainConfig {
   CorpusOptions corpus;
   TokenizerOptions tokenizer;
   ModelShape shape;
-  std::string checkpoint;           // pretrain: written here; finetune: read from here
-  std::string output;               // finetune: fine-tuned model written here (empty: not saved)
-  std::string tokenizer_path;       // finetune: a tokenizer other than the checkpoint's (checked)
-  bool from_scratch = false;        // finetune: random initialisation (needs a tokenizer)
-  std::string strategy = "single";  // single | ddp | zero1 | zero2 | zero3
-  std::string precision = "fp32";   // fp32 | bf16 | fp16 (compute; fp32 masters, loss scaling for fp16)
-  int tp = 1, pp = 1;               // tensor / pipeline parallel ranks per replica (ddp or zero1 over the replicas)
-  int64_t micro_batches = 1;        // pipeline micro-batches per replica batch (pp > 1)
-  std::string pipeline_schedule = "1f1b";         // gpipe | 1f1b | interleaved (pp > 1)
-  int virtual_stages = 1;                         // model chunks per pipeline rank (interleaved)
-  int64_t grad_accum = 1;                         // gradient accumulation: micro-batches per step without a pipeline
-  std::string activation_checkpointing = "none";  // none | every | N (tandem/activation_checkpoint.h)
-  std::string pp_partition = "params";            // params | time | layers per stage "2,3" (tandem/pipeline_schedule.h)
-  int64_t batch = 32;                             // global batch, split evenly over the ranks
+  std::string checkpoint;      // pretrain: written here; finetune: read from here
+  std::string output;          // finetune: fine-tuned model written here (empty: not saved)
+  std::string tokenizer_path;  // finetune: a tokenizer other than the checkpoint's (checked)
+  bool from_scratch = false;   // finetune: random initialisation (needs a tokenizer)
+  // The layout and its numerics (tandem/engine.h; checked by tandem::validate): one worker,
+  // no pipeline micro-batching unless told otherwise.
+  ParallelConfig parallel = default_text_parallel();
+  int64_t batch = 32;  // global batch, split evenly over the ranks
   int64_t steps = 200;
   double lr = 1e-3;  // AdamW, linear warmup then cosine decay to 10%
   double weight_decay = 0.01;

@@ -14,6 +14,10 @@
 
 namespace tandem {
 
+// tandem train's layout unless told otherwise: DDP, 4 micro-batches per step under a pipeline,
+// 25 MiB gradient buckets under every strategy.
+ParallelConfig default_train_parallel();
+
 struct TrainConfig {
   std::string model = "cnn";
   // A registered model (tandem/registry.h: built in, or a plugin's; a path to a plugin's .so, or
@@ -21,11 +25,10 @@ struct TrainConfig {
   // from the directory `data` when it needs files.
   std::string dataset;
   std::string data = "/usr/share/datasets/fashion-mnist";
-  std::string strategy = "ddp";                   // single | ddp | zero1 | zero2 | zero3 (ZeRO stages 1-3)
-  std::string precision = "fp32";                 // fp32 | bf16 | fp16 (fp32 master weights, fp16 with loss scaling)
-  double max_grad_norm = 0.0;                     // clip the global gradient norm; 0 = off
-  std::string activation_checkpointing = "none";  // none | every | N (tandem/activation_checkpoint.h)
-  double initial_loss_scale = 65536.0;            // fp16: the dynamic loss scale's start
+  // The layout and its numerics: strategy, precision, loss scaling, clipping, tp x pp, the
+  // pipeline's micro-batches, schedule and cut, gradient accumulation, activation checkpointing and
+  // DDP's buckets (tandem/engine.h; checked by tandem::validate).
+  ParallelConfig parallel = default_train_parallel();
   int epochs = 1;
   int64_t batch = 128;            // global batch, split evenly across ranks
   std::string optimizer = "sgd";  // sgd | adam | adamw | lars | lamb
@@ -44,28 +47,8 @@ struct TrainConfig {
   std::string metrics_path;  // JSON lines, written by rank 0
   int64_t log_every = 50;    // plain progress lines every N steps when not on a terminal
   bool progress = true;
-  // DDP knobs
-  int64_t bucket_mb = 25;
-  bool find_unused = false;
-  std::string compress = "none";  // none | bf16 | fp16
-  bool overlap = true;
-  bool communicate = true;  // false only to measure the compute-only ceiling
   // Throughput of one worker on the same job (samples/s), measured by the launcher; 0 = unknown.
   double baseline_samples_per_second = 0.0;
-  // Model parallelism (tandem/grid.h): each replica spans tp x pp ranks, the other
-  // world / (tp * pp) ranks are data parallel (--strategy ddp or zero1 over the dp groups).
-  int tp = 1;                 // tensor parallel: Linear pairs column/row-parallel
-  int pp = 1;                 // pipeline stages (the Sequential cut by pp_partition)
-  int64_t micro_batches = 4;  // per replica and step, when pp > 1
-  // Gradient accumulation without a pipeline: each replica's batch (global batch / dp) runs
-  // as this many micro-batches before one optimizer step (DDP communicates once per step).
-  int64_t grad_accum = 1;
-  std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b | interleaved
-  int virtual_stages = 1;                  // model chunks per pipeline rank (interleaved)
-  // Where the stages are cut: "params" (balanced by parameter count, as DeepSpeed's default),
-  // "time" (balanced by each layer's forward+backward time on a micro-batch, measured on rank 0
-  // before training) or the layers per stage, "3,7".
-  std::string pp_partition = "params";
   // Checkpoints (tandem/checkpoint.h): save every N steps (0: never) into checkpoint_dir,
   // keeping the newest checkpoint_keep (0: all); resume continues from the newest one there
   // (parameters, optimizer state, step, data position, RNG), in any strategy and world size.
@@ -107,10 +90,6 @@ using TrainReport = Report;
 // before starting workers; train() calls it too). Throws std::invalid_argument naming the
 // problem and what to do.
 void validate_config(const TrainConfig& cfg, int world);
-
-// The typed layout of a configuration: its strategy, precision, schedule, partition and
-// compression names parsed (std::invalid_argument naming a bad one).
-ParallelConfig parallel_config(const TrainConfig& cfg);
 
 // Runs the whole job on this rank. Every rank must call it with the same config.
 // Throws std::invalid_argument / std::runtime_error with a message naming the bad input.

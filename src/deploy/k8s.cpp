@@ -351,10 +351,6 @@ Layout validate(const JobSpec& s) {
     bad("training arguments --tp/--pp: " + std::to_string(l.ranks()) + " ranks do not split into tp x pp = " +
         std::to_string(model_parallel) + " groups; change --tp/--pp or the node count");
   }
-  if (model_parallel > 1 && !s.checkpoint_pvc.empty()) {
-    bad("--checkpoint-pvc with --tp/--pp: tandem train cannot checkpoint tensor- or pipeline-parallel runs yet; "
-        "drop one of them");
-  }
   const std::string batch_text = train_flag(s.train_args, "--batch");
   const int batch = batch_text.empty() ? 128 : to_int("--batch", batch_text);
   const int dp = l.ranks() / model_parallel;

@@ -109,10 +109,13 @@ void validate_virtual_stages(const ParallelConfig& c) {
   }
   if (!interleaved) return;
   check_interleaved(c.pp, c.virtual_stages, c.micro_batches);  // --pp >= 2, --micro-batches a multiple of --pp
+  // The steps run, but checkpoints and the gathered model (Engine::full_parameters) read one
+  // contiguous layer range per rank, and a rank of this schedule holds several.
   if (c.tp > 1) {
     throw std::invalid_argument(
-        "--pipeline-schedule interleaved composes with --tp 1 only (not supported yet with --tp " +
-        std::to_string(c.tp) + "); use --pipeline-schedule 1f1b for tensor x pipeline layouts");
+        "--pipeline-schedule interleaved composes with --tp 1 only: with --tp " + std::to_string(c.tp) +
+        " a rank's several chunks of tensor-parallel layers cannot be gathered for checkpoints or the written "
+        "model yet; use --pipeline-schedule 1f1b or gpipe for tensor x pipeline layouts, or --tp 1");
   }
 }
 
@@ -125,7 +128,9 @@ void validate_layout(const ParallelConfig& c, int world) {
   if (c.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
   validate_virtual_stages(c);
   const int64_t cuts = static_cast<int64_t>(c.pp) * c.virtual_stages;
-  if (c.partition.method == PartitionMethod::kLayers && static_cast<int64_t>(c.partition.layers.size()) != cuts) {
+  // Without a pipeline nothing is cut, and a partition goes unused.
+  if (c.pp > 1 && c.partition.method == PartitionMethod::kLayers &&
+      static_cast<int64_t>(c.partition.layers.size()) != cuts) {
     throw std::invalid_argument(
         "--pp-partition lists " + std::to_string(c.partition.layers.size()) + " stage(s) for --pp " +
         std::to_string(c.pp) + (c.virtual_stages > 1 ? " x --virtual-stages " + std::to_string(c.virtual_stages) : "") +
@@ -186,7 +191,8 @@ void validate(const ParallelConfig& c, int world, int64_t global_batch) {
                                 " they already travel in " + precision_name(c.precision) + " (drop --compress)");
   }
   if (!is_ddp(c.strategy) && c.compress != Compression::kNone) {
-    throw std::invalid_argument("--compress applies to --strategy ddp only");
+    throw std::invalid_argument(std::string("--compress applies to --strategy ddp only (") + to_string(c.strategy) +
+                                " does not compress gradients); drop --compress or use --strategy ddp");
   }
   if (c.bucket_mb < 0) throw std::invalid_argument("--bucket-mb must be at least 1 (0 in the library: the default)");
   validate(c.loss_scaler);

@@ -227,7 +227,7 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   EngineOptions eo;
   const bool lm = cfg.task == HfTask::kLm;
   eo.model_name = lm ? "llama-lm" : "llama-classify";
-  if (lm && mc.tie_word_embeddings && cfg.loop.tp == 1) {
+  if (lm && mc.tie_word_embeddings && cfg.loop.parallel.tp == 1) {
     llama::LlamaForCausalLM net(mc);
     llama::check_weights(*net, weights);
     eo.init_from = safetensors::parameter_source(weights);
@@ -249,7 +249,7 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   // Each rank reads only what it holds: its stage's tensors, its tensor-parallel blocks of them,
   // under ZeRO-3 its shard's elements.
   eo.init_from = safetensors::parameter_source(weights, to_hf);
-  if (cfg.loop.tp > 1)
+  if (cfg.loop.parallel.tp > 1)
     eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
   m.engine = make_engine(rt, cfg.loop, net, sample, eo);
   m.module = net.ptr();
@@ -305,17 +305,17 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
     throw std::runtime_error("'" + cfg.model_dir + "': tokenizer.model has " + std::to_string(tok.vocab_size()) +
                              " pieces, more than config.json's vocab_size " + std::to_string(mc.vocab_size));
   }
-  if (lm && mc.tie_word_embeddings && cfg.loop.pp > 1) {
+  if (lm && mc.tie_word_embeddings && cfg.loop.parallel.pp > 1) {
     throw std::invalid_argument("'" + cfg.model_dir +
                                 "' ties its input and output embeddings, which a pipeline cannot split; run without "
                                 "--pp");
   }
-  if (cfg.loop.tp > 1) {
+  if (cfg.loop.parallel.tp > 1) {
     try {
-      llama::check_tensor_parallel(mc, cfg.loop.tp);
+      llama::check_tensor_parallel(mc, cfg.loop.parallel.tp);
     } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument("'" + cfg.model_dir + "/config.json', --tp " + std::to_string(cfg.loop.tp) + ": " +
-                                  e.what());
+      throw std::invalid_argument("'" + cfg.model_dir + "/config.json', --tp " + std::to_string(cfg.loop.parallel.tp) +
+                                  ": " + e.what());
     }
   }
   if (cfg.seq > mc.max_position_embeddings) {
@@ -371,7 +371,7 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
   LoopCheckpoints checkpoints(eng, cfg.loop, "hf_finetune", run, {"task", "labels", "seed"});
   const LoopHooks hooks = checkpoints.start();
   LossFn loss_fn = lm ? LossFn(lm_loss_sum) : LossFn(cls_loss_sum);
-  if (lm && cfg.loop.tp > 1) {
+  if (lm && cfg.loop.parallel.tp > 1) {
     loss_fn = [tp = eng.grid()->tp()](const torch::Tensor& logits, const torch::Tensor& targets) {
       return vocab_parallel_lm_loss_sum(logits, targets, tp);
     };
@@ -393,7 +393,7 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
   if (rt.rank() == 0) {  // tandem plan's memory for a transformer of this shape (per-rank figures only)
     const auto spec = plan::transformer_model(mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, cfg.seq,
                                               mc.vocab_size, static_cast<double>(rep.parameters));
-    plan::add_planned_memory(spec, parallel_config(cfg.loop), rt.world_size(), cfg.loop.batch, "adamw", {}, rep);
+    plan::add_planned_memory(spec, cfg.loop.parallel, rt.world_size(), cfg.loop.batch, "adamw", {}, rep);
     rep.plan_memory_bytes_per_stage.clear();
   }
   if (rt.rank() == 0 && !cfg.loop.metrics_path.empty()) write_metrics(cfg.loop.metrics_path, rep);

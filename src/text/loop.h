@@ -66,33 +66,18 @@ class LoopCheckpoints {
   bool stopped_ = false;
 };
 
-inline ParallelConfig parallel_config(const TextTrainConfig& cfg) {
-  ParallelConfig pc;
-  pc.strategy = parse_strategy(cfg.strategy);
-  pc.precision = parse_precision(cfg.precision);
-  pc.tp = cfg.tp;
-  pc.pp = cfg.pp;
-  pc.micro_batches = cfg.micro_batches;
-  pc.schedule = parse_pipeline_schedule(cfg.pipeline_schedule);
-  pc.virtual_stages = cfg.virtual_stages;
-  if (cfg.pp > 1) pc.partition = parse_partition(cfg.pp_partition, cfg.pp * std::max(1, cfg.virtual_stages));
-  pc.grad_accum = cfg.grad_accum;
-  pc.activation_checkpointing = parse_activation_checkpointing(cfg.activation_checkpointing);
-  return pc;
-}
-
 // The model under the configured layout, trained with AdamW. `ids`: the training documents'
 // token ids; with --pp-partition time their first micro-batch is timed layer by layer.
 template <typename M>
 std::unique_ptr<Engine> make_engine(Runtime& rt, const TextTrainConfig& cfg, torch::nn::ModuleHolder<M> net,
                                     const at::Tensor& ids, EngineOptions eo = {}) {
-  const ParallelConfig pc = parallel_config(cfg);
+  const ParallelConfig& pc = cfg.parallel;
   OptimizerOptions oo;
   oo.kind = "adamw";
   oo.lr = cfg.lr;
   oo.weight_decay = cfg.weight_decay;
   if (pc.pp > 1 && pc.partition.method == PartitionMethod::kTime) {
-    const int64_t micro = cfg.batch / data_parallel_size(pc, rt.world_size()) / cfg.micro_batches;
+    const int64_t micro = cfg.batch / data_parallel_size(pc, rt.world_size()) / pc.micro_batches;
     eo.partition_sample = ids.narrow(0, 0, std::max<int64_t>(1, std::min<int64_t>(micro, ids.size(0))));
   }
   return std::make_unique<Engine>(rt, net, oo, pc, eo);

@@ -162,7 +162,7 @@ void finish_report(Engine& eng, const EngineStats& loop, const TextTrainConfig& 
     const ModelShape& m = rep.shape;
     const auto spec =
         plan::transformer_model(m.layers, m.d_model, m.heads, m.seq, m.vocab, static_cast<double>(rep.parameters));
-    plan::add_planned_memory(spec, parallel_config(cfg), eng.world_size(), cfg.batch, "adamw", {}, rep);
+    plan::add_planned_memory(spec, cfg.parallel, eng.world_size(), cfg.batch, "adamw", {}, rep);
     // The planner cuts its own stages of decoder layers; the run's cut counts the embedding and
     // head too, so its per-stage figures would describe another partition.
     rep.plan_memory_bytes_per_stage.clear();
@@ -194,17 +194,23 @@ nlohmann::json run_record(const char* command, const TextTrainConfig& cfg, const
 
 }  // namespace
 
+ParallelConfig default_text_parallel() {
+  ParallelConfig pc;
+  pc.strategy = Strategy::kSingle;
+  return pc;
+}
+
 void validate(const TextTrainConfig& cfg, int world) {
-  const ParallelConfig pc = parallel_config(cfg);  // throws naming a bad strategy, precision or partition
   if (!cfg.trace.empty()) trace::check_path(cfg.trace);
-  tandem::validate(pc, world);
-  const int dp = data_parallel_size(pc, world);
+  tandem::validate(cfg.parallel, world);
+  // The loop gives every replica an equal share of the global batch.
+  const int dp = data_parallel_size(cfg.parallel, world);
   if (cfg.batch < 1 || cfg.batch % dp != 0) {
     throw std::invalid_argument("--batch " + std::to_string(cfg.batch) + " (global) does not split evenly over " +
                                 std::to_string(dp) + " data-parallel replicas; use a multiple of " +
                                 std::to_string(dp));
   }
-  tandem::validate(pc, world, cfg.batch);
+  tandem::validate(cfg.parallel, world, cfg.batch);
   if (cfg.steps < 1) throw std::invalid_argument("--steps must be >= 1");
   if (cfg.lr <= 0) throw std::invalid_argument("--lr must be > 0");
   if (cfg.warmup_steps < 0) throw std::invalid_argument("--warmup-steps must be >= 0");
@@ -231,9 +237,10 @@ void validate(const TextTrainConfig& cfg, int world) {
 TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   validate(cfg, rt.world_size());
   if (cfg.checkpoint.empty()) throw std::invalid_argument("pretrain needs an output directory (--out DIR)");
-  if (cfg.tp > 1 && (cfg.shape.heads % cfg.tp != 0 || cfg.tokenizer.vocab_size % cfg.tp != 0)) {
+  const int tp = cfg.parallel.tp;
+  if (tp > 1 && (cfg.shape.heads % tp != 0 || cfg.tokenizer.vocab_size % tp != 0)) {
     // (the rest is checked when the model is split; these before the tokenizer is trained)
-    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " must divide --heads (" +
+    throw std::invalid_argument("--tp " + std::to_string(tp) + " must divide --heads (" +
                                 std::to_string(cfg.shape.heads) + ") and --vocab (" +
                                 std::to_string(cfg.tokenizer.vocab_size) + ")");
   }

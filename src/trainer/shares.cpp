@@ -160,7 +160,7 @@ void validate_batch_shares(const TrainConfig& cfg, int world) {
   parse_slow_rank(cfg.slow_rank, world);
   const auto spec = parse_batch_shares(cfg.batch_shares);
   if (spec.kind == BatchSharesSpec::Kind::kEqual) return;
-  if (cfg.tp * cfg.pp > 1) {
+  if (cfg.parallel.tp * cfg.parallel.pp > 1) {
     throw std::invalid_argument("--batch-shares applies to pure data parallelism; drop it or use --tp 1 --pp 1");
   }
   if (spec.kind == BatchSharesSpec::Kind::kAuto) {

@@ -49,11 +49,11 @@ std::string dataset_of(const TrainConfig& cfg) {
 }
 
 void validate(const TrainConfig& cfg, int world) {
-  if (cfg.grad_accum > 1 && !cfg.batch_shares.empty()) {
+  const ParallelConfig& pc = cfg.parallel;
+  if (pc.grad_accum > 1 && !cfg.batch_shares.empty()) {
     throw std::invalid_argument("--grad-accum with --batch-shares is not supported yet (every rank must run the same "
                                 "number of micro-batches); drop one of them");
   }
-  const ParallelConfig pc = parallel_config(cfg);
   if (cfg.batch < 1) throw std::invalid_argument("--batch must be at least 1");
   tandem::validate(pc, world, cfg.batch);
   const int dp = data_parallel_size(pc, world);
@@ -67,7 +67,6 @@ void validate(const TrainConfig& cfg, int world) {
   if (cfg.schedule != "cosine" && cfg.schedule != "constant") {
     throw std::invalid_argument("--schedule must be cosine or constant");
   }
-  if (cfg.bucket_mb < 1) throw std::invalid_argument("--bucket-mb must be at least 1");
   (void)model_info(cfg.model);  // throws "unknown model 'x' (known: ...)"
   // The reference transformer reads token ids; the image datasets hold pixels.
   if (cfg.model == "transformer_tiny") {
@@ -75,16 +74,16 @@ void validate(const TrainConfig& cfg, int world) {
                                 " cannot train on an image dataset (IDX); use mlp, cnn or cnn_bn");
   }
   (void)dataset_info(dataset_of(cfg));  // throws "unknown dataset 'x' (known: ...)"
-  if (cfg.pp > 1) {
+  if (pc.pp > 1) {
     const auto layers = static_cast<int64_t>(models::make_model(cfg.model)->size());
-    if (cfg.pp > layers) {
-      throw std::invalid_argument("--pp " + std::to_string(cfg.pp) + ": more pipeline stages than the " +
+    if (pc.pp > layers) {
+      throw std::invalid_argument("--pp " + std::to_string(pc.pp) + ": more pipeline stages than the " +
                                   std::to_string(layers) + " layers of --model " + cfg.model + "; use --pp " +
                                   std::to_string(layers) + " or fewer");
     }
-    if (static_cast<int64_t>(cfg.pp) * cfg.virtual_stages > layers) {
-      throw std::invalid_argument("--pp " + std::to_string(cfg.pp) + " x --virtual-stages " +
-                                  std::to_string(cfg.virtual_stages) + ": more virtual stages than the " +
+    if (static_cast<int64_t>(pc.pp) * pc.virtual_stages > layers) {
+      throw std::invalid_argument("--pp " + std::to_string(pc.pp) + " x --virtual-stages " +
+                                  std::to_string(pc.virtual_stages) + ": more virtual stages than the " +
                                   std::to_string(layers) + " layers of --model " + cfg.model +
                                   "; each needs a layer, use fewer virtual stages");
     }
@@ -239,7 +238,8 @@ std::vector<std::vector<int64_t>> epoch_batches(const TrainConfig& cfg, const Ba
   if (shares.active()) return shares.epoch_batches(sampler, local_batch, /*drop_last=*/false);
   const auto idx = sampler.indices_from(consumed);
   const auto n = static_cast<int64_t>(idx.size());
-  return data::batches(idx, local_batch, cfg.pp > 1 && (n % local_batch) % cfg.micro_batches != 0);
+  const ParallelConfig& pc = cfg.parallel;
+  return data::batches(idx, local_batch, pc.pp > 1 && (n % local_batch) % pc.micro_batches != 0);
 }
 
 // The training loop: epochs of this replica's batches, the learning rate, checkpoints, progress
@@ -384,25 +384,10 @@ TrainReport describe_run(const TrainConfig& cfg, const Engine& eng) {
 
 }  // namespace
 
-ParallelConfig parallel_config(const TrainConfig& cfg) {
+ParallelConfig default_train_parallel() {
   ParallelConfig pc;
-  pc.strategy = parse_strategy(cfg.strategy);
-  pc.precision = parse_precision(cfg.precision);
-  pc.loss_scaler.init_scale = cfg.initial_loss_scale;
-  pc.tp = cfg.tp;
-  pc.pp = cfg.pp;
-  pc.micro_batches = cfg.micro_batches;
-  pc.schedule = parse_pipeline_schedule(cfg.pipeline_schedule);
-  pc.virtual_stages = cfg.virtual_stages;
-  if (cfg.pp > 1) pc.partition = parse_partition(cfg.pp_partition, cfg.pp * std::max(1, cfg.virtual_stages));
-  pc.grad_accum = cfg.grad_accum;
-  pc.max_grad_norm = cfg.max_grad_norm;
-  pc.activation_checkpointing = parse_activation_checkpointing(cfg.activation_checkpointing);
-  pc.compress = parse_compression(cfg.compress);
-  pc.bucket_mb = cfg.bucket_mb;
-  pc.find_unused = cfg.find_unused;
-  pc.overlap = cfg.overlap;
-  pc.communicate = cfg.communicate;
+  pc.micro_batches = 4;
+  pc.bucket_mb = 25;
   return pc;
 }
 
@@ -431,7 +416,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   const int world = rt.world_size(), rank = rt.rank();
   validate(cfg, world);
   validate_checkpointing(cfg);
-  const ParallelConfig pc = parallel_config(cfg);
+  const ParallelConfig& pc = cfg.parallel;
   const int dp = data_parallel_size(pc, world);
   const auto dev = rt.device();
 
@@ -462,8 +447,8 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   }
   EngineOptions eo;
   eo.model_name = cfg.model;
-  if (cfg.pp > 1 && pc.partition.method == PartitionMethod::kTime) {  // one micro-batch of training images
-    const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(cfg.batch / dp / cfg.micro_batches, train_set.size()));
+  if (pc.pp > 1 && pc.partition.method == PartitionMethod::kTime) {  // one micro-batch of training images
+    const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(cfg.batch / dp / pc.micro_batches, train_set.size()));
     eo.partition_sample = train_set.images.narrow(0, 0, rows);
   }
   Engine eng(rt, model, nullptr, optimizer_options(cfg), pc, eo);

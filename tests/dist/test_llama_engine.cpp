@@ -324,8 +324,8 @@ TEST(LlamaExport, TensorParallelAndPipelineCheckpointsExportToTransformers) {
     for (auto task : {text::HfTask::kLm, text::HfTask::kClassify}) {
       const std::string sub = task == text::HfTask::kLm ? "lm" : "cls";
       const auto out = finetune_and_export(runtime(), dir + "/fx", work, sub, task, [&](text::HfFinetuneConfig& cfg) {
-        cfg.loop.strategy = "ddp";
-        (std::string(layout) == "tp2" ? cfg.loop.tp : cfg.loop.pp) = 2;
+        cfg.loop.parallel.strategy = Strategy::kDDP;
+        (std::string(layout) == "tp2" ? cfg.loop.parallel.tp : cfg.loop.parallel.pp) = 2;
       });
       checks += " " + out + " " + work + "/" + sub + "-ref.safetensors " + sub;
     }

@@ -1,6 +1,6 @@
 # `tandem finetune --init-from` / `tandem export --to hf` on a tiny random Llama that transformers
-# builds locally (tests/hf/hf_fixture.py): loss parity of ddp, zero2, zero3 (each rank reading its shard), pp2, tp2, dp2 x tp2 and
-# tp2 x pp2 with one worker (the classifier: ddp, tp2, pp2, tp2 x pp2), bf16/fp16 near fp32, resume across layouts, the export loaded by
+# builds locally (tests/hf/hf_fixture.py): loss parity of ddp, zero2, zero3 (each rank reading its shard), pp2, tp2, dp2 x tp2 (ddp, zero3), dp2 x tp3 (zero2, zero3)
+# and tp2 x pp2 with one worker (the classifier: ddp, tp2, pp2, tp2 x pp2), bf16/fp16 near fp32, resume across layouts, the export loaded by
 # transformers, and bad input rejected with a clear message. Skipped (exit 77) without .venv-hf or the fortunes corpus.
 add_test(NAME e2e_hf_finetune COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_finetune.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
 set_tests_properties(e2e_hf_finetune PROPERTIES TIMEOUT 600 PROCESSORS 2 SKIP_RETURN_CODE 77)

@@ -39,6 +39,9 @@ expect unknown-label "cls.jsonl:31: label 'sarcastic' is not one of the model's 
 expect bad-task "--task 'regress' is not one of lm, classify" -- "${run[@]}" --init-from "$tmp/fx/lm" --task regress --data "$tmp/lm.jsonl"
 expect tp-kv-heads "--tp 4: Llama: the tensor-parallel size 4 does not divide num_key_value_heads \(2\); use a --tp of 2" -- \
   "$tandem" finetune -n 4 --tp 4 --no-progress --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl"
+# A --tp that divides no attention-head count is refused whatever the strategy, naming the sizes that fit.
+expect tp-heads "--tp 3: Llama: the tensor-parallel size 3 does not divide num_attention_heads \(4\); use a --tp of 2" -- \
+  "$tandem" finetune -n 3 --tp 3 --strategy zero3 --no-progress --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl"
 expect tied-pp "ties its input and output embeddings, which a pipeline cannot split" -- "$tandem" finetune -n 2 --pp 2 \
   --batch 2 --steps 2 --no-progress --init-from "$tmp/fx/lm_tied" --data "$tmp/lm.jsonl"
 expect seq-too-long "--seq 4096 exceeds the model's max_position_embeddings 128" -- "$tandem" finetune -n 1 --strategy single \

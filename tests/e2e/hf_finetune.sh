@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `tandem finetune --init-from HF_DIR` on a tiny random Llama that transformers made
 # (tests/hf/hf_fixture.py): 20 steps of language modelling on fortune cookies under ddp, zero2,
-# zero3, a 2-stage pipeline and tp2 on 2 workers, and dp2 x tp2 and tp2 x pp2 on 4, give one worker's
-# per-step losses within 1e-4, and so does a model with tied embeddings under zero2, zero3 and tp2; bf16 and
+# zero3, a 2-stage pipeline and tp2 on 2 workers, dp2 x tp2 (ddp, zero3) and tp2 x pp2 on 4, and a model
+# cut 3 ways, dp2 x tp3 under zero3 and zero2 on 6, give one worker's per-step losses within 1e-4, and so does a model with tied embeddings under zero2, zero3 and tp2; bf16 and
 # fp16 (ddp) and bf16 under tp2 follow its losses within 5e-3 relative; classification under
 # ddp, tp2, pp2 and tp2 x pp2 gives one worker's too; runs resumed under zero2 and tp2 from the pipeline's step-10
 # checkpoint, and on one worker from tp2's, continue one worker's losses;
@@ -94,6 +94,14 @@ run tp2 -n 2 --strategy ddp --tp 2 --checkpoint-dir "$tmp/ck_tp" --checkpoint-ev
 resume ck_tp resumed_from_tp2 -n 1 --strategy single
 run dp2tp2 -n 4 --strategy ddp --tp 2 "${lm[@]}" && same single dp2tp2
 run tp2pp2 -n 4 --strategy ddp --tp 2 --pp 2 --micro-batches 2 "${lm[@]}" && same single tp2pp2
+# ZeRO-3 over tp2's replicas: each rank reads only its shard of its tensor-parallel block.
+run dp2tp2_zero3 -n 4 --strategy zero3 --tp 2 "${lm[@]}" && same single dp2tp2_zero3
+# Three tensor-parallel ranks (a model whose heads, KV heads, MLP width and vocabulary divide by
+# 3; one KV head per rank) with ZeRO-3 and ZeRO-2 over 2 replicas.
+tp3=(--init-from "$tmp/fx/lm_tp3" --data "$tmp/lm.jsonl" --seq 32 --batch 12 --steps 20 --lr 2e-3 --warmup-steps 2 --no-eval)
+run tp3_single -n 1 --strategy single "${tp3[@]}"
+run dp2tp3_zero3 -n 6 --strategy zero3 --tp 3 "${tp3[@]}" && same tp3_single dp2tp3_zero3
+run dp2tp3_zero2 -n 6 --strategy zero2 --tp 3 "${tp3[@]}" && same tp3_single dp2tp3_zero2
 # bf16 and fp16 compute (fp32 master weights, fp16 with loss scaling) on 2 workers, under ddp and
 # tp2, follow the fp32 worker's losses. Tolerance: bf16 keeps 8 significant bits (a rounding is
 # off by up to 2^-9 = 0.2%), fp16 11; the losses are means over ~200 tokens, whose rounding

@@ -52,6 +52,11 @@ case_ mixed-pools "workers=7 slots=4 gpus=4 ranks=28 pools=2 tolerations=2 claim
   --toleration nvidia.com/gpu:NoSchedule --toleration dedicated=ml:NoExecute \
   --node-selector kubernetes.io/arch=amd64 --checkpoint-pvc mixed-ckpt --checkpoint-size 50Gi \
   -- --batch 300 --batch-shares auto
+# Tensor x pipeline parallel with ZeRO-3 over the data-parallel ranks, checkpointed on the claim
+# and resumed from it on every start (tandem train checkpoints every layout).
+case_ tp-pp-claim "workers=2 slots=8 gpus=8 ranks=16 strategy=zero3 tp=2 pp=2 resume=1 pvc=tp-ckpt claim=1" -- \
+  --name tp-pp --nodes 2 --gpus-per-node 8 --image "$img" --strategy zero3 --checkpoint-pvc tp-ckpt \
+  --checkpoint-size 20Gi -- --tp 2 --pp 2 --micro-batches 4 --batch 64
 case_ single-gpu "workers=1 slots=1 gpus=1 ranks=1 strategy=single" -- \
   --name one --nodes 1 --gpus-per-node 1 --image "$img" --strategy single
 case_ gpu-json "workers=2 slots=8 gpus=8 ranks=16 claim=1" -- \

@@ -14,7 +14,7 @@ checked:
            variable defined on the launcher, /dev/shm memory-backed, checkpoints on the claim).
   PersistentVolumeClaim  name, ReadWriteMany, a storage request.
 --expect checks flags were honoured: name, namespace, workers, slots, gpus (per worker), ranks,
-strategy, pvc, image, pools (number of node-affinity terms), tolerations, claim (1: the claim is
+strategy, tp, pp (the training flags, 1 when absent), resume (1: --resume), pvc, image, pools (number of node-affinity terms), tolerations, claim (1: the claim is
 emitted). --negative-controls breaks a valid MPIJob in several ways and exits non-zero unless
 every broken copy is rejected (so this validator can fail). Exit 0 when everything holds.
 """
@@ -257,6 +257,9 @@ def check_expectations(docs, expect, errors):
         "gpus": str(gpus),
         "ranks": flag_value(cmd, "-n"),
         "strategy": flag_value(cmd, "--strategy"),
+        "tp": flag_value(cmd, "--tp") or "1",
+        "pp": flag_value(cmd, "--pp") or "1",
+        "resume": str(int("--resume" in cmd)),
         "pvc": vols[0]["persistentVolumeClaim"]["claimName"] if vols else "",
         "image": wspec["containers"][0]["image"],
         "pools": str(len(terms.get("nodeSelectorTerms", []))),

@@ -11,7 +11,8 @@ set_tests_properties(e2e_text_pretrained_beats_scratch PROPERTIES TIMEOUT 300 PR
 add_test(NAME e2e_text_parallel COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/text_parallel.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_text_parallel PROPERTIES TIMEOUT 400 PROCESSORS 2 SKIP_RETURN_CODE 77)
 # Loss normalised by the global batch's tokens: one worker with one pass, DDP, --grad-accum, a
-# pipeline's micro-batches, ZeRO-1 with accumulation and tensor parallelism end at the same loss.
+# pipeline's micro-batches, ZeRO-1 with accumulation, tensor parallelism and tensor parallelism
+# with ZeRO-2 and ZeRO-3 over its replicas end at the same loss.
 add_test(NAME e2e_text_grad_accum COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/text_grad_accum.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_text_grad_accum PROPERTIES TIMEOUT 400 PROCESSORS 2 SKIP_RETURN_CODE 77)
 # Checkpoints of pretrain and finetune (--checkpoint-dir/--checkpoint-every/--keep/--resume): a

@@ -7,6 +7,8 @@
       bos 1, eos 2, no pad), and writes with save_pretrained
         DIR/lm   a tiny random LlamaForCausalLM (2 layers, width 64, 4 heads, 2 KV heads) + tokenizer
         DIR/lm_tied  the same with tied input and output embeddings
+        DIR/lm_tp3  width 96, 6 heads, 3 KV heads, MLP 192 and the vocabulary padded to 804 rows:
+                 every cut dimension divides by 3 (and 2), for tensor parallelism over 3 ranks
         DIR/cls  a tiny random LlamaForSequenceClassification (3 labels, pad token) + tokenizer
       and DIR/tokens.json: for each of some texts, the ids of transformers' tokenizer (loaded back
       from DIR/lm with AutoTokenizer) with and without special tokens, and its decoding.
@@ -78,10 +80,10 @@ def transformers_tokenizer(sp_file, **special):
 
 
 def config(vocab, tied=False, **extra):
-    return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                       rms_norm_eps=1e-5, tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=1,
-                       eos_token_id=2, **extra)
+    shape = dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2)
+    shape.update(extra)
+    return LlamaConfig(vocab_size=vocab, num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                       tie_word_embeddings=tied, initializer_range=0.1, bos_token_id=1, eos_token_id=2, **shape)
 
 
 def make(d, root):
@@ -96,6 +98,13 @@ def make(d, root):
     LlamaForCausalLM(config(vocab, tied=True)).save_pretrained(os.path.join(d, "lm_tied"))
     transformers_tokenizer(sp_file, add_bos_token=True, add_eos_token=False).save_pretrained(
         os.path.join(d, "lm_tied"))
+    torch.manual_seed(3)
+    # The embedding and head rows past the tokenizer's pieces are never read: padding, as
+    # Megatron pads a vocabulary to a multiple of the tensor-parallel size.
+    LlamaForCausalLM(config(-(-vocab // 12) * 12, hidden_size=96, intermediate_size=192, num_attention_heads=6,
+                            num_key_value_heads=3)).save_pretrained(os.path.join(d, "lm_tp3"))
+    transformers_tokenizer(sp_file, add_bos_token=True, add_eos_token=False).save_pretrained(
+        os.path.join(d, "lm_tp3"))
     torch.manual_seed(1)
     labels = ["negative", "neutral", "positive"]
     cls = LlamaForSequenceClassification(config(vocab, pad_token_id=2, num_labels=3,
@@ -105,7 +114,7 @@ def make(d, root):
     # The classifier pads with EOS and ends every text with it (pooling reads the last real token).
     transformers_tokenizer(sp_file, add_bos_token=True, add_eos_token=True, pad_token="</s>").save_pretrained(
         os.path.join(d, "cls"))
-    for sub in ("lm", "lm_tied", "cls"):  # Tandem reads the SentencePiece model itself, as Llama 1/2 ship it
+    for sub in ("lm", "lm_tied", "lm_tp3", "cls"):  # Tandem reads the SentencePiece model itself, as Llama 1/2 ship it
         with open(sp_file, "rb") as src, open(os.path.join(d, sub, "tokenizer.model"), "wb") as dst:
             dst.write(src.read())
     sp = spm.SentencePieceProcessor(model_file=sp_file)

@@ -204,7 +204,9 @@ TEST(HfExport, TransformersLoadsTheExport) {
   ro.backend = "self";
   tandem::Runtime rt(ro);
   TempDir d;
-  const auto single_worker = [](tandem::text::HfFinetuneConfig& cfg) { cfg.loop.strategy = "single"; };
+  const auto single_worker = [](tandem::text::HfFinetuneConfig& cfg) {
+    cfg.loop.parallel.strategy = tandem::Strategy::kSingle;
+  };
   const auto lm =
       tandem::test::finetune_and_export(rt, fx->path, d.path, "lm", tandem::text::HfTask::kLm, single_worker);
   EXPECT_EQ(::access((lm + "/model.safetensors.index.json").c_str(), R_OK), 0) << "not sharded";

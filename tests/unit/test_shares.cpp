@@ -115,14 +115,15 @@ TEST(BatchShares, ValidatesTheConfiguration) {
   cfg.calibration_steps = 1;
   EXPECT_NE(error_of([&] { tandem::validate_config(cfg, 3); }).find("--calibration-steps"), std::string::npos);
   cfg.calibration_steps = 8;
-  cfg.strategy = "zero3";  // accepted: a rank's forward is timed without its waits for gathers
+  cfg.parallel.strategy =
+      tandem::Strategy::kZero3;  // accepted: a rank's forward is timed without its waits for gathers
   EXPECT_EQ(error_of([&] { tandem::validate_config(cfg, 3); }), "");
-  cfg.strategy = "ddp";
+  cfg.parallel.strategy = tandem::Strategy::kDDP;
   cfg.batch = 128;
   cfg.batch_shares = "3,1";
-  cfg.tp = 2;
+  cfg.parallel.tp = 2;
   EXPECT_NE(error_of([&] { tandem::validate_config(cfg, 4); }).find("pure data parallelism"), std::string::npos);
-  cfg.tp = 1;
+  cfg.parallel.tp = 1;
   cfg.slow_rank = "2:1";
   EXPECT_NE(error_of([&] { tandem::validate_config(cfg, 2); }).find("not one of the 2 worker(s)"), std::string::npos);
   cfg.slow_rank = "1";

@@ -239,8 +239,8 @@ TEST(TextModel, PaddingDoesNotChangeRealTokens) {
   EXPECT_THROW(models::transformer(c), std::invalid_argument);
 }
 
-// The precision and the tp x pp layout of `tandem pretrain/finetune` are checked before anything
-// is read, each error naming the flag at fault.
+// The tp x pp layout of `tandem pretrain/finetune` is checked before anything is read, each
+// error naming the flag at fault; every strategy but single composes with --tp and --pp.
 TEST(TextConfig, PrecisionAndLayoutAreChecked) {
   auto fails_with = [](const text::TextTrainConfig& c, int world, const std::string& want) {
     try {
@@ -251,32 +251,35 @@ TEST(TextConfig, PrecisionAndLayoutAreChecked) {
     }
   };
   text::TextTrainConfig c;
-  c.strategy = "ddp";
-  c.precision = "bf16";
+  auto& p = c.parallel;
+  EXPECT_EQ(p.strategy, Strategy::kSingle);  // the library's default: one worker
+  EXPECT_EQ(p.micro_batches, 1);
+  fails_with(c, 2, "strategy single runs one worker");
+  p.strategy = Strategy::kDDP;
+  p.precision = Precision::kBF16;
   EXPECT_NO_THROW(text::validate(c, 2));
-  c.precision = "fp8";
-  fails_with(c, 2, "fp8");
-  c.precision = "fp32";
-  c.tp = 2;
+  p.precision = Precision::kFP32;
+  p.tp = 2;
   EXPECT_NO_THROW(text::validate(c, 2));
   EXPECT_NO_THROW(text::validate(c, 4));  // dp 2 x tp 2
   fails_with(c, 3, "does not divide the 3 workers");
-  c.strategy = "zero2";
-  fails_with(c, 2, "ddp or zero1");
-  c.strategy = "ddp";
-  c.precision = "bf16";
+  for (auto s : {Strategy::kZero1, Strategy::kZero2, Strategy::kZero3}) {
+    p.strategy = s;  // ZeRO over the replicas of a tensor-parallel model
+    EXPECT_NO_THROW(text::validate(c, 4)) << to_string(s);
+  }
+  p.strategy = Strategy::kSingle;
+  fails_with(c, 2, "strategy single runs one worker");
+  p.strategy = Strategy::kDDP;
+  p.precision = Precision::kBF16;
   EXPECT_NO_THROW(text::validate(c, 2));  // 16-bit on a split model with DDP over the replicas
-  c.precision = "fp16";
+  p.precision = Precision::kFP16;
   EXPECT_NO_THROW(text::validate(c, 4));
-  c.strategy = "zero1";
-  EXPECT_NO_THROW(text::validate(c, 4));  // ZeRO-1 over the replicas too
-  c.strategy = "ddp";
-  c.precision = "fp32";
-  c.tp = 1;
-  c.pp = 2;
-  c.micro_batches = 3;
+  p.precision = Precision::kFP32;
+  p.tp = 1;
+  p.pp = 2;
+  p.micro_batches = 3;
   fails_with(c, 2, "micro-batches");
-  c.micro_batches = 2;
+  p.micro_batches = 2;
   EXPECT_NO_THROW(text::validate(c, 2));
   c.batch = 30;
   fails_with(c, 4, "not divisible into 2 micro-batches");  // dp 2 x pp 2: 15 samples per replica

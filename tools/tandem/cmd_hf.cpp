@@ -12,7 +12,7 @@
 #include "checks.h"
 #include "commands.h"
 #include "host_options.h"
-#include "pipeline_options.h"
+#include "parallel_options.h"
 #include "tandem/hf_finetune.h"
 #include "tandem/hf_tokenizer.h"
 #include "tandem/launcher.h"
@@ -49,16 +49,7 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
       ->capture_default_str();
   app.add_option("--seq", c.seq, "tokens per example (truncated, padded)")->capture_default_str();
   add_worker_options(app, f.workers, "2");
-  app.add_option("--strategy", l.strategy, "single | ddp | zero1 | zero2 | zero3")->capture_default_str();
-  app.add_option("--precision", l.precision, "fp32 | bf16 | fp16 (mixed precision: fp32 master weights)")
-      ->capture_default_str();
-  app.add_option("--tp", l.tp, "tensor-parallel ranks (must divide the heads, KV heads, MLP width and vocabulary)")
-      ->capture_default_str();
-  app.add_option("--pp", l.pp, "pipeline stages per replica (with ddp or zero1)")->capture_default_str();
-  app.add_option("--pp-partition", l.pp_partition, "params | time | layers per stage, e.g. 2,3")->capture_default_str();
-  app.add_option("--micro-batches", l.micro_batches, "pipeline micro-batches per replica batch")->capture_default_str();
-  add_pipeline_schedule_options(app, l.pipeline_schedule, l.virtual_stages);
-  app.add_option("--grad-accum", l.grad_accum, "micro-batches per optimizer step without --pp")->capture_default_str();
+  add_parallel_options(app, l.parallel);
   app.add_option("--batch", l.batch, "global batch size (split across workers)")->capture_default_str();
   app.add_option("--steps", l.steps, "optimizer steps")->capture_default_str();
   app.add_option("--lr", l.lr, "peak learning rate (AdamW, linear warmup, cosine to 10%)")->capture_default_str();
@@ -85,7 +76,7 @@ int cmd_finetune_hf(int argc, char** argv) {
                "as a language model or a classifier, under any strategy and worker count.",
                "tandem finetune"};
   HfFlags f;
-  f.cfg.loop.strategy = "ddp";
+  f.cfg.loop.parallel.strategy = Strategy::kDDP;
   f.cfg.loop.batch = 8;
   f.cfg.loop.steps = 100;
   f.cfg.loop.lr = 1e-4;
@@ -139,7 +130,7 @@ int cmd_finetune_hf(int argc, char** argv) {
         };
         return run_elastic_command(spec, range, f.lo, args);
       }
-      std::cout << "launching " << nprocs << " workers (" << cfg.loop.strategy << ")" << std::endl;
+      std::cout << "launching " << nprocs << " workers (" << to_string(cfg.loop.parallel.strategy) << ")" << std::endl;
       return launch(f.lo, args);
     }
   }

@@ -12,7 +12,7 @@
 #include "checks.h"
 #include "commands.h"
 #include "host_options.h"
-#include "pipeline_options.h"
+#include "parallel_options.h"
 #include "tandem/launcher.h"
 #include "tandem/runtime.h"
 #include "tandem/text.h"
@@ -32,7 +32,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
                              "--init-from X --help).",
                cmd};
   text::TextTrainConfig cfg;
-  cfg.strategy = "ddp";
+  cfg.parallel.strategy = Strategy::kDDP;
   cfg.steps = pretraining ? 300 : 200;
   cfg.lr = pretraining ? 2e-3 : 1e-3;
   cfg.corpus.max_per_label = 3000;
@@ -53,26 +53,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   app.add_option("--max-per-label", cfg.corpus.max_per_label, "documents kept per label at most (-1: all)")
       ->capture_default_str();
   add_worker_options(app, workers, "2");
-  app.add_option("--strategy", cfg.strategy, "single | ddp | zero1 | zero2 | zero3")->capture_default_str();
-  app.add_option("--precision", cfg.precision, "fp32 | bf16 | fp16 (mixed precision: fp32 master weights)")
-      ->capture_default_str();
-  app.add_option("--tp", cfg.tp, "tensor-parallel ranks per replica (Megatron blocks; with ddp or zero1)")
-      ->capture_default_str();
-  app.add_option("--pp", cfg.pp, "pipeline stages per replica (with ddp or zero1-3)")->capture_default_str();
-  app.add_option("--pp-partition", cfg.pp_partition,
-                 "where the stages are cut: params (balanced parameter counts) | time (balanced forward+backward "
-                 "time of a micro-batch, measured before training) | the layers per stage, e.g. 2,3")
-      ->capture_default_str();
-  app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per replica batch (--pp > 1)")
-      ->capture_default_str();
-  add_pipeline_schedule_options(app, cfg.pipeline_schedule, cfg.virtual_stages);
-  app.add_option("--activation-checkpointing", cfg.activation_checkpointing,
-                 "recompute activations in backward instead of keeping them: none, every layer, or the first N layers "
-                 "(of each pipeline stage)")
-      ->capture_default_str();
-  app.add_option("--grad-accum", cfg.grad_accum,
-                 "gradient accumulation without --pp: each replica's batch as K micro-batches per optimizer step")
-      ->capture_default_str();
+  add_parallel_options(app, cfg.parallel);
   app.add_option("--batch", cfg.batch, "global batch size (split across workers)")->capture_default_str();
   app.add_option("--steps", cfg.steps, "optimizer steps")->capture_default_str();
   app.add_option("--lr", cfg.lr, "peak learning rate (AdamW, linear warmup, cosine to 10%)")->capture_default_str();
@@ -193,7 +174,7 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
       };
       return run_elastic_command(spec, range, lo, args);
     }
-    std::cout << "launching " << nprocs << " workers (" << cfg.strategy << ")" << std::endl;
+    std::cout << "launching " << nprocs << " workers (" << to_string(cfg.parallel.strategy) << ")" << std::endl;
     return launch(lo, args);
   }
 

@@ -13,7 +13,7 @@
 #include "checks.h"
 #include "commands.h"
 #include "host_options.h"
-#include "pipeline_options.h"
+#include "parallel_options.h"
 #include "tandem/elastic.h"
 #include "tandem/launcher.h"
 #include "tandem/registry.h"
@@ -31,8 +31,9 @@ struct ElasticBatch {
   int max = 1;
   // The --grad-accum for `workers` workers (0: no whole number keeps the micro-batch).
   int64_t grad_accum(const TrainConfig& cfg, int workers) const {
-    if (!accumulate) return cfg.grad_accum;
-    return cfg.grad_accum * max % workers == 0 ? cfg.grad_accum * max / workers : 0;
+    const int64_t k = cfg.parallel.grad_accum;
+    if (!accumulate) return k;
+    return k * max % workers == 0 ? k * max / workers : 0;
   }
 };
 
@@ -55,15 +56,17 @@ ElasticSpec train_elastic_spec(const TrainConfig& cfg, const ElasticBatch& eb, E
   spec.check = [cfg, eb](int w, int64_t batch) {
     TrainConfig c = cfg;
     c.batch = batch;
-    c.grad_accum = eb.grad_accum(cfg, w);
-    if (c.grad_accum == 0) {
-      throw std::invalid_argument("--elastic-batch accumulate: --grad-accum " + std::to_string(cfg.grad_accum) + " x " +
-                                  std::to_string(eb.max) + " / " + std::to_string(w) +
-                                  " workers is not a whole number");
+    c.parallel.grad_accum = eb.grad_accum(cfg, w);
+    if (c.parallel.grad_accum == 0) {
+      throw std::invalid_argument("--elastic-batch accumulate: --grad-accum " +
+                                  std::to_string(cfg.parallel.grad_accum) + " x " + std::to_string(eb.max) + " / " +
+                                  std::to_string(w) + " workers is not a whole number");
     }
-    if (c.tp * c.pp == 1 && c.batch_shares.empty() && c.batch % (w * c.grad_accum) != 0) {
+    // Each of the W workers keeps whole micro-batches (what --elastic-batch accumulate preserves).
+    const int64_t k = c.parallel.grad_accum;
+    if (c.parallel.tp * c.parallel.pp == 1 && c.batch_shares.empty() && c.batch % (w * k) != 0) {
       throw std::invalid_argument("--batch " + std::to_string(c.batch) + " does not split into " + std::to_string(w) +
-                                  " workers x " + std::to_string(c.grad_accum) + " micro-batches");
+                                  " workers x " + std::to_string(k) + " micro-batches");
     }
     validate_config(c, w);
   };
@@ -87,7 +90,7 @@ std::string replica_conflict(int replicas, int nprocs, int max_restarts, const s
   if (nprocs > 1 && device != "cpu") {
     return both + " runs on the CPU only (--device cpu); on CUDA use --replicas alone or -n alone";
   }
-  if (nprocs > 1 && cfg.tp * cfg.pp > 1) {
+  if (nprocs > 1 && cfg.parallel.tp * cfg.parallel.pp > 1) {
     return both + ": --tp and --pp split the replicas into groups, which is not supported across processes; use "
                   "--replicas alone or -n alone";
   }
@@ -106,9 +109,9 @@ bool measure_baseline(const TrainConfig& cfg, const RuntimeOptions& ro, int work
   b.metrics_path.clear();
   b.checkpoint_every = 0;  // the measurement neither saves nor resumes
   b.resume = false;
-  b.strategy = "single";
-  b.tp = b.pp = 1;         // the whole model on one worker
-  b.batch_shares.clear();  // one worker takes the whole batch, at full speed
+  b.parallel.strategy = Strategy::kSingle;
+  b.parallel.tp = b.parallel.pp = 1;  // the whole model on one worker
+  b.batch_shares.clear();             // one worker takes the whole batch, at full speed
   b.slow_rank.clear();
   RuntimeOptions bro = ro;
   bro.threads = ro.threads > 0 ? ro.threads : std::max(1u, std::thread::hardware_concurrency() / workers);
@@ -129,7 +132,8 @@ bool measure_baseline(const TrainConfig& cfg, const RuntimeOptions& ro, int work
 // --replicas K: K replica threads in this process; replica 0 prints the report.
 int train_replicas(const TrainConfig& cfg, const ReplicaOptions& opts, bool announce) {
   if (announce) {
-    std::cout << "training " << opts.replicas << " replicas in this process (" << cfg.strategy << ")" << std::endl;
+    std::cout << "training " << opts.replicas << " replicas in this process (" << to_string(cfg.parallel.strategy)
+              << ")" << std::endl;
   }
   try {
     run_replicas(opts, [&](Runtime& rt) {
@@ -166,22 +170,7 @@ int cmd_train(int argc, char** argv) {
                  "fashion-mnist)");
   app.add_option("--data", cfg.data, "directory the dataset reads (fashion-mnist: the IDX files)")
       ->capture_default_str();
-  app.add_option("--strategy", cfg.strategy,
-                 "single | ddp | zero1 | zero2 | zero3 (ZeRO: optimizer state, +gradients, +parameters sharded)")
-      ->capture_default_str();
-  app.add_option("--precision", cfg.precision,
-                 "fp32 | bf16 | fp16 (compute precision; fp32 master weights; fp16 with dynamic loss scaling)")
-      ->capture_default_str();
-  app.add_option("--max-grad-norm", cfg.max_grad_norm, "clip the global gradient norm (0: off)")->capture_default_str();
-  app.add_option("--activation-checkpointing", cfg.activation_checkpointing,
-                 "recompute activations in backward instead of keeping them: none, every layer, or the first N layers "
-                 "(of each pipeline stage)")
-      ->capture_default_str();
-  app.add_option(
-         "--initial-loss-scale", cfg.initial_loss_scale,
-         "fp16: the dynamic loss scale to start from (halved on every overflow, doubled after 1000 clean steps)")
-      ->check(number_between(0, 4294967296.0, /*above_lo=*/true))
-      ->capture_default_str();
+  add_parallel_options(app, cfg.parallel);
   add_worker_options(app, workers, "2");
   app.add_option("--replicas", replicas,
                  "replicas per process, each on its own thread (and CUDA device), gradients reduced inside the "
@@ -211,9 +200,13 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--threads", threads, "compute threads per worker (0: cores / workers)")->capture_default_str();
   app.add_option("--max-steps", cfg.max_steps, "stop after this many steps (-1: all)")->capture_default_str();
   app.add_option("--metrics", cfg.metrics_path, "write per-step metrics and the report as JSON lines");
-  app.add_option("--bucket-mb", cfg.bucket_mb, "DDP bucket size cap in MiB")->capture_default_str();
-  app.add_flag("--find-unused", cfg.find_unused, "allow parameters that get no gradient (taken as zero)");
-  app.add_option("--compress", cfg.compress, "gradients on the wire: none | bf16 | fp16")->capture_default_str();
+  app.add_option("--bucket-mb", cfg.parallel.bucket_mb, "gradient bucket size cap in MiB (DDP, ZeRO-1/2)")
+      ->check(whole_between(1, 1 << 20))
+      ->capture_default_str();
+  app.add_flag("--find-unused", cfg.parallel.find_unused, "allow parameters that get no gradient (taken as zero)");
+  add_word_option<Compression>(app, "--compress", cfg.parallel.compress, parse_compression,
+                               to_string(cfg.parallel.compress),
+                               "DDP's gradients on the wire: none | bf16 | fp16 (with --precision fp32)");
   app.add_flag("--no-overlap", no_overlap, "all-reduce only after backward (to measure overlap)");
   app.add_option("--eval-limit", cfg.eval_limit, "evaluate on at most this many test samples")->capture_default_str();
   app.add_flag("--no-eval", no_eval, "skip the test-set evaluation");
@@ -223,22 +216,6 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--log-every", cfg.log_every, "plain progress line every N steps")->capture_default_str();
   app.add_option("--device", device, "cpu | cuda | auto")->capture_default_str();
   app.add_option("--timeout", timeout_s, "seconds any communication may block before failing")->capture_default_str();
-  app.add_option("--tp", cfg.tp, "tensor-parallel ranks per replica (Megatron column/row-parallel Linear pairs)")
-      ->capture_default_str();
-  app.add_option("--pp", cfg.pp, "pipeline stages per replica (the model cut as --pp-partition says)")
-      ->capture_default_str();
-  app.add_option("--pp-partition", cfg.pp_partition,
-                 "where the stages are cut: params (balanced parameter counts) | time (balanced forward+backward "
-                 "time of a micro-batch, measured before training) | the layers per stage, e.g. 3,7")
-      ->capture_default_str();
-  app.add_option("--micro-batches", cfg.micro_batches, "pipeline micro-batches per step and replica (with --pp)")
-      ->capture_default_str();
-  add_pipeline_schedule_options(app, cfg.pipeline_schedule, cfg.virtual_stages);
-  app.add_option(
-         "--grad-accum", cfg.grad_accum,
-         "gradient accumulation without --pp: each replica's share of --batch runs as K micro-batches before "
-         "one optimizer step (DDP and ZeRO-1 communicate once per step, ZeRO-2/3 reduce-scatter per micro-batch)")
-      ->capture_default_str();
   app.add_option("--checkpoint-dir", cfg.checkpoint_dir, "directory of sharded checkpoints (step-N/ inside)");
   app.add_option("--checkpoint-every", cfg.checkpoint_every, "save a checkpoint every N steps (0: never)")
       ->capture_default_str();
@@ -295,7 +272,7 @@ int cmd_train(int argc, char** argv) {
   }
   cfg.evaluate = !no_eval;
   cfg.progress = !no_progress;
-  cfg.overlap = !no_overlap;
+  cfg.parallel.overlap = !no_overlap;
   WorkerRange range;
   ElasticLr lr_mode = ElasticLr::kKeep;
   try {
@@ -350,11 +327,6 @@ int cmd_train(int argc, char** argv) {
         std::cerr << "tandem train: " << problem << "\n";
         return 2;
       }
-    } else if (cfg.tp * cfg.pp == 1 && cfg.batch % total != 0 &&
-               cfg.batch_shares.empty()) {  // with --tp/--pp: over the replicas, below
-      std::cerr << "tandem train: --batch " << cfg.batch << " (global) does not split evenly over " << total
-                << " workers; use a multiple of " << total << "\n";
-      return 2;
     }
     if (max_restarts > 0 && cfg.checkpoint_dir.empty()) {
       std::cerr
@@ -369,7 +341,7 @@ int cmd_train(int argc, char** argv) {
     }
     // Allowed but slow: CPUs have no fast fp16 convolution kernels (oneDNN falls back to its
     // reference kernel; a CNN step took 64x fp32's on an Intel Xeon, docs/BENCHMARKS.md).
-    if (cfg.precision == "fp16" && device == "cpu" && cfg.model != "mlp") {
+    if (cfg.parallel.precision == Precision::kFP16 && device == "cpu" && cfg.model != "mlp") {
       std::cerr << "tandem train: warning: --precision fp16 on the CPU runs convolutions without fast kernels "
                    "(a step can take 10-60x fp32's); bf16 is the CPU's mixed precision\n";
     }
@@ -395,10 +367,11 @@ int cmd_train(int argc, char** argv) {
                                                     restarts_opt->count() > 0 ? max_restarts : 3),
                                  range, lo, args);
     }
-    std::cout << "launching " << nprocs << " workers (" << cfg.strategy;
+    const ParallelConfig& pc = cfg.parallel;
+    std::cout << "launching " << nprocs << " workers (" << to_string(pc.strategy);
     if (replicas > 1) std::cout << ", " << replicas << " replicas each";
-    if (cfg.tp * cfg.pp > 1) {
-      std::cout << ", dp " << nprocs / (cfg.tp * cfg.pp) << " x tp " << cfg.tp << " x pp " << cfg.pp;
+    if (pc.tp * pc.pp > 1) {
+      std::cout << ", dp " << nprocs / (pc.tp * pc.pp) << " x tp " << pc.tp << " x pp " << pc.pp;
     }
     std::cout << ")" << std::endl;
     int rc = launch(lo, args);
