@@ -1,0 +1,112 @@
+// ZeroDataParallel::step(): unscaling and the overflow check (fp16), clipping by the global norm,
+// the optimizer over the owned chunks, and publishing the new shards.
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <exception>
+#include <stdexcept>
+#include <string>
+
+#include "strategy/zero/zero_impl.h"
+
+namespace tandem {
+
+// The optimizer's gradients: views of the averaged chunks (fp32), or fp32 copies of them
+// (mixed precision; they live only inside step()).
+void ZeroDataParallel::Impl::link_master_grads() {
+  if (owned_summed) {
+    for (auto& bk : buckets) grad_chunk(bk).div_(world);
+    owned_summed = false;
+  }
+  for (auto& bk : buckets) {
+    auto v = grad_chunk(bk);
+    if (mixed) {
+      bk.master.mutable_grad() = v.to(at::kFloat);
+    } else if (!detail::same_view(bk.master.grad(), v)) {
+      bk.master.mutable_grad() = v;
+    }
+  }
+}
+
+void ZeroDataParallel::Impl::drop_master_grads() {
+  if (!mixed) return;
+  for (auto& bk : buckets) bk.master.mutable_grad() = at::Tensor();
+}
+
+bool ZeroDataParallel::Impl::step() {
+  torch::NoGradGuard ng;
+  release_all();  // stage 3: gathered values are about to be stale
+  link_master_grads();
+  if (scaler.dynamic()) {
+    for (auto& bk : buckets) bk.master.mutable_grad().mul_(1.0 / scaler.scale());
+  }
+  const bool clipping = opts.max_grad_norm > 0;
+  last_norm = -1.0;
+  if (clipping || scaler.dynamic()) {
+    // [all of this rank's chunk, its tensor-parallel shards' part]: summed over the
+    // data-parallel ranks, the shards' part then over tp (the rest is the same on every tp
+    // rank), and the whole over the pipeline's stages.
+    auto sq = at::zeros({2}, buckets.empty() ? at::TensorOptions(at::kDouble)
+                                             : buckets[0].master.options().dtype(at::kDouble));
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      const auto g = buckets[b].master.grad();
+      sq[0] += g.to(at::kDouble).pow(2).sum();
+      if (model_parallel)
+        for (const auto& [from, to] : sharded_ranges[b])
+          sq[1] += g.narrow(0, from, to - from).to(at::kDouble).pow(2).sum();
+    }
+    comm->allreduce(sq, ReduceOp::kSum);
+    double total = 0.0;
+    if (model_parallel) {
+      auto sh = sq.narrow(0, 1, 1).clone();
+      if (mp_tp && mp_tp->size() > 1) mp_tp->allreduce(sh, ReduceOp::kSum);
+      auto t = sq.narrow(0, 0, 1) - sq.narrow(0, 1, 1) + sh;
+      if (mp_pp && mp_pp->size() > 1) mp_pp->allreduce(t, ReduceOp::kSum);
+      total = t.cpu().item<double>();
+    } else {
+      total = sq[0].cpu().item<double>();
+    }
+    double norm = std::sqrt(total);
+    const bool found_inf = !std::isfinite(norm);
+    scaler.update(found_inf);
+    if (found_inf) {
+      drop_master_grads();
+      if (scaler.dynamic()) return false;  // every rank saw the same sum: all skip
+      throw std::runtime_error(where() + ": the global gradient norm is " + std::to_string(norm) +
+                               "; lower the learning rate or check the loss for NaN/inf");
+    }
+    if (clipping) {
+      last_norm = norm;
+      double coef = opts.max_grad_norm / (norm + 1e-6);
+      if (coef < 1.0)
+        for (auto& bk : buckets) bk.master.mutable_grad().mul_(coef);
+    }
+  }
+  optim->step();
+  drop_master_grads();
+  publish_shards();
+  return true;
+}
+
+// The owned masters become the compute-dtype shards and (stages 1, 2) the whole parameters
+// on every rank; stage 3's next forward gathers them. Collective for stages 1, 2.
+void ZeroDataParallel::Impl::publish_shards() {
+  if (mixed)
+    for (auto& bk : buckets) bk.shard.copy_(bk.master);
+  if (opts.stage == 3) return;
+  std::vector<WorkPtr> works;
+  // In place: the owned chunk is where the all-gather receives this rank's part.
+  for (auto& bk : buckets) works.push_back(comm->allgather_async(bk.full, bk.shard));
+  std::exception_ptr err;
+  for (auto& w : works) {
+    try {
+      w->wait();
+    } catch (...) {
+      if (!err) err = std::current_exception();
+    }
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+}  // namespace tandem
