@@ -109,14 +109,6 @@ void validate_virtual_stages(const ParallelConfig& c) {
   }
   if (!interleaved) return;
   check_interleaved(c.pp, c.virtual_stages, c.micro_batches);  // --pp >= 2, --micro-batches a multiple of --pp
-  // The steps run, but checkpoints and the gathered model (Engine::full_parameters) read one
-  // contiguous layer range per rank, and a rank of this schedule holds several.
-  if (c.tp > 1) {
-    throw std::invalid_argument(
-        "--pipeline-schedule interleaved composes with --tp 1 only: with --tp " + std::to_string(c.tp) +
-        " a rank's several chunks of tensor-parallel layers cannot be gathered for checkpoints or the written "
-        "model yet; use --pipeline-schedule 1f1b or gpipe for tensor x pipeline layouts, or --tp 1");
-  }
 }
 
 // The model-parallel part: the grid against the world size and what composes with it.

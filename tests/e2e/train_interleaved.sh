@@ -2,9 +2,9 @@
 # `tandem train --pp 2 --pipeline-schedule interleaved --virtual-stages 2` (each rank holds two
 # non-adjacent chunks of the MLP's layers) against one worker: the same per-step losses within
 # 1e-5 relative over 16 steps (float32; only the order of sums differs), and so do 2 replicas x
-# 2 stages with ZeRO-1 or ZeRO-3 over the replicas (4 workers). Its checkpoint at step 8
+# 2 stages with ZeRO-1 or ZeRO-3 over the replicas, or tp 2 x 2 stages (4 workers). Its checkpoint at step 8
 # names the whole model's layers, so it resumes on one worker and as a plain 1F1B pipeline, and
-# both continue as the one-worker run does. The report names the virtual stages and the bubble
+# both continue as the one-worker run does; so does tp 2 x 2 stages' checkpoint on one worker. The report names the virtual stages and the bubble
 # against (pp-1)/(m*v), and each stage holds as many micro-batches as Megatron's warm-up says. Bad combinations fail at start, non-zero, naming the options.
 # usage: train_interleaved.sh TANDEM
 set -uo pipefail
@@ -25,12 +25,18 @@ run single -n 1 --strategy single
 run il -n 2 --pp 2 --micro-batches 4 --pipeline-schedule interleaved --virtual-stages 2 --checkpoint-every 8 --checkpoint-dir "$out/il"
 run il_dp2_zero1 -n 4 --pp 2 --micro-batches 4 --pipeline-schedule interleaved --virtual-stages 2 --strategy zero1
 run il_dp2_zero3 -n 4 --pp 2 --micro-batches 4 --pipeline-schedule interleaved --virtual-stages 2 --strategy zero3
+# tp 2 x 2 stages x 2 chunks: each rank's pieces (its tp blocks of two non-adjacent chunks) are
+# checkpointed, and the checkpoint resumes on one worker.
+run il_tp2 -n 4 --tp 2 --pp 2 --micro-batches 4 --pipeline-schedule interleaved --virtual-stages 2 \
+  --checkpoint-every 8 --checkpoint-dir "$out/il_tp2"
 for re in '^pipeline +2 stages x 2 virtual stages .*, layers per virtual stage [0-9]+/[0-9]+/[0-9]+/[0-9]+, 4 micro-batches, interleaved' \
           '^bubble +[0-9.]+ idle/compute measured .*theory \(pp-1\)/\(m\*v\) = 0\.1[23]'; do
   grep -qE -- "$re" "$out/il.log" || fail "report: no line matches /$re/"
 done
 for d in one pp; do mkdir -p "$out/$d" && cp -r "$out/il/step-00000008" "$out/$d/"; done
 run one -n 1 --strategy single --checkpoint-dir "$out/one" --resume
+mkdir -p "$out/tp_one" && cp -r "$out/il_tp2/step-00000008" "$out/tp_one/"
+run tp_one -n 1 --strategy single --checkpoint-dir "$out/tp_one" --resume
 run pp -n 2 --pp 2 --micro-batches 4 --pipeline-schedule 1f1b --checkpoint-dir "$out/pp" --resume
 
 python3 - "$out" <<'PY' || fails=$((fails + 1))
@@ -42,7 +48,8 @@ def steps(name):
     except FileNotFoundError:
         return {}
 ref, ok = steps("single"), True
-for name, first in (("il", 1), ("il_dp2_zero1", 1), ("il_dp2_zero3", 1), ("one", 9), ("pp", 9)):
+for name, first in (("il", 1), ("il_dp2_zero1", 1), ("il_dp2_zero3", 1), ("il_tp2", 1), ("one", 9), ("pp", 9),
+                    ("tp_one", 9)):
     got = steps(name)
     want = list(range(first, 17))
     if sorted(got) != want or sorted(ref) != list(range(1, 17)):

@@ -104,6 +104,9 @@ TEST(EngineConfig, InterleavedScheduleRefusesBadCombinations) {
   c.micro_batches = 4;
   EXPECT_EQ(refusal(c, 2, 8), "");
   EXPECT_EQ(refusal(c, 4, 16), "");  // dp 2 x pp 2
+  ParallelConfig with_tp = c;
+  with_tp.tp = 2;
+  EXPECT_EQ(refusal(with_tp, 4, 16), "");  // tp 2 x pp 2: every rank writes its pieces of its chunks
   EXPECT_EQ(parse_pipeline_schedule("interleaved"), PipelineSchedule::kInterleaved);
   EXPECT_STREQ(to_string(PipelineSchedule::kInterleaved), "interleaved");
   // Each change of the valid configuration c, and what its refusal must say.
@@ -113,7 +116,6 @@ TEST(EngineConfig, InterleavedScheduleRefusesBadCombinations) {
       {[](ParallelConfig& b) { b.schedule = PipelineSchedule::kGPipe; },
        "--virtual-stages 2 needs --pipeline-schedule interleaved (gpipe"},
       {[](ParallelConfig& b) { b.pp = 1; }, "needs --pp 2 or more"},
-      {[](ParallelConfig& b) { b.tp = 2; }, "composes with --tp 1 only"},
       {[](ParallelConfig& b) { b.partition = parse_partition("1,2,3", 3); },
        "lists 3 stage(s) for --pp 2 x --virtual-stages 2; give 4 layer counts"},
   };
