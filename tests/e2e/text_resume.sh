@@ -7,7 +7,8 @@
 # two, a float32 rounding difference that Adam carries forward: within 2e-5, the bound
 # e2e_text_grad_accum holds for layouts of the same global batch. The uninterrupted run writes
 # --out as without checkpoints, saves the last step and keeps the newest --keep 2; the stopped
-# one writes no --out and deletes the stop file.
+# one writes no --out and deletes the stop file. Its checkpoint also resumes under tp 2 x ZeRO-3
+# on 4 workers (within 2e-5) and that run writes --out.
 # usage: text_resume.sh TANDEM [DATA_DIR]
 set -uo pipefail
 tandem=$1
@@ -53,12 +54,17 @@ run stopped "$tandem" pretrain -n 2 --out "$tmp/pre_s" --checkpoint-dir "$tmp/ck
   --metrics "$tmp/stopped.jsonl" "${common[@]}" "${shape[@]}"
 check "the stopped run ends at step 3 ($(steps_in "$tmp/ck_s")), deletes the stop file, writes no --out" \
   "'$(steps_in "$tmp/ck_s")' == 'step-00000003 ' and not $([ -e "$tmp/stop" ] && echo True || echo False) and not $([ -e "$tmp/pre_s/model.pt" ] && echo True || echo False)"
-mkdir -p "$tmp/ck_1" && cp -r "$tmp/ck_s/." "$tmp/ck_1/"
+mkdir -p "$tmp/ck_1" "$tmp/ck_tp" && cp -r "$tmp/ck_s/." "$tmp/ck_1/" && cp -r "$tmp/ck_s/." "$tmp/ck_tp/"
 run resumed "$tandem" pretrain -n 2 --out "$tmp/pre_s" --checkpoint-dir "$tmp/ck_s" --resume \
   --metrics "$tmp/resumed.jsonl" "${common[@]}" "${shape[@]}" && same pre resumed 1e-6
 [ -f "$tmp/pre_s/model.pt" ] || { echo "FAIL the resumed run wrote no --out"; fails=$((fails + 1)); }
 run resumed_1 "$tandem" pretrain -n 1 --strategy single --out "$tmp/pre_1" --checkpoint-dir "$tmp/ck_1" --resume \
   --metrics "$tmp/resumed_1.jsonl" "${common[@]}" "${shape[@]}" && same pre resumed_1 2e-5
+# The same checkpoint under tp 2 x ZeRO-3 over 2 replicas: each rank reads its block's chunk, saves
+# its own pieces, and the whole model is written to --out.
+run resumed_tp "$tandem" pretrain -n 4 --tp 2 --strategy zero3 --out "$tmp/pre_tp" --checkpoint-dir "$tmp/ck_tp" \
+  --resume --metrics "$tmp/resumed_tp.jsonl" "${common[@]}" "${shape[@]}" && same pre resumed_tp 2e-5
+[ -f "$tmp/pre_tp/model.pt" ] || { echo "FAIL the tp x zero3 run wrote no --out"; fails=$((fails + 1)); }
 
 # Fine-tuning from the pre-trained model: uninterrupted; stopped at step 3 and resumed.
 ft=(--checkpoint "$tmp/pre" --data "$data" --batch 8 --threads 1 --no-progress --steps 6 --lr 1e-3 --warmup-steps 2
