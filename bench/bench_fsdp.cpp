@@ -158,12 +158,12 @@ int main(int argc, char** argv) {
     if (s == 0) loss_first = loss;
     loss_last = loss;
   }
-  const auto st = eng.stats();
+  const auto st = eng.stats().memory;
   // The model state held at a step's start, which MemoryMeter's peak is measured above:
   // parameters, optimizer state, and the gradients of a strategy that keeps them across steps
   // (DDP's buckets; ZeRO-2/3 free theirs in zero_grad() and count them in the peak when alive).
   eng.zero_grad();
-  const auto at_start = eng.stats();
+  const auto at_start = eng.stats().memory;
   // Per rank: heap peak above the start, activation peak, model state, gathered peak, step ms,
   // shared memory resident after the steps, ZeRO's block reserved, heap + shared peak.
   const int64_t heap = heap_base < 0 ? -1 : heap_call("heap_peak_bytes") - heap_base;
@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
                              static_cast<double>(at_start.parameter_bytes + at_start.gradient_bytes +
                                                  at_start.optimizer_state_bytes),
                              static_cast<double>(st.peak_gathered_bytes), median(ms),
-                             static_cast<double>(shared_resident_bytes()), static_cast<double>(st.zero_pool_bytes),
+                             static_cast<double>(shared_resident_bytes()), static_cast<double>(st.pool_bytes),
                              static_cast<double>(total)},
                             torch::kDouble);
   auto all = torch::zeros({world, mine.numel()}, torch::kDouble);

@@ -158,36 +158,66 @@ struct EngineOptions {
   std::string model_name = "model";
 };
 
-// Communication, memory and pipeline figures of this rank since construction or reset_stats().
+// This rank's figures since construction or reset_stats(), one group per component: a reader
+// finds a component's figures together, and a new component adds a group of its own.
 struct EngineStats {
-  int64_t steps = 0;
-  // Every communicator the engine uses (world and the grid's groups): payload per operation.
-  std::map<std::string, OpStats> comm;
-  double comm_seconds = 0.0;  // seconds on the communication engine, all operations
-  double wire_bytes = 0.0;    // bytes a ring algorithm puts on the wire for that payload
-  // DDP only: its all-reduces, the part not hidden behind backward, and the hidden share.
-  double ddp_comm_seconds = 0.0, ddp_exposed_seconds = 0.0, hidden_fraction = 0.0;
-  int64_t ddp_bytes = 0;
-  // Bytes held now: parameters, gradients, optimizer state (fp32 masters included).
-  int64_t parameter_bytes = 0, gradient_bytes = 0, optimizer_state_bytes = 0;
-  int64_t peak_gathered_bytes = 0;  // ZeRO-3: most gathered parameters alive at once
-  int64_t zero_pool_bytes = 0, zero_pool_misses = 0;
-  int64_t peak_rss_bytes = 0;  // this process's resident peak
-  // The most CPU memory allocated above a step's start during its forward and backward passes:
-  // activations and the step's transient buffers, measured by MemoryMeter (tandem/pipeline.h)
-  // where the process installed it, else -1.
-  int64_t peak_activation_bytes = -1;
-  // Pipeline: this stage's mean step and compute milliseconds over the steps after the first,
-  // idle over compute (theory (pp - 1) / (m v), v the virtual stages), and the most
-  // micro-batches (micro-batch and chunk pairs) held at once.
-  double pipeline_step_ms = 0.0, pipeline_compute_ms = 0.0, bubble = 0.0;
-  int64_t peak_live_micro_batches = 0;
-  double loss_scale = 1.0;
-  int64_t skipped_steps = 0;
-  // Checkpoints saved, and the seconds save() held training (asynchronous: gathering and
-  // copying the state; the write runs beside the steps).
-  int64_t checkpoints_saved = 0;
-  double checkpoint_stall_seconds = 0.0;
+  int64_t steps = 0;  // optimizer steps taken, those an fp16 overflow skipped included
+
+  // Every communicator the engine uses (world and the grid's groups).
+  struct Communication {
+    std::map<std::string, OpStats> ops;  // payload per operation, summed over the communicators
+    double seconds = 0.0;                // seconds on the communication engine, all operations
+    double wire_bytes = 0.0;             // bytes a ring algorithm puts on the wire for that payload
+  } comm;
+
+  // DDP only: its gradient all-reduces (zero under another strategy).
+  struct DataParallel {
+    double comm_seconds = 0.0;     // seconds in its all-reduces
+    double exposed_seconds = 0.0;  // the part not hidden behind backward
+    double hidden_fraction = 0.0;  // the hidden share, 1 - exposed / comm
+    int64_t bytes = 0;             // payload all-reduced
+  } ddp;
+
+  // Bytes this rank holds.
+  struct Memory {
+    int64_t parameter_bytes = 0;        // parameters held now
+    int64_t gradient_bytes = 0;         // gradients held now
+    int64_t optimizer_state_bytes = 0;  // optimizer state held now (fp32 masters included)
+    int64_t peak_gathered_bytes = 0;    // ZeRO-3: most gathered parameters alive at once
+    // ZeRO stages 2, 3 on CPU (tandem/zero.h): the block that scratch and gathered units are
+    // carved from, and how many of those buffers did not fit in it.
+    int64_t pool_bytes = 0;
+    int64_t pool_misses = 0;
+    int64_t peak_rss_bytes = 0;  // this process's resident peak
+    // The most CPU memory allocated above a step's start during its forward and backward
+    // passes: activations and the step's transient buffers, measured by MemoryMeter
+    // (tandem/pipeline.h) where the process installed it, else -1.
+    int64_t peak_activation_bytes = -1;
+  } memory;
+
+  // Pipeline only: this stage's schedule, over the steps after the first.
+  struct PipelineStage {
+    double step_ms = 0.0;     // mean step milliseconds
+    double compute_ms = 0.0;  // mean compute milliseconds
+    // Idle over compute (theory (pp - 1) / (m v), v the virtual stages).
+    double bubble = 0.0;
+    // The most micro-batches (micro-batch and chunk pairs) held at once.
+    int64_t peak_live_micro_batches = 0;
+  } pipeline;
+
+  // The loss scaler (tandem/precision.h; disabled for fp32 and bf16: scale 1, never skips).
+  struct LossScaling {
+    double scale = 1.0;         // the current loss scale
+    int64_t skipped_steps = 0;  // steps skipped for an overflow
+  } scaler;
+
+  // Checkpoints saved with save().
+  struct Checkpointing {
+    int64_t saved = 0;  // checkpoints saved
+    // The seconds save() held training (asynchronous: gathering and copying the state; the write
+    // runs beside the steps).
+    double stall_seconds = 0.0;
+  } checkpoints;
 };
 
 // The model's forward on one input: [B, ...] -> output.

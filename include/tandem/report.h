@@ -64,7 +64,7 @@ struct Report {
 
   // ---- the Engine's figures (collect_engine_report)
   std::vector<int64_t> peak_rss_bytes;  // every rank's resident peak
-  // Every rank's EngineStats::peak_activation_bytes (empty where not measured).
+  // Every rank's EngineStats::memory.peak_activation_bytes (empty where not measured).
   std::vector<int64_t> peak_activation_bytes;
   // tandem plan's memory model of this run's layout, per rank: parameters, gradients, optimizer
   // state, activations (empty where the model has no description for the planner).

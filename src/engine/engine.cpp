@@ -69,7 +69,7 @@ struct Engine::Impl {
   std::vector<CommPtr> comms;
   std::vector<std::map<std::string, OpStats>> comm_before;
   int64_t steps = 0, pipe_steps = 0, peak_live = 0;
-  int64_t peak_activation = -1;  // see EngineStats::peak_activation_bytes
+  int64_t peak_activation = -1;  // see EngineStats::Memory::peak_activation_bytes
   double pipe_step_s = 0.0, pipe_compute_s = 0.0;
   int uncounted_depth = 0;
   std::shared_ptr<AsyncCheckpoint> pending_save;  // an asynchronous save not yet committed
@@ -539,8 +539,8 @@ EngineStats Engine::stats() const {
   const auto& I = *impl_;
   EngineStats s;
   s.steps = I.steps;
-  s.checkpoints_saved = I.saves;
-  s.checkpoint_stall_seconds = I.save_stall_s;
+  s.checkpoints.saved = I.saves;
+  s.checkpoints.stall_seconds = I.save_stall_s;
   for (size_t c = 0; c < I.comms.size(); ++c) {
     std::map<std::string, OpStats> delta;
     for (auto& [op, st] : I.comms[c]->stats()) {
@@ -553,18 +553,18 @@ EngineStats Engine::stats() const {
       }
       if (d.calls <= 0) continue;
       delta[op] = d;
-      auto& sum = s.comm[op];
+      auto& sum = s.comm.ops[op];
       sum.calls += d.calls;
       sum.bytes += d.bytes;
       sum.seconds += d.seconds;
-      s.comm_seconds += d.seconds;
+      s.comm.seconds += d.seconds;
     }
-    s.wire_bytes += wire_bytes(delta, I.comms[c]->size());
+    s.comm.wire_bytes += wire_bytes(delta, I.comms[c]->size());
   }
-  I.up->communication(s);
-  I.up->memory(s);
-  s.peak_rss_bytes = peak_rss_bytes();
-  s.peak_activation_bytes = I.peak_activation;
+  I.up->communication(s.ddp);
+  I.up->memory(s.memory);
+  s.memory.peak_rss_bytes = peak_rss_bytes();
+  s.memory.peak_activation_bytes = I.peak_activation;
   if (I.L.pipe) {
     double step_s = I.pipe_step_s, compute_s = I.pipe_compute_s;
     int64_t n = I.pipe_steps;
@@ -573,13 +573,13 @@ EngineStats Engine::stats() const {
       compute_s = I.L.pipe->stats().compute_seconds;
       n = 1;
     }
-    s.bubble = compute_s > 0 ? std::max(0.0, step_s - compute_s) / compute_s : 0.0;
-    s.pipeline_step_ms = step_s * 1e3 / static_cast<double>(std::max<int64_t>(1, n));
-    s.pipeline_compute_ms = compute_s * 1e3 / static_cast<double>(std::max<int64_t>(1, n));
-    s.peak_live_micro_batches = I.peak_live;
+    s.pipeline.bubble = compute_s > 0 ? std::max(0.0, step_s - compute_s) / compute_s : 0.0;
+    s.pipeline.step_ms = step_s * 1e3 / static_cast<double>(std::max<int64_t>(1, n));
+    s.pipeline.compute_ms = compute_s * 1e3 / static_cast<double>(std::max<int64_t>(1, n));
+    s.pipeline.peak_live_micro_batches = I.peak_live;
   }
-  s.loss_scale = I.up->scaler().scale();
-  s.skipped_steps = I.up->scaler().skipped_steps();
+  s.scaler.scale = I.up->scaler().scale();
+  s.scaler.skipped_steps = I.up->scaler().skipped_steps();
   return s;
 }
 

@@ -30,12 +30,11 @@ std::string joined(const std::vector<T>& v, const char* sep) {
 
 // Each stage's bubble, step and compute time and live micro-batches, from the stages of this
 // rank's replica (collective over the pipeline group).
-void gather_pipeline(Engine& eng, const EngineStats& s, Report& rep) {
+void gather_pipeline(Engine& eng, const EngineStats::PipelineStage& s, Report& rep) {
   const int pp = eng.config().pp;
-  auto mine = torch::tensor({s.bubble, static_cast<double>(s.peak_live_micro_batches), s.pipeline_step_ms,
-                             s.pipeline_compute_ms},
-                            torch::kDouble)
-                  .to(eng.device());
+  auto mine =
+      torch::tensor({s.bubble, static_cast<double>(s.peak_live_micro_batches), s.step_ms, s.compute_ms}, torch::kDouble)
+          .to(eng.device());
   auto all = torch::empty({4 * pp}, mine.options());
   eng.grid()->pp()->allgather(all, mine);
   auto host = all.cpu();
@@ -57,7 +56,7 @@ void gather_pipeline(Engine& eng, const EngineStats& s, Report& rep) {
 }
 
 // Every rank's peaks, model state and pipeline stage; rank 0's model state alone as well.
-void gather_memory(Engine& eng, const EngineStats& s, Report& rep) {
+void gather_memory(Engine& eng, const EngineStats::Memory& s, Report& rep) {
   const int world = eng.world_size();
   const int64_t stage = eng.grid() ? eng.grid()->pp_rank() : 0;
   auto mine = torch::tensor({s.peak_rss_bytes, s.peak_activation_bytes, s.parameter_bytes, s.gradient_bytes,
@@ -86,8 +85,8 @@ void gather_memory(Engine& eng, const EngineStats& s, Report& rep) {
   rep.gradient_bytes = rep.model_state_bytes_per_rank[0][1];
   rep.optimizer_state_bytes = rep.model_state_bytes_per_rank[0][2];
   rep.peak_gathered_bytes = s.peak_gathered_bytes;
-  rep.zero_pool_bytes = s.zero_pool_bytes;
-  rep.zero_pool_misses = s.zero_pool_misses;
+  rep.zero_pool_bytes = s.pool_bytes;
+  rep.zero_pool_misses = s.pool_misses;
 }
 
 // "label" padded to the report's column of values.
@@ -306,19 +305,19 @@ void collect_engine_report(Engine& eng, Report& rep) { collect_engine_report(eng
 void collect_engine_report(Engine& eng, const EngineStats& s, Report& rep) {
   const double steps = static_cast<double>(std::max<int64_t>(s.steps, 1));
   rep.comm_bytes_per_step.clear();
-  for (const auto& [op, d] : s.comm) rep.comm_bytes_per_step[op] = d.bytes / steps;
-  rep.wire_bytes_per_step = s.wire_bytes / steps;
-  rep.comm_engine_seconds = s.comm_seconds;
-  rep.loss_scale = s.loss_scale;
-  rep.skipped_steps = s.skipped_steps;
-  rep.checkpoints_saved = s.checkpoints_saved;
-  rep.checkpoint_stall_seconds = s.checkpoint_stall_seconds;
-  rep.comm_seconds = s.ddp_comm_seconds;
-  rep.exposed_comm_seconds = s.ddp_exposed_seconds;
-  rep.hidden_fraction = s.hidden_fraction;
-  rep.comm_bytes = s.ddp_bytes;
-  if (eng.config().pp > 1) gather_pipeline(eng, s, rep);
-  gather_memory(eng, eng.stats(), rep);
+  for (const auto& [op, d] : s.comm.ops) rep.comm_bytes_per_step[op] = d.bytes / steps;
+  rep.wire_bytes_per_step = s.comm.wire_bytes / steps;
+  rep.comm_engine_seconds = s.comm.seconds;
+  rep.loss_scale = s.scaler.scale;
+  rep.skipped_steps = s.scaler.skipped_steps;
+  rep.checkpoints_saved = s.checkpoints.saved;
+  rep.checkpoint_stall_seconds = s.checkpoints.stall_seconds;
+  rep.comm_seconds = s.ddp.comm_seconds;
+  rep.exposed_comm_seconds = s.ddp.exposed_seconds;
+  rep.hidden_fraction = s.ddp.hidden_fraction;
+  rep.comm_bytes = s.ddp.bytes;
+  if (eng.config().pp > 1) gather_pipeline(eng, s.pipeline, rep);
+  gather_memory(eng, eng.stats().memory, rep);
 }
 
 std::string format_report(const Report& r) {

@@ -121,13 +121,13 @@ class Replicated final : public Updater {
   at::Tensor accumulate(const at::Tensor& x, const at::Tensor& y, int64_t k, const MicroBatchPass& pass) override {
     return accumulate_gradients(x, y, k, ddp_.get(), nullptr, pass);
   }
-  void communication(EngineStats& s) const override {
+  void communication(EngineStats::DataParallel& s) const override {
     if (!ddp_) return;
     auto d = ddp_->stats();
-    s.ddp_comm_seconds = d.comm_seconds;
-    s.ddp_exposed_seconds = d.exposed_seconds;
+    s.comm_seconds = d.comm_seconds;
+    s.exposed_seconds = d.exposed_seconds;
     s.hidden_fraction = d.hidden_fraction();
-    s.ddp_bytes = d.bytes;
+    s.bytes = d.bytes;
   }
   void reset_stats() override {
     if (ddp_) ddp_->reset_stats();
@@ -169,7 +169,7 @@ class Replicated final : public Updater {
   void restore_loss_scaler(const CheckpointMeta& m) override {
     opt_->restore_loss_scaler(m.loss_scale, m.loss_scale_good_steps, m.skipped_steps);
   }
-  void memory(EngineStats& s) const override {
+  void memory(EngineStats::Memory& s) const override {
     for (auto& p : L_.trained) {
       s.parameter_bytes += p.numel() * p.element_size();
       if (p.grad().defined()) s.gradient_bytes += p.grad().numel() * p.grad().element_size();
@@ -248,14 +248,14 @@ class Sharded final : public Updater {
   void restore_loss_scaler(const CheckpointMeta& m) override {
     zero_->restore_loss_scaler(m.loss_scale, m.loss_scale_good_steps, m.skipped_steps);
   }
-  void memory(EngineStats& s) const override {
+  void memory(EngineStats::Memory& s) const override {
     auto m = zero_->memory();
     s.parameter_bytes = m.parameter_bytes;
     s.gradient_bytes = m.gradient_bytes;
     s.optimizer_state_bytes = m.optimizer_state_bytes;
     s.peak_gathered_bytes = m.peak_gathered_bytes;
-    s.zero_pool_bytes = m.pool_bytes;
-    s.zero_pool_misses = m.pool_misses;
+    s.pool_bytes = m.pool_bytes;
+    s.pool_misses = m.pool_misses;
   }
 
  private:

@@ -85,7 +85,7 @@ class Updater {
   // strategy does (tandem/accumulate.h).
   virtual at::Tensor accumulate(const at::Tensor& x, const at::Tensor& y, int64_t k, const MicroBatchPass& pass) = 0;
   // The strategy's own communication figures (DDP's exposed and hidden all-reduce time).
-  virtual void communication(EngineStats&) const {}
+  virtual void communication(EngineStats::DataParallel&) const {}
   virtual void reset_stats() {}
 
   // State that moves (checkpoints, initial values): what this rank holds of every parameter
@@ -101,7 +101,7 @@ class Updater {
   // replicas and shards). Collective over the data-parallel group for ZeRO.
   virtual void finish_load() = 0;
   virtual void restore_loss_scaler(const CheckpointMeta& meta) = 0;
-  virtual void memory(EngineStats& s) const = 0;
+  virtual void memory(EngineStats::Memory& s) const = 0;
 };
 
 std::unique_ptr<Updater> make_updater(Layout& layout, const OptimizerOptions& optimizer);

@@ -219,7 +219,7 @@ TEST(EngineShardedUnits, BlocksInAModuleListAreUnits) {
   auto [x, y] = global_batch(10, 300, 5);
   torch::NoGradGuard ng;
   EXPECT_LT(rel_err(eng.predict(x), trained->forward(x)), 1e-5);
-  const int64_t peak = eng.stats().peak_gathered_bytes;
+  const int64_t peak = eng.stats().memory.peak_gathered_bytes;
   const int64_t slack = 3 * 4 * eng.world_size();  // each unit padded to a multiple of the ranks
   EXPECT_GT(peak, 0);
   EXPECT_LE(peak, whole - block + slack) << "whole model " << whole << " bytes, a block " << block;

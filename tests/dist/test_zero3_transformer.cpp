@@ -108,7 +108,7 @@ TEST(Zero3Transformer, FollowsDdpWithinThreeUnitsAndResumesOnOtherCounts) {
     eng.save(root, m);
     const auto rest = train(eng, kSteps / 2, kSteps / 2);
     zero3.insert(zero3.end(), rest.begin(), rest.end());
-    const int64_t peak = eng.stats().peak_gathered_bytes;
+    const int64_t peak = eng.stats().memory.peak_gathered_bytes;
     EXPECT_GE(peak, 2 * block) << "the next unit was not prefetched";
     EXPECT_LE(peak, bound) << "whole model " << whole << " bytes, a block " << block;
     if (rank == 0) {
@@ -178,7 +178,7 @@ TEST(Zero3WrapPolicy, BlockUnitsByTypePathOrSizeFollowDdp) {
     Engine eng(runtime(), wrapped, adamw(3e-3), with(Strategy::kZero3));
     const auto got = train(eng, 0, 6);
     for (size_t i = 0; i < ddp.size(); ++i) EXPECT_NEAR(got[i], ddp[i], 1e-5) << rule << ", step " << i;
-    peak_blocks = eng.stats().peak_gathered_bytes;
+    peak_blocks = eng.stats().memory.peak_gathered_bytes;
     EXPECT_GE(peak_blocks, root + block) << rule;
     EXPECT_LE(peak_blocks, root + 3 * block + 9 * 4 * N) << rule << ": root " << root << ", a block " << block;
     EXPECT_LT(peak_blocks, whole) << rule;
@@ -188,8 +188,8 @@ TEST(Zero3WrapPolicy, BlockUnitsByTypePathOrSizeFollowDdp) {
   Engine eng(runtime(), apply_wrap_policy(make_lm(5), half), adamw(3e-3), with(Strategy::kZero3));
   const auto got = train(eng, 0, 6);
   for (size_t i = 0; i < ddp.size(); ++i) EXPECT_NEAR(got[i], ddp[i], 1e-5) << "blocks 1-4, step " << i;
-  EXPECT_GE(eng.stats().peak_gathered_bytes, root + 4 * block) << "blocks 5-8 belong to the root unit";
-  EXPECT_GT(eng.stats().peak_gathered_bytes, peak_blocks);
+  EXPECT_GE(eng.stats().memory.peak_gathered_bytes, root + 4 * block) << "blocks 5-8 belong to the root unit";
+  EXPECT_GT(eng.stats().memory.peak_gathered_bytes, peak_blocks);
 }
 
 // A user module keeping its layers in a ModuleList: its entries are not children of the Sequential.
