@@ -1,12 +1,13 @@
 // libFuzzer target: checkpoint manifest text -> parse_manifest(). Besides crashes and
 // sanitizer reports, it checks the promises the loader (checkpoint.cpp) relies on after a
-// successful parse, and that every rejection is a std::runtime_error (anything else escaping
-// aborts, which the fuzzer reports).
+// successful parse (every tensor's pieces valid and covering it exactly once, in every layout), and that every
+// rejection is a std::runtime_error (anything else escaping aborts, which the fuzzer reports).
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "checkpoint/manifest.h"
 
@@ -31,6 +32,28 @@ void check(const tandem::ckpt::Manifest& m) {
     }
     require(numel == p.numel);
   }
+  // What the loader relies on for every layout: each tensor's pieces name a rank of the world,
+  // hold a valid placement of the tensor's shape, and cover it exactly once.
+  for (auto& [key, t] : m.tensors) {
+    require(!key.empty());
+    std::vector<std::vector<tandem::PlacementRun>> runs;
+    int64_t numel = 1;
+    for (auto s : t.shape) numel *= s;
+    for (auto& p : t.pieces) {
+      require(p.rank >= 0 && p.rank < n && !p.entry.empty() && p.entry_offset >= 0);
+      require(p.placement.global_shape == t.shape);
+      try {
+        p.placement.check("fuzz");
+      } catch (const std::invalid_argument&) {
+        std::abort();
+      }
+      runs.push_back(tandem::placement_runs(p.placement));
+    }
+    require(tandem::placement_cover_error(runs, numel).empty());
+  }
+  for (auto& p : m.params) require(m.tensors.count(tandem::ckpt::state_key("param", p.name)) == 1);
+  for (auto& b : m.buffers) require(m.tensors.count(tandem::ckpt::state_key("buffer", b.name)) == 1);
+  if (m.layout == LayoutKind::kPieces) return;
   require(m.buffer_owner.size() == m.buffers.size());
   for (int r : m.buffer_owner) require(r >= 0 && r < n);
   if (m.layout == LayoutKind::kZero) {
