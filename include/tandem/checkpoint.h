@@ -131,6 +131,27 @@ struct StateTarget {
 CheckpointMeta load_state(const std::string& dir, const StateTarget& t, int rank, Communicator* comm,
                           const CheckpointLoadOptions& o = {});
 
+// Initial values of parameters by their names in the dense model (EngineOptions::init_from,
+// load_parameters below), e.g.
+// a Hugging Face directory's safetensors files. Once the model is cut and sharded, every rank is
+// asked for exactly the elements it holds (tandem/placement.h): a pipeline stage's tensors, a
+// tensor-parallel block's rows or columns, a ZeRO-3 shard's flat range.
+class ParameterSource {
+ public:
+  virtual ~ParameterSource() = default;
+  // Whether it holds a value for `name` (and its shape); false: the parameter keeps its own.
+  virtual bool find(const std::string& name, std::vector<int64_t>* shape) const = 0;
+  // Copies elements [first, first + dest.numel()) of the flattened tensor `name` into the 1-D
+  // `dest` (converted to its dtype). Throws std::runtime_error naming what could not be read.
+  virtual void read(const std::string& name, int64_t first, at::Tensor dest) const = 0;
+};
+
+// Collective over `comm`: fills every "param/NAME" piece whose NAME `source` has, run by run,
+// so that a rank reads only the elements it holds. Throws std::runtime_error on every rank when
+// any rank's read failed, or a value's shape is not the parameter's (the pieces are then partly
+// written).
+void load_parameters(const ParameterSource& source, const std::vector<StatePiece>& pieces, Communicator& comm);
+
 // Collective over `comm` (CPU tensors: pass Runtime::cpu_world()). From a module whose
 // parameters every rank holds in full (DDP, one worker): `opt` is the optimizer over the
 // module's parameters in order (or over fp32 masters of them, MixedPrecisionOptimizer).

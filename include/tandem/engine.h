@@ -130,20 +130,6 @@ struct StepOptions {
   double loss_weight = 1.0;  // this rank's loss is multiplied by it (unequal batch shares)
 };
 
-// Initial values of parameters by their names in the dense model (EngineOptions::init_from), e.g.
-// a Hugging Face directory's safetensors files. Once the model is cut and sharded, every rank is
-// asked for exactly the elements it holds (tandem/placement.h): a pipeline stage's tensors, a
-// tensor-parallel block's rows or columns, a ZeRO-3 shard's flat range.
-class ParameterSource {
- public:
-  virtual ~ParameterSource() = default;
-  // Whether it holds a value for `name` (and its shape); false: the parameter keeps its own.
-  virtual bool find(const std::string& name, std::vector<int64_t>* shape) const = 0;
-  // Copies elements [first, first + dest.numel()) of the flattened tensor `name` into the 1-D
-  // `dest` (converted to its dtype). Throws std::runtime_error naming what could not be read.
-  virtual void read(const std::string& name, int64_t first, at::Tensor dest) const = 0;
-};
-
 struct EngineOptions {
   // Tensor parallelism: converts the dense Sequential into its tensor-parallel form over the tp
   // group (collective). Default: tp::tensor_parallel (Linear pairs, Tandem's transformer).

@@ -95,5 +95,9 @@ ParamOptimizerState get_param_state(const torch::optim::Optimizer& opt, const at
 // std::invalid_argument when the slots do not fit the optimizer (Adam and LAMB need exp_avg
 // and exp_avg_sq, SGD and LARS momentum_buffer) or a tensor's size differs from the parameter's.
 void set_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, const ParamOptimizerState& s);
+// Replaces that state by zeros in `slots` with this step count (none when `slots` is empty): the
+// state a checkpoint's load then writes into.
+void reset_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, const std::vector<std::string>& slots,
+                       int64_t step);
 
 }  // namespace tandem

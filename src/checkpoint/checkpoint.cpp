@@ -655,6 +655,30 @@ CheckpointMeta load_state(const std::string& dir, const StateTarget& t, int rank
   return M.meta;
 }
 
+void load_parameters(const ParameterSource& source, const std::vector<StatePiece>& pieces, Communicator& comm) {
+  std::string err;
+  try {
+    torch::NoGradGuard ng;
+    for (const auto& piece : pieces) {
+      const auto [kind, name] = split_key(piece.key);
+      std::vector<int64_t> shape;
+      if (kind != "param" || !source.find(name, &shape)) continue;
+      if (shape != piece.placement.global_shape) {
+        throw std::runtime_error("the initial value of '" + name + "' has shape " + shape_str(shape) +
+                                 ", the model's parameter " + shape_str(piece.placement.global_shape));
+      }
+      auto dst = piece.data.device().is_cpu() ? piece.data
+                                              : at::empty({piece.data.numel()}, piece.data.options().device(at::kCPU));
+      for (const auto& r : placement_runs(piece.placement))
+        source.read(name, r.global, dst.narrow(0, r.held, r.length));
+      if (!dst.is_same(piece.data)) piece.data.copy_(dst);
+    }
+  } catch (const std::exception& e) {
+    err = std::string("reading the initial parameters: ") + e.what();
+  }
+  agree(comm, err, "reading the initial parameters");
+}
+
 std::string save_checkpoint(const std::string& root, CheckpointMeta meta, torch::nn::Module& model,
                             torch::optim::Optimizer& opt, Communicator& comm, const CheckpointSaveOptions& o) {
   meta.optimizer = optimizer_kind(opt);
@@ -671,12 +695,7 @@ CheckpointMeta load_checkpoint(const std::string& dir, torch::nn::Module& model,
   t.optimizer = optimizer_kind(opt);
   const auto ops = optimizer_params(opt);
   t.prepare = [&](const std::vector<std::string>& slots, int64_t step) {
-    for (const auto& p : ops) {
-      ParamOptimizerState s;
-      s.step = step;
-      for (const auto& k : slots) s.slots[k] = at::zeros_like(p);
-      set_param_state(opt, p, s);
-    }
+    for (const auto& p : ops) reset_param_state(opt, p, slots, step);
   };
   t.pieces = [&] { return replicated_pieces(model, opt, 0); };
   auto meta = load_state(dir, t, rank, nullptr, o);

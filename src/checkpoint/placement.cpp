@@ -147,10 +147,9 @@ void Placement::check(const std::string& what) const {
     need(covered == local_numel(), what,
          "the blocks hold " + std::to_string(covered) + " elements, the local tensor " + std::to_string(local_numel()));
     std::vector<std::pair<int64_t, int64_t>> local;  // local runs
-    Placement whole_local = *this;
     for (const auto& b : blocks) {
       std::vector<PlacementRun> r;
-      block_runs(whole_local, b, r);
+      block_runs(*this, b, r);
       for (auto& x : r) local.emplace_back(x.held, x.length);
     }
     std::sort(local.begin(), local.end());

@@ -160,7 +160,7 @@ void Engine::Impl::place_parameters() {
     const auto dot = p.dense_name.find('.');
     auto it = child_name.find(p.dense_name.substr(0, dot));
     if (it != child_name.end()) p.dense_name = it->second + p.dense_name.substr(dot);
-    L.placed[p.name] = {p.dense_name, p.placement};
+    L.placed[p.name] = p;
   }
 }
 
@@ -480,34 +480,10 @@ CheckpointMeta Engine::load(const std::string& dir_or_root, CheckpointLoadOption
   return meta;
 }
 
-// Every rank reads the elements it holds of each parameter the source has, run by run; a rank
-// that fails makes every rank throw (the values are then partly read).
+// Every rank reads the elements it holds of each parameter the source has (load_parameters),
+// then the strategy carries them to its shards and compute copies.
 void Engine::Impl::initialise(const ParameterSource& source) {
-  std::string err;
-  try {
-    for (auto& piece : up->state()) {
-      if (piece.key.rfind("param/", 0) != 0) continue;
-      const std::string name = piece.key.substr(6);
-      std::vector<int64_t> shape;
-      if (!source.find(name, &shape)) continue;
-      if (shape != piece.placement.global_shape) {
-        throw std::runtime_error("the initial value of '" + name + "' has shape " + c10::str(c10::IntArrayRef(shape)) +
-                                 ", the model's parameter " + c10::str(c10::IntArrayRef(piece.placement.global_shape)));
-      }
-      auto dst = piece.data.device().is_cpu() ? piece.data
-                                              : at::empty({piece.data.numel()}, piece.data.options().device(at::kCPU));
-      for (const auto& r : placement_runs(piece.placement))
-        source.read(name, r.global, dst.narrow(0, r.held, r.length));
-      if (!dst.is_same(piece.data)) piece.data.copy_(dst);
-    }
-  } catch (const std::exception& e) {
-    err = "rank " + std::to_string(L.world->rank()) + ": reading the initial parameters: " + e.what();
-  }
-  auto flag = at::tensor({static_cast<int64_t>(err.empty() ? 0 : 1)}, at::kLong);
-  L.rt->cpu_world()->allreduce(flag, ReduceOp::kSum);
-  if (!err.empty()) throw std::runtime_error(err);
-  if (flag.item<int64_t>() > 0)
-    throw std::runtime_error("reading the initial parameters failed on another rank (see its error)");
+  load_parameters(source, up->state(), *L.rt->cpu_world());
   up->finish_load();
 }
 

@@ -31,10 +31,7 @@ torch::nn::Sequential Layout::dense_sequential() const {
   return torch::nn::Sequential(seq);
 }
 
-int64_t Layout::replica_rank() const {
-  const int64_t tp_rank = grid ? grid->tp()->rank() : 0;
-  return tp_rank + static_cast<int64_t>(cfg.tp) * dp->rank();
-}
+int64_t Layout::replica_rank() const { return (grid ? grid->tp()->rank() : 0) + dp_replica(); }
 
 std::vector<StatePiece> Layout::buffer_state() const {
   std::vector<StatePiece> out;
@@ -137,11 +134,10 @@ class Replicated final : public Updater {
     std::vector<StatePiece> out;
     const auto masters = optimizer_tensors();
     const auto named = L_.trained_module->named_parameters();
-    const int64_t dp_replica = static_cast<int64_t>(L_.cfg.tp) * L_.dp->rank();
     for (size_t i = 0; i < named.size(); ++i) {
       const auto& placed = L_.placed.at(named[i].key());
       auto p = placed.placement;
-      p.replica += dp_replica;
+      p.replica += L_.dp_replica();
       append_optimizer_pieces(out, placed.dense_name, p, masters.at(i), opt_->optimizer());
     }
     return out;
@@ -153,12 +149,7 @@ class Replicated final : public Updater {
     return step;
   }
   void prepare_load(const std::vector<std::string>& slots, int64_t step) override {
-    for (auto& m : optimizer_tensors()) {
-      ParamOptimizerState s;
-      s.step = step;
-      for (const auto& k : slots) s.slots[k] = at::zeros_like(m);
-      set_param_state(opt_->optimizer(), m, s);
-    }
+    for (auto& m : optimizer_tensors()) reset_param_state(opt_->optimizer(), m, slots, step);
   }
   void finish_load() override {
     torch::NoGradGuard ng;

@@ -45,19 +45,17 @@ struct Layout {
   // Where each parameter of trained_module lies in the dense model (tandem/placement.h), by its
   // name in trained_module: its dense name, and its block for a tensor-parallel rank (replica
   // id: its copy's number among the tp ranks). Set once the module is cut and converted.
-  struct Placed {
-    std::string dense_name;
-    Placement placement;
-  };
-  std::map<std::string, Placed> placed;
+  std::map<std::string, ParameterPlacement> placed;
 
   int dp_size() const { return dp->size(); }
   torch::nn::Sequential net_sequential() const;  // throws when net is not a Sequential
   torch::nn::Sequential dense_sequential() const;
   // This rank's buffers (whole, replica id: the rank's place among those holding them).
   std::vector<StatePiece> buffer_state() const;
-  // The rank's number among the tp x dp ranks that hold the same stage.
+  // The rank's number among the tp x dp ranks that hold the same stage, and the part the
+  // data-parallel rank adds to a tp replica id (every dp rank but 0 holds a copy).
   int64_t replica_rank() const;
+  int64_t dp_replica() const { return static_cast<int64_t>(cfg.tp) * dp->rank(); }
 };
 
 class Updater {

@@ -97,4 +97,12 @@ void LossScaler::restore(double scale, int64_t overflow_free_steps, int64_t skip
   skipped_ = skipped_steps;
 }
 
+void reset_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, const std::vector<std::string>& slots,
+                       int64_t step) {
+  ParamOptimizerState s;
+  s.step = step;
+  for (const auto& k : slots) s.slots[k] = at::zeros_like(param);
+  set_param_state(opt, param, s);
+}
+
 }  // namespace tandem

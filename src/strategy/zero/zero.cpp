@@ -250,12 +250,7 @@ int64_t ZeroDataParallel::optimizer_step() const {
 
 void ZeroDataParallel::reset_optimizer_state(const std::vector<std::string>& slots, int64_t step) {
   auto& I = *impl_;
-  for (auto& bk : I.buckets) {
-    ParamOptimizerState ps;
-    ps.step = step;
-    for (const auto& k : slots) ps.slots[k] = at::zeros_like(bk.master);
-    set_param_state(*I.optim, bk.master, ps);
-  }
+  for (auto& bk : I.buckets) reset_param_state(*I.optim, bk.master, slots, step);
 }
 
 void ZeroDataParallel::refresh_from_shards() {
