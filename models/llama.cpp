@@ -8,6 +8,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "tandem/lora.h"
+
 namespace tandem::llama {
 namespace {
 
@@ -234,7 +236,8 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c)
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  return o_proj(attend(q_proj(x), k_proj(x), v_proj(x), cos, sin, heads, kv_heads, head_dim));
+  return lora::linear(o_proj, attend(lora::linear(q_proj, x), lora::linear(k_proj, x), lora::linear(v_proj, x), cos, sin,
+                                     heads, kv_heads, head_dim));
 }
 
 MLPImpl::MLPImpl(const LlamaConfig& c) {
@@ -243,7 +246,9 @@ MLPImpl::MLPImpl(const LlamaConfig& c) {
   down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
 }
 
-torch::Tensor MLPImpl::forward(const torch::Tensor& x) { return down_proj(torch::silu(gate_proj(x)) * up_proj(x)); }
+torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
+  return lora::linear(down_proj, torch::silu(lora::linear(gate_proj, x)) * lora::linear(up_proj, x));
+}
 
 DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c) {
   self_attn = register_module("self_attn", Attention(c));
@@ -378,8 +383,8 @@ torch::Tensor ParallelAttentionImpl::forward(const torch::Tensor& x, const torch
                                              const torch::Tensor& sin) {
   // One identity/all-reduce for the three projections (each ColumnParallelLinear would add its own).
   const auto in = tp::copy_to_tp(x, tp);
-  auto y = attend(at::linear(in, q_proj->weight, q_proj->bias), at::linear(in, k_proj->weight, k_proj->bias),
-                  at::linear(in, v_proj->weight, v_proj->bias), cos, sin, local_heads, local_kv_heads, head_dim);
+  auto y = attend(q_proj->project(in, x), k_proj->project(in, x), v_proj->project(in, x), cos, sin, local_heads,
+                  local_kv_heads, head_dim);
   return o_proj(y);
 }
 
@@ -391,8 +396,7 @@ ParallelMLPImpl::ParallelMLPImpl(const MLPImpl& d, const CommPtr& tp_) : tp(tp_)
 
 torch::Tensor ParallelMLPImpl::forward(const torch::Tensor& x) {
   const auto in = tp::copy_to_tp(x, tp);
-  return down_proj(torch::silu(at::linear(in, gate_proj->weight, gate_proj->bias)) *
-                   at::linear(in, up_proj->weight, up_proj->bias));
+  return down_proj(torch::silu(gate_proj->project(in, x)) * up_proj->project(in, x));
 }
 
 ParallelDecoderLayerImpl::ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& d, const CommPtr& tp)

@@ -142,6 +142,10 @@ struct EngineOptions {
   at::Tensor partition_sample;
   // The model's name, recorded in checkpoints; load() refuses a checkpoint of another name.
   std::string model_name = "model";
+  // Frozen parameters (requires_grad false: a LoRA base) get no gradient and no optimizer state
+  // under any strategy; ZeRO-3 still shards them. false: checkpoints hold only the trained
+  // parameters (and buffers), and a resume takes the frozen ones from init_from again.
+  bool save_frozen = true;
 };
 
 // This rank's figures since construction or reset_stats(), one group per component: a reader
@@ -306,9 +310,10 @@ class Engine {
   const Pipeline* pipeline() const;                    // null when pp == 1
   std::vector<int64_t> partition() const;              // layers per stage (pp > 1)
   torch::nn::Module& module();                         // what runs on this rank (its stage, its shards)
-  std::vector<at::Tensor> trained_parameters() const;  // this rank's (stage's, shard's) parameters
+  std::vector<at::Tensor> trained_parameters() const;  // this rank's (stage's, shard's) trainable parameters
   const LossScaler& loss_scaler() const;
-  int64_t parameters() const;  // scalar parameters of the whole dense model
+  int64_t parameters() const;            // scalar parameters of the whole dense model
+  int64_t trainable_parameters() const;  // those of them that require gradients
   // Seconds of the last step's forward passes and losses on this rank, less what ZeRO-3 waited
   // for other ranks' parameters: this rank's own forward compute (for batch-share calibration).
   double last_forward_seconds() const;

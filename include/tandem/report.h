@@ -31,6 +31,7 @@ struct Report {
   int world_size = 1;
   int dp = 1, tp = 1, pp = 1;  // dp x tp x pp = world_size
   int64_t parameters = 0;
+  int64_t trainable_parameters = 0;  // those that require gradients (fewer with LoRA adapters)
   int64_t global_batch = 0;
   int64_t grad_accum = 1;
   int64_t micro_batches = 1;                      // pipeline micro-batches per replica and step (pp > 1)

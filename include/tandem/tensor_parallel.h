@@ -18,6 +18,7 @@
 #include <memory>
 
 #include "tandem/comm.h"
+#include "tandem/lora.h"
 #include "tandem/models.h"
 #include "tandem/parallelizable.h"
 #include "tandem/placement.h"
@@ -55,7 +56,12 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public PlacedModule {
   // From this rank's shard directly: weight [out/tp, in], bias [out/tp] or undefined.
   ColumnParallelLinearImpl(at::Tensor local_weight, at::Tensor local_bias, CommPtr tp, bool gather_output = false);
   torch::Tensor forward(const torch::Tensor& x);
+  // This rank's output columns from `in` = copy_to_tp(x) (several projections of one input
+  // share it), plus the adapter's update of x.
+  torch::Tensor project(const torch::Tensor& in, const torch::Tensor& x);
   torch::Tensor weight, bias;
+  lora::Down lora_A{nullptr};  // a LoRA adapter of the dense layer (tandem/lora.h): A whole,
+  lora::Up lora_B{nullptr};    // B this rank's rows
   CommPtr tp;
   bool gather_output;
   // Gathers in evaluation mode (eval()) even without gather_output: an LM head whose training
@@ -77,6 +83,8 @@ class RowParallelLinearImpl : public torch::nn::Module, public PlacedModule {
   RowParallelLinearImpl(const torch::nn::Linear& dense, CommPtr tp, bool input_is_parallel = true);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight, bias;
+  lora::Down lora_A{nullptr};  // a LoRA adapter of the dense layer: A this rank's columns,
+  lora::Up lora_B{nullptr};    // B whole
   CommPtr tp;
   bool input_is_parallel;
   // weight: block tp rank of the input columns; bias: whole on every tp rank.

@@ -207,6 +207,8 @@ class ZeroDataParallel {
   Precision precision() const;
   // Stage 3: the number of units (1 for a module that is not a Sequential); 0 otherwise.
   int units() const;
+  // Stage 3: scalars of the frozen parameters (requires_grad false) it shards; 0 otherwise.
+  int64_t frozen_numel() const;
 
   ZeroMemory memory() const;
   int stage() const;

@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -116,15 +117,34 @@ struct Engine::Impl {
   void checkpoint_layers(std::vector<int64_t>& cut);
   void initialise(const ParameterSource& source);
   void place_parameters();
+  // What checkpoints hold: the strategy's pieces (frozen parameters unless save_frozen is off)
+  // and the buffers.
   std::vector<StatePiece> state() {
     auto pieces = up->state();
+    if (!L.opts.save_frozen) {
+      pieces.erase(std::remove_if(pieces.begin(), pieces.end(),
+                                  [&](const StatePiece& p) {
+                                    return p.key.rfind("param/", 0) == 0 && frozen.count(p.key.substr(6));
+                                  }),
+                   pieces.end());
+    }
     auto buffers = L.buffer_state();
     pieces.insert(pieces.end(), buffers.begin(), buffers.end());
     return pieces;
   }
+  // The dense parameters a checkpoint must hold.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> saved_params() const {
+    if (L.opts.save_frozen) return dense_params;
+    std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+    for (const auto& p : dense_params)
+      if (!frozen.count(p.first)) out.push_back(p);
+    return out;
+  }
   // The whole model's names and shapes, taken before any cut: what a checkpoint must hold.
   std::vector<std::pair<std::string, std::vector<int64_t>>> dense_params, dense_buffers;
   std::set<std::string> float64;  // parameters given in float64 (kept so by full_parameters)
+  std::set<std::string> frozen;   // dense names of the parameters that do not require gradients
+  int64_t trainable = 0;          // their complement's scalar count
 };
 
 // Wraps the chosen layers of `net` (after its tensor-parallel conversion, before the pipeline
@@ -186,6 +206,8 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   for (auto& p : L.dense->named_parameters()) {
     dense_params.emplace_back(p.key(), p.value().sizes().vec());
     if (p.value().scalar_type() == at::kDouble) float64.insert(p.key());
+    if (!p.value().requires_grad()) frozen.insert(p.key());
+    else trainable += p.value().numel();
   }
   for (auto& b : L.dense->named_buffers()) dense_buffers.emplace_back(b.key(), b.value().sizes().vec());
   parameters = models::count_parameters(*L.dense);
@@ -222,7 +244,8 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   }
   L.trained_module = L.pipe ? L.pipe->stage_module().ptr() : L.net;
   place_parameters();
-  L.trained = L.trained_module->parameters();
+  for (auto& p : L.trained_module->parameters())
+    if (p.requires_grad()) L.trained.push_back(p);
   L.run = std::move(forward);
   if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L.net)) {
     L.run = [seq](const at::Tensor& x) -> at::Tensor { return seq->forward(x); };
@@ -469,7 +492,7 @@ CheckpointMeta Engine::load(const std::string& dir_or_root, CheckpointLoadOption
   auto& I = *impl_;
   if (options.expect_model.empty()) options.expect_model = I.L.opts.model_name;
   StateTarget t;
-  t.params = I.dense_params;
+  t.params = I.saved_params();
   t.buffers = I.dense_buffers;
   t.optimizer = I.up->optimizer_kind();
   t.prepare = [&I](const std::vector<std::string>& slots, int64_t step) { I.up->prepare_load(slots, step); };
@@ -590,6 +613,7 @@ torch::nn::Module& Engine::module() { return *impl_->L.trained_module; }
 std::vector<at::Tensor> Engine::trained_parameters() const { return impl_->L.trained; }
 const LossScaler& Engine::loss_scaler() const { return impl_->up->scaler(); }
 int64_t Engine::parameters() const { return impl_->parameters; }
+int64_t Engine::trainable_parameters() const { return impl_->trainable; }
 double Engine::last_forward_seconds() const { return impl_->forward_s; }
 
 }  // namespace tandem

@@ -97,8 +97,13 @@ std::ostream& line(std::ostream& os, const std::string& label) {
 }
 
 void format_layout(std::ostringstream& os, const Report& r) {
-  line(os, "model") << r.model << " (" << r.parameters << " parameters), strategy " << r.strategy << ", "
-                    << r.world_size << " worker(s), " << r.precision << "\n";
+  line(os, "model") << r.model << " (" << r.parameters << " parameters";
+  if (r.trainable_parameters > 0 && r.trainable_parameters < r.parameters) {
+    os << ", " << r.trainable_parameters << " trainable = " << std::fixed << std::setprecision(2)
+       << 100.0 * static_cast<double>(r.trainable_parameters) / static_cast<double>(r.parameters) << " %";
+    os.unsetf(std::ios::floatfield);
+  }
+  os << "), strategy " << r.strategy << ", " << r.world_size << " worker(s), " << r.precision << "\n";
   line(os, "layout") << "dp " << r.dp << " x tp " << r.tp << " x pp " << r.pp
                      << " (data x tensor x pipeline parallel)\n";
   if (r.pp > 1) {
@@ -271,6 +276,7 @@ void describe_engine(const Engine& eng, Report& rep) {
   rep.tp = pc.tp;
   rep.pp = pc.pp;
   rep.parameters = eng.parameters();
+  rep.trainable_parameters = eng.trainable_parameters();
   rep.grad_accum = pc.grad_accum;
   rep.micro_batches = pc.micro_batches;
   rep.pipeline_schedule = to_string(pc.schedule);
@@ -345,6 +351,7 @@ std::string report_json(const Report& r) {
                       {"layout", "dp " + std::to_string(r.dp) + " x tp " + std::to_string(r.tp) + " x pp " +
                                      std::to_string(r.pp)},
                       {"parameters", r.parameters},
+                      {"trainable_parameters", r.trainable_parameters},
                       {"global_batch", r.global_batch},
                       {"grad_accum", r.grad_accum},
                       {"activation_checkpointing", r.activation_checkpointing},

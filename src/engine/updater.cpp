@@ -43,7 +43,28 @@ std::vector<StatePiece> Layout::buffer_state() const {
   return out;
 }
 
+std::vector<StatePiece> Layout::frozen_state() const {
+  std::vector<StatePiece> out;
+  for (auto& kv : trained_module->named_parameters(true)) {
+    if (kv.value().requires_grad()) continue;
+    const auto& placed = this->placed.at(kv.key());
+    auto p = placed.placement;
+    p.replica += dp_replica();
+    out.push_back({"param/" + placed.dense_name, p, kv.value().detach().view({-1})});
+  }
+  return out;
+}
+
 namespace {
+
+// The trainable parameters of the trained module with their names, in its order (the order of
+// Layout::trained and of the strategies' parameter lists).
+std::vector<std::pair<std::string, at::Tensor>> trainable_named(const Layout& L) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& kv : L.trained_module->named_parameters())
+    if (kv.value().requires_grad()) out.emplace_back(kv.key(), kv.value());
+  return out;
+}
 
 // A split model clips, and in fp16 checks overflow, by the norm of the whole model's gradient:
 // the tensor-parallel shards' squares summed over tp, each stage's total over pp, so that every
@@ -62,8 +83,8 @@ bool model_parallel_norms(const Layout& L, const OptimizerOptions& oo) {
 // in the trained module's order.
 std::vector<bool> shard_flags(const Layout& L) {
   std::vector<bool> flags;
-  for (auto& p : L.trained_module->named_parameters()) {
-    const auto& pl = L.placed.at(p.key()).placement;
+  for (auto& p : trainable_named(L)) {
+    const auto& pl = L.placed.at(p.first).placement;
     flags.push_back(pl.local_shape != pl.global_shape);
   }
   return flags;
@@ -131,11 +152,11 @@ class Replicated final : public Updater {
   }
 
   std::vector<StatePiece> state() override {
-    std::vector<StatePiece> out;
+    std::vector<StatePiece> out = L_.frozen_state();
     const auto masters = optimizer_tensors();
-    const auto named = L_.trained_module->named_parameters();
+    const auto named = trainable_named(L_);
     for (size_t i = 0; i < named.size(); ++i) {
-      const auto& placed = L_.placed.at(named[i].key());
+      const auto& placed = L_.placed.at(named[i].first);
       auto p = placed.placement;
       p.replica += L_.dp_replica();
       append_optimizer_pieces(out, placed.dense_name, p, masters.at(i), opt_->optimizer());
@@ -161,7 +182,7 @@ class Replicated final : public Updater {
     opt_->restore_loss_scaler(m.loss_scale, m.loss_scale_good_steps, m.skipped_steps);
   }
   void memory(EngineStats::Memory& s) const override {
-    for (auto& p : L_.trained) {
+    for (auto& p : L_.trained_module->parameters()) {  // frozen ones included
       s.parameter_bytes += p.numel() * p.element_size();
       if (p.grad().defined()) s.gradient_bytes += p.grad().numel() * p.grad().element_size();
     }
@@ -221,7 +242,10 @@ class Sharded final : public Updater {
   // Each owned piece is a flat range of the parameter as this rank holds it (its
   // tensor-parallel block, or the whole tensor); the data-parallel ranks hold disjoint ranges.
   std::vector<StatePiece> state() override {
+    // Stage 3 shards the frozen parameters too (their pieces come without optimizer slots);
+    // stages 1 and 2 leave them whole on every rank.
     std::vector<StatePiece> out;
+    if (zero_->stage() < 3) out = L_.frozen_state();
     for (auto& z : zero_->owned_pieces()) {
       const auto& placed = L_.placed.at(z.name);
       const auto p = placed.placement.flat_range(z.first, z.first + z.count);

@@ -40,7 +40,7 @@ struct Layout {
   std::shared_ptr<torch::nn::Module> net;    // what runs: `dense`, or its tensor-parallel form
   std::unique_ptr<Pipeline> pipe;
   std::shared_ptr<torch::nn::Module> trained_module;  // the stage (pp > 1) or `net`
-  std::vector<at::Tensor> trained;                    // its parameters
+  std::vector<at::Tensor> trained;                    // its trainable parameters (requires_grad)
   std::function<at::Tensor(const at::Tensor&)> run;   // net's forward (its own when not a Sequential)
   // Where each parameter of trained_module lies in the dense model (tandem/placement.h), by its
   // name in trained_module: its dense name, and its block for a tensor-parallel rank (replica
@@ -52,6 +52,9 @@ struct Layout {
   torch::nn::Sequential dense_sequential() const;
   // This rank's buffers (whole, replica id: the rank's place among those holding them).
   std::vector<StatePiece> buffer_state() const;
+  // This rank's frozen parameters (requires_grad false) as the replicas hold them: each whole (or
+  // its tensor-parallel block), no optimizer state.
+  std::vector<StatePiece> frozen_state() const;
   // The rank's number among the tp x dp ranks that hold the same stage, and the part the
   // data-parallel rank adds to a tp replica id (every dp rank but 0 holds a copy).
   int64_t replica_rank() const;

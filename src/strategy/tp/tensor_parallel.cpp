@@ -151,8 +151,16 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& dens
     : tp(std::move(tp_)), gather_output(gather) {
   const int64_t n =
       shard_size(dense->options.out_features(), tp->size(), "the output features of a column-parallel linear");
-  weight = register_parameter("weight", shard(dense->weight, 0, n, tp->rank()));
-  if (dense->options.bias()) bias = register_parameter("bias", shard(dense->bias, 0, n, tp->rank()));
+  weight = register_parameter("weight", shard(dense->weight, 0, n, tp->rank()), dense->weight.requires_grad());
+  if (dense->options.bias())
+    bias = register_parameter("bias", shard(dense->bias, 0, n, tp->rank()), dense->bias.requires_grad());
+  // An adapter's B splits as the rows of W; A stays whole (its input is replicated).
+  if (auto a = lora::adapter_of(*dense)) {
+    lora_A = register_module("lora_A", lora::Down(a.down->weight.detach().clone(), a.down->dropout));
+    lora_B = register_module("lora_B", lora::Up(shard(a.up->weight, 0, n, tp->rank()), a.up->scaling));
+    lora_A->weight.set_requires_grad(a.down->weight.requires_grad());
+    lora_B->weight.set_requires_grad(a.up->weight.requires_grad());
+  }
 }
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(at::Tensor w, at::Tensor b, CommPtr tp_, bool gather)
@@ -180,30 +188,57 @@ ParameterPlacement replicated(const char* name, const at::Tensor& t, const Commu
 std::vector<ParameterPlacement> ColumnParallelLinearImpl::parameter_placements() const {
   std::vector<ParameterPlacement> out{block_of("weight", weight, 0, sections, *tp)};
   if (bias.defined()) out.push_back(block_of("bias", bias, 0, sections, *tp));
+  if (lora_A) {
+    out.push_back(replicated("lora_A.weight", lora_A->weight, *tp));
+    out.push_back(block_of("lora_B.weight", lora_B->weight, 0, 1, *tp));
+  }
   return out;
 }
 
+torch::Tensor ColumnParallelLinearImpl::project(const torch::Tensor& in, const torch::Tensor& x) {
+  auto y = at::linear(in, weight, bias);
+  if (!lora_A) return y;
+  // A's output is the same on every tp rank; the gradient reaching it is the sum of every rank's
+  // rows' part, hence the all-reduce of copy_to_tp in backward.
+  return y + lora_B->forward(copy_to_tp(lora_A->forward(x), tp));
+}
+
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
-  auto y = at::linear(copy_to_tp(x, tp), weight, bias);
+  auto y = project(copy_to_tp(x, tp), x);
   return gather_output || (gather_in_eval && !is_training()) ? gather_from_tp(y, tp) : y;
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& dense, CommPtr tp_, bool parallel_in)
     : tp(std::move(tp_)), input_is_parallel(parallel_in) {
   const int64_t n = shard_size(dense->options.in_features(), tp->size(), "the input features of a row-parallel linear");
-  weight = register_parameter("weight", shard(dense->weight, 1, n, tp->rank()));
-  if (dense->options.bias()) bias = register_parameter("bias", dense->bias.detach().clone());
+  weight = register_parameter("weight", shard(dense->weight, 1, n, tp->rank()), dense->weight.requires_grad());
+  if (dense->options.bias())
+    bias = register_parameter("bias", dense->bias.detach().clone(), dense->bias.requires_grad());
+  // An adapter's A splits as the columns of W; B stays whole (its input is all-reduced).
+  if (auto a = lora::adapter_of(*dense)) {
+    lora_A = register_module("lora_A", lora::Down(shard(a.down->weight, 1, n, tp->rank()), a.down->dropout));
+    lora_B = register_module("lora_B", lora::Up(a.up->weight.detach().clone(), a.up->scaling));
+    lora_A->weight.set_requires_grad(a.down->weight.requires_grad());
+    lora_B->weight.set_requires_grad(a.up->weight.requires_grad());
+  }
 }
 
 std::vector<ParameterPlacement> RowParallelLinearImpl::parameter_placements() const {
   std::vector<ParameterPlacement> out{block_of("weight", weight, 1, 1, *tp)};
   if (bias.defined()) out.push_back(replicated("bias", bias, *tp));
+  if (lora_A) {
+    out.push_back(block_of("lora_A.weight", lora_A->weight, 1, 1, *tp));
+    out.push_back(replicated("lora_B.weight", lora_B->weight, *tp));
+  }
   return out;
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   auto in = input_is_parallel ? x : scatter_to_tp(x, tp);
   auto y = reduce_from_tp(at::linear(in, weight), tp);
+  // The adapter's rank-r activations are summed over tp (few bytes), so that B's gradient is
+  // whole on every rank.
+  if (lora_A) y = y + lora_B->forward(reduce_from_tp(lora_A->forward(in), tp));
   return bias.defined() ? y + bias : y;
 }
 
@@ -213,7 +248,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embeddin
   vocab_begin = tp->rank() * n;
   vocab_end = vocab_begin + n;
   if (dense->options.padding_idx()) padding_idx = *dense->options.padding_idx();
-  weight = register_parameter("weight", shard(dense->weight, 0, n, tp->rank()));
+  weight = register_parameter("weight", shard(dense->weight, 0, n, tp->rank()), dense->weight.requires_grad());
 }
 
 std::vector<ParameterPlacement> VocabParallelEmbeddingImpl::parameter_placements() const {
@@ -260,6 +295,10 @@ ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(const torch::nn::Linear& dq
   if (d % heads != 0 || dqkv->options.out_features() != 3 * d) {
     throw std::invalid_argument(
         "tandem::tp::ParallelSelfAttention: expected a fused qkv linear [3*D, D] with D divisible by heads");
+  }
+  if (lora::adapter_of(*dqkv) || lora::adapter_of(*dproj)) {
+    throw std::invalid_argument("tandem::tp::ParallelSelfAttention: LoRA adapters of a fused qkv projection are not "
+                                "split by tensor parallelism; adapt separate q/k/v projections (tandem/llama.h)");
   }
   const int64_t hd = d / heads, r = tp->rank();
   // Rows of the fused projection are (q|k|v, head, dim): keep this rank's heads of each.

@@ -42,9 +42,13 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
   if (opts.stage == 3) I.sequential = dynamic_cast<torch::nn::SequentialImpl*>(module_.get());
   I.module = module_.get();
   for (auto& kv : module_->named_parameters(/*recurse=*/true)) {
-    if (!kv.value().requires_grad()) continue;
-    I.names.push_back(kv.key());
-    I.params.push_back(kv.value());
+    if (kv.value().requires_grad()) {
+      I.names.push_back(kv.key());
+      I.params.push_back(kv.value());
+    } else if (opts.stage == 3) {  // sharded too, never reduced or stepped
+      I.frozen_names.push_back(kv.key());
+      I.frozen.push_back(kv.value());
+    }
   }
   for (auto& kv : module_->named_buffers(/*recurse=*/true)) I.buffers.emplace_back(kv.key(), kv.value());
   for (size_t i = 1; i < I.params.size(); ++i) {
@@ -66,6 +70,7 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
   }
   detail::check_same_model(*I.comm, I.names, I.params, I.buffers, "ZeroDataParallel");
   detail::broadcast_from_rank0(*I.comm, I.params, I.buffers, /*include_params=*/true);
+  if (!I.frozen.empty()) detail::broadcast_from_rank0(*I.comm, I.frozen, {}, /*include_params=*/true);
   for (auto& p : I.params) I.psi += p.numel();
   if (I.opts.max_inflight_buckets < 0) {
     const bool cpu = I.params.empty() || I.params[0].device().is_cpu();
@@ -105,9 +110,10 @@ void ZeroDataParallel::prepare_forward() {
   }
   if (I.opts.stage == 3 && !I.sequential) {
     if (!I.wrapped_units) {
-      for (auto& bk : I.buckets) I.ensure_gathered(bk);
+      for (auto* group : {&I.buckets, &I.frozen_buckets})
+        for (auto& bk : *group) I.ensure_gathered(bk);
     } else if (I.root_bucket >= 0) {
-      I.ensure_gathered(I.buckets[static_cast<size_t>(I.root_bucket)]);
+      I.gather_unit(0);
     }
   }
 }
@@ -207,6 +213,12 @@ Precision ZeroDataParallel::precision() const { return impl_->opts.precision; }
 
 int ZeroDataParallel::units() const { return impl_->opts.stage == 3 ? static_cast<int>(impl_->unit_bucket.size()) : 0; }
 
+int64_t ZeroDataParallel::frozen_numel() const {
+  int64_t n = 0;
+  for (const auto& p : impl_->frozen) n += p.numel();
+  return n;
+}
+
 int ZeroDataParallel::stage() const { return impl_->opts.stage; }
 
 int64_t ZeroDataParallel::shard_numel() const {
@@ -236,6 +248,20 @@ std::vector<ZeroOwnedPiece> ZeroDataParallel::owned_pieces() {
       p.count = to - from;
       p.value = bk.master.detach().narrow(0, from, to - from);
       for (const auto& [k, v] : state.slots) p.slots[k] = v.detach().view({-1}).narrow(0, from, to - from);
+      out.push_back(std::move(p));
+    }
+  }
+  // Stage 3's frozen shards: values only.
+  for (auto& bk : I.frozen_buckets) {
+    const int64_t lo = static_cast<int64_t>(I.rank) * bk.chunk, hi = lo + bk.chunk;
+    for (size_t j : bk.params) {
+      const int64_t from = std::max(lo, I.frozen_offset[j]), to = std::min(hi, I.frozen_offset[j] + I.frozen[j].numel());
+      if (from >= to) continue;
+      ZeroOwnedPiece p;
+      p.name = I.frozen_names[j];
+      p.first = from - I.frozen_offset[j];
+      p.count = to - from;
+      p.value = bk.shard.narrow(0, from - lo, to - from);
       out.push_back(std::move(p));
     }
   }
@@ -275,8 +301,9 @@ ZeroMemory ZeroDataParallel::memory() const {
   if (I.opts.stage < 3) {
     m.parameter_bytes = nbytes(I.flat);  // the parameters are views of it
   } else {
-    for (auto& bk : I.buckets)
-      m.parameter_bytes += nbytes(bk.shard) + (bk.state == Impl::Gather::kFree ? 0 : nbytes(bk.full));
+    for (const auto* group : {&I.buckets, &I.frozen_buckets})
+      for (auto& bk : *group)
+        m.parameter_bytes += nbytes(bk.shard) + (bk.state == Impl::Gather::kFree ? 0 : nbytes(bk.full));
   }
   m.gradient_bytes = nbytes(I.grad_flat);
   for (auto& bk : I.buckets) m.gradient_bytes += nbytes(bk.grad) + nbytes(bk.scratch) + nbytes(bk.accum);

@@ -13,20 +13,37 @@ namespace tandem {
 // A ShardedUnit's forward: gathered (the next unit prefetched), run, freed; its output's
 // gradient gathers it again for backward.
 at::Tensor ZeroDataParallel::Impl::run_unit(int u, torch::nn::AnyModule& inner, const at::Tensor& x) {
-  auto& bk = buckets[unit_bucket[u]];
-  ensure_gathered(bk);
+  gather_unit(u);
   const int U = static_cast<int>(unit_bucket.size());
-  for (int d = 1; d <= opts.prefetch && u + d < U; ++d) start_gather(buckets[unit_bucket[u + d]]);
+  for (int d = 1; d <= opts.prefetch && u + d < U; ++d) prefetch_unit(u + d);
   at::Tensor y = inner.forward<at::Tensor>(x);
   if (at::GradMode::is_enabled() && y.requires_grad()) {
+    unit_backward[u] = 1;
     std::weak_ptr<Impl*> weak = self;
     const int lo = root_bucket >= 0 ? 1 : 0;  // the root stays gathered through the step
     y.register_hook([weak, u, lo](const at::TensorBase&) {
       if (auto s = weak.lock()) (*s)->pre_backward(u, lo);
     });
   }
-  release(bk);
+  release_unit(u);
   return y;
+}
+
+void ZeroDataParallel::Impl::gather_unit(int u) {
+  if (auto* t = trained_bucket(u)) start_gather(*t);
+  if (auto* f = frozen_bucket(u)) start_gather(*f);
+  if (auto* t = trained_bucket(u)) ensure_gathered(*t);
+  if (auto* f = frozen_bucket(u)) ensure_gathered(*f);
+}
+
+void ZeroDataParallel::Impl::prefetch_unit(int u) {
+  if (auto* t = trained_bucket(u)) start_gather(*t);
+  if (auto* f = frozen_bucket(u)) start_gather(*f);
+}
+
+void ZeroDataParallel::Impl::release_unit(int u) {
+  if (auto* t = trained_bucket(u)) release(*t);
+  if (auto* f = frozen_bucket(u)) release(*f);
 }
 
 void ZeroDataParallel::Impl::start_gather(Bucket& bk) {
@@ -80,6 +97,7 @@ void ZeroDataParallel::Impl::release(Bucket& bk) {
 
 void ZeroDataParallel::Impl::release_all() {
   for (auto& bk : buckets) release(bk);
+  for (auto& bk : frozen_buckets) release(bk);
 }
 
 // Children [first, end) of the Sequential; prefetching stays inside the range (a pipeline
@@ -100,29 +118,34 @@ at::Tensor ZeroDataParallel::Impl::forward(const at::Tensor& input, int64_t firs
       x = child.forward(x);
       continue;
     }
-    auto& bk = buckets[unit_bucket[u]];
-    ensure_gathered(bk);
-    for (int d = 1; d <= opts.prefetch && u + d <= hi; ++d) start_gather(buckets[unit_bucket[u + d]]);
+    gather_unit(u);
+    for (int d = 1; d <= opts.prefetch && u + d <= hi; ++d) prefetch_unit(u + d);
     x = child.forward(x);
     const bool backward_comes = grad && x.requires_grad();
     if (backward_comes) {
+      unit_backward[u] = 1;
       std::weak_ptr<Impl*> weak = self;
       x.register_hook([weak, u, lo](const at::TensorBase&) {
         if (auto s = weak.lock()) (*s)->pre_backward(u, lo);
       });
     }
     // The range's last unit's backward runs first: keep it.
-    if (!(backward_comes && u == hi)) release(bk);
+    if (!(backward_comes && u == hi)) release_unit(u);
   }
   return x;
 }
 
+// The gradient of unit u's output arrived: u's backward comes next. In a Sequential that output
+// is the next unit's input, so the next unit's backward is complete, frozen parameters
+// included (wrapped units may branch: theirs wait for the final callback).
 void ZeroDataParallel::Impl::pre_backward(int u, int lo) {
   arm_final_callback();
-  ensure_gathered(buckets[unit_bucket[u]]);
+  if (sequential && u + 1 < static_cast<int>(unit_frozen.size()))
+    if (auto* f = frozen_bucket(u + 1)) release(*f);
+  gather_unit(u);
   for (int d = 1; d <= opts.prefetch && u - d >= lo; ++d) {
-    auto& prev = buckets[unit_bucket[u - d]];
-    if (prev.pending > 0) start_gather(prev);
+    if (auto* prev = trained_bucket(u - d); prev && prev->pending > 0) start_gather(*prev);
+    if (auto* f = frozen_bucket(u - d); f && unit_backward[u - d]) start_gather(*f);
   }
 }
 

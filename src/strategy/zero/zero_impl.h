@@ -90,7 +90,7 @@ struct ZeroDataParallel::Impl {
   std::shared_ptr<Impl*> self;                      // hooks hold a weak_ptr to this
   torch::nn::SequentialImpl* sequential = nullptr;  // stage 3 per-unit forward
   torch::nn::Module* module = nullptr;
-  // Stage 3, not a Sequential: units from ShardedUnit wrappers; the root unit's bucket (the
+  // Stage 3, not a Sequential: units from ShardedUnit wrappers; 0 when there is a root unit (the
   // parameters outside them, gathered for the whole step), or -1.
   bool wrapped_units = false;
   int root_bucket = -1;
@@ -106,8 +106,18 @@ struct ZeroDataParallel::Impl {
   LossScaler scaler{false};
 
   // stage 3
-  std::vector<size_t> unit_bucket;  // unit (forward order) -> bucket
-  std::vector<int> child_unit;      // Sequential child -> unit, or -1
+  std::vector<int> unit_bucket;  // unit (forward order) -> bucket of its trained parameters, or -1
+  std::vector<int> child_unit;   // Sequential child -> unit, or -1
+  // Stage 3's frozen parameters (requires_grad false): sharded and gathered with their unit as
+  // the others, in buckets of their own that are never reduced or stepped. A unit's frozen
+  // bucket stays gathered until the gradient of its input arrives (pre_backward of the unit
+  // before it), since ops of its backward other than gradient accumulation may still read it.
+  std::vector<std::string> frozen_names;
+  std::vector<at::Tensor> frozen;
+  std::vector<int64_t> frozen_offset;  // element offset of each within its bucket
+  std::vector<Bucket> frozen_buckets;
+  std::vector<int> unit_frozen;  // unit -> its frozen bucket, or -1
+  std::vector<char> unit_backward;  // the unit's output needs a gradient in this step's forwards
 
   std::vector<char> ready;
   size_t next_bucket = 0;
@@ -150,6 +160,8 @@ struct ZeroDataParallel::Impl {
   void plan_buckets();
   std::vector<std::vector<size_t>> wrapped_unit_params(const std::unordered_map<const void*, size_t>& index,
                                                        bool* has_root);
+  void plan_units(const std::vector<std::vector<size_t>>& units);
+  void layout_frozen(const at::TensorOptions& o);
   at::Tensor initial_values(const Bucket& bk, const at::TensorOptions& o) const;
   void build_layout();
   void build_optimizer();
@@ -157,6 +169,11 @@ struct ZeroDataParallel::Impl {
   std::vector<std::tuple<size_t, int64_t, int64_t>> owned_pieces(const Bucket& bk) const;
 
   // ---- stage 3: gathering units (zero_gather.cpp)
+  Bucket* trained_bucket(int u) { return unit_bucket[u] < 0 ? nullptr : &buckets[unit_bucket[u]]; }
+  Bucket* frozen_bucket(int u) { return unit_frozen[u] < 0 ? nullptr : &frozen_buckets[unit_frozen[u]]; }
+  void gather_unit(int u);
+  void prefetch_unit(int u);
+  void release_unit(int u);
   at::Tensor run_unit(int u, torch::nn::AnyModule& inner, const at::Tensor& x);
   void start_gather(Bucket& bk);
   void ensure_gathered(Bucket& bk);

@@ -33,42 +33,86 @@ void ZeroDataParallel::Impl::plan_buckets() {
     if (!cur.params.empty()) buckets.push_back(std::move(cur));
     return;
   }
+  // One index space: trained parameters 0..P-1, then the frozen ones.
+  const size_t P = params.size(), all = P + frozen.size();
   std::unordered_map<const void*, size_t> index;
-  for (size_t i = 0; i < params.size(); ++i) index[params[i].unsafeGetTensorImpl()] = i;
+  for (size_t i = 0; i < P; ++i) index[params[i].unsafeGetTensorImpl()] = i;
+  for (size_t j = 0; j < frozen.size(); ++j) index[frozen[j].unsafeGetTensorImpl()] = P + j;
   std::vector<std::vector<size_t>> units;
   bool has_root = false;
   if (sequential) {
-    std::vector<char> taken(params.size(), 0);
+    std::vector<char> taken(all, 0);
     for (auto& child : sequential->children()) {
       std::vector<size_t> u;
       for (auto& p : child->parameters(/*recurse=*/true)) {
         auto it = index.find(p.unsafeGetTensorImpl());
-        if (it == index.end() || taken[it->second]) continue;  // frozen, or shared with an earlier unit
+        if (it == index.end() || taken[it->second]) continue;  // shared with an earlier unit
         taken[it->second] = 1;
         u.push_back(it->second);
       }
       child_unit.push_back(u.empty() ? -1 : static_cast<int>(units.size()));
       if (!u.empty()) units.push_back(std::move(u));
     }
-    for (size_t i = 0; i < params.size(); ++i) {
+    for (size_t i = 0; i < all; ++i) {
       if (!taken[i]) {
-        throw std::invalid_argument(where() + ": parameter '" + names[i] +
+        throw std::invalid_argument(where() + ": parameter '" + (i < P ? names[i] : frozen_names[i - P]) +
                                     "' belongs to no child of the Sequential; register it in a child module");
       }
     }
   } else {
     units = wrapped_unit_params(index, &has_root);
   }
-  unit_bucket.assign(units.size(), 0);
+  plan_units(units);
+  if (wrapped_units && has_root) root_bucket = 0;  // unit 0, gathered for the whole step
+}
+
+// Stage 3: each unit's trained parameters (indices below P) into a bucket, buckets in reverse
+// unit order (backward's); its frozen ones into a frozen bucket.
+void ZeroDataParallel::Impl::plan_units(const std::vector<std::vector<size_t>>& units) {
+  const size_t P = params.size();
+  unit_bucket.assign(units.size(), -1);
+  unit_frozen.assign(units.size(), -1);
+  unit_backward.assign(units.size(), 0);
+  for (size_t u = 0; u < units.size(); ++u) {
+    Bucket fb;
+    fb.unit = static_cast<int>(u);
+    for (size_t k : units[u])
+      if (k >= P) fb.params.push_back(k - P);
+    if (fb.params.empty()) continue;
+    unit_frozen[u] = static_cast<int>(frozen_buckets.size());
+    frozen_buckets.push_back(std::move(fb));
+  }
   for (size_t k = 0; k < units.size(); ++k) {
     size_t u = units.size() - 1 - k;
     Bucket bk;
     bk.unit = static_cast<int>(u);
-    bk.params.assign(units[u].rbegin(), units[u].rend());
-    unit_bucket[u] = buckets.size();
+    for (auto it = units[u].rbegin(); it != units[u].rend(); ++it)
+      if (*it < P) bk.params.push_back(*it);
+    if (bk.params.empty()) continue;
+    unit_bucket[u] = static_cast<int>(buckets.size());
     buckets.push_back(std::move(bk));
   }
-  if (wrapped_units && has_root) root_bucket = static_cast<int>(unit_bucket[0]);
+}
+
+// Stage 3: the frozen buckets' storage and shards; the frozen parameters become views of it.
+void ZeroDataParallel::Impl::layout_frozen(const at::TensorOptions& o) {
+  frozen_offset.assign(frozen.size(), 0);
+  for (auto& bk : frozen_buckets) {
+    for (size_t j : bk.params) {
+      frozen_offset[j] = bk.numel;
+      bk.numel += frozen[j].numel();
+    }
+    bk.padded = std::max<int64_t>((bk.numel + world - 1) / world * world, world);
+    bk.chunk = bk.padded / world;
+    auto values = at::zeros({bk.padded}, o);
+    auto view = [&](const at::Tensor& buf, size_t j) {
+      return buf.narrow(0, frozen_offset[j], frozen[j].numel()).view(frozen[j].sizes());
+    };
+    for (size_t j : bk.params) view(values, j).copy_(frozen[j].detach());
+    bk.full = values;
+    bk.shard = values.narrow(0, rank * bk.chunk, bk.chunk).clone();
+    for (size_t j : bk.params) frozen[j].set_data(view(bk.full, j));
+  }
 }
 
 // The units of a module that is not a Sequential: unit 0 the parameters outside every
@@ -80,12 +124,13 @@ std::vector<std::vector<size_t>> ZeroDataParallel::Impl::wrapped_unit_params(
   std::vector<std::shared_ptr<ShardedUnitImpl>> found;
   for (const auto& m : module->modules(/*include_self=*/true))
     if (auto w = std::dynamic_pointer_cast<ShardedUnitImpl>(m)) found.push_back(w);
-  std::vector<char> taken(params.size(), 0);
+  const size_t all = params.size() + frozen.size();
+  std::vector<char> taken(all, 0);
   std::vector<std::vector<size_t>> own(found.size());
   for (size_t k = found.size(); k-- > 0;) {  // inner units first: they keep their parameters
     for (auto& p : found[k]->parameters(/*recurse=*/true)) {
       auto it = index.find(p.unsafeGetTensorImpl());
-      if (it == index.end() || taken[it->second]) continue;  // frozen, or in a nested unit
+      if (it == index.end() || taken[it->second]) continue;  // in a nested unit
       taken[it->second] = 1;
       own[k].push_back(it->second);
     }
@@ -93,7 +138,7 @@ std::vector<std::vector<size_t>> ZeroDataParallel::Impl::wrapped_unit_params(
   }
   std::vector<std::vector<size_t>> units;
   std::vector<size_t> root;
-  for (size_t i = 0; i < params.size(); ++i)
+  for (size_t i = 0; i < all; ++i)
     if (!taken[i]) root.push_back(i);
   *has_root = !root.empty();
   if (*has_root) units.push_back(std::move(root));
@@ -162,24 +207,29 @@ void ZeroDataParallel::Impl::build_layout() {
     }
   }
   if (opts.stage == 1) grad_flat = symmetric_empty(*comm, flat.numel(), copts).zero_();
+  if (opts.stage == 3) layout_frozen(copts);
   const char* no_pool = std::getenv("TANDEM_ZERO_POOL");  // "0": ordinary memory, as before
   if (opts.stage >= 2 && device.is_cpu() && world > 1 && !(no_pool && std::string(no_pool) == "0")) {
     // Room for the scratch of the buckets in flight and the one filling, and (stage 3) for
     // the gathered units: the running one, its prefetched neighbours and the last unit, which
     // forward keeps for backward. Collective: every rank sizes it alike.
     int64_t largest = 0, total = 0;
-    for (const auto& bk : buckets) {
-      largest = std::max(largest, bk.padded);
-      total += bk.padded;
+    for (const auto* group : {&buckets, &frozen_buckets}) {
+      for (const auto& bk : *group) {
+        largest = std::max(largest, bk.padded);
+        total += bk.padded;
+      }
     }
     int64_t slots = std::max(1, opts.max_inflight_buckets) + 2;
     if (opts.stage == 3) slots += 2 * std::max(0, opts.prefetch) + 3;
     pool = detail::SymmetricPool(*comm, std::min(slots * largest, (opts.stage == 3 ? 2 : 1) * total), copts);
   }
   if (opts.stage == 3) {
-    for (auto& bk : buckets) {
-      gathered_live += detail::nbytes(bk.full);
-      release(bk);
+    for (auto* group : {&buckets, &frozen_buckets}) {
+      for (auto& bk : *group) {
+        gathered_live += detail::nbytes(bk.full);
+        release(bk);
+      }
     }
     gathered_peak = 0;
   }

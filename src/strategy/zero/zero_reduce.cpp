@@ -48,7 +48,7 @@ void ZeroDataParallel::Impl::on_grad_ready(size_t i) {
   take_gradient(i);
   auto& bk = buckets[bucket_of[i]];
   if (--bk.pending == 0) {
-    release(bk);  // stage 3: the unit's backward is done
+    release(bk);  // stage 3: the unit's trained parameters are done with (frozen ones: pre_backward)
     launch_ready();
   }
 }
@@ -168,6 +168,7 @@ void ZeroDataParallel::Impl::finalize() {
   pool.release_pages();
   for (auto& bk : buckets) bk.pending = bk.params.size();
   std::fill(ready.begin(), ready.end(), 0);
+  std::fill(unit_backward.begin(), unit_backward.end(), 0);
   next_bucket = 0;
   if (err) std::rethrow_exception(err);
 }
