@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/lora.h"
 #include "tandem/runtime.h"
 #include "tandem/text.h"
 
@@ -47,6 +48,14 @@ struct HfFinetuneConfig {
   std::string data;             // JSON lines
   double valid_fraction = 0.1;  // examples held out for validation, chosen by a hash of the text
   int64_t seq = 128;            // tokens per example, truncated and right-padded (<= max_position_embeddings)
+  // LoRA (tandem/lora.h): adapters on lora.targets, every other weight frozen (a classifier's
+  // score head trained whole). Checkpoints then hold the adapters only; `tandem export --to peft`
+  // writes them as PEFT does, `--to hf --merge` the merged weights.
+  bool use_lora = false;
+  lora::LoraConfig lora;
+  // A PEFT adapter directory to start from (its adapter_config.json sets the rank, alpha,
+  // dropout and targets; use_lora is implied).
+  std::string init_adapter;
   // Layout, batch, steps, optimizer, progress, metrics, trace and checkpoints (loop.checkpoints:
   // step-N/ checkpoints in any layout, which tandem export reads; its corpus, tokenizer and shape
   // fields are not used).
@@ -66,6 +75,13 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg);
 // `out`: config.json (with the labels), the weights (model.safetensors, sharded above
 // max_shard_bytes) and the tokenizer files. Local. Throws std::runtime_error naming the
 // checkpoint when it is missing or was not made by finetune_hf.
-void export_hf(const std::string& checkpoint, const std::string& out, int64_t max_shard_bytes);
+// A checkpoint of a LoRA run holds the adapters only: `merge` (required then) adds s B A to each
+// adapted weight of the base directory the run started from.
+void export_hf(const std::string& checkpoint, const std::string& out, int64_t max_shard_bytes, bool merge = false);
+
+// A LoRA run's checkpoint as a PEFT adapter directory (adapter_config.json,
+// adapter_model.safetensors) that peft.PeftModel.from_pretrained loads over the base model.
+// Throws std::runtime_error naming the checkpoint when it was not a LoRA run.
+void export_peft(const std::string& checkpoint, const std::string& out);
 
 }  // namespace tandem::text

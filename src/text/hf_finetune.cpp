@@ -129,7 +129,8 @@ std::vector<std::string> named_labels(const std::string& dir) {
 struct Model {
   std::shared_ptr<torch::nn::Module> module;
   std::unique_ptr<Engine> engine;
-  std::string form;  // "sequential" (pipeline-ready) or "tree" (transformers' module tree)
+  std::string form;     // "sequential" (pipeline-ready) or "tree" (transformers' module tree)
+  lora::Attached lora;  // what LoRA adapted (none without it)
 };
 
 // The task's Sequential with its children named by position: a pipeline stage names its layers
@@ -218,6 +219,61 @@ double terms(const torch::Tensor& targets, bool lm) {
   return static_cast<double>(targets.narrow(1, 1, targets.size(1) - 1).ne(-100).sum().item<int64_t>());
 }
 
+bool is_adapter(const std::string& name) {
+  return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+}
+
+// Adapters on the configured targets, the rest frozen (cfg.lora.trained_whole: a classifier's
+// score head).
+void attach_adapters(torch::nn::Module& net, const HfFinetuneConfig& cfg, Model& m) {
+  m.lora = lora::attach(net, cfg.lora);
+}
+
+// The first source that holds a parameter gives it.
+class FirstOf final : public ParameterSource {
+ public:
+  explicit FirstOf(std::vector<std::shared_ptr<const ParameterSource>> s) : sources_(std::move(s)) {}
+  bool find(const std::string& name, std::vector<int64_t>* shape) const override {
+    for (const auto& s : sources_)
+      if (s->find(name, shape)) return true;
+    return false;
+  }
+  void read(const std::string& name, int64_t first, at::Tensor dest) const override {
+    std::vector<int64_t> shape;
+    for (const auto& s : sources_) {
+      if (s->find(name, &shape)) return s->read(name, first, dest);
+    }
+    throw std::runtime_error("no source holds '" + name + "'");
+  }
+
+ private:
+  std::vector<std::shared_ptr<const ParameterSource>> sources_;
+};
+
+// The base directory's weights (`to_hf`: a parameter's name there, "" for adapters and a new
+// head), and with --init-adapter the adapter's A and B (and a trained-whole head) from PEFT's
+// file, under "base_model.model." + the Hugging Face name `hf` gives.
+std::shared_ptr<const ParameterSource> initial_values(const HfFinetuneConfig& cfg,
+                                                      const safetensors::Checkpoint& weights,
+                                                      const std::function<std::string(const std::string&)>& to_hf,
+                                                      const std::function<std::string(const std::string&)>& hf) {
+  auto base = safetensors::parameter_source(weights, to_hf);
+  if (cfg.init_adapter.empty()) return base;
+  const auto adapter = lora::read_peft_adapter(cfg.init_adapter);
+  const std::set<std::string> whole(cfg.lora.trained_whole.begin(), cfg.lora.trained_whole.end());
+  const safetensors::Checkpoint file(adapter.weights);
+  // A classifier's head comes from the adapter when it holds one (else: a fresh head, or the base's).
+  const bool head = cfg.task == HfTask::kClassify && file.contains(lora::peft_name("score.weight"));
+  const std::function<std::string(const std::string&)> to_peft = [=](const std::string& n) {
+    const auto name = hf(n);
+    if (is_adapter(n)) return lora::peft_name(name);
+    if (head && name.rfind("score.", 0) == 0) return lora::peft_name(name);
+    return std::string();
+  };
+  auto from_adapter = safetensors::parameter_source(file, to_peft);
+  return std::make_shared<FirstOf>(std::vector<std::shared_ptr<const ParameterSource>>{from_adapter, base});
+}
+
 // The model of the task, initialised from the directory's weights: checked against the
 // directory whole (headers only), then read by each rank in its part (EngineOptions::init_from). A
 // classification head the directory lacks starts at random (seeded, the same on every rank).
@@ -227,10 +283,16 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   EngineOptions eo;
   const bool lm = cfg.task == HfTask::kLm;
   eo.model_name = lm ? "llama-lm" : "llama-classify";
+  // LoRA: checkpoints hold what trains; the frozen base comes from the directory again.
+  eo.save_frozen = !cfg.use_lora;
   if (lm && mc.tie_word_embeddings && cfg.loop.parallel.tp == 1) {
     llama::LlamaForCausalLM net(mc);
-    llama::check_weights(*net, weights);
-    eo.init_from = safetensors::parameter_source(weights);
+    const std::function<std::string(const std::string&)> base = [](const std::string& n) {
+      return is_adapter(n) ? std::string() : n;
+    };
+    if (cfg.use_lora) attach_adapters(*net, cfg, m);
+    llama::check_weights(*net, weights, false, base);
+    eo.init_from = initial_values(cfg, weights, base, [](const std::string& n) { return n; });
     m.engine = make_engine(rt, cfg.loop, net, sample, eo);
     m.module = net.ptr();
     m.form = "tree";
@@ -239,16 +301,20 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   const bool new_head = !lm && !weights.contains("score.weight");
   const auto task = cfg.task;
   const int64_t layers = mc.num_hidden_layers;
+  const std::function<std::string(const std::string&)> hf = [=](const std::string& n) {
+    return hf_name("sequential", n, layers, task);
+  };
   const std::function<std::string(const std::string&)> to_hf = [=](const std::string& n) {
-    auto hf = hf_name("sequential", n, layers, task);
-    return new_head && hf == "score.weight" ? std::string() : hf;
+    auto name = hf(n);
+    return is_adapter(n) || (new_head && name == "score.weight") ? std::string() : name;
   };
   auto net = positional(mc, task);
+  if (cfg.use_lora) attach_adapters(*net, cfg, m);
   // A classifier may start from an LM's directory: its lm_head goes unused.
   llama::check_weights(*net, weights, /*allow_unused=*/!lm, to_hf);
   // Each rank reads only what it holds: its stage's tensors, its tensor-parallel blocks of them,
   // under ZeRO-3 its shard's elements.
-  eo.init_from = safetensors::parameter_source(weights, to_hf);
+  eo.init_from = initial_values(cfg, weights, to_hf, hf);
   if (cfg.loop.parallel.tp > 1)
     eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
   m.engine = make_engine(rt, cfg.loop, net, sample, eo);
@@ -295,8 +361,9 @@ void evaluate(Runtime& rt, Engine& eng, const Encoded& valid, bool lm, int64_t l
 
 }  // namespace hf_impl
 
-TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
+TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
   using namespace hf_impl;
+  HfFinetuneConfig cfg = given;
   validate(cfg, rt.world_size());
   const bool lm = cfg.task == HfTask::kLm;
   auto tok = hf::Tokenizer::load(cfg.model_dir);
@@ -321,6 +388,19 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
   if (cfg.seq > mc.max_position_embeddings) {
     throw std::invalid_argument("--seq " + std::to_string(cfg.seq) + " exceeds the model's max_position_embeddings " +
                                 std::to_string(mc.max_position_embeddings));
+  }
+  if (cfg.use_lora) {
+    lora::validate(cfg.lora);
+    // PEFT's SEQ_CLS trains the head whole (its modules_to_save: "classifier", "score"; Llama's
+    // is score); an LM trains nothing whole beside the adapters.
+    auto& whole = cfg.lora.trained_whole;
+    if (!lm) {
+      whole = {"score"};
+    } else if (!whole.empty()) {
+      throw std::invalid_argument("--init-adapter '" + cfg.init_adapter + "' trains modules whole (modules_to_save " +
+                                  nlohmann::json(whole).dump() +
+                                  "), which Tandem reads for a classifier's score head only");
+    }
   }
   const auto data = read_jsonl(cfg.data, !lm);
   std::vector<std::string> labels;
@@ -358,6 +438,15 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
                                        " validation examples" +
                                        (lm ? "" : ", " + std::to_string(labels.size()) + " labels"));
   rep.context.emplace_back("initialised", "from " + cfg.model_dir);
+  if (cfg.use_lora) {
+    const auto& c = cfg.lora;
+    std::ostringstream line;
+    line << "LoRA r " << c.rank << ", alpha " << c.alpha << (c.rslora ? " (rsLoRA)" : "") << ", dropout "
+         << c.dropout << ", on " << model.lora.modules.size() << " modules ("
+         << nlohmann::json(c.targets).dump() << ")";
+    if (!cfg.init_adapter.empty()) line << ", from " << cfg.init_adapter;
+    rep.context.emplace_back("adapters", line.str());
+  }
 
   nlohmann::json run = {{"task", to_string(cfg.task)},
                         {"labels", labels},
@@ -365,10 +454,16 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
                         {"batch", cfg.loop.batch},
                         {"seed", cfg.loop.seed}};
   run["config"] = nlohmann::json::parse(llama::config_json(mc));
+  if (cfg.use_lora) {  // what export needs: the adapters' shape and the base they adapt
+    run["lora"] = {{"rank", cfg.lora.rank},         {"alpha", cfg.lora.alpha},
+                   {"dropout", cfg.lora.dropout},   {"rslora", cfg.lora.rslora},
+                   {"targets", cfg.lora.targets},   {"trained_whole", cfg.lora.trained_whole}};
+    run["base"] = fs::absolute(cfg.model_dir).lexically_normal().string();
+  }
   const auto& ck = cfg.loop.checkpoints;
   if (!ck.dir.empty() && rt.rank() == 0) copy_tokenizer(cfg.model_dir, (fs::path(ck.dir) / "tokenizer").string());
   // The data position holds only with the same examples, global batch and seed.
-  LoopCheckpoints checkpoints(eng, cfg.loop, "hf_finetune", run, {"task", "labels", "seed"});
+  LoopCheckpoints checkpoints(eng, cfg.loop, "hf_finetune", run, {"task", "labels", "seed", "lora"});
   const LoopHooks hooks = checkpoints.start();
   LossFn loss_fn = lm ? LossFn(lm_loss_sum) : LossFn(cls_loss_sum);
   if (lm && cfg.loop.parallel.tp > 1) {
@@ -400,34 +495,111 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg) {
   return rep;
 }
 
-void export_hf(const std::string& checkpoint, const std::string& out, int64_t max_shard_bytes) {
-  using namespace hf_impl;
+namespace hf_impl {
+
+// A checkpoint of finetune_hf, read whole.
+struct Finetuned {
+  std::string dir, root;  // the step-N directory and the run's --checkpoint-dir
+  FullCheckpoint full;
+  nlohmann::json run;  // its "hf_finetune" record
+  llama::LlamaConfig mc;
+  std::string form;
+  HfTask task = HfTask::kLm;
+  std::string hf(const std::string& n) const { return hf_name(form, n, mc.num_hidden_layers, task); }
+};
+
+Finetuned read_finetuned(const std::string& checkpoint, const char* to) {
   if (!fs::is_directory(checkpoint)) throw std::runtime_error("checkpoint '" + checkpoint + "' not found");
+  Finetuned f;
   // A root of step-N/ checkpoints (its newest is taken), or one step-N directory inside one.
-  std::string dir = latest_checkpoint(checkpoint), root = checkpoint;
-  if (dir.empty()) {
+  f.dir = latest_checkpoint(checkpoint);
+  f.root = checkpoint;
+  if (f.dir.empty()) {
     if (!fs::exists(fs::path(checkpoint) / "manifest.json")) {
       throw std::runtime_error("'" + checkpoint +
                                "' holds no complete checkpoint; give the --checkpoint-dir of tandem finetune "
                                "--init-from, or one step-N directory in it");
     }
-    dir = checkpoint;
-    root = fs::path(checkpoint).lexically_normal().parent_path().string();
+    f.dir = checkpoint;
+    f.root = fs::path(checkpoint).lexically_normal().parent_path().string();
   }
-  auto full = read_full_checkpoint(dir);
-  const auto extra = nlohmann::json::parse(full.meta.extra_json, nullptr, false);
+  f.full = read_full_checkpoint(f.dir);
+  const auto extra = nlohmann::json::parse(f.full.meta.extra_json, nullptr, false);
   if (extra.is_discarded() || !extra.contains("hf_finetune")) {
-    throw std::runtime_error("checkpoint '" + dir +
-                             "' was not made by tandem finetune --init-from; export --to hf needs one that was");
+    throw std::runtime_error("checkpoint '" + f.dir + "' was not made by tandem finetune --init-from; export --to " +
+                             to + " needs one that was");
   }
-  const auto& run = extra["hf_finetune"];
-  const auto mc = llama::parse_config(run["config"].dump(), dir);
-  const std::string form = run["form"];
+  f.run = extra["hf_finetune"];
+  f.mc = llama::parse_config(f.run["config"].dump(), f.dir);
+  f.form = f.run["form"];
+  f.task = parse_hf_task(f.run["task"].get<std::string>());
+  return f;
+}
+
+lora::LoraConfig lora_of(const nlohmann::json& j) {
+  lora::LoraConfig c;
+  c.rank = j.at("rank");
+  c.alpha = j.at("alpha");
+  c.dropout = j.at("dropout");
+  c.rslora = j.at("rslora");
+  c.targets = j.at("targets").get<std::vector<std::string>>();
+  c.trained_whole = j.at("trained_whole").get<std::vector<std::string>>();
+  return c;
+}
+
+// The checkpoint's parameters by Hugging Face name; a LoRA run's adapted weights merged into
+// the base directory's (W + s B A), its trained-whole head taken from the checkpoint.
+std::map<std::string, at::Tensor> hf_parameters(const Finetuned& f, bool merge) {
+  std::map<std::string, at::Tensor> by_hf;
+  for (auto& [n, t] : f.full.params) by_hf[f.hf(n)] = t;
+  if (!f.run.contains("lora")) return by_hf;
+  if (!merge) {
+    throw std::runtime_error("checkpoint '" + f.dir +
+                             "' holds LoRA adapters only; export them with --to peft, or merged into the base "
+                             "weights with --to hf --merge");
+  }
+  const auto c = lora_of(f.run["lora"]);
+  const std::string base_dir = f.run.at("base");
+  if (!fs::exists(fs::path(base_dir) / "config.json")) {
+    throw std::runtime_error("--merge: the base model '" + base_dir +
+                             "' the run started from is gone; restore it there to merge");
+  }
+  const safetensors::Checkpoint base(base_dir);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& name : base.names()) out[name] = base.get(name).to(at::kFloat);
+  for (auto& [name, t] : by_hf) {
+    const auto a = name.find(".lora_A.weight");
+    if (a != std::string::npos) {
+      const auto module = name.substr(0, a);
+      const auto b = by_hf.find(module + ".lora_B.weight");
+      const auto w = out.find(module + ".weight");
+      if (b == by_hf.end() || w == out.end())
+        throw std::runtime_error("checkpoint '" + f.dir + "': no weight to merge the adapter '" + name + "' into");
+      w->second = lora::merged_weight(w->second, t, b->second, c.scaling());
+    } else if (name.find(".lora_B.weight") == std::string::npos) {
+      out[name] = t;  // trained whole
+    }
+  }
+  return out;
+}
+
+}  // namespace hf_impl
+
+void export_hf(const std::string& checkpoint, const std::string& out, int64_t max_shard_bytes, bool merge) {
+  using namespace hf_impl;
+  const auto f = read_finetuned(checkpoint, "hf");
+  if (merge && !f.run.contains("lora")) {
+    throw std::runtime_error("--merge: checkpoint '" + f.dir + "' is not of a LoRA run (its weights are whole); "
+                             "export it without --merge");
+  }
+  const auto& dir = f.dir;
+  const auto& root = f.root;
+  const auto& run = f.run;
+  const auto& mc = f.mc;
   safetensors::SaveOptions so;
   so.max_shard_bytes = max_shard_bytes;
-  auto fill = [&](torch::nn::Module& m, const std::function<std::string(const std::string&)>& name_of) {
-    std::map<std::string, at::Tensor> by_hf;
-    for (auto& [n, t] : full.params) by_hf[name_of(n)] = t;
+  const auto by_hf = hf_parameters(f, merge);
+  auto fill = [&](torch::nn::Module& m) {
     torch::NoGradGuard ng;
     for (auto& p : m.named_parameters()) {
       auto it = by_hf.find(p.key());
@@ -436,15 +608,13 @@ void export_hf(const std::string& checkpoint, const std::string& out, int64_t ma
       p.value().copy_(it->second);
     }
   };
-  const HfTask task = parse_hf_task(run["task"].get<std::string>());
-  const auto name_of = [&](const std::string& n) { return hf_name(form, n, mc.num_hidden_layers, task); };
-  if (task == HfTask::kClassify) {
+  if (f.task == HfTask::kClassify) {
     llama::LlamaForSequenceClassification m(mc);
-    fill(*m, name_of);
+    fill(*m);
     llama::save_pretrained(m, out, so);
   } else {
     llama::LlamaForCausalLM m(mc);
-    fill(*m, name_of);
+    fill(*m);
     llama::save_pretrained(m, out, so);
   }
   const auto labels = run["labels"].get<std::vector<std::string>>();
@@ -465,6 +635,24 @@ void export_hf(const std::string& checkpoint, const std::string& out, int64_t ma
     throw std::runtime_error("'" + tok_dir.string() + "' holds no tokenizer.model; the checkpoint is incomplete");
   }
   copy_tokenizer(tok_dir.string(), out);
+}
+
+}  // namespace tandem::text
+
+namespace tandem::text {
+
+void export_peft(const std::string& checkpoint, const std::string& out) {
+  using namespace hf_impl;
+  const auto f = read_finetuned(checkpoint, "peft");
+  if (!f.run.contains("lora")) {
+    throw std::runtime_error("checkpoint '" + f.dir +
+                             "' is not of a LoRA run (no adapters); export its weights with --to hf");
+  }
+  const auto c = lora_of(f.run["lora"]);
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& [n, t] : f.full.params) tensors[f.hf(n)] = t;
+  lora::write_peft_adapter(out, c, f.task == HfTask::kClassify ? "SEQ_CLS" : "CAUSAL_LM", f.run.value("base", ""),
+                           tensors);
 }
 
 }  // namespace tandem::text

@@ -17,6 +17,7 @@
 #include "tandem/hf_tokenizer.h"
 #include "tandem/launcher.h"
 #include "tandem/llama.h"
+#include "tandem/lora.h"
 #include "tandem/runtime.h"
 #include "text_elastic.h"
 #include "worker_options.h"
@@ -30,6 +31,8 @@ struct HfFlags {
   std::string task = "lm";
   WorkerFlags workers;
   std::string elastic_lr = "keep";
+  int64_t lora_rank = 0;
+  std::string lora_targets = "q_proj,v_proj";
   int threads = 0;
   double timeout_s = 300;
   bool no_eval = false, no_progress = false;
@@ -48,6 +51,25 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
   app.add_option("--valid-fraction", c.valid_fraction, "share of examples held out for validation (by text hash)")
       ->capture_default_str();
   app.add_option("--seq", c.seq, "tokens per example (truncated, padded)")->capture_default_str();
+  auto* rank = app.add_option("--lora-rank", f.lora_rank,
+                               "train LoRA adapters of this rank instead of every weight (0: full fine-tuning)")
+                   ->capture_default_str();
+  auto* alpha = app.add_option("--lora-alpha", c.lora.alpha, "LoRA scale numerator: updates are alpha / rank x B A")
+                    ->capture_default_str();
+  app.add_option("--lora-dropout", c.lora.dropout, "dropout on the adapters' input while training")
+      ->capture_default_str();
+  auto* targets = app.add_option("--lora-targets", f.lora_targets,
+                                 "modules adapted, comma-separated (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+                                 "down_proj), or all-linear")
+                      ->capture_default_str();
+  auto* rslora = app.add_flag("--lora-rslora", c.lora.rslora, "scale by alpha / sqrt(rank) (rank-stabilised LoRA)");
+  app.add_option("--init-adapter", c.init_adapter,
+                 "start from a PEFT LoRA adapter directory (its adapter_config.json sets rank, alpha, dropout, "
+                 "targets)")
+      ->excludes(rank)
+      ->excludes(alpha)
+      ->excludes(targets)
+      ->excludes(rslora);
   add_worker_options(app, f.workers, "2");
   add_parallel_options(app, l.parallel);
   app.add_option("--batch", l.batch, "global batch size (split across workers)")->capture_default_str();
@@ -67,6 +89,34 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
   add_text_checkpoint_options(app, l.checkpoints);
   add_elastic_lr_option(app, f.elastic_lr);
   app.add_option("--timeout", f.timeout_s, "seconds any communication may block before failing")->capture_default_str();
+}
+
+// LoRA from the flags, or from --init-adapter's adapter_config.json.
+void set_lora(HfFlags& f, const CLI::App& app) {
+  auto& c = f.cfg;
+  if (!c.init_adapter.empty()) {
+    const auto adapter = lora::read_peft_adapter(c.init_adapter);
+    const double dropout = app.count("--lora-dropout") ? c.lora.dropout : adapter.config.dropout;
+    c.lora = adapter.config;
+    c.lora.dropout = dropout;
+    c.use_lora = true;
+    const bool cls = f.task == "classify";
+    if (!adapter.task_type.empty() && adapter.task_type != (cls ? "SEQ_CLS" : "CAUSAL_LM")) {
+      throw std::invalid_argument("--init-adapter '" + c.init_adapter + "' was made for task_type " +
+                                  adapter.task_type + ", not for --task " + f.task);
+    }
+    return;
+  }
+  const bool asked = app.count("--lora-alpha") || app.count("--lora-dropout") || app.count("--lora-targets") ||
+                     app.count("--lora-rslora");
+  if (f.lora_rank == 0 && !app.count("--lora-rank")) {
+    if (asked) throw std::invalid_argument("the --lora-* options need --lora-rank R (the adapters' rank)");
+    return;
+  }
+  c.use_lora = true;
+  c.lora.rank = f.lora_rank;
+  c.lora.targets = lora::parse_targets(f.lora_targets);
+  lora::validate(c.lora);
 }
 
 }  // namespace
@@ -89,6 +139,12 @@ int cmd_finetune_hf(int argc, char** argv) {
     return app.exit(e);
   }
   auto& cfg = f.cfg;
+  try {
+    set_lora(f, app);
+  } catch (const std::exception& e) {
+    std::cerr << "tandem finetune: " << e.what() << "\n";
+    return 2;
+  }
   cfg.loop.evaluate = !f.no_eval;
   cfg.loop.progress = !f.no_progress;
   WorkerRange range;
@@ -170,7 +226,10 @@ int cmd_export(int argc, char** argv) {
                "tandem export"};
   std::string to, out, checkpoint;
   double max_shard_mb = 5 * 1024;
-  app.add_option("--to", to, "the format: hf")->required();
+  bool merge = false;
+  app.add_option("--to", to, "the format: hf (a model directory) | peft (a LoRA run's adapter directory)")
+      ->required();
+  app.add_flag("--merge", merge, "hf, of a LoRA run: the base weights with the adapters merged in (W + s B A)");
   app.add_option("out", out, "output directory")->required();
   app.add_option("--checkpoint", checkpoint, "checkpoint directory (--checkpoint-dir of the run, or one step-N)")
       ->required();
@@ -181,8 +240,12 @@ int cmd_export(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  if (to != "hf") {
-    std::cerr << "tandem export: --to '" << to << "' is not a known format; use --to hf\n";
+  if (to != "hf" && to != "peft") {
+    std::cerr << "tandem export: --to '" << to << "' is not a known format; use --to hf or --to peft\n";
+    return 2;
+  }
+  if (merge && to != "hf") {
+    std::cerr << "tandem export: --merge writes full weights: use it with --to hf\n";
     return 2;
   }
   if (max_shard_mb <= 0) {
@@ -190,7 +253,11 @@ int cmd_export(int argc, char** argv) {
     return 2;
   }
   try {
-    text::export_hf(checkpoint, out, static_cast<int64_t>(max_shard_mb * 1024 * 1024));
+    if (to == "peft") {
+      text::export_peft(checkpoint, out);
+    } else {
+      text::export_hf(checkpoint, out, static_cast<int64_t>(max_shard_mb * 1024 * 1024), merge);
+    }
   } catch (const std::exception& e) {
     auto* ce = dynamic_cast<const c10::Error*>(&e);
     std::cerr << "tandem export: " << (ce ? ce->what_without_backtrace() : e.what()) << "\n";
