@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Creates .venv-hf (git-ignored), the test-only Python environment of the Hugging Face
-# cross-checks (tests/unit/test_safetensors*.cpp, tests/unit/test_llama.cpp): safetensors,
-# transformers, sentencepiece and numpy from PyPI. torch comes from .venv through a .pth file,
-# so the 4.7 GB wheel is not installed a second time; .venv must exist (scripts/setup.sh).
+# cross-checks (tests/unit/test_safetensors*.cpp, tests/unit/test_llama.cpp, tests/hf/*.py):
+# safetensors, transformers, sentencepiece, numpy and peft from PyPI. torch comes from .venv
+# through a .pth file, so the 4.7 GB wheel is not installed a second time; .venv must exist
+# (scripts/setup.sh). pip sees that torch as installed; a constraint pins it to .venv's version,
+# so a package wanting another torch fails the install instead of downloading a second one.
 # Idempotent. Tests that need .venv-hf skip, saying so, while it is absent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,10 +21,14 @@ fi
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 hf_site=$(.venv-hf/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$site" > "$hf_site/zz_tandem_venv.pth"
-if .venv-hf/bin/python -c 'import safetensors, transformers, sentencepiece, numpy, torch' 2>/dev/null; then
-  log "safetensors, transformers, sentencepiece present"
+if .venv-hf/bin/python -c 'import safetensors, transformers, sentencepiece, numpy, torch, peft' 2>/dev/null; then
+  log "safetensors, transformers, sentencepiece, peft present"
 else
-  log "installing safetensors transformers sentencepiece numpy into .venv-hf"
-  .venv-hf/bin/pip install -q --disable-pip-version-check safetensors transformers sentencepiece numpy
+  log "installing safetensors transformers sentencepiece numpy peft into .venv-hf"
+  torch_version=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))')
+  constraints=$(mktemp)
+  trap 'rm -f "$constraints"' EXIT
+  echo "torch==$torch_version" >"$constraints"
+  .venv-hf/bin/pip install -q --disable-pip-version-check -c "$constraints" safetensors transformers sentencepiece numpy peft
 fi
-.venv-hf/bin/python -c 'import safetensors, transformers, torch; print("[setup-hf] transformers", transformers.__version__, "safetensors", safetensors.__version__, "torch", torch.__version__)'
+.venv-hf/bin/python -c 'import safetensors, transformers, peft, torch; print("[setup-hf] transformers", transformers.__version__, "safetensors", safetensors.__version__, "peft", peft.__version__, "torch", torch.__version__, "from", torch.__file__)'

@@ -10,3 +10,9 @@ set_tests_properties(e2e_hf_bad_input PROPERTIES TIMEOUT 300 PROCESSORS 2 SKIP_R
 # step-1 loss is transformers' on the same batch, and the export after 5 steps gives step 6's.
 add_test(NAME e2e_hf_placements COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_placements.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
 set_tests_properties(e2e_hf_placements PROPERTIES TIMEOUT 400 PROCESSORS 2 SKIP_RETURN_CODE 77 LABELS e2e)
+# LoRA: `tandem finetune --init-from --init-adapter` single, ddp2, zero3x2, tp2 and pp2 against
+# PEFT's training of the same adapter (losses, the exported adapter's loss, the merged export,
+# trainable parameters and optimizer state), and bad LoRA input rejected naming the problem.
+# .venv-hf (with peft) is part of the test setup: without it this fails rather than skips.
+add_test(NAME e2e_hf_lora COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_lora.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
+set_tests_properties(e2e_hf_lora PROPERTIES TIMEOUT 400 PROCESSORS 2 LABELS e2e)
