@@ -104,10 +104,10 @@ std::string joined(const std::set<std::string>& names) {
 
 Attached attach(torch::nn::Module& model, const LoraConfig& c) {
   validate(c);
+  // Everything is checked before the model changes: a refused call leaves it as it was.
   const std::set<std::string> targets(c.targets.begin(), c.targets.end());
   std::set<std::string> found, linear_names, module_names;
-  Attached out;
-  torch::NoGradGuard ng;
+  std::vector<std::pair<std::string, torch::nn::LinearImpl*>> adapt;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     const auto leaf = last_component(item.key());
     module_names.insert(leaf);
@@ -116,13 +116,8 @@ Attached attach(torch::nn::Module& model, const LoraConfig& c) {
     linear_names.insert(leaf);
     if (!targets.count(leaf)) continue;
     if (adapter_of(*lin)) throw std::invalid_argument("module '" + item.key() + "' already has an adapter");
-    const int64_t in = lin->options.in_features(), outf = lin->options.out_features();
-    // nn.Linear's default initialisation (kaiming_uniform_, a = sqrt(5)), as PEFT's lora_A.
-    auto a = torch::empty({c.rank, in}, lin->weight.options());
-    torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));
-    add_adapter(*lin, a, torch::zeros({outf, c.rank}, lin->weight.options()), c);
     found.insert(leaf);
-    out.modules.push_back(item.key());
+    adapt.emplace_back(item.key(), lin);
   }
   for (const auto& t : c.targets) {
     if (!found.count(t)) {
@@ -130,11 +125,20 @@ Attached attach(torch::nn::Module& model, const LoraConfig& c) {
                                   "'; its linear layers are: " + joined(linear_names));
     }
   }
-  const std::set<std::string> whole(c.trained_whole.begin(), c.trained_whole.end());
   for (const auto& w : c.trained_whole) {
     if (!module_names.count(w))
       throw std::invalid_argument("the module '" + w + "' to train whole is not in the model");
   }
+  Attached out;
+  torch::NoGradGuard ng;
+  for (auto& [name, lin] : adapt) {
+    // nn.Linear's default initialisation (kaiming_uniform_, a = sqrt(5)), as PEFT's lora_A.
+    auto a = torch::empty({c.rank, lin->options.in_features()}, lin->weight.options());
+    torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));
+    add_adapter(*lin, a, torch::zeros({lin->options.out_features(), c.rank}, lin->weight.options()), c);
+    out.modules.push_back(name);
+  }
+  const std::set<std::string> whole(c.trained_whole.begin(), c.trained_whole.end());
   for (auto& p : model.named_parameters()) {
     const auto& name = p.key();
     const bool adapter = name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
