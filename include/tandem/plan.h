@@ -37,6 +37,9 @@ struct ModelSpec {
   std::string name = "custom";
   std::string kind = "transformer";  // transformer | dense (mlp/cnn: no heads, no sequence)
   double parameters = 0;             // Psi, scalar parameters
+  // Those that train (LoRA adapters; 0: all). Frozen ones keep their parameter memory (ZeRO-3
+  // shards them) but hold no gradient and no optimizer state.
+  double trainable_parameters = 0;
   int64_t layers = 1;                // repeated blocks (pipeline stages cut between them)
   int64_t hidden = 0;                // d_model (transformer), widest layer (dense)
   int64_t heads = 0;                 // attention heads (transformer); 0 for dense

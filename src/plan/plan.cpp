@@ -18,6 +18,14 @@
 namespace tandem::plan {
 namespace {
 
+// Gradients and optimizer state of the trained share only (frozen parameters hold neither).
+void frozen_share(const ModelSpec& m, MemoryBreakdown& b) {
+  if (!(m.trainable_parameters > 0) || !(m.parameters > 0)) return;
+  const double share = std::min(1.0, m.trainable_parameters / m.parameters);
+  b.gradients *= share;
+  b.optimizer *= share;
+}
+
 std::string fmt(const char* f, double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, f, v);
@@ -484,6 +492,7 @@ void fill_stage_memory(const ModelSpec& m, const std::vector<double>& stage_para
     double inputs = 0;
     for (int64_t k = 0; k < e.partition[s]; ++k, ++i) inputs += m.children[i].input_elems;
     MemoryBreakdown b = zero_model_states(stage_params[s], l.zero, l.dp, sb);
+    frozen_share(m, b);
     const double flight = o.pipeline_schedule == "gpipe" ? mcount : std::min<double>(pp - s, mcount);
     const double share = all_inputs > 0 ? inputs / all_inputs : 1.0 / pp;
     b.activations = e.memory.activations * (share / even_share) * (flight / even_flight);
@@ -785,6 +794,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   const double psi_dev = stage_params.empty() ? m.parameters / (static_cast<double>(tp) * pp)
                                               : *std::max_element(stage_params.begin(), stage_params.end());
   e.memory = zero_model_states(psi_dev, l.zero, dp, sb);
+  frozen_share(m, e.memory);
   const int64_t per_replica = batch / dp;
   const int64_t mb = std::max<int64_t>(1, l.micro_batch);
   const int64_t mcount = std::max<int64_t>(1, l.micro_batches);

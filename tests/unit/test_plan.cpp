@@ -77,6 +77,27 @@ TEST(Plan, ZeroPaperMemoryExample) {
   EXPECT_NE(e0.why.find("out of memory"), std::string::npos) << e0.why;
 }
 
+// Frozen parameters (LoRA) keep their parameter memory and ZeRO-3's sharding of it, but hold
+// no gradient or optimizer state: the 7.5 B model with 1 % trainable.
+TEST(Plan, FrozenParametersHoldNoGradientsOrOptimizerState) {
+  tp::ClusterSpec c = tp::cluster_preset("a100-ib");
+  c.groups[0].nodes = 8;
+  tp::PlanOptions o;
+  o.global_batch = 64;
+  auto full = tp::builtin_model("zero-7.5b"), lora = full;
+  lora.trainable_parameters = 0.01 * full.parameters;
+  for (int stage : {0, 3}) {
+    tp::Layout l;
+    l.dp = 64;
+    l.zero = stage;
+    l.micro_batch = 1;
+    const auto a = tp::estimate(full, c, l, o).memory, b = tp::estimate(lora, c, l, o).memory;
+    EXPECT_DOUBLE_EQ(b.parameters, a.parameters) << "stage " << stage;
+    EXPECT_NEAR(b.gradients, 0.01 * a.gradients, 1e-6 * a.gradients) << "stage " << stage;
+    EXPECT_NEAR(b.optimizer, 0.01 * a.optimizer, 1e-6 * a.optimizer) << "stage " << stage;
+  }
+}
+
 // Horovod (Sergeev & Del Balso 2018, docs/benchmarks): ResNet-101, batch 64 per GPU, 128 servers x
 // 4 Pascal GPUs, RoCE 25 Gbit/s: 90 % scaling efficiency at 512 GPUs. Within 10 points.
 TEST(Plan, HorovodResNet101On512Gpus) {

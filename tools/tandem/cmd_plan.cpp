@@ -58,6 +58,9 @@ void add_model_options(CLI::App& app, PlanFlags& f) {
   app.add_option("--vocab", f.vocab, "custom model: vocabulary size");
   app.add_option("--flops-per-sample", f.flops_per_sample, "forward FLOPs per sample (default: from the shape)");
   app.add_option("--activation-bytes", f.act_bytes, "activation bytes per sample kept for backward (float32)");
+  app.add_option("--lora-rank", f.lora_rank,
+                 "LoRA fine-tuning: adapters of this rank on q, k, v, o of every layer train, the rest is frozen "
+                 "(no gradients, no optimizer state)");
   app.add_flag("--attention-scores", f.attention_scores,
                "transformer: backward keeps the seq x seq attention scores (unfused attention; Tandem's "
                "models use fused scaled_dot_product_attention, which keeps none)");
@@ -219,6 +222,14 @@ ModelSpec model_from_flags(const PlanFlags& f) {
   if (act_bytes != 0) m.activation_bytes_per_sample = act_bytes;
   m.attention_scores = m.attention_scores || f.attention_scores;
   m.dropout = m.dropout || f.dropout;
+  if (f.lora_rank < 0) throw std::invalid_argument("--lora-rank must be >= 0, got " + std::to_string(f.lora_rank));
+  if (f.lora_rank > 0) {
+    if (m.kind != "transformer" || m.hidden <= 0)
+      throw std::invalid_argument("--lora-rank adapts attention projections: it needs a transformer (--hidden, --heads)");
+    // Four hidden x hidden projections per layer, each adapter r x (in + out).
+    m.trainable_parameters = static_cast<double>(m.layers) * 4.0 * f.lora_rank * 2.0 * m.hidden;
+    m.name += " + LoRA r " + std::to_string(f.lora_rank);
+  }
   validate(m);
   return m;
 }

@@ -15,6 +15,7 @@ namespace tandem::cli::plan_cmd {
 struct PlanFlags {
   std::string model_name, cluster_name = "local", device_name, intra_name, inter_name, mixed;
   double params = 0, flops_per_sample = 0, act_bytes = 0;
+  int64_t lora_rank = 0;  // LoRA adapters of this rank on q, k, v, o of every layer (transformers)
   bool attention_scores = false, dropout = false;
   int64_t layers = 0, hidden = 0, heads = 0, seq = 0, vocab = 0;
   int nodes = -1, per_node = -1;
