@@ -236,8 +236,8 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c)
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  return lora::linear(o_proj, attend(lora::linear(q_proj, x), lora::linear(k_proj, x), lora::linear(v_proj, x), cos, sin,
-                                     heads, kv_heads, head_dim));
+  return lora::linear(o_proj, attend(lora::linear(q_proj, x), lora::linear(k_proj, x), lora::linear(v_proj, x), cos,
+                                     sin, heads, kv_heads, head_dim));
 }
 
 MLPImpl::MLPImpl(const LlamaConfig& c) {

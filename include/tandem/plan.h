@@ -40,10 +40,10 @@ struct ModelSpec {
   // Those that train (LoRA adapters; 0: all). Frozen ones keep their parameter memory (ZeRO-3
   // shards them) but hold no gradient and no optimizer state.
   double trainable_parameters = 0;
-  int64_t layers = 1;                // repeated blocks (pipeline stages cut between them)
-  int64_t hidden = 0;                // d_model (transformer), widest layer (dense)
-  int64_t heads = 0;                 // attention heads (transformer); 0 for dense
-  int64_t seq = 1;                   // tokens per sample (1 for images)
+  int64_t layers = 1;  // repeated blocks (pipeline stages cut between them)
+  int64_t hidden = 0;  // d_model (transformer), widest layer (dense)
+  int64_t heads = 0;   // attention heads (transformer); 0 for dense
+  int64_t seq = 1;     // tokens per sample (1 for images)
   int64_t vocab = 0;
   // Forward FLOPs per sample; 0: transformer estimate 2*Psi*seq + 4*layers*seq^2*hidden.
   double forward_flops_per_sample = 0;

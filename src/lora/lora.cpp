@@ -212,7 +212,8 @@ PeftAdapter read_peft_adapter(const std::string& dir) {
   PeftAdapter a;
   a.config.rank = j["r"].get<int64_t>();
   a.config.alpha = j.contains("lora_alpha") && j["lora_alpha"].is_number() ? j["lora_alpha"].get<double>() : 8.0;
-  a.config.dropout = j.contains("lora_dropout") && j["lora_dropout"].is_number() ? j["lora_dropout"].get<double>() : 0.0;
+  a.config.dropout =
+      j.contains("lora_dropout") && j["lora_dropout"].is_number() ? j["lora_dropout"].get<double>() : 0.0;
   a.config.rslora = j.value("use_rslora", false);
   a.config.targets = targets_of(j.contains("target_modules") ? j["target_modules"] : nlohmann::json(), file);
   if (j.contains("modules_to_save") && j["modules_to_save"].is_array())
@@ -228,7 +229,8 @@ PeftAdapter read_peft_adapter(const std::string& dir) {
     bad_adapter(file, e.what());
   }
   a.weights = (fs::path(dir) / "adapter_model.safetensors").string();
-  if (!fs::exists(a.weights)) bad_adapter(a.weights, "missing (PEFT's .bin adapters are not read; save with safetensors)");
+  if (!fs::exists(a.weights))
+    bad_adapter(a.weights, "missing (PEFT's .bin adapters are not read; save with safetensors)");
   return a;
 }
 

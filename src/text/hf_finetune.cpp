@@ -441,9 +441,8 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
   if (cfg.use_lora) {
     const auto& c = cfg.lora;
     std::ostringstream line;
-    line << "LoRA r " << c.rank << ", alpha " << c.alpha << (c.rslora ? " (rsLoRA)" : "") << ", dropout "
-         << c.dropout << ", on " << model.lora.modules.size() << " modules ("
-         << nlohmann::json(c.targets).dump() << ")";
+    line << "LoRA r " << c.rank << ", alpha " << c.alpha << (c.rslora ? " (rsLoRA)" : "") << ", dropout " << c.dropout
+         << ", on " << model.lora.modules.size() << " modules (" << nlohmann::json(c.targets).dump() << ")";
     if (!cfg.init_adapter.empty()) line << ", from " << cfg.init_adapter;
     rep.context.emplace_back("adapters", line.str());
   }
@@ -455,9 +454,9 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
                         {"seed", cfg.loop.seed}};
   run["config"] = nlohmann::json::parse(llama::config_json(mc));
   if (cfg.use_lora) {  // what export needs: the adapters' shape and the base they adapt
-    run["lora"] = {{"rank", cfg.lora.rank},         {"alpha", cfg.lora.alpha},
-                   {"dropout", cfg.lora.dropout},   {"rslora", cfg.lora.rslora},
-                   {"targets", cfg.lora.targets},   {"trained_whole", cfg.lora.trained_whole}};
+    run["lora"] = {{"rank", cfg.lora.rank},       {"alpha", cfg.lora.alpha},
+                   {"dropout", cfg.lora.dropout}, {"rslora", cfg.lora.rslora},
+                   {"targets", cfg.lora.targets}, {"trained_whole", cfg.lora.trained_whole}};
     run["base"] = fs::absolute(cfg.model_dir).lexically_normal().string();
   }
   const auto& ck = cfg.loop.checkpoints;
@@ -590,7 +589,8 @@ void export_hf(const std::string& checkpoint, const std::string& out, int64_t ma
   using namespace hf_impl;
   const auto f = read_finetuned(checkpoint, "hf");
   if (merge && !f.run.contains("lora")) {
-    throw std::runtime_error("--merge: checkpoint '" + f.dir + "' is not of a LoRA run (its weights are whole); "
+    throw std::runtime_error("--merge: checkpoint '" + f.dir +
+                             "' is not of a LoRA run (its weights are whole); "
                              "export it without --merge");
   }
   const auto& dir = f.dir;

@@ -170,7 +170,8 @@ TEST(LoraEngine, AdaptersTrainAsOneProcessAndTheBaseStaysFrozen) {
       EXPECT_EQ(st.ddp.bytes, 4 * trainable * steps) << "DDP all-reduced more than the adapters' gradients";
     if (l.strategy == Strategy::kZero3 && l.tp == 1) {
       EXPECT_LT(st.memory.parameter_bytes, 0.6 * total_bytes)
-          << "ZeRO-3 holds " << st.memory.parameter_bytes << " bytes of " << total_bytes << ": the frozen base is not sharded";
+          << "ZeRO-3 holds " << st.memory.parameter_bytes << " bytes of " << total_bytes
+          << ": the frozen base is not sharded";
     }
   }
 }

@@ -85,11 +85,12 @@ TEST(Lora, AttachFreezesEverythingButTheAdapters) {
     if (p.value().requires_grad()) trainable += p.value().numel();
   }
   EXPECT_EQ(trainable, got.trainable);
-  EXPECT_EQ(got.total, trainable + [&] {
-    int64_t n = 0;
-    for (auto& p : llama::causal_lm_sequential(mc)->parameters()) n += p.numel();
-    return n;
-  }());
+  EXPECT_EQ(
+      got.total, trainable + [&] {
+        int64_t n = 0;
+        for (auto& p : llama::causal_lm_sequential(mc)->parameters()) n += p.numel();
+        return n;
+      }());
   // A head trained whole (PEFT's modules_to_save).
   auto cls = llama::sequence_classifier_sequential(mc);
   c.trained_whole = {"score"};
@@ -129,9 +130,10 @@ TEST(Lora, PeftAdapterDirectoryRoundTrip) {
   c.dropout = 0.05;
   c.rslora = true;
   c.targets = {"q_proj", "v_proj"};
-  const std::map<std::string, at::Tensor> tensors = {
-      {"model.layers.0.self_attn.q_proj.lora_A.weight", torch::randn({2, 6})},
-      {"model.layers.0.self_attn.q_proj.lora_B.weight", torch::randn({5, 2})}};
+  const std::map<std::string, at::Tensor> tensors = {{"model.layers.0.self_attn.q_proj.lora_A.weight",
+                                                      torch::randn({2, 6})},
+                                                     {"model.layers.0.self_attn.q_proj.lora_B.weight",
+                                                      torch::randn({5, 2})}};
   lora::write_peft_adapter(tmp.path, c, "CAUSAL_LM", "/models/base", tensors);
   const auto a = lora::read_peft_adapter(tmp.path);
   EXPECT_EQ(a.config.rank, 2);

@@ -52,7 +52,7 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
       ->capture_default_str();
   app.add_option("--seq", c.seq, "tokens per example (truncated, padded)")->capture_default_str();
   auto* rank = app.add_option("--lora-rank", f.lora_rank,
-                               "train LoRA adapters of this rank instead of every weight (0: full fine-tuning)")
+                              "train LoRA adapters of this rank instead of every weight (0: full fine-tuning)")
                    ->capture_default_str();
   auto* alpha = app.add_option("--lora-alpha", c.lora.alpha, "LoRA scale numerator: updates are alpha / rank x B A")
                     ->capture_default_str();
@@ -227,8 +227,7 @@ int cmd_export(int argc, char** argv) {
   std::string to, out, checkpoint;
   double max_shard_mb = 5 * 1024;
   bool merge = false;
-  app.add_option("--to", to, "the format: hf (a model directory) | peft (a LoRA run's adapter directory)")
-      ->required();
+  app.add_option("--to", to, "the format: hf (a model directory) | peft (a LoRA run's adapter directory)")->required();
   app.add_flag("--merge", merge, "hf, of a LoRA run: the base weights with the adapters merged in (W + s B A)");
   app.add_option("out", out, "output directory")->required();
   app.add_option("--checkpoint", checkpoint, "checkpoint directory (--checkpoint-dir of the run, or one step-N)")

@@ -225,7 +225,8 @@ ModelSpec model_from_flags(const PlanFlags& f) {
   if (f.lora_rank < 0) throw std::invalid_argument("--lora-rank must be >= 0, got " + std::to_string(f.lora_rank));
   if (f.lora_rank > 0) {
     if (m.kind != "transformer" || m.hidden <= 0)
-      throw std::invalid_argument("--lora-rank adapts attention projections: it needs a transformer (--hidden, --heads)");
+      throw std::invalid_argument(
+          "--lora-rank adapts attention projections: it needs a transformer (--hidden, --heads)");
     // Four hidden x hidden projections per layer, each adapter r x (in + out).
     m.trainable_parameters = static_cast<double>(m.layers) * 4.0 * f.lora_rank * 2.0 * m.hidden;
     m.name += " + LoRA r " + std::to_string(f.lora_rank);

@@ -255,7 +255,8 @@ std::vector<ZeroOwnedPiece> ZeroDataParallel::owned_pieces() {
   for (auto& bk : I.frozen_buckets) {
     const int64_t lo = static_cast<int64_t>(I.rank) * bk.chunk, hi = lo + bk.chunk;
     for (size_t j : bk.params) {
-      const int64_t from = std::max(lo, I.frozen_offset[j]), to = std::min(hi, I.frozen_offset[j] + I.frozen[j].numel());
+      const int64_t from = std::max(lo, I.frozen_offset[j]),
+                    to = std::min(hi, I.frozen_offset[j] + I.frozen[j].numel());
       if (from >= to) continue;
       ZeroOwnedPiece p;
       p.name = I.frozen_names[j];

@@ -116,7 +116,7 @@ struct ZeroDataParallel::Impl {
   std::vector<at::Tensor> frozen;
   std::vector<int64_t> frozen_offset;  // element offset of each within its bucket
   std::vector<Bucket> frozen_buckets;
-  std::vector<int> unit_frozen;  // unit -> its frozen bucket, or -1
+  std::vector<int> unit_frozen;     // unit -> its frozen bucket, or -1
   std::vector<char> unit_backward;  // the unit's output needs a gradient in this step's forwards
 
   std::vector<char> ready;
