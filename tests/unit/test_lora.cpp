@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -159,6 +162,69 @@ TEST(Lora, PeftAdapterDirectoryRoundTrip) {
   EXPECT_NE(message_of([&] { lora::read_peft_adapter(tmp.path); }).find("--lora-rank"), std::string::npos);
   EXPECT_NE(message_of([&] { lora::read_peft_adapter(tmp.path + "/missing"); }).find("adapter_config.json"),
             std::string::npos);
+}
+
+// PEFT makes adapters (A and B random) over the fixture's LM and classifier; Tandem loads each
+// into its Llama, and its logits equal PEFT's (max abs <= 1e-4); then Tandem writes the adapter
+// itself, and PEFT, loading Tandem's directory strictly (every tensor name PEFT expects, no
+// other), gives Tandem's logits again. The test venv is part of the test setup: without it the
+// test fails.
+TEST(LoraPeft, TandemLogitsEqualPeftsBothWays) {
+  const char* src = std::getenv("TANDEM_SOURCE_DIR");
+  ASSERT_NE(src, nullptr) << "TANDEM_SOURCE_DIR unset (ctest sets it)";
+  const std::string python = std::string(src) + "/.venv-hf/bin/python";
+  ASSERT_EQ(::access(python.c_str(), X_OK), 0) << python << " missing: run scripts/setup-hf-venv.sh";
+  const std::string env = "HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 " + python + " " + src;
+  const std::string peft = env + "/tests/hf/peft_reference.py ";
+  TempDir d;
+  ASSERT_EQ(std::system((env + "/tests/hf/hf_fixture.py make " + d.path + " > " + d.file("fx.log")).c_str()), 0);
+  torch::NoGradGuard ng;
+  for (std::string task : {"lm", "classify"}) {
+    SCOPED_TRACE(task);
+    const bool lm = task == "lm";
+    const auto base = d.file(lm ? "lm" : "cls"), made = d.file("peft-" + task), mine = d.file("tandem-" + task);
+    ASSERT_EQ(std::system((peft + "make-adapter " + base + " " + made +
+                           " --rank 4 --alpha 8 --rslora --seed 3 --task " + task +
+                           " --targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj > /dev/null")
+                              .c_str()),
+              0);
+    auto adapter = lora::read_peft_adapter(made);
+    EXPECT_TRUE(adapter.config.rslora);
+    if (!lm) adapter.config.trained_whole = {"score"};  // PEFT lists "classifier" too, which Llama lacks
+    std::shared_ptr<torch::nn::Module> model;
+    std::function<torch::Tensor(const torch::Tensor&)> run;
+    if (lm) {
+      auto m = llama::load_causal_lm(base);
+      model = m.ptr();
+      run = [m](const torch::Tensor& x) mutable { return m(x); };
+    } else {
+      auto m = llama::load_sequence_classifier(base);
+      model = m.ptr();
+      run = [m](const torch::Tensor& x) mutable { return m(x); };
+    }
+    lora::attach(*model, adapter.config);
+    const safetensors::File file(adapter.weights);
+    std::map<std::string, at::Tensor> trained;
+    for (auto& p : model->named_parameters()) {
+      if (!p.value().requires_grad()) continue;
+      p.value().copy_(file.get(lora::peft_name(p.key())));
+      trained[p.key()] = p.value();
+    }
+    EXPECT_EQ(trained.size(), file.names().size()) << "every tensor of PEFT's file has its parameter";
+    model->eval();
+    auto ids = torch::randint(3, 700, {2, 12}, at::detail::createCPUGenerator(9));
+    const auto logits = run(ids).contiguous();
+    safetensors::save_file(d.file("ref-" + task + ".safetensors"), {{"ids", ids}, {"logits", logits}});
+    EXPECT_EQ(std::system((peft + "check-adapter " + base + " " + made + " " + d.file("ref-" + task + ".safetensors"))
+                              .c_str()),
+              0)
+        << "PEFT's adapter in Tandem";
+    lora::write_peft_adapter(mine, adapter.config, lm ? "CAUSAL_LM" : "SEQ_CLS", base, trained);
+    EXPECT_EQ(std::system((peft + "check-adapter " + base + " " + mine + " " + d.file("ref-" + task + ".safetensors"))
+                              .c_str()),
+              0)
+        << "Tandem's adapter in PEFT";
+  }
 }
 
 }  // namespace
