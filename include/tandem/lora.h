@@ -32,7 +32,7 @@ struct LoraConfig {
   // q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj for Llama.
   std::vector<std::string> targets = {"q_proj", "v_proj"};
   // Modules trained whole beside the adapters (PEFT's modules_to_save), e.g. a new
-  // classification head "score"; by the last component of their name.
+  // classification head "score"; by a component of their name, or their whole name ("4").
   std::vector<std::string> trained_whole;
   double scaling() const;
 };

@@ -87,7 +87,9 @@ std::string last_component(const std::string& name) {
 }
 
 bool under(const std::string& name, const std::set<std::string>& modules) {
-  // Any component of the parameter's module path.
+  // A whole module path the name starts with, or any component of it.
+  for (const auto& m : modules)
+    if (name.rfind(m + ".", 0) == 0) return true;
   std::stringstream ss(name);
   for (std::string part; std::getline(ss, part, '.');)
     if (modules.count(part)) return true;
@@ -111,6 +113,7 @@ Attached attach(torch::nn::Module& model, const LoraConfig& c) {
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     const auto leaf = last_component(item.key());
     module_names.insert(leaf);
+    module_names.insert(item.key());
     auto* lin = item.value()->as<torch::nn::LinearImpl>();
     if (!lin) continue;
     linear_names.insert(leaf);

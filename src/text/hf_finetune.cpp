@@ -225,8 +225,14 @@ bool is_adapter(const std::string& name) {
 
 // Adapters on the configured targets, the rest frozen (cfg.lora.trained_whole: a classifier's
 // score head).
-void attach_adapters(torch::nn::Module& net, const HfFinetuneConfig& cfg, Model& m) {
-  m.lora = lora::attach(net, cfg.lora);
+// In the Sequential form (children named by position) the head is the last child.
+void attach_adapters(torch::nn::Module& net, const HfFinetuneConfig& cfg, const llama::LlamaConfig& mc, bool positional,
+                     Model& m) {
+  auto c = cfg.lora;
+  if (positional)
+    for (auto& w : c.trained_whole)
+      if (w == "score") w = std::to_string(mc.num_hidden_layers + 2);
+  m.lora = lora::attach(net, c);
 }
 
 // The first source that holds a parameter gives it.
@@ -290,7 +296,7 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
     const std::function<std::string(const std::string&)> base = [](const std::string& n) {
       return is_adapter(n) ? std::string() : n;
     };
-    if (cfg.use_lora) attach_adapters(*net, cfg, m);
+    if (cfg.use_lora) attach_adapters(*net, cfg, mc, false, m);
     llama::check_weights(*net, weights, false, base);
     eo.init_from = initial_values(cfg, weights, base, [](const std::string& n) { return n; });
     m.engine = make_engine(rt, cfg.loop, net, sample, eo);
@@ -309,7 +315,7 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
     return is_adapter(n) || (new_head && name == "score.weight") ? std::string() : name;
   };
   auto net = positional(mc, task);
-  if (cfg.use_lora) attach_adapters(*net, cfg, m);
+  if (cfg.use_lora) attach_adapters(*net, cfg, mc, true, m);
   // A classifier may start from an LM's directory: its lm_head goes unused.
   llama::check_weights(*net, weights, /*allow_unused=*/!lm, to_hf);
   // Each rank reads only what it holds: its stage's tensors, its tensor-parallel blocks of them,

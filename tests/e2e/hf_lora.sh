@@ -148,6 +148,28 @@ sys.exit(failed)
 PY
   fails=$((fails + $?))
 fi
+# A classifier under tp2: adapters on both kinds of tensor-parallel layer and the score head
+# trained whole; PEFT's merge_and_unload() of the exported adapter (which PEFT loads strictly:
+# the adapters and score.weight) equals Tandem's merged export.
+"$py" - "$tmp/lm8.jsonl" "$tmp/cls8.jsonl" <<'PY'
+import json, sys
+labels = ["negative", "neutral", "positive"]
+with open(sys.argv[1]) as f, open(sys.argv[2], "w") as g:
+    for i, line in enumerate(f):
+        g.write(json.dumps({"text": json.loads(line)["text"], "label": labels[i % 3]}) + "\n")
+PY
+if timeout 120 "$tandem" finetune -n 2 --tp 2 --init-from "$tmp/fx/cls" --task classify --lora-rank 4 \
+    --lora-targets q_proj,v_proj,o_proj,down_proj --data "$tmp/cls8.jsonl" --valid-fraction 0 --seq 32 --batch 8 \
+    --steps 3 --lr 2e-3 --warmup-steps 0 --no-eval --threads 1 --no-progress --checkpoint-dir "$tmp/ck_cls" \
+    --checkpoint-every 3 >"$tmp/cls.log" 2>&1 &&
+  timeout 60 "$tandem" export --to peft "$tmp/export_cls" --checkpoint "$tmp/ck_cls" >>"$tmp/cls.log" 2>&1 &&
+  timeout 60 "$tandem" export --to hf "$tmp/merged_cls" --merge --checkpoint "$tmp/ck_cls" >>"$tmp/cls.log" 2>&1 &&
+  "$py" "$src/tests/hf/peft_reference.py" check-merged "$tmp/fx/cls" "$tmp/export_cls" "$tmp/merged_cls" \
+    >>"$tmp/cls.log" 2>&1; then
+  echo "ok   classifier tp2: $(tail -1 "$tmp/cls.log")"
+else
+  echo "FAIL classifier tp2:"; tail -20 "$tmp/cls.log"; fails=$((fails + 1))
+fi
 # Bad LoRA input: a non-zero exit within 60 s naming the problem on stderr, and not as an unknown
 # option (which would pass the exit check without the option ever being read).
 expect() {  # expect NAME PATTERN -- command...

@@ -215,13 +215,13 @@ TEST(LoraPeft, TandemLogitsEqualPeftsBothWays) {
     auto ids = torch::randint(3, 700, {2, 12}, at::detail::createCPUGenerator(9));
     const auto logits = run(ids).contiguous();
     safetensors::save_file(d.file("ref-" + task + ".safetensors"), {{"ids", ids}, {"logits", logits}});
-    EXPECT_EQ(std::system((peft + "check-adapter " + base + " " + made + " " + d.file("ref-" + task + ".safetensors"))
-                              .c_str()),
+    EXPECT_EQ(std::system(
+                  (peft + "check-adapter " + base + " " + made + " " + d.file("ref-" + task + ".safetensors")).c_str()),
               0)
         << "PEFT's adapter in Tandem";
     lora::write_peft_adapter(mine, adapter.config, lm ? "CAUSAL_LM" : "SEQ_CLS", base, trained);
-    EXPECT_EQ(std::system((peft + "check-adapter " + base + " " + mine + " " + d.file("ref-" + task + ".safetensors"))
-                              .c_str()),
+    EXPECT_EQ(std::system(
+                  (peft + "check-adapter " + base + " " + mine + " " + d.file("ref-" + task + ".safetensors")).c_str()),
               0)
         << "Tandem's adapter in PEFT";
   }
