@@ -8,7 +8,9 @@
 // (tandem/engine.h).
 //
 // Tensor parallelism splits an adapter as its layer: a column-parallel layer's B by rows (A
-// whole on every tp rank), a row-parallel layer's A by columns (B whole).
+// whole on every tp rank), a row-parallel layer's A by columns (B whole). A model's forward must
+// call lora::linear for the layers it lets be adapted (tandem/llama.h does); a layer called
+// directly ignores its adapter.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,7 +28,10 @@ namespace tandem::lora {
 struct LoraConfig {
   int64_t rank = 8;
   double alpha = 8.0;
-  double dropout = 0.0;  // on the adapter's input, in training mode
+  // On the adapter's input, in training mode, from the global generator: the tp ranks of a
+  // column-parallel layer must draw alike (seed every rank the same, as Tandem's commands do),
+  // since their A is one replicated matrix.
+  double dropout = 0.0;
   bool rslora = false;   // scale alpha / sqrt(rank) instead of alpha / rank
   // The modules adapted, by the last component of their name (PEFT's target_modules):
   // q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj for Llama.

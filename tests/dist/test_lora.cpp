@@ -11,6 +11,7 @@
 #include <string>
 
 #include "tandem/engine.h"
+#include "tandem/grid.h"
 #include "tandem/llama.h"
 #include "tandem/lora.h"
 #include "tests/dist/dist_env.h"
@@ -174,6 +175,34 @@ TEST(LoraEngine, AdaptersTrainAsOneProcessAndTheBaseStaysFrozen) {
           << ": the frozen base is not sharded";
     }
   }
+}
+
+// With dropout on the adapters' input, the tp ranks of a column-parallel layer must drop the
+// same elements of their (replicated) input, or its whole A would drift apart between them.
+TEST(LoraEngine, DropoutKeepsReplicatedAdaptersInStep) {
+  ParallelConfig c;
+  c.strategy = Strategy::kDDP;
+  c.tp = 2;
+  auto seq = [] {
+    torch::manual_seed(5);
+    auto s = llama::causal_lm_sequential(config());
+    auto lc = lora_config();
+    lc.dropout = 0.3;
+    lora::attach(*s, lc);
+    return s;
+  }();
+  Engine eng(runtime(), seq, adam(), c);
+  for (int s = 0; s < 3; ++s) step(eng, s);
+  int checked = 0;
+  for (auto& p : eng.module().named_parameters()) {
+    if (p.key().find("q_proj.lora_A") == std::string::npos && p.key().find("gate_proj.lora_A") == std::string::npos)
+      continue;
+    auto mine = p.value().detach().clone(), other = mine.clone();
+    eng.grid()->tp()->broadcast(other, 0);
+    EXPECT_TRUE(torch::equal(mine, other)) << p.key() << " differs between the tp ranks";
+    ++checked;
+  }
+  EXPECT_EQ(checked, 4);
 }
 
 // A checkpoint without the frozen base (EngineOptions::save_frozen off) resumes the adapters and
