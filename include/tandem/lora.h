@@ -32,7 +32,7 @@ struct LoraConfig {
   // column-parallel layer must draw alike (seed every rank the same, as Tandem's commands do),
   // since their A is one replicated matrix.
   double dropout = 0.0;
-  bool rslora = false;   // scale alpha / sqrt(rank) instead of alpha / rank
+  bool rslora = false;  // scale alpha / sqrt(rank) instead of alpha / rank
   // The modules adapted, by the last component of their name (PEFT's target_modules):
   // q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj for Llama.
   std::vector<std::string> targets = {"q_proj", "v_proj"};
