@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -490,6 +491,17 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
   checkpoints.finish();
   if (cfg.loop.evaluate && !rep.stopped && va.ids.size(0) > 0) evaluate(rt, eng, va, lm, cfg.loop.eval_limit, rep);
   collect_engine_report(eng, loop, rep);
+  if (cfg.use_lora && rep.trainable_parameters > 0) {  // what training every weight would hold instead
+    for (auto& [label, text] : rep.context) {
+      if (label != "adapters") continue;
+      const double mib = 1024.0 * 1024.0, opt = static_cast<double>(rep.optimizer_state_bytes);
+      const double full = opt * static_cast<double>(rep.parameters) / static_cast<double>(rep.trainable_parameters);
+      std::ostringstream os;
+      os << std::fixed << std::setprecision(2) << "; optimizer state " << opt / mib
+         << " MiB on rank 0 (every weight: " << full / mib << " MiB)";
+      text += os.str();
+    }
+  }
   if (rt.rank() == 0) {  // tandem plan's memory for a transformer of this shape (per-rank figures only)
     auto spec = plan::transformer_model(mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, cfg.seq,
                                         mc.vocab_size, static_cast<double>(rep.parameters));
