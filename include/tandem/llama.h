@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/lora.h"
 #include "tandem/safetensors.h"
 #include "tandem/tensor_parallel.h"
 
@@ -66,7 +67,7 @@ TORCH_MODULE(RMSNorm);
 
 // Causal self-attention with rotary embeddings; num_key_value_heads key/value heads shared by
 // groups of query heads. [B, T, hidden] -> [B, T, hidden].
-class AttentionImpl : public torch::nn::Module {
+class AttentionImpl : public torch::nn::Module, public lora::Adaptable {
  public:
   explicit AttentionImpl(const LlamaConfig& config);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
@@ -76,7 +77,7 @@ class AttentionImpl : public torch::nn::Module {
 TORCH_MODULE(Attention);
 
 // down_proj(silu(gate_proj(x)) * up_proj(x)).
-class MLPImpl : public torch::nn::Module {
+class MLPImpl : public torch::nn::Module, public lora::Adaptable {
  public:
   explicit MLPImpl(const LlamaConfig& config);
   torch::Tensor forward(const torch::Tensor& x);

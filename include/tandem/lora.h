@@ -48,6 +48,14 @@ void validate(const LoraConfig& c);
 // "q_proj,v_proj" -> {"q_proj", "v_proj"}; "all-linear" is PEFT's every linear layer but the head.
 std::vector<std::string> parse_targets(const std::string& list);
 
+// A module whose forward applies its Linear children's adapters (calls lora::linear for them):
+// attach() adapts only Linear children of such modules, so that no adapter is added where the
+// forward would ignore it. Llama's attention and MLP are.
+class Adaptable {
+ public:
+  virtual ~Adaptable() = default;
+};
+
 // lora_A: x [..., in] -> dropout(x) A^T [..., r].
 class DownImpl : public torch::nn::Module {
  public:
@@ -94,7 +102,8 @@ struct Attached {
 // Adds an adapter to every Linear of `model` whose name ends in a target (A as nn.Linear's
 // default initialisation, from the global generator; B zero), then freezes every parameter but
 // the adapters' and those of modules in c.trained_whole. Throws std::invalid_argument naming a
-// target (or trained_whole module) that matches nothing, with the names it could match.
+// target (or trained_whole module) that matches nothing, with the names it could match, or a
+// matching Linear whose parent is not Adaptable.
 Attached attach(torch::nn::Module& model, const LoraConfig& c);
 
 // The merged weight W + s B A of an adapted layer's dense weight (float32 arithmetic, the

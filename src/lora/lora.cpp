@@ -110,6 +110,13 @@ Attached attach(torch::nn::Module& model, const LoraConfig& c) {
   const std::set<std::string> targets(c.targets.begin(), c.targets.end());
   std::set<std::string> found, linear_names, module_names;
   std::vector<std::pair<std::string, torch::nn::LinearImpl*>> adapt;
+  std::set<const torch::nn::Module*> applied;  // Linear children of Adaptable modules
+  auto note_children = [&](const torch::nn::Module& m) {
+    if (dynamic_cast<const Adaptable*>(&m))
+      for (const auto& child : m.children()) applied.insert(child.get());
+  };
+  note_children(model);  // the root may live outside a shared_ptr: not through named_modules
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) note_children(*item.value());
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     const auto leaf = last_component(item.key());
     module_names.insert(leaf);
@@ -119,6 +126,11 @@ Attached attach(torch::nn::Module& model, const LoraConfig& c) {
     linear_names.insert(leaf);
     if (!targets.count(leaf)) continue;
     if (adapter_of(*lin)) throw std::invalid_argument("module '" + item.key() + "' already has an adapter");
+    if (!applied.count(lin)) {
+      throw std::invalid_argument("--lora-targets: '" + item.key() +
+                                  "' is called by a module whose forward would ignore an adapter (not "
+                                  "lora::Adaptable); this model does not support LoRA on it");
+    }
     found.insert(leaf);
     adapt.emplace_back(item.key(), lin);
   }

@@ -136,7 +136,8 @@ int64_t trainable_count() {
   return n;
 }
 
-TEST(LoraEngine, AdaptersTrainAsOneProcessAndTheBaseStaysFrozen) {
+TEST(LoraLayouts, AdaptersTrainAsOneProcessAndTheBaseStaysFrozen) {
+  ASSERT_EQ(runtime().world()->size(), 2) << "the layouts here are written for 2 ranks";
   const int steps = 3;
   const auto want = reference(steps);
   const auto initial = values(*adapted());
@@ -179,7 +180,8 @@ TEST(LoraEngine, AdaptersTrainAsOneProcessAndTheBaseStaysFrozen) {
 
 // With dropout on the adapters' input, the tp ranks of a column-parallel layer must drop the
 // same elements of their (replicated) input, or its whole A would drift apart between them.
-TEST(LoraEngine, DropoutKeepsReplicatedAdaptersInStep) {
+TEST(LoraLayouts, DropoutKeepsReplicatedAdaptersInStep) {
+  ASSERT_EQ(runtime().world()->size(), 2) << "the layouts here are written for 2 ranks";
   ParallelConfig c;
   c.strategy = Strategy::kDDP;
   c.tp = 2;
@@ -207,7 +209,8 @@ TEST(LoraEngine, DropoutKeepsReplicatedAdaptersInStep) {
 
 // A checkpoint without the frozen base (EngineOptions::save_frozen off) resumes the adapters and
 // the optimizer: the next loss is the uninterrupted run's.
-TEST(LoraEngine, AdapterOnlyCheckpointResumes) {
+TEST(LoraLayouts, AdapterOnlyCheckpointResumes) {
+  ASSERT_EQ(runtime().world()->size(), 2) << "the layouts here are written for 2 ranks";
   const auto dir = shared_dir(*runtime().world(), "lora_ckpt");
   for (auto strategy : {Strategy::kDDP, Strategy::kZero3}) {
     SCOPED_TRACE(to_string(strategy));

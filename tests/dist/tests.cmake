@@ -59,7 +59,7 @@ tandem_add_dist_test(dist_llama_zero3_tp_np4 4 "LlamaSequentialEngine.LogitsOfEv
 # LoRA adapters on the Llama Sequential form under ddp, zero1, zero3, tp2, pp2, tp2 x zero3:
 # losses and adapters as one process, the frozen base bitwise unchanged, optimizer state and DDP
 # traffic of the adapters only, ZeRO-3 holding a shard of the base; adapter-only checkpoints resume.
-tandem_add_dist_test(dist_lora_np2 2 "LoraEngine.*" TIMEOUT 300)
+tandem_add_dist_test(dist_lora_np2 2 "LoraLayouts.*" TIMEOUT 300)
 # With .venv-hf: tandem finetune --init-from's checkpoints (LM and classifier) under tp2 and pp2
 # exported to directories whose transformers logits are Tandem's (skips without it).
 tandem_add_dist_test(dist_llama_export_np2 2 "LlamaExport.*" TIMEOUT 300)

@@ -17,7 +17,8 @@
 namespace tandem::test {
 namespace {
 
-struct Block : torch::nn::Module {
+// A module that applies adapters (its forward would call lora::linear).
+struct Block : torch::nn::Module, lora::Adaptable {
   Block() {
     q_proj = register_module("q_proj", torch::nn::Linear(6, 5));
     other = register_module("other", torch::nn::Linear(5, 3));
@@ -110,6 +111,10 @@ TEST(Lora, RefusesWhatItCannotAdapt) {
   const auto msg = message_of([&] { lora::attach(b, c); });
   EXPECT_NE(msg.find("nonesuch"), std::string::npos) << msg;
   EXPECT_NE(msg.find("other, q_proj"), std::string::npos) << "lists the linear layers: " << msg;
+  // A Linear whose caller would ignore an adapter is refused, naming it.
+  torch::nn::Sequential plain(torch::nn::Linear(4, 4));
+  c.targets = {"0"};
+  EXPECT_NE(message_of([&] { lora::attach(*plain, c); }).find("ignore an adapter"), std::string::npos);
   c.targets = {"q_proj"};
   c.rank = 0;
   EXPECT_NE(message_of([&] { lora::validate(c); }).find("--lora-rank"), std::string::npos);
