@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh --all
 # .venv-hf holds the Python reference (safetensors, transformers) of the Hugging Face
 # cross-checks; without it (no PyPI) those tests skip and say so.
-scripts/setup-hf-venv.sh || echo "[test] .venv-hf could not be set up: the Hugging Face cross-checks will skip" >&2
+scripts/setup-hf-venv.sh || echo "[test] .venv-hf could not be set up: the Hugging Face cross-checks will fail" >&2
 build_dir=${TANDEM_BUILD_DIR:-build}
 # Two at a time: a multi-rank test reserves both slots (PROCESSORS 2), so only the one-process
 # tests (unit, fuzzers, bad input) share the machine.

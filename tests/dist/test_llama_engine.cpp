@@ -223,9 +223,9 @@ int64_t zero3_owned_elements(const torch::nn::Sequential& seq, int rank, int wor
 // and zero3 in bf16 within bf16's resolution (1.5 times transformers' own bf16 error).
 TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
   const char* src = std::getenv("TANDEM_SOURCE_DIR");
-  if (!src) GTEST_SKIP() << "TANDEM_SOURCE_DIR unset (ctest sets it)";
+  ASSERT_NE(src, nullptr) << "TANDEM_SOURCE_DIR unset (ctest sets it)";
   const std::string python = std::string(src) + "/.venv-hf/bin/python";
-  if (::access(python.c_str(), X_OK) != 0) GTEST_SKIP() << python << " missing: run scripts/setup-hf-venv.sh";
+  ASSERT_EQ(::access(python.c_str(), X_OK), 0) << python << " missing: run scripts/setup-hf-venv.sh";
   if (world()->size() % 2 != 0) GTEST_SKIP() << "pp 2 and tp 2 need an even number of ranks";
   const auto dir = shared_dir(*world(), "llama_layouts");
   int made = 0;
@@ -302,11 +302,11 @@ TEST(LlamaSequentialEngine, LogitsOfEveryLayoutMatchTransformers) {
 // computes from the checkpoint within 1e-5.
 TEST(LlamaExport, TensorParallelAndPipelineCheckpointsExportToTransformers) {
   const char* src = std::getenv("TANDEM_SOURCE_DIR");
-  if (!src) GTEST_SKIP() << "TANDEM_SOURCE_DIR unset (ctest sets it)";
-  if (::access((std::string(src) + "/.venv-hf/bin/python").c_str(), X_OK) != 0)
-    GTEST_SKIP() << "no .venv-hf: run scripts/setup-hf-venv.sh";
-  if (!text::have_sentencepiece()) GTEST_SKIP() << "built without SentencePiece";
-  if (::access("/usr/share/games/fortunes", R_OK) != 0) GTEST_SKIP() << "no fortunes corpus";
+  ASSERT_NE(src, nullptr) << "TANDEM_SOURCE_DIR unset (ctest sets it)";
+  ASSERT_EQ(::access((std::string(src) + "/.venv-hf/bin/python").c_str(), X_OK), 0)
+      << "no .venv-hf: run scripts/setup-hf-venv.sh";
+  ASSERT_TRUE(text::have_sentencepiece()) << "built without SentencePiece (scripts/setup.sh installs it)";
+  ASSERT_EQ(::access("/usr/share/games/fortunes", R_OK), 0) << "no fortunes corpus (scripts/setup.sh installs it)";
   if (world()->size() != 2) GTEST_SKIP() << "runs on 2 ranks";
   const auto dir = shared_dir(*world(), "llama_export");
   int made = 0;

@@ -1,15 +1,15 @@
 # `tandem finetune --init-from` / `tandem export --to hf` on a tiny random Llama that transformers
 # builds locally (tests/hf/hf_fixture.py): loss parity of ddp, zero2, zero3 (each rank reading its shard), pp2, tp2, dp2 x tp2 (ddp, zero3), dp2 x tp3 (zero2, zero3)
 # and tp2 x pp2 with one worker (the classifier: ddp, tp2, pp2, tp2 x pp2), bf16/fp16 near fp32, resume across layouts, the export loaded by
-# transformers, and bad input rejected with a clear message. Skipped (exit 77) without .venv-hf or the fortunes corpus.
+# transformers, and bad input rejected with a clear message. Fails without .venv-hf or the fortunes corpus (test setup).
 add_test(NAME e2e_hf_finetune COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_finetune.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
-set_tests_properties(e2e_hf_finetune PROPERTIES TIMEOUT 600 PROCESSORS 2 SKIP_RETURN_CODE 77)
+set_tests_properties(e2e_hf_finetune PROPERTIES TIMEOUT 600 PROCESSORS 2)
 add_test(NAME e2e_hf_bad_input COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_bad_input.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
-set_tests_properties(e2e_hf_bad_input PROPERTIES TIMEOUT 300 PROCESSORS 2 SKIP_RETURN_CODE 77)
+set_tests_properties(e2e_hf_bad_input PROPERTIES TIMEOUT 300 PROCESSORS 2)
 # tp2 x zero3 and pp2 x zero2 on 4 workers, initialised through each rank's placements: the
 # step-1 loss is transformers' on the same batch, and the export after 5 steps gives step 6's.
 add_test(NAME e2e_hf_placements COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_placements.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
-set_tests_properties(e2e_hf_placements PROPERTIES TIMEOUT 400 PROCESSORS 2 SKIP_RETURN_CODE 77 LABELS e2e)
+set_tests_properties(e2e_hf_placements PROPERTIES TIMEOUT 400 PROCESSORS 2 LABELS e2e)
 # LoRA: `tandem finetune --init-from --init-adapter` single, ddp2, zero3x2, tp2 and pp2 against
 # PEFT's training of the same adapter (losses, the exported adapter's loss, the merged export,
 # trainable parameters and optimizer state), and bad LoRA input rejected naming the problem.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Bad input to `tandem finetune --init-from` and `tandem export --to hf`: each case must exit
 # non-zero, quickly, with a message naming the problem. The model directory is a tiny random
-# Llama from tests/hf/hf_fixture.py; skipped (exit 77) without .venv-hf or the fortunes corpus.
+# Llama from tests/hf/hf_fixture.py; fails without .venv-hf or the fortunes corpus.
 # usage: hf_bad_input.sh TANDEM SOURCE_DIR
 set -uo pipefail
 tandem=$1

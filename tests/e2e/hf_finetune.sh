@@ -7,7 +7,7 @@
 # ddp, tp2, pp2 and tp2 x pp2 gives one worker's too; runs resumed under zero2 and tp2 from the pipeline's step-10
 # checkpoint, and on one worker from tp2's, continue one worker's losses;
 # `tandem export --to hf` of the pipeline's, tp2's and the tied model's (zero2, tp2) checkpoints
-# loads in transformers. Skipped (exit 77) without .venv-hf or the fortunes corpus.
+# loads in transformers. Fails without .venv-hf or the fortunes corpus.
 # usage: hf_finetune.sh TANDEM SOURCE_DIR
 set -uo pipefail
 tandem=$1

@@ -1,9 +1,10 @@
-# Sourced by the e2e_hf_* scripts with $src (the source tree) set: skips (exit 77) without
-# .venv-hf or the fortunes corpus, makes $tmp (removed on exit) and the tiny random Llama
-# directories of tests/hf/hf_fixture.py in $tmp/fx (lm, cls); $py is .venv-hf's python.
+# Sourced by the e2e_hf_* scripts with $src (the source tree) set: fails without .venv-hf or
+# the fortunes corpus (both are part of the test setup: scripts/setup.sh, scripts/setup-hf-venv.sh),
+# makes $tmp (removed on exit) and the tiny random Llama directories of tests/hf/hf_fixture.py in
+# $tmp/fx (lm, cls); $py is .venv-hf's python.
 py=$src/.venv-hf/bin/python
-[ -x "$py" ] || { echo "SKIP: $py missing (run scripts/setup-hf-venv.sh)"; exit 77; }
-[ -d /usr/share/games/fortunes ] || { echo "SKIP: no fortunes corpus (apt-get install fortunes)"; exit 77; }
+[ -x "$py" ] || { echo "FAIL: $py missing (run scripts/setup-hf-venv.sh)"; exit 1; }
+[ -d /usr/share/games/fortunes ] || { echo "FAIL: no fortunes corpus (apt-get install fortunes)"; exit 1; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1

@@ -93,7 +93,7 @@ std::string message_of(const std::string& dir) {
 TEST(HfTokenizer, MatchesTransformers) {
   std::string why;
   const TempDir* fx = fixture(&why);
-  if (!fx) GTEST_SKIP() << why;
+  ASSERT_NE(fx, nullptr) << why;
   const TempDir& d = *fx;
   std::ifstream f(d.file("tokens.json"));
   const auto ref = nlohmann::json::parse(f);
@@ -124,7 +124,7 @@ TEST(HfTokenizer, MatchesTransformers) {
 // Each source of a special token in turn, the highest present winning; ids checked against the
 // vocabulary.
 TEST(HfTokenizer, SpecialTokensFromTheConfigurationFiles) {
-  if (!tandem::text::have_sentencepiece()) GTEST_SKIP() << "built without SentencePiece";
+  ASSERT_TRUE(tandem::text::have_sentencepiece()) << "built without SentencePiece (scripts/setup.sh installs it)";
   TempDir d;
   write_sentencepiece(d.path);
   // 5: the SentencePiece model's own ids; Llama's default adds BOS only.
@@ -170,7 +170,7 @@ TEST(HfTokenizer, SpecialTokensFromTheConfigurationFiles) {
 }
 
 TEST(HfTokenizer, BadDirectoriesAreNamed) {
-  if (!tandem::text::have_sentencepiece()) GTEST_SKIP() << "built without SentencePiece";
+  ASSERT_TRUE(tandem::text::have_sentencepiece()) << "built without SentencePiece (scripts/setup.sh installs it)";
   EXPECT_NE(message_of("/nonexistent/model").find("model directory '/nonexistent/model' not found"), std::string::npos);
   TempDir d;
   write(d.file("tokenizer.json"), "{}");
@@ -197,7 +197,7 @@ TEST(HfTokenizer, BadDirectoriesAreNamed) {
 TEST(HfExport, TransformersLoadsTheExport) {
   std::string why;
   const TempDir* fx = fixture(&why);
-  if (!fx) GTEST_SKIP() << why;
+  ASSERT_NE(fx, nullptr) << why;
   for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE"}) unsetenv(v);
   tandem::RuntimeOptions ro;
   ro.device = "cpu";

@@ -190,9 +190,9 @@ TEST(Llama, LoadRefusesACheckpointOfAnotherShape) {
 // matches Tandem's logits within 1e-5.
 TEST(Llama, MatchesTransformersBothWays) {
   const char* src = std::getenv("TANDEM_SOURCE_DIR");
-  if (!src) GTEST_SKIP() << "TANDEM_SOURCE_DIR unset (ctest sets it)";
+  ASSERT_NE(src, nullptr) << "TANDEM_SOURCE_DIR unset (ctest sets it)";
   const std::string python = std::string(src) + "/.venv-hf/bin/python";
-  if (::access(python.c_str(), X_OK) != 0) GTEST_SKIP() << python << " missing: run scripts/setup-hf-venv.sh";
+  ASSERT_EQ(::access(python.c_str(), X_OK), 0) << python << " missing: run scripts/setup-hf-venv.sh";
   const std::string run =
       "HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 " + python + " " + src + "/tests/hf/llama_reference.py ";
   TempDir d;

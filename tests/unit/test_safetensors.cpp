@@ -403,9 +403,9 @@ TEST(Safetensors, BrokenShardedCheckpointsNameTheProblem) {
 // the raw bytes Python dumped beside them. Tandem writes; Python reads and compares.
 TEST(Safetensors, ExchangesFilesWithThePythonReference) {
   const char* src = std::getenv("TANDEM_SOURCE_DIR");
-  if (!src) GTEST_SKIP() << "TANDEM_SOURCE_DIR unset (ctest sets it)";
+  ASSERT_NE(src, nullptr) << "TANDEM_SOURCE_DIR unset (ctest sets it)";
   const std::string python = std::string(src) + "/.venv-hf/bin/python";
-  if (::access(python.c_str(), X_OK) != 0) GTEST_SKIP() << python << " missing: run scripts/setup-hf-venv.sh";
+  ASSERT_EQ(::access(python.c_str(), X_OK), 0) << python << " missing: run scripts/setup-hf-venv.sh";
   const std::string script = std::string(src) + "/tests/hf/st_crosscheck.py";
   TempDir d;
   ASSERT_EQ(std::system((python + " " + script + " make " + d.path).c_str()), 0);
