@@ -85,6 +85,8 @@ struct Adapter {
   torch::Tensor delta(const torch::Tensor& x) const { return up->forward(down->forward(x)); }
 };
 Adapter adapter_of(const torch::nn::Module& m);
+// Whether a parameter's name is an adapter's (holds ".lora_A." or ".lora_B.").
+bool is_adapter_parameter(const std::string& name);
 
 // Gives `m` an adapter of A [r, in] and B [out, r] (its parameters requiring gradients).
 void add_adapter(torch::nn::Module& m, at::Tensor a, at::Tensor b, const LoraConfig& c);

@@ -58,12 +58,18 @@ torch::Tensor UpImpl::forward(const torch::Tensor& h) { return at::linear(h, wei
 
 Adapter adapter_of(const torch::nn::Module& m) {
   Adapter a;
-  for (const auto& c : m.named_children()) {
-    if (c.key() == "lora_A") a.down = c.value()->as<DownImpl>();
-    if (c.key() == "lora_B") a.up = c.value()->as<UpImpl>();
+  // By type, not name: a forward asks this of every adapted layer, and a plain Linear has no
+  // children at all.
+  for (const auto& c : m.children()) {
+    if (auto* d = c->as<DownImpl>()) a.down = d;
+    if (auto* u = c->as<UpImpl>()) a.up = u;
   }
   if (!a.down || !a.up) return {};
   return a;
+}
+
+bool is_adapter_parameter(const std::string& name) {
+  return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
 }
 
 void add_adapter(torch::nn::Module& m, at::Tensor a, at::Tensor b, const LoraConfig& c) {
@@ -73,10 +79,8 @@ void add_adapter(torch::nn::Module& m, at::Tensor a, at::Tensor b, const LoraCon
 
 torch::Tensor linear(const torch::nn::Linear& base, const torch::Tensor& x) {
   auto& m = *base.ptr();
-  auto y = m.forward(x);
-  if (m.children().empty()) return y;  // the common case: no adapter
   const auto a = adapter_of(m);
-  return a ? y + a.delta(x) : y;
+  return a ? m.forward(x) + a.delta(x) : m.forward(x);
 }
 
 namespace {
@@ -156,8 +160,7 @@ Attached attach(torch::nn::Module& model, const LoraConfig& c) {
   const std::set<std::string> whole(c.trained_whole.begin(), c.trained_whole.end());
   for (auto& p : model.named_parameters()) {
     const auto& name = p.key();
-    const bool adapter = name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
-    const bool train = adapter || under(name, whole);
+    const bool train = is_adapter_parameter(name) || under(name, whole);
     p.value().set_requires_grad(train);
     out.total += p.value().numel();
     if (train) out.trainable += p.value().numel();
