@@ -21,6 +21,7 @@ namespace tandem::text {
 enum class HfTask { kLm, kClassify };
 HfTask parse_hf_task(const std::string& name);  // "lm" | "classify"; else std::invalid_argument
 const char* to_string(HfTask t);
+const char* peft_task_type(HfTask t);  // PEFT's task_type: CAUSAL_LM, SEQ_CLS
 
 struct JsonlExample {
   std::string text;
@@ -53,8 +54,8 @@ struct HfFinetuneConfig {
   // writes them as PEFT does, `--to hf --merge` the merged weights.
   bool use_lora = false;
   lora::LoraConfig lora;
-  // A PEFT adapter directory to start from (its adapter_config.json sets the rank, alpha,
-  // dropout and targets; use_lora is implied).
+  // A PEFT adapter directory to start from: its adapter_config.json replaces `lora` (rank,
+  // alpha, dropout, targets) and its task_type must be the task's; use_lora is implied.
   std::string init_adapter;
   // Layout, batch, steps, optimizer, progress, metrics, trace and checkpoints (loop.checkpoints:
   // step-N/ checkpoints in any layout, which tandem export reads; its corpus, tokenizer and shape

@@ -33,6 +33,8 @@ HfTask parse_hf_task(const std::string& name) {
 
 const char* to_string(HfTask t) { return t == HfTask::kLm ? "lm" : "classify"; }
 
+const char* peft_task_type(HfTask t) { return t == HfTask::kLm ? "CAUSAL_LM" : "SEQ_CLS"; }
+
 std::vector<JsonlExample> read_jsonl(const std::string& path, bool labels) {
   std::ifstream f(path);
   if (!f) throw std::runtime_error("data file '" + path + "' not found or unreadable; give a JSON lines file");
@@ -220,13 +222,8 @@ double terms(const torch::Tensor& targets, bool lm) {
   return static_cast<double>(targets.narrow(1, 1, targets.size(1) - 1).ne(-100).sum().item<int64_t>());
 }
 
-bool is_adapter(const std::string& name) {
-  return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
-}
-
 // Adapters on the configured targets, the rest frozen (cfg.lora.trained_whole: a classifier's
-// score head).
-// In the Sequential form (children named by position) the head is the last child.
+// score head, which the Sequential form names by its position, the last).
 void attach_adapters(torch::nn::Module& net, const HfFinetuneConfig& cfg, const llama::LlamaConfig& mc, bool positional,
                      Model& m) {
   auto c = cfg.lora;
@@ -266,14 +263,12 @@ std::shared_ptr<const ParameterSource> initial_values(const HfFinetuneConfig& cf
                                                       const std::function<std::string(const std::string&)>& hf) {
   auto base = safetensors::parameter_source(weights, to_hf);
   if (cfg.init_adapter.empty()) return base;
-  const auto adapter = lora::read_peft_adapter(cfg.init_adapter);
-  const std::set<std::string> whole(cfg.lora.trained_whole.begin(), cfg.lora.trained_whole.end());
-  const safetensors::Checkpoint file(adapter.weights);
+  const safetensors::Checkpoint file(lora::read_peft_adapter(cfg.init_adapter).weights);
   // A classifier's head comes from the adapter when it holds one (else: a fresh head, or the base's).
   const bool head = cfg.task == HfTask::kClassify && file.contains(lora::peft_name("score.weight"));
   const std::function<std::string(const std::string&)> to_peft = [=](const std::string& n) {
     const auto name = hf(n);
-    if (is_adapter(n)) return lora::peft_name(name);
+    if (lora::is_adapter_parameter(n)) return lora::peft_name(name);
     if (head && name.rfind("score.", 0) == 0) return lora::peft_name(name);
     return std::string();
   };
@@ -295,7 +290,7 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   if (lm && mc.tie_word_embeddings && cfg.loop.parallel.tp == 1) {
     llama::LlamaForCausalLM net(mc);
     const std::function<std::string(const std::string&)> base = [](const std::string& n) {
-      return is_adapter(n) ? std::string() : n;
+      return lora::is_adapter_parameter(n) ? std::string() : n;
     };
     if (cfg.use_lora) attach_adapters(*net, cfg, mc, false, m);
     llama::check_weights(*net, weights, false, base);
@@ -313,7 +308,7 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   };
   const std::function<std::string(const std::string&)> to_hf = [=](const std::string& n) {
     auto name = hf(n);
-    return is_adapter(n) || (new_head && name == "score.weight") ? std::string() : name;
+    return lora::is_adapter_parameter(n) || (new_head && name == "score.weight") ? std::string() : name;
   };
   auto net = positional(mc, task);
   if (cfg.use_lora) attach_adapters(*net, cfg, mc, true, m);
@@ -396,6 +391,15 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
     throw std::invalid_argument("--seq " + std::to_string(cfg.seq) + " exceeds the model's max_position_embeddings " +
                                 std::to_string(mc.max_position_embeddings));
   }
+  if (!cfg.init_adapter.empty()) {  // the adapter's configuration is the run's
+    const auto adapter = lora::read_peft_adapter(cfg.init_adapter);
+    if (!adapter.task_type.empty() && adapter.task_type != peft_task_type(cfg.task)) {
+      throw std::invalid_argument("--init-adapter '" + cfg.init_adapter + "' was made for task_type " +
+                                  adapter.task_type + ", not for --task " + to_string(cfg.task));
+    }
+    cfg.lora = adapter.config;
+    cfg.use_lora = true;
+  }
   if (cfg.use_lora) {
     lora::validate(cfg.lora);
     // PEFT's SEQ_CLS trains the head whole (its modules_to_save: "classifier", "score"; Llama's
@@ -445,14 +449,6 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
                                        " validation examples" +
                                        (lm ? "" : ", " + std::to_string(labels.size()) + " labels"));
   rep.context.emplace_back("initialised", "from " + cfg.model_dir);
-  if (cfg.use_lora) {
-    const auto& c = cfg.lora;
-    std::ostringstream line;
-    line << "LoRA r " << c.rank << ", alpha " << c.alpha << (c.rslora ? " (rsLoRA)" : "") << ", dropout " << c.dropout
-         << ", on " << model.lora.modules.size() << " modules (" << nlohmann::json(c.targets).dump() << ")";
-    if (!cfg.init_adapter.empty()) line << ", from " << cfg.init_adapter;
-    rep.context.emplace_back("adapters", line.str());
-  }
 
   nlohmann::json run = {{"task", to_string(cfg.task)},
                         {"labels", labels},
@@ -491,16 +487,18 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
   checkpoints.finish();
   if (cfg.loop.evaluate && !rep.stopped && va.ids.size(0) > 0) evaluate(rt, eng, va, lm, cfg.loop.eval_limit, rep);
   collect_engine_report(eng, loop, rep);
-  if (cfg.use_lora && rep.trainable_parameters > 0) {  // what training every weight would hold instead
-    for (auto& [label, text] : rep.context) {
-      if (label != "adapters") continue;
-      const double mib = 1024.0 * 1024.0, opt = static_cast<double>(rep.optimizer_state_bytes);
-      const double full = opt * static_cast<double>(rep.parameters) / static_cast<double>(rep.trainable_parameters);
-      std::ostringstream os;
-      os << std::fixed << std::setprecision(2) << "; optimizer state " << opt / mib
+  if (cfg.use_lora) {  // with the optimizer state, and what training every weight would hold instead
+    const auto& c = cfg.lora;
+    const double mib = 1024.0 * 1024.0, opt = static_cast<double>(rep.optimizer_state_bytes);
+    const double full =
+        opt * static_cast<double>(rep.parameters) / static_cast<double>(std::max<int64_t>(1, rep.trainable_parameters));
+    std::ostringstream line;
+    line << "LoRA r " << c.rank << ", alpha " << c.alpha << (c.rslora ? " (rsLoRA)" : "") << ", dropout " << c.dropout
+         << ", on " << model.lora.modules.size() << " modules (" << nlohmann::json(c.targets).dump() << ")";
+    if (!cfg.init_adapter.empty()) line << ", from " << cfg.init_adapter;
+    line << std::fixed << std::setprecision(2) << "; optimizer state " << opt / mib
          << " MiB on rank 0 (every weight: " << full / mib << " MiB)";
-      text += os.str();
-    }
+    rep.context.emplace_back("adapters", line.str());
   }
   if (rt.rank() == 0) {  // tandem plan's memory for a transformer of this shape (per-rank figures only)
     auto spec = plan::transformer_model(mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, cfg.seq,
@@ -656,10 +654,6 @@ void export_hf(const std::string& checkpoint, const std::string& out, int64_t ma
   copy_tokenizer(tok_dir.string(), out);
 }
 
-}  // namespace tandem::text
-
-namespace tandem::text {
-
 void export_peft(const std::string& checkpoint, const std::string& out) {
   using namespace hf_impl;
   const auto f = read_finetuned(checkpoint, "peft");
@@ -670,8 +664,7 @@ void export_peft(const std::string& checkpoint, const std::string& out) {
   const auto c = lora_of(f.run["lora"]);
   std::map<std::string, at::Tensor> tensors;
   for (const auto& [n, t] : f.full.params) tensors[f.hf(n)] = t;
-  lora::write_peft_adapter(out, c, f.task == HfTask::kClassify ? "SEQ_CLS" : "CAUSAL_LM", f.run.value("base", ""),
-                           tensors);
+  lora::write_peft_adapter(out, c, peft_task_type(f.task), f.run.value("base", ""), tensors);
 }
 
 }  // namespace tandem::text

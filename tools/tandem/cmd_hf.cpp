@@ -56,8 +56,8 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
                    ->capture_default_str();
   auto* alpha = app.add_option("--lora-alpha", c.lora.alpha, "LoRA scale numerator: updates are alpha / rank x B A")
                     ->capture_default_str();
-  app.add_option("--lora-dropout", c.lora.dropout, "dropout on the adapters' input while training")
-      ->capture_default_str();
+  auto* dropout = app.add_option("--lora-dropout", c.lora.dropout, "dropout on the adapters' input while training")
+                      ->capture_default_str();
   auto* targets = app.add_option("--lora-targets", f.lora_targets,
                                  "modules adapted, comma-separated (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
                                  "down_proj), or all-linear")
@@ -68,6 +68,7 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
                  "targets)")
       ->excludes(rank)
       ->excludes(alpha)
+      ->excludes(dropout)
       ->excludes(targets)
       ->excludes(rslora);
   add_worker_options(app, f.workers, "2");
@@ -91,20 +92,13 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
   app.add_option("--timeout", f.timeout_s, "seconds any communication may block before failing")->capture_default_str();
 }
 
-// LoRA from the flags, or from --init-adapter's adapter_config.json.
+// LoRA from the flags; with --init-adapter finetune_hf takes it from adapter_config.json (read
+// here too, so that a bad directory is named before any worker starts).
 void set_lora(HfFlags& f, const CLI::App& app) {
   auto& c = f.cfg;
   if (!c.init_adapter.empty()) {
-    const auto adapter = lora::read_peft_adapter(c.init_adapter);
-    const double dropout = app.count("--lora-dropout") ? c.lora.dropout : adapter.config.dropout;
-    c.lora = adapter.config;
-    c.lora.dropout = dropout;
+    lora::read_peft_adapter(c.init_adapter);
     c.use_lora = true;
-    const bool cls = f.task == "classify";
-    if (!adapter.task_type.empty() && adapter.task_type != (cls ? "SEQ_CLS" : "CAUSAL_LM")) {
-      throw std::invalid_argument("--init-adapter '" + c.init_adapter + "' was made for task_type " +
-                                  adapter.task_type + ", not for --task " + f.task);
-    }
     return;
   }
   const bool asked = app.count("--lora-alpha") || app.count("--lora-dropout") || app.count("--lora-targets") ||
