@@ -242,10 +242,10 @@ class Sharded final : public Updater {
   // Each owned piece is a flat range of the parameter as this rank holds it (its
   // tensor-parallel block, or the whole tensor); the data-parallel ranks hold disjoint ranges.
   std::vector<StatePiece> state() override {
-    // Stage 3 shards the frozen parameters too (their pieces come without optimizer slots);
-    // stages 1 and 2 leave them whole on every rank.
+    // Frozen parameters ZeRO shards (stage 3) come among its pieces, without optimizer slots;
+    // those it leaves whole on every rank are the replicas'.
     std::vector<StatePiece> out;
-    if (zero_->stage() < 3) out = L_.frozen_state();
+    if (zero_->frozen_numel() == 0) out = L_.frozen_state();
     for (auto& z : zero_->owned_pieces()) {
       const auto& placed = L_.placed.at(z.name);
       const auto p = placed.placement.flat_range(z.first, z.first + z.count);

@@ -161,6 +161,7 @@ struct ZeroDataParallel::Impl {
   std::vector<std::vector<size_t>> wrapped_unit_params(const std::unordered_map<const void*, size_t>& index,
                                                        bool* has_root);
   void plan_units(const std::vector<std::vector<size_t>>& units);
+  void size_bucket(Bucket& bk, const std::vector<at::Tensor>& ts, std::vector<int64_t>& offsets) const;
   void layout_frozen(const at::TensorOptions& o);
   at::Tensor initial_values(const Bucket& bk, const at::TensorOptions& o) const;
   void build_layout();

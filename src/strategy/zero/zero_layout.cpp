@@ -94,16 +94,23 @@ void ZeroDataParallel::Impl::plan_units(const std::vector<std::vector<size_t>>& 
   }
 }
 
+// The tensors ts[i], i in bk.params, one after another: their offsets in the bucket, its elements,
+// and its size padded to a multiple of the world size (one element per rank at least).
+void ZeroDataParallel::Impl::size_bucket(Bucket& bk, const std::vector<at::Tensor>& ts,
+                                         std::vector<int64_t>& offsets) const {
+  for (size_t i : bk.params) {
+    offsets[i] = bk.numel;
+    bk.numel += ts[i].numel();
+  }
+  bk.padded = std::max<int64_t>((bk.numel + world - 1) / world * world, world);
+  bk.chunk = bk.padded / world;
+}
+
 // Stage 3: the frozen buckets' storage and shards; the frozen parameters become views of it.
 void ZeroDataParallel::Impl::layout_frozen(const at::TensorOptions& o) {
   frozen_offset.assign(frozen.size(), 0);
   for (auto& bk : frozen_buckets) {
-    for (size_t j : bk.params) {
-      frozen_offset[j] = bk.numel;
-      bk.numel += frozen[j].numel();
-    }
-    bk.padded = std::max<int64_t>((bk.numel + world - 1) / world * world, world);
-    bk.chunk = bk.padded / world;
+    size_bucket(bk, frozen, frozen_offset);
     auto values = at::zeros({bk.padded}, o);
     auto view = [&](const at::Tensor& buf, size_t j) {
       return buf.narrow(0, frozen_offset[j], frozen[j].numel()).view(frozen[j].sizes());
@@ -170,20 +177,17 @@ void ZeroDataParallel::Impl::build_layout() {
   int64_t off = 0;
   for (size_t b = 0; b < buckets.size(); ++b) {
     auto& bk = buckets[b];
-    for (size_t i : bk.params) {
-      bucket_of[i] = b;
-      offset_of[i] = bk.numel;
-      bk.numel += params[i].numel();
-    }
-    bk.padded = std::max<int64_t>((bk.numel + world - 1) / world * world, world);
-    bk.chunk = bk.padded / world;
+    for (size_t i : bk.params) bucket_of[i] = b;
+    size_bucket(bk, params, offset_of);
     bk.offset = off;
     bk.pending = bk.params.size();
     off += bk.padded;
   }
   torch::NoGradGuard ng;
-  const auto dtype = params.empty() ? at::kFloat : params[0].scalar_type();
-  const auto device = params.empty() ? at::Device(at::kCPU) : params[0].device();
+  // With no trained parameter (all frozen), the frozen ones give the dtype and device.
+  const auto& first = !params.empty() ? params[0] : !frozen.empty() ? frozen[0] : at::Tensor();
+  const auto dtype = first.defined() ? first.scalar_type() : at::kFloat;
+  const auto device = first.defined() ? first.device() : at::Device(at::kCPU);
   // Masters keep the parameters' values before any conversion to the compute dtype.
   const auto compute = mixed ? compute_dtype(opts.precision) : dtype;
   const auto copts = at::TensorOptions().dtype(compute).device(device);
