@@ -65,9 +65,17 @@ struct ParallelConfig {
   Strategy strategy = Strategy::kDDP;
   Precision precision = Precision::kFP32;  // compute precision; fp32 masters for bf16/fp16
   LossScalerOptions loss_scaler;           // fp16's dynamic loss scaling
-  // Layout: each replica spans tp x pp ranks; the world size / (tp * pp) replicas are data parallel.
-  int tp = 1;                 // tensor-parallel ranks (Megatron column/row-parallel layers)
-  int pp = 1;                 // pipeline stages
+  // Layout: each replica spans tp x pp x cp ranks; the world size / (tp * pp * cp) replicas are
+  // data parallel.
+  int tp = 1;  // tensor-parallel ranks (Megatron column/row-parallel layers)
+  int pp = 1;  // pipeline stages
+  // Context-parallel ranks (tandem/context_parallel.h): each sequence split over cp ranks (2 * cp
+  // chunks, load-balanced for causal attention), attention as ring attention. The model must be
+  // a Sequential whose position-dependent layers implement cp::ContextParallel (Llama's decoder
+  // layers). Inputs [B, T, ...] with T a multiple of 2 * cp; targets [B, T, ...] are split the
+  // same way and the loss taken per token on each rank; other targets (one per sample) see the
+  // output gathered over the cp ranks. The cp ranks' gradients are reduced with dp's.
+  int cp = 1;
   int64_t micro_batches = 1;  // per replica and step, when pp > 1
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   // Model chunks per pipeline rank (interleaved schedule only): pp * virtual_stages virtual
@@ -93,7 +101,7 @@ struct ParallelConfig {
 // must split over the replicas and, with a pipeline, into micro-batches). Throws
 // std::invalid_argument naming the conflicting settings and what to use instead.
 void validate(const ParallelConfig& c, int world, int64_t global_batch = 0);
-// The data-parallel replicas of a valid configuration: world / (tp * pp).
+// The data-parallel replicas of a valid configuration: world / (tp * pp * cp).
 int data_parallel_size(const ParallelConfig& c, int world);
 
 // The learning rate of every step (0-based) of a run of total_steps: a linear warmup over
@@ -234,11 +242,11 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // One training step over this replica's share of the global batch (every tp and pp rank of
-  // a replica passes the same batch): zero the gradients, forward and backward over the
-  // micro-batches (the pipeline's schedule, or gradient accumulation), loss scaling, clipping
-  // and the optimizer step. Returns this replica's loss for the step (a detached scalar; the
-  // average over the replicas is the global batch's loss). An fp16 overflow skips the update.
+  // One training step over this replica's share of the global batch (every tp, pp and cp rank
+  // of a replica passes the same batch; with cp > 1 each cp rank takes its part of the sequence): zero the gradients,
+  // forward and backward over the micro-batches (the pipeline's schedule, or gradient accumulation), loss scaling,
+  // clipping and the optimizer step. Returns this replica's loss for the step (a detached scalar; the average over the
+  // replicas is the global batch's loss). An fp16 overflow skips the update.
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets, const LossFn& loss_fn,
                   const StepOptions& options = {});
 
@@ -246,6 +254,8 @@ class Engine {
   //   engine.zero_grad(); auto out = engine.forward(x); engine.backward(loss_fn(out, y));
   //   engine.optimizer_step();
   // Several forward/backward pairs between zero_grad() and optimizer_step() accumulate.
+  // With cp > 1, forward() takes the whole sequence and returns this rank's part of the output
+  // (cp::split_sequence of the targets along dim 1 gives the matching targets).
   void zero_grad();
   at::Tensor forward(const at::Tensor& inputs);
   void backward(const at::Tensor& loss);  // scales the loss (fp16) and back-propagates
@@ -301,12 +311,12 @@ class Engine {
   // Layout and parts, for reports and custom loops.
   const ParallelConfig& config() const;
   int world_size() const;
-  int dp_size() const;
+  int dp_size() const;  // data-parallel replicas (the cp ranks of a replica take the same samples)
   int dp_rank() const;
   c10::Device device() const;  // this rank's (the Runtime's)
   CommPtr world() const;
-  CommPtr dp_group() const;
-  const ProcessGrid* grid() const;                     // null when tp * pp == 1
+  CommPtr dp_group() const;                            // the data-parallel replicas' group (size dp_size())
+  const ProcessGrid* grid() const;                     // null when tp * pp * cp == 1
   const Pipeline* pipeline() const;                    // null when pp == 1
   std::vector<int64_t> partition() const;              // layers per stage (pp > 1)
   torch::nn::Module& module();                         // what runs on this rank (its stage, its shards)

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/context_parallel.h"
 #include "tandem/lora.h"
 #include "tandem/safetensors.h"
 #include "tandem/tensor_parallel.h"
@@ -66,13 +67,15 @@ class RMSNormImpl : public torch::nn::Module {
 TORCH_MODULE(RMSNorm);
 
 // Causal self-attention with rotary embeddings; num_key_value_heads key/value heads shared by
-// groups of query heads. [B, T, hidden] -> [B, T, hidden].
+// groups of query heads. [B, T, hidden] -> [B, T, hidden]. With `cp` set, x holds this rank's
+// tokens of each sequence (tandem/context_parallel.h) and attention is ring attention over cp.
 class AttentionImpl : public torch::nn::Module, public lora::Adaptable {
  public:
   explicit AttentionImpl(const LlamaConfig& config);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   int64_t heads, kv_heads, head_dim;
+  CommPtr cp;
 };
 TORCH_MODULE(Attention);
 
@@ -88,6 +91,8 @@ TORCH_MODULE(MLP);
 // The rotary tables cos and sin [T, head_dim] of positions 0..T-1, in float32 (as transformers
 // computes them).
 std::pair<torch::Tensor, torch::Tensor> rotary_tables(const LlamaConfig& config, int64_t T);
+// The same tables at the given positions (int64 [T]; a context-parallel rank's global ones).
+std::pair<torch::Tensor, torch::Tensor> rotary_tables_at(const LlamaConfig& config, const torch::Tensor& positions);
 
 // x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).
 class DecoderLayerImpl : public torch::nn::Module {
@@ -143,9 +148,10 @@ class LlamaForSequenceClassificationImpl : public torch::nn::Module {
 TORCH_MODULE(LlamaForSequenceClassification);
 
 // A decoder layer as a child of a Sequential: forward(x) builds its rotary tables from x's
-// length (the same values as LlamaModel's, which builds them once for all layers). Its
-// tensor-parallel form is ParallelDecoderLayer (tp::tensor_parallel converts it).
-class SequentialDecoderLayerImpl : public DecoderLayerImpl, public tp::Parallelizable {
+// length (the same values as LlamaModel's, which builds them once for all layers), or at the
+// global positions of a context-parallel rank's tokens. Its tensor-parallel form is
+// ParallelDecoderLayer (tp::tensor_parallel converts it).
+class SequentialDecoderLayerImpl : public DecoderLayerImpl, public tp::Parallelizable, public cp::ContextParallel {
  public:
   explicit SequentialDecoderLayerImpl(const LlamaConfig& config) : DecoderLayerImpl(config), config(config) {}
   torch::Tensor forward(const torch::Tensor& x);
@@ -153,6 +159,7 @@ class SequentialDecoderLayerImpl : public DecoderLayerImpl, public tp::Paralleli
   // num_key_value_heads and intermediate_size.
   void check_tensor_parallel(int tp_size) const override;
   torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
+  void use_context_parallel(const CommPtr& cp) override;
   LlamaConfig config;
 };
 TORCH_MODULE(SequentialDecoderLayer);
@@ -171,6 +178,7 @@ class ParallelAttentionImpl : public torch::nn::Module {
   tp::RowParallelLinear o_proj{nullptr};
   int64_t local_heads, local_kv_heads, head_dim;
   CommPtr tp;
+  CommPtr cp;  // ring attention over this context-parallel group when set
 };
 TORCH_MODULE(ParallelAttention);
 
@@ -186,10 +194,11 @@ class ParallelMLPImpl : public torch::nn::Module {
 TORCH_MODULE(ParallelMLP);
 
 // The tensor-parallel SequentialDecoderLayer; its RMSNorms are the dense layer's (replicated).
-class ParallelDecoderLayerImpl : public torch::nn::Module {
+class ParallelDecoderLayerImpl : public torch::nn::Module, public cp::ContextParallel {
  public:
   ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& dense, const CommPtr& tp);
   torch::Tensor forward(const torch::Tensor& x);
+  void use_context_parallel(const CommPtr& cp) override;
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   ParallelAttention self_attn{nullptr};
   ParallelMLP mlp{nullptr};

@@ -94,7 +94,7 @@ double LrSchedule::at(double step) const {
   return min_ratio == 0.0 ? peak * c : peak * (min_ratio + (1.0 - min_ratio) * c);
 }
 
-int data_parallel_size(const ParallelConfig& c, int world) { return world / std::max(1, c.tp * c.pp); }
+int data_parallel_size(const ParallelConfig& c, int world) { return world / std::max(1, c.tp * c.pp * c.cp); }
 
 namespace {
 
@@ -113,9 +113,9 @@ void validate_virtual_stages(const ParallelConfig& c) {
 
 // The model-parallel part: the grid against the world size and what composes with it.
 void validate_layout(const ParallelConfig& c, int world) {
-  if (c.tp < 1 || c.pp < 1) {
-    throw std::invalid_argument("--tp and --pp must be at least 1, got --tp " + std::to_string(c.tp) + " --pp " +
-                                std::to_string(c.pp));
+  if (c.tp < 1 || c.pp < 1 || c.cp < 1) {
+    throw std::invalid_argument("--tp, --pp and --cp must be at least 1, got --tp " + std::to_string(c.tp) + " --pp " +
+                                std::to_string(c.pp) + " --cp " + std::to_string(c.cp));
   }
   if (c.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
   validate_virtual_stages(c);
@@ -132,12 +132,14 @@ void validate_layout(const ParallelConfig& c, int world) {
     throw std::invalid_argument("--strategy single runs one worker, but " + std::to_string(world) +
                                 " were launched; use -n 1 or --strategy ddp");
   }
-  if (c.tp * c.pp == 1) return;
-  const std::string layout = "--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp);
-  if (world % (c.tp * c.pp) != 0) {
-    throw std::invalid_argument(layout + " = " + std::to_string(c.tp * c.pp) +
+  const int per_replica = c.tp * c.pp * c.cp;
+  if (per_replica == 1) return;
+  const std::string layout = "--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp) +
+                             (c.cp > 1 ? " x --cp " + std::to_string(c.cp) : std::string());
+  if (world % per_replica != 0) {
+    throw std::invalid_argument(layout + " = " + std::to_string(per_replica) +
                                 " ranks per replica does not divide the " + std::to_string(world) +
-                                " workers; use -n a multiple of " + std::to_string(c.tp * c.pp));
+                                " workers; use -n a multiple of " + std::to_string(per_replica));
   }
   // Every strategy but single composes with tp and pp over the data-parallel ranks. Under a
   // pipeline ZeRO-2 and 3 reduce-scatter after every micro-batch's backward (and ZeRO-3 gathers
@@ -154,11 +156,11 @@ void validate_layout(const ParallelConfig& c, int world) {
 
 void validate_batch(const ParallelConfig& c, int world, int64_t batch) {
   const int dp = data_parallel_size(c, world);
-  if (c.tp * c.pp > 1 && batch % dp != 0) {
+  if (c.tp * c.pp * c.cp > 1 && batch % dp != 0) {
     throw std::invalid_argument("--batch " + std::to_string(batch) + " (global) does not split evenly over " +
                                 std::to_string(dp) + " data-parallel replicas (" + std::to_string(world) +
                                 " workers / (--tp " + std::to_string(c.tp) + " x --pp " + std::to_string(c.pp) +
-                                ")); use a multiple of " + std::to_string(dp));
+                                " x --cp " + std::to_string(c.cp) + ")); use a multiple of " + std::to_string(dp));
   }
   if (c.pp > 1 && (batch / dp) % c.micro_batches != 0) {
     throw std::invalid_argument("--batch " + std::to_string(batch) + " gives each of the " + std::to_string(dp) +

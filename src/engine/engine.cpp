@@ -14,6 +14,7 @@
 
 #include "engine/updater.h"
 #include "tandem/accumulate.h"
+#include "tandem/context_parallel.h"
 #include "tandem/ddp.h"
 #include "tandem/grid.h"
 #include "tandem/models.h"
@@ -55,6 +56,37 @@ double wire_bytes(const std::map<std::string, OpStats>& st, int n) {
   const double f = n > 1 ? static_cast<double>(n - 1) / n : 0.0;
   return 2 * f * get("allreduce") + f * get("reduce_scatter") + (n - 1) * get("allgather") +
          (n > 1 ? get("broadcast") : 0.0) + get("send");
+}
+
+// Every child of the Sequential whose forward depends on where its tokens lie learns the cp
+// group. A tensor-parallel layer (tp::Parallelizable) that cannot would attend within its own
+// part of the sequence only, so the model is refused instead.
+void use_context_parallel(const torch::nn::Sequential& net, const CommPtr& cp) {
+  int found = 0;
+  for (auto& child : net->named_children()) {
+    auto* m = child.value().get();
+    if (auto* c = dynamic_cast<cp::ContextParallel*>(m)) {
+      c->use_context_parallel(cp);
+      ++found;
+    } else if (dynamic_cast<tp::Parallelizable*>(m)) {
+      throw std::invalid_argument("--cp " + std::to_string(cp->size()) + ": layer '" + child.key() +
+                                  "' depends on positions or attends over the sequence but does not implement "
+                                  "cp::ContextParallel (tandem/context_parallel.h); use --cp 1 for this model");
+    }
+  }
+  if (found == 0) {
+    throw std::invalid_argument("--cp " + std::to_string(cp->size()) +
+                                ": no layer of this model implements cp::ContextParallel (ring attention at "
+                                "global positions); context parallelism needs one, as Llama's decoder layers do. "
+                                "Use --cp 1");
+  }
+}
+
+// The gathered output's first dimensions, for messages.
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
 }
 
 }  // namespace
@@ -113,6 +145,18 @@ struct Engine::Impl {
   }
   void build(std::shared_ptr<torch::nn::Module> model, ForwardFn forward, const OptimizerOptions& oo);
   at::Tensor pipeline_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn, const StepOptions& so);
+  // Context parallelism: this rank's part of every sequence of x; targets with a token per
+  // position are split alike (the loss is then per token, its gradient reduced with dp's);
+  // other targets see the output gathered over the cp ranks, each rank back-propagating its own
+  // tokens' share of the replica's loss times cp, which the dp x cp average divides again.
+  struct CpParts {
+    at::Tensor x, y;
+    LossFn loss_fn;
+  };
+  CpParts split_for_cp(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn, const StepOptions& so) const;
+  at::Tensor split_input(const at::Tensor& x) const;
+  // The output over whole sequences (inference), where the model gives one per position.
+  at::Tensor gather_output(const at::Tensor& out) const;
   at::Tensor accumulate_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn, const StepOptions& so);
   void checkpoint_layers(std::vector<int64_t>& cut);
   void initialise(const ParameterSource& source);
@@ -191,11 +235,12 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   validate(oo);
   if (!model) throw std::invalid_argument("tandem::Engine: the model is null");
   const bool sequential = static_cast<bool>(std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model));
-  if (!sequential && cfg.tp * cfg.pp > 1) {
-    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " x --pp " + std::to_string(cfg.pp) +
+  if (!sequential && cfg.tp * cfg.pp * cfg.cp > 1) {
+    throw std::invalid_argument("--tp " + std::to_string(cfg.tp) + " x --pp " + std::to_string(cfg.pp) + " x --cp " +
+                                std::to_string(cfg.cp) +
                                 " cuts the model between children or converts its layers, which needs a "
-                                "torch::nn::Sequential; this model is not one (use --tp 1 --pp 1, or build it as "
-                                "a Sequential)");
+                                "torch::nn::Sequential; this model is not one (use --tp 1 --pp 1 --cp 1, or build "
+                                "it as a Sequential)");
   }
   if (!sequential && !forward) {
     throw std::invalid_argument("tandem::Engine: a model that is not a torch::nn::Sequential needs its forward "
@@ -211,8 +256,10 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   }
   for (auto& b : L.dense->named_buffers()) dense_buffers.emplace_back(b.key(), b.value().sizes().vec());
   parameters = models::count_parameters(*L.dense);
-  if (cfg.tp * cfg.pp > 1) L.grid = std::make_unique<ProcessGrid>(L.world, cfg.tp, cfg.pp);
-  L.dp = L.grid ? L.grid->dp() : L.world;
+  if (cfg.tp * cfg.pp * cfg.cp > 1) L.grid = std::make_unique<ProcessGrid>(L.world, cfg.tp, cfg.pp, cfg.cp);
+  L.dp = L.grid ? L.grid->dp_cp() : L.world;
+  L.data = L.grid ? L.grid->dp() : L.world;
+  L.cp = L.grid ? L.grid->cp() : nullptr;
   // Where the stages are cut: measured on the dense model (the tensor-parallel one would run its
   // collectives on rank 0 alone), before any step.
   std::vector<int64_t> cut;
@@ -232,6 +279,7 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     };
     L.net = convert(L.dense_sequential(), L.grid->tp()).ptr();
   }
+  if (L.cp) use_context_parallel(L.net_sequential(), L.cp);
   if (cfg.activation_checkpointing.enabled()) checkpoint_layers(cut);
   if (cfg.pp > 1) {
     PipelineOptions po;
@@ -255,6 +303,7 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   L.opts.init_from = nullptr;  // once: what it holds (mapped files) goes now
   comms = {L.world};
   if (L.grid) comms.insert(comms.end(), {L.grid->tp(), L.grid->pp(), L.grid->dp()});
+  if (L.cp) comms.insert(comms.end(), {L.grid->cp(), L.grid->dp_cp()});
 }
 
 Engine::Engine(Runtime& rt, std::shared_ptr<torch::nn::Module> model, ForwardFn forward, OptimizerOptions optimizer,
@@ -296,7 +345,45 @@ at::Tensor Engine::forward(const at::Tensor& inputs) {
   if (I.L.pipe) throw std::logic_error("Engine::forward: with --pp the pipeline runs the step; call step()");
   if (!I.fresh_step) I.up->prepare_forward();
   I.fresh_step = false;
-  return I.up->forward(I.cast_input(inputs));
+  return I.up->forward(I.split_input(I.cast_input(inputs)));
+}
+
+at::Tensor Engine::Impl::split_input(const at::Tensor& x) const {
+  if (!L.cp) return x;
+  if (x.dim() < 2) {
+    throw std::invalid_argument("--cp " + std::to_string(L.cp->size()) +
+                                " splits dimension 1 of the inputs (sequences [B, T, ...]); these are " + shape_of(x));
+  }
+  return cp::split_sequence(x, 1, L.cp->rank(), L.cp->size());
+}
+
+Engine::Impl::CpParts Engine::Impl::split_for_cp(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn,
+                                                 const StepOptions& so) const {
+  CpParts parts{split_input(x), y, loss_fn};
+  if (!L.cp) return parts;
+  if (y.defined() && y.dim() >= 2 && y.size(1) == x.size(1)) {
+    parts.y = cp::split_sequence(y, 1, L.cp->rank(), L.cp->size());
+    return parts;
+  }
+  // A sum over the replica's terms counts each term on every cp rank: each takes 1/cp of it.
+  const bool sum = so.reduction == LossReduction::kSum;
+  const int64_t local = parts.x.size(1);
+  parts.loss_fn = [loss_fn, cp = L.cp, sum, local](const at::Tensor& out, const at::Tensor& target) {
+    if (out.dim() < 2 || out.size(1) != local) {
+      throw std::invalid_argument("--cp: targets without a token per position need the model's output per position "
+                                  "([B, T/cp, ...], gathered over the cp ranks for the loss); this output is " +
+                                  shape_of(out));
+    }
+    const double n = cp->size();
+    auto l = loss_fn(cp::gather_sequence(out, 1, cp, /*grad_scale=*/n), target);
+    return sum ? l / n : l;
+  };
+  return parts;
+}
+
+at::Tensor Engine::Impl::gather_output(const at::Tensor& out) const {
+  if (!L.cp || !out.defined() || out.dim() < 2) return out;
+  return cp::gather_sequence(out, 1, L.cp);
 }
 
 void Engine::backward(const at::Tensor& loss) { impl_->up->scale_loss(loss).backward(); }
@@ -325,13 +412,19 @@ at::Tensor Engine::forward_backward(const at::Tensor& inputs, const at::Tensor& 
   }
   auto& I = *impl_;
   I.fresh_step = false;
-  auto x = I.cast_input(inputs);
+  auto p = I.split_for_cp(I.cast_input(inputs), targets, loss_fn, options);
   const bool meter = MemoryMeter::installed();
   const int64_t base = meter ? MemoryMeter::current_bytes() : 0;
   if (meter) MemoryMeter::reset_peak();
   auto loss =
-      I.L.pipe ? I.pipeline_pass(x, targets, loss_fn, options) : I.accumulate_pass(x, targets, loss_fn, options);
+      I.L.pipe ? I.pipeline_pass(p.x, p.y, p.loss_fn, options) : I.accumulate_pass(p.x, p.y, p.loss_fn, options);
   if (meter) I.peak_activation = std::max(I.peak_activation, MemoryMeter::peak_bytes() - base);
+  // The replica's loss: the cp ranks' parts averaged (each a mean of as many tokens, or the
+  // same value where the output was gathered).
+  if (I.L.cp && loss.defined()) {
+    loss = loss.detach().clone();
+    I.L.cp->allreduce(loss, ReduceOp::kAvg);
+  }
   return loss;
 }
 
@@ -401,20 +494,20 @@ at::Tensor Engine::predict(const at::Tensor& inputs) {
   Impl::Uncounted uncounted(I);
   torch::NoGradGuard ng;
   I.up->prepare_predict();
-  auto x = I.cast_input(inputs);
-  if (!I.L.pipe) return I.up->forward(x);
+  auto x = I.split_input(I.cast_input(inputs));
+  if (!I.L.pipe) return I.gather_output(I.up->forward(x));
   if (!I.eval_pipe) {
     PipelineOptions po = I.L.pipe->options();
     po.micro_batches = 1;
     po.partition = I.L.pipe->partition();
     I.eval_pipe = std::make_unique<Pipeline>(I.L.net_sequential(), I.L.grid->pp(), po);
   }
-  return I.eval_pipe->forward(x);
+  return I.gather_output(I.eval_pipe->forward(x));
 }
 
 bool Engine::is_output_rank() const {
   const auto* g = impl_->L.grid.get();
-  return !g || (g->tp_rank() == 0 && g->pp_rank() == g->pp_size() - 1);
+  return !g || (g->tp_rank() == 0 && g->cp_rank() == 0 && g->pp_rank() == g->pp_size() - 1);
 }
 
 void Engine::evaluate(const at::Tensor& inputs, int64_t n, int64_t rows, const ScoreFn& score) {
@@ -599,11 +692,11 @@ void Engine::reset_stats() {
 
 const ParallelConfig& Engine::config() const { return impl_->L.cfg; }
 int Engine::world_size() const { return impl_->L.world->size(); }
-int Engine::dp_size() const { return impl_->L.dp_size(); }
-int Engine::dp_rank() const { return impl_->L.dp->rank(); }
+int Engine::dp_size() const { return impl_->L.data->size(); }
+int Engine::dp_rank() const { return impl_->L.data->rank(); }
 c10::Device Engine::device() const { return impl_->L.rt->device(); }
 CommPtr Engine::world() const { return impl_->L.world; }
-CommPtr Engine::dp_group() const { return impl_->L.dp; }
+CommPtr Engine::dp_group() const { return impl_->L.data; }
 const ProcessGrid* Engine::grid() const { return impl_->L.grid.get(); }
 const Pipeline* Engine::pipeline() const { return impl_->L.pipe.get(); }
 std::vector<int64_t> Engine::partition() const {

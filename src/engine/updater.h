@@ -34,7 +34,10 @@ struct Layout {
   Runtime* rt = nullptr;
   ParallelConfig cfg;
   EngineOptions opts;
-  CommPtr world, dp;
+  // dp: the group the strategy reduces gradients over (the data-parallel and context-parallel
+  // ranks of this rank's shard); data: the data-parallel replicas alone (different samples);
+  // cp: the ranks sharing each sequence (null without context parallelism).
+  CommPtr world, dp, data, cp;
   std::unique_ptr<ProcessGrid> grid;
   std::shared_ptr<torch::nn::Module> dense;  // the model as given (the checkpoints' names)
   std::shared_ptr<torch::nn::Module> net;    // what runs: `dense`, or its tensor-parallel form

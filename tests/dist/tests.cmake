@@ -60,6 +60,12 @@ tandem_add_dist_test(dist_llama_zero3_tp_np4 4 "LlamaSequentialEngine.LogitsOfEv
 # losses and adapters as one process, the frozen base bitwise unchanged, optimizer state and DDP
 # traffic of the adapters only, ZeRO-3 holding a shard of the base; adapter-only checkpoints resume.
 tandem_add_dist_test(dist_lora_np2 2 "LoraLayouts.*" TIMEOUT 300)
+# Context parallelism (ring attention) on the Llama Sequential forms in float64: gradients after
+# one step and losses over 5 as one process, for the causal LM (per-token loss, mean and sum)
+# and the classifier (output gathered over cp): cp2 under ddp, zero1, zero3 (2 ranks); cp4,
+# cp2 x dp2 zero3, tp2 x cp2, pp2 x cp2 (4 ranks). Lengths not a multiple of 2 cp are refused.
+tandem_add_dist_test(dist_context_parallel_np2 2 "ContextParallelLayouts.*" TIMEOUT 300)
+tandem_add_dist_test(dist_context_parallel_np4 4 "ContextParallelLayouts.*" TIMEOUT 300)
 # With .venv-hf: tandem finetune --init-from's checkpoints (LM and classifier) under tp2 and pp2
 # exported to directories whose transformers logits are Tandem's (skips without it).
 tandem_add_dist_test(dist_llama_export_np2 2 "LlamaExport.*" TIMEOUT 300)

@@ -7,43 +7,54 @@
 
 namespace tandem {
 
-ProcessGrid::ProcessGrid(CommPtr world, int tp, int pp) : world_(std::move(world)), tp_(tp), pp_(pp) {
+ProcessGrid::ProcessGrid(CommPtr world, int tp, int pp, int cp) : world_(std::move(world)), tp_(tp), pp_(pp), cp_(cp) {
   if (!world_) throw std::invalid_argument("tandem::ProcessGrid: no world communicator given");
   const int n = world_->size();
-  if (tp < 1 || pp < 1) {
-    throw std::invalid_argument("tandem::ProcessGrid: tp and pp must be >= 1, got tp " + std::to_string(tp) + ", pp " +
-                                std::to_string(pp));
+  if (tp < 1 || pp < 1 || cp < 1) {
+    throw std::invalid_argument("tandem::ProcessGrid: tp, pp and cp must be >= 1, got tp " + std::to_string(tp) +
+                                ", pp " + std::to_string(pp) + ", cp " + std::to_string(cp));
   }
-  if (n % (tp * pp) != 0) {
+  if (n % (tp * pp * cp) != 0) {
     throw std::invalid_argument("tandem::ProcessGrid: tp " + std::to_string(tp) + " x pp " + std::to_string(pp) +
-                                " does not divide the " + std::to_string(n) +
-                                " ranks; choose tp and pp whose product divides the number of workers");
+                                " x cp " + std::to_string(cp) + " does not divide the " + std::to_string(n) +
+                                " ranks; choose sizes whose product divides the number of workers");
   }
-  dp_ = n / (tp * pp);
+  dp_ = n / (tp * pp * cp);
   const int r = world_->rank();
   tp_rank_ = r % tp;
-  dp_rank_ = (r / tp) % dp_;
-  pp_rank_ = r / (tp * dp_);
-  // Same split order on every rank. Colors identify the group, keys order it.
-  tp_comm_ = world_->split(/*color=*/pp_rank_ * dp_ + dp_rank_, /*key=*/tp_rank_);
-  pp_comm_ = world_->split(/*color=*/dp_rank_ * tp + tp_rank_, /*key=*/pp_rank_);
-  dp_comm_ = world_->split(/*color=*/pp_rank_ * tp + tp_rank_, /*key=*/dp_rank_);
+  cp_rank_ = (r / tp) % cp;
+  dp_rank_ = (r / (tp * cp)) % dp_;
+  pp_rank_ = r / (tp * cp * dp_);
+  // Same split order on every rank. Colors identify the group (the other coordinates), keys order it.
+  tp_comm_ = world_->split(/*color=*/(pp_rank_ * dp_ + dp_rank_) * cp + cp_rank_, /*key=*/tp_rank_);
+  pp_comm_ = world_->split(/*color=*/(dp_rank_ * cp + cp_rank_) * tp + tp_rank_, /*key=*/pp_rank_);
+  dp_comm_ = world_->split(/*color=*/(pp_rank_ * cp + cp_rank_) * tp + tp_rank_, /*key=*/dp_rank_);
+  if (cp > 1) {
+    cp_comm_ = world_->split(/*color=*/(pp_rank_ * dp_ + dp_rank_) * tp + tp_rank_, /*key=*/cp_rank_);
+    dp_cp_comm_ = world_->split(/*color=*/pp_rank_ * tp + tp_rank_, /*key=*/dp_rank_ * cp + cp_rank_);
+  } else {
+    dp_cp_comm_ = dp_comm_;
+  }
+  const bool cp_ok = cp == 1 || (cp_comm_ && cp_comm_->size() == cp && cp_comm_->rank() == cp_rank_ && dp_cp_comm_ &&
+                                 dp_cp_comm_->size() == dp_ * cp && dp_cp_comm_->rank() == dp_rank_ * cp + cp_rank_);
   if (!tp_comm_ || !pp_comm_ || !dp_comm_ || tp_comm_->size() != tp || pp_comm_->size() != pp ||
       dp_comm_->size() != dp_ || tp_comm_->rank() != tp_rank_ || pp_comm_->rank() != pp_rank_ ||
-      dp_comm_->rank() != dp_rank_) {
+      dp_comm_->rank() != dp_rank_ || !cp_ok) {
     throw CommError("rank " + std::to_string(r) +
                     ": tandem::ProcessGrid: split gave groups of unexpected size or rank (" + describe() +
                     "); is every rank building the same grid?");
   }
 }
 
-int ProcessGrid::world_rank_of(int dp_rank, int pp_rank, int tp_rank) const {
-  return tp_rank + tp_ * (dp_rank + dp_ * pp_rank);
+int ProcessGrid::world_rank_of(int dp_rank, int pp_rank, int tp_rank, int cp_rank) const {
+  return tp_rank + tp_ * (cp_rank + cp_ * (dp_rank + dp_ * pp_rank));
 }
 
 std::string ProcessGrid::describe() const {
-  return "dp " + std::to_string(dp_rank_) + "/" + std::to_string(dp_) + ", pp " + std::to_string(pp_rank_) + "/" +
-         std::to_string(pp_) + ", tp " + std::to_string(tp_rank_) + "/" + std::to_string(tp_);
+  return "dp " + std::to_string(dp_rank_) + "/" + std::to_string(dp_) +
+         (cp_ > 1 ? ", cp " + std::to_string(cp_rank_) + "/" + std::to_string(cp_) : std::string()) + ", pp " +
+         std::to_string(pp_rank_) + "/" + std::to_string(pp_) + ", tp " + std::to_string(tp_rank_) + "/" +
+         std::to_string(tp_);
 }
 
 namespace {
