@@ -106,16 +106,18 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
 }
 
 // Causal attention of projected q [B, T, heads * d], k and v [B, T, kv_heads * d], rotary
-// applied to q and k -> [B, T, heads * d].
+// applied to q and k -> [B, T, heads * d]. With a cp group, the T tokens are this rank's part of
+// the sequence (cos and sin at their global positions) and attention is ring attention.
 torch::Tensor attend(const torch::Tensor& q_proj, const torch::Tensor& k_proj, const torch::Tensor& v_proj,
                      const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
-                     int64_t head_dim) {
+                     int64_t head_dim, const CommPtr& cp) {
   const auto B = q_proj.size(0), T = q_proj.size(1);
   auto split = [&](const torch::Tensor& t, int64_t h) { return t.view({B, T, h, head_dim}).transpose(1, 2); };
   auto q = split(q_proj, heads), k = split(k_proj, kv_heads), v = split(v_proj, kv_heads);
   const auto c = cos.to(q.scalar_type()), s = sin.to(q.scalar_type());
   q = q * c + rotate_half(q) * s;
   k = k * c + rotate_half(k) * s;
+  if (cp) return cp::ring_attention(q, k, v, cp).transpose(1, 2).reshape({B, T, heads * head_dim});
   // Each key/value head serves heads / kv_heads consecutive query heads.
   if (kv_heads != heads) {
     k = k.repeat_interleave(heads / kv_heads, /*dim=*/1);
@@ -237,7 +239,7 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c)
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   return lora::linear(o_proj, attend(lora::linear(q_proj, x), lora::linear(k_proj, x), lora::linear(v_proj, x), cos,
-                                     sin, heads, kv_heads, head_dim));
+                                     sin, heads, kv_heads, head_dim, cp));
 }
 
 MLPImpl::MLPImpl(const LlamaConfig& c) {
@@ -271,10 +273,13 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config(c) {
 }
 
 std::pair<torch::Tensor, torch::Tensor> rotary_tables(const LlamaConfig& config, int64_t T) {
+  return rotary_tables_at(config, torch::arange(T, torch::kLong));
+}
+
+std::pair<torch::Tensor, torch::Tensor> rotary_tables_at(const LlamaConfig& config, const torch::Tensor& positions) {
   const auto d = config.head_size();
-  const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
   auto inv_freq = 1.0 / torch::pow(config.rope_theta, torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / d);
-  auto freqs = torch::outer(torch::arange(T, f32), inv_freq);
+  auto freqs = torch::outer(positions.to(torch::kFloat), inv_freq);
   auto emb = torch::cat({freqs, freqs}, -1);
   return {emb.cos(), emb.sin()};
 }
@@ -335,10 +340,22 @@ ScoreHeadImpl::ScoreHeadImpl(int64_t hidden, int64_t labels) {
 
 torch::Tensor ScoreHeadImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight); }
 
-torch::Tensor SequentialDecoderLayerImpl::forward(const torch::Tensor& x) {
-  auto [cos, sin] = rotary_tables(config, x.size(1));
-  return DecoderLayerImpl::forward(x, cos.to(x.device()), sin.to(x.device()));
+namespace {
+// A decoder layer's rotary tables for its input's tokens (a cp rank's at their global positions).
+std::pair<torch::Tensor, torch::Tensor> layer_tables(const LlamaConfig& config, const torch::Tensor& x,
+                                                     const CommPtr& cp) {
+  auto [cos, sin] = cp ? rotary_tables_at(config, cp::positions(x.size(1), cp->rank(), cp->size()))
+                       : rotary_tables(config, x.size(1));
+  return {cos.to(x.device()), sin.to(x.device())};
 }
+}  // namespace
+
+torch::Tensor SequentialDecoderLayerImpl::forward(const torch::Tensor& x) {
+  auto [cos, sin] = layer_tables(config, x, self_attn->cp);
+  return DecoderLayerImpl::forward(x, cos, sin);
+}
+
+void SequentialDecoderLayerImpl::use_context_parallel(const CommPtr& cp) { self_attn->cp = cp; }
 
 // ---- tensor parallelism ----------------------------------------------------------------------
 
@@ -384,7 +401,7 @@ torch::Tensor ParallelAttentionImpl::forward(const torch::Tensor& x, const torch
   // One identity/all-reduce for the three projections (each ColumnParallelLinear would add its own).
   const auto in = tp::copy_to_tp(x, tp);
   auto y = attend(q_proj->project(in, x), k_proj->project(in, x), v_proj->project(in, x), cos, sin, local_heads,
-                  local_kv_heads, head_dim);
+                  local_kv_heads, head_dim, cp);
   return o_proj(y);
 }
 
@@ -407,10 +424,10 @@ ParallelDecoderLayerImpl::ParallelDecoderLayerImpl(const SequentialDecoderLayerI
   post_attention_layernorm = register_module("post_attention_layernorm", d.post_attention_layernorm);
 }
 
+void ParallelDecoderLayerImpl::use_context_parallel(const CommPtr& cp) { self_attn->cp = cp; }
+
 torch::Tensor ParallelDecoderLayerImpl::forward(const torch::Tensor& x) {
-  auto [cos, sin] = rotary_tables(config, x.size(1));
-  cos = cos.to(x.device());
-  sin = sin.to(x.device());
+  auto [cos, sin] = layer_tables(config, x, self_attn->cp);
   auto h = x + self_attn(input_layernorm(x), cos, sin);
   return h + mlp(post_attention_layernorm(h));
 }

@@ -5,7 +5,8 @@
 # backend on the GPU and benchmarks Tandem DDP against PyTorch DDP (see docs/GPU.md).
 #   (a) versions and nvidia-smi           -> OUTDIR/01-env.log
 #   (b) configure + build (build-gpu/)     -> OUTDIR/02-configure.log, 03-build.log
-#   (c) NCCL correctness (and a ZeRO-3 checkpoint on the GPU loaded back): world size 1
+#   (c) NCCL correctness (and a ZeRO-3 checkpoint on the GPU loaded back, LoRA under ZeRO-3,
+#       ring attention and a Llama under context parallelism over the ranks): world size 1
 #       (non-blocking and blocking NCCL), and 2 processes
 #       sharing the GPU through the file bootstrap (skipped if NCCL refuses)  -> 1x-check-*.log
 #   (d) benchmarks: bf16 matmul rate; CNN and transformer, Tandem DDP vs torch DDP -> 2x-*.log

@@ -209,6 +209,15 @@ struct EngineStats {
     int64_t skipped_steps = 0;  // steps skipped for an overflow
   } scaler;
 
+  // Context parallelism (cp > 1): this rank's ring-attention transfers of key/value blocks and
+  // their gradients (tandem/context_parallel.h), on the thread that ran the steps.
+  struct ContextParallel {
+    double transfer_seconds = 0.0;  // on the communication engine
+    double exposed_seconds = 0.0;   // waited for, not hidden behind a block's compute
+    double hidden_fraction = 0.0;   // 1 - exposed / transfer
+    int64_t bytes = 0;              // sent
+  } cp;
+
   // Checkpoints saved with save().
   struct Checkpointing {
     int64_t saved = 0;  // checkpoints saved

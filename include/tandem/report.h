@@ -29,7 +29,7 @@ struct Report {
   std::string strategy = "single";
   std::string precision = "fp32";
   int world_size = 1;
-  int dp = 1, tp = 1, pp = 1;  // dp x tp x pp = world_size
+  int dp = 1, tp = 1, pp = 1, cp = 1;  // dp x cp x tp x pp = world_size
   int64_t parameters = 0;
   int64_t trainable_parameters = 0;  // those that require gradients (fewer with LoRA adapters)
   int64_t global_batch = 0;
@@ -99,6 +99,10 @@ struct Report {
   // DDP's own all-reduces (rank 0): time, bytes, the part not hidden behind backward.
   double comm_seconds = 0.0, exposed_comm_seconds = 0.0, hidden_fraction = 0.0;
   int64_t comm_bytes = 0;
+  // Context parallelism (rank 0): the ring's key/value transfers, and the share hidden behind
+  // the attention blocks' compute.
+  double ring_seconds = 0.0, ring_exposed_seconds = 0.0, ring_hidden_fraction = 0.0;
+  int64_t ring_bytes = 0;
   // Pipeline (pp > 1), the stages of rank 0's replica over the steps after the first: idle over
   // compute time of each stage (theory for balanced stages: (pp - 1) / micro-batches), mean
   // step and compute milliseconds, and the most micro-batches whose activations a stage held.

@@ -654,6 +654,14 @@ EngineStats Engine::stats() const {
     s.comm.wire_bytes += wire_bytes(delta, I.comms[c]->size());
   }
   I.up->communication(s.ddp);
+  if (I.L.cp) {
+    const auto ring = cp::ring_stats();
+    s.cp.transfer_seconds = ring.transfer_seconds;
+    s.cp.exposed_seconds = ring.exposed_seconds;
+    s.cp.bytes = ring.bytes;
+    s.cp.hidden_fraction =
+        ring.transfer_seconds > 0 ? std::clamp(1.0 - ring.exposed_seconds / ring.transfer_seconds, 0.0, 1.0) : 0.0;
+  }
   I.up->memory(s.memory);
   s.memory.peak_rss_bytes = peak_rss_bytes();
   s.memory.peak_activation_bytes = I.peak_activation;
@@ -685,6 +693,7 @@ void Engine::reset_stats() {
   I.peak_live = 0;
   I.saves = 0;
   I.save_stall_s = 0.0;
+  cp::reset_ring_stats();
   I.up->reset_stats();
 }
 

@@ -104,8 +104,13 @@ void format_layout(std::ostringstream& os, const Report& r) {
     os.unsetf(std::ios::floatfield);
   }
   os << "), strategy " << r.strategy << ", " << r.world_size << " worker(s), " << r.precision << "\n";
-  line(os, "layout") << "dp " << r.dp << " x tp " << r.tp << " x pp " << r.pp
-                     << " (data x tensor x pipeline parallel)\n";
+  if (r.cp > 1) {
+    line(os, "layout") << "dp " << r.dp << " x cp " << r.cp << " x tp " << r.tp << " x pp " << r.pp
+                       << " (data x context x tensor x pipeline parallel)\n";
+  } else {
+    line(os, "layout") << "dp " << r.dp << " x tp " << r.tp << " x pp " << r.pp
+                       << " (data x tensor x pipeline parallel)\n";
+  }
   if (r.pp > 1) {
     line(os, "pipeline") << r.pp << " stages";
     if (r.virtual_stages > 1) os << " x " << r.virtual_stages << " virtual stages (chunk c of rank r: c*pp + r)";
@@ -257,6 +262,12 @@ void format_communication(std::ostringstream& os, const Report& r) {
     for (const auto& [op, b] : r.comm_bytes_per_step) os << " " << op << " " << b / kMiB << " MiB";
     os << "\n";
   }
+  if (r.cp > 1 && r.ring_bytes > 0) {
+    line(os, "ring attention") << std::setprecision(2) << r.ring_seconds << " s key/value transfers ("
+                               << std::setprecision(1) << r.ring_bytes / kMiB << " MiB sent), " << std::setprecision(2)
+                               << r.ring_exposed_seconds << " s exposed, " << std::setprecision(0)
+                               << 100.0 * r.ring_hidden_fraction << "% hidden behind the attention blocks\n";
+  }
   if (r.dp > 1 && r.pp == 1 && r.comm_bytes > 0) {  // DDP's own counters
     line(os, "communication") << std::setprecision(2) << r.comm_seconds << " s all-reduce (" << std::setprecision(1)
                               << r.comm_bytes / kMiB << " MiB), " << std::setprecision(2) << r.exposed_comm_seconds
@@ -275,6 +286,7 @@ void describe_engine(const Engine& eng, Report& rep) {
   rep.dp = eng.dp_size();
   rep.tp = pc.tp;
   rep.pp = pc.pp;
+  rep.cp = pc.cp;
   rep.parameters = eng.parameters();
   rep.trainable_parameters = eng.trainable_parameters();
   rep.grad_accum = pc.grad_accum;
@@ -322,6 +334,10 @@ void collect_engine_report(Engine& eng, const EngineStats& s, Report& rep) {
   rep.exposed_comm_seconds = s.ddp.exposed_seconds;
   rep.hidden_fraction = s.ddp.hidden_fraction;
   rep.comm_bytes = s.ddp.bytes;
+  rep.ring_seconds = s.cp.transfer_seconds;
+  rep.ring_exposed_seconds = s.cp.exposed_seconds;
+  rep.ring_hidden_fraction = s.cp.hidden_fraction;
+  rep.ring_bytes = s.cp.bytes;
   if (eng.config().pp > 1) gather_pipeline(eng, s.pipeline, rep);
   gather_memory(eng, eng.stats().memory, rep);
 }
@@ -348,8 +364,10 @@ std::string report_json(const Report& r) {
                       {"dp", r.dp},
                       {"tp", r.tp},
                       {"pp", r.pp},
-                      {"layout", "dp " + std::to_string(r.dp) + " x tp " + std::to_string(r.tp) + " x pp " +
-                                     std::to_string(r.pp)},
+                      {"cp", r.cp},
+                      {"layout", "dp " + std::to_string(r.dp) +
+                                     (r.cp > 1 ? " x cp " + std::to_string(r.cp) : std::string()) + " x tp " +
+                                     std::to_string(r.tp) + " x pp " + std::to_string(r.pp)},
                       {"parameters", r.parameters},
                       {"trainable_parameters", r.trainable_parameters},
                       {"global_batch", r.global_batch},
@@ -389,6 +407,10 @@ std::string report_json(const Report& r) {
                       {"comm_seconds", r.comm_seconds},
                       {"exposed_comm_seconds", r.exposed_comm_seconds},
                       {"hidden_fraction", r.hidden_fraction},
+                      {"ring_seconds", r.ring_seconds},
+                      {"ring_exposed_seconds", r.ring_exposed_seconds},
+                      {"ring_hidden_fraction", r.ring_hidden_fraction},
+                      {"ring_bytes", r.ring_bytes},
                       {"comm_bytes", r.comm_bytes}};
   if (r.pp > 1) {
     j["micro_batches"] = r.micro_batches;

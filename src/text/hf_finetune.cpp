@@ -13,6 +13,7 @@
 #include <stdexcept>
 
 #include "tandem/checkpoint.h"
+#include "tandem/context_parallel.h"
 #include "tandem/engine.h"
 #include "tandem/grid.h"
 #include "tandem/hf_tokenizer.h"
@@ -138,7 +139,7 @@ struct Model {
 
 // The task's Sequential with its children named by position: a pipeline stage names its layers
 // so, and every layout then saves and loads the same names. A tied LM: tied_causal_lm_sequential's
-// (for tp only); the classifier has no LM head to tie.
+// (for tp and cp only); the classifier has no LM head to tie.
 torch::nn::Sequential positional(const llama::LlamaConfig& mc, HfTask task) {
   const auto named = task == HfTask::kClassify ? llama::sequence_classifier_sequential(mc)
                      : mc.tie_word_embeddings  ? llama::tied_causal_lm_sequential(mc)
@@ -156,7 +157,9 @@ std::string hf_name(const std::string& form, const std::string& name, int64_t la
   return form == "sequential" ? llama::positional_to_hf(name, layers, head_name(task)) : name;
 }
 
-// Rows of token ids [N, seq] and their targets: for the LM the ids with -100 at padding, for
+// Rows of token ids [N, seq] and their targets: for the LM the next token at each position (-100
+// after the text's last token: nothing to predict), aligned with the ids so that any cut along
+// the sequence (context parallelism) cuts both alike; for
 // classification [N, 2]: the class id, and the position the classifier pools (its last token
 // that is not padding), which the per-position scores of the Sequential's last stage need.
 struct Encoded {
@@ -178,7 +181,7 @@ Encoded encode(const hf::Tokenizer& tok, const std::vector<const JsonlExample*>&
     const int64_t len = std::min<int64_t>(seq, static_cast<int64_t>(v.size()));
     for (int64_t k = 0; k < len; ++k) pi[i * seq + k] = v[k];
     if (lm) {
-      for (int64_t k = 0; k < len; ++k) pt[i * seq + k] = v[k];
+      for (int64_t k = 0; k + 1 < len; ++k) pt[i * seq + k] = v[k + 1];
     } else {
       pt[2 * i] = std::find(labels.begin(), labels.end(), rows[i]->label) - labels.begin();
     }
@@ -188,20 +191,17 @@ Encoded encode(const hf::Tokenizer& tok, const std::vector<const JsonlExample*>&
 }
 
 torch::Tensor lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets) {
-  const int64_t v = logits.size(2), t = targets.size(1);
-  auto pred = logits.narrow(1, 0, t - 1).reshape({-1, v}).to(torch::kFloat);
+  auto pred = logits.reshape({-1, logits.size(2)}).to(torch::kFloat);
   auto o = torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum);
-  return torch::nn::functional::cross_entropy(pred, targets.narrow(1, 1, t - 1).reshape({-1}), o);
+  return torch::nn::functional::cross_entropy(pred, targets.reshape({-1}), o);
 }
 
 // lm_loss_sum of logits split along the vocabulary over `tp` (the tensor-parallel LM head's):
 // the same value on every tp rank, without gathering the logits.
 torch::Tensor vocab_parallel_lm_loss_sum(const torch::Tensor& logits, const torch::Tensor& targets, const CommPtr& tp) {
-  const int64_t t = targets.size(1);
-  auto pred = logits.narrow(1, 0, t - 1).to(torch::kFloat);
-  auto next = targets.narrow(1, 1, t - 1);
-  auto real = next.ne(-100);
-  auto per_token = tp::vocab_parallel_cross_entropy(pred, next.masked_fill(real.logical_not(), 0), tp);
+  auto pred = logits.to(torch::kFloat);
+  auto real = targets.ne(-100);
+  auto per_token = tp::vocab_parallel_cross_entropy(pred, targets.masked_fill(real.logical_not(), 0), tp);
   return (per_token * real.to(per_token.scalar_type())).sum();
 }
 
@@ -219,7 +219,7 @@ torch::Tensor cls_loss_sum(const torch::Tensor& scores, const torch::Tensor& y) 
 // Loss terms: predicted tokens that are not padding (LM), or rows (classification).
 double terms(const torch::Tensor& targets, bool lm) {
   if (!lm) return static_cast<double>(targets.size(0));
-  return static_cast<double>(targets.narrow(1, 1, targets.size(1) - 1).ne(-100).sum().item<int64_t>());
+  return static_cast<double>(targets.ne(-100).sum().item<int64_t>());
 }
 
 // Adapters on the configured targets, the rest frozen (cfg.lora.trained_whole: a classifier's
@@ -287,7 +287,7 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   eo.model_name = lm ? "llama-lm" : "llama-classify";
   // LoRA: checkpoints hold what trains; the frozen base comes from the directory again.
   eo.save_frozen = !cfg.use_lora;
-  if (lm && mc.tie_word_embeddings && cfg.loop.parallel.tp == 1) {
+  if (lm && mc.tie_word_embeddings && cfg.loop.parallel.tp == 1 && cfg.loop.parallel.cp == 1) {
     llama::LlamaForCausalLM net(mc);
     const std::function<std::string(const std::string&)> base = [](const std::string& n) {
       return lora::is_adapter_parameter(n) ? std::string() : n;
@@ -386,6 +386,16 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
       throw std::invalid_argument("'" + cfg.model_dir + "/config.json', --tp " + std::to_string(cfg.loop.parallel.tp) +
                                   ": " + e.what());
     }
+  }
+  if (cfg.loop.parallel.cp > 1) cp::check_length(cfg.seq, cfg.loop.parallel.cp);  // names --seq and the rule
+  const auto& pc = cfg.loop.parallel;
+  if (cfg.task == HfTask::kLm && mc.tie_word_embeddings && pc.tp * pc.cp > 1 && pc.strategy == Strategy::kZero3) {
+    // The tied head of the Sequential form reads the embedding's weight outside the embedding's
+    // ZeRO-3 unit, where that weight is released.
+    throw std::invalid_argument("'" + cfg.model_dir +
+                                "' ties its LM head to the embedding (tie_word_embeddings), which --strategy zero3 "
+                                "cannot shard under --tp or --cp (the head reads the embedding's weight outside its "
+                                "unit); use --strategy zero2, zero1 or ddp, or --tp 1 --cp 1");
   }
   if (cfg.seq > mc.max_position_embeddings) {
     throw std::invalid_argument("--seq " + std::to_string(cfg.seq) + " exceeds the model's max_position_embeddings " +

@@ -16,3 +16,8 @@ set_tests_properties(e2e_hf_placements PROPERTIES TIMEOUT 400 PROCESSORS 2 LABEL
 # .venv-hf (with peft) is part of the test setup: without it this fails rather than skips.
 add_test(NAME e2e_hf_lora COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_lora.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
 set_tests_properties(e2e_hf_lora PROPERTIES TIMEOUT 400 PROCESSORS 2 LABELS e2e)
+# Context parallelism (--cp, ring attention): the causal LM under cp2 (ddp, zero3), cp4, tp2 x cp2
+# and pp2 x cp2, the tied LM and the classifier under cp2 follow one worker's losses; a cp2 x zero3
+# checkpoint resumes on one worker; a --seq not a multiple of 2 x cp is refused with the rule.
+add_test(NAME e2e_hf_context_parallel COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_context_parallel.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
+set_tests_properties(e2e_hf_context_parallel PROPERTIES TIMEOUT 400 PROCESSORS 2 LABELS e2e)

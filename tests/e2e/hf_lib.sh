@@ -28,3 +28,31 @@ with open(out, "w") as f:
         f.write(json.dumps({"text": d}) + "\n")
 PY
 }
+# run NAME ARGS...: one `tandem finetune` run ($tandem), its metrics in $tmp/NAME.jsonl; a failure
+# counts in $fails. same REF NAME [FROM [DROP]]: NAME's 20 losses (from step FROM on) equal REF's
+# within 1e-4, and REF's fell by more than DROP (-1e9: no check).
+run() {
+  local name=$1; shift
+  local start=$SECONDS
+  if ! timeout 300 "$tandem" finetune "$@" --metrics "$tmp/$name.jsonl" --no-progress --threads 1 >"$tmp/$name.log" 2>&1; then
+    echo "FAIL $name: exit non-zero; output:"; tail -20 "$tmp/$name.log"; fails=$((fails + 1)); return 1
+  fi
+  echo "ran  $name ($((SECONDS - start)) s)"
+}
+same() {
+  "$py" - "$src/tests/e2e" "$tmp/$1.jsonl" "$tmp/$2.jsonl" "${3:-1}" "${4:-0.05}" <<'PY' || fails=$((fails + 1))
+import sys
+sys.path.insert(0, sys.argv[1])
+import metrics
+ref, _ = metrics.load(sys.argv[2])
+got, _ = metrics.load(sys.argv[3])
+first, drop = int(sys.argv[4]), float(sys.argv[5])
+want = ref[first - 1:]
+diff = max(abs(a - b) for a, b in zip(want, got)) if len(got) == len(want) else float("inf")
+name = sys.argv[3].rsplit("/", 1)[1]
+ok = len(want) == 20 - first + 1 and diff <= 1e-4 and (first != 1 or want[0] - want[-1] > drop)
+print(f"{'ok  ' if ok else 'FAIL'} {name}: {len(got)} steps from step {first}, max |loss - one worker's| {diff:.2g}"
+      f" (one worker: {want[0]:.4f} -> {want[-1]:.4f})")
+sys.exit(0 if ok else 1)
+PY
+}

@@ -53,8 +53,8 @@ struct Case {
 };
 
 void check_ring(const Case& k) {
-  SCOPED_TRACE("C " + std::to_string(k.C) + ", H " + std::to_string(k.H) + ", KV " + std::to_string(k.KV) +
-               ", chunk " + std::to_string(k.c) + ", D " + std::to_string(k.D));
+  SCOPED_TRACE("C " + std::to_string(k.C) + ", H " + std::to_string(k.H) + ", KV " + std::to_string(k.KV) + ", chunk " +
+               std::to_string(k.c) + ", D " + std::to_string(k.D));
   torch::manual_seed(7);
   const int64_t T = 2 * k.C * k.c;
   auto opts = torch::TensorOptions().dtype(torch::kDouble);

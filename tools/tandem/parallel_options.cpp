@@ -33,6 +33,12 @@ void add_parallel_options(CLI::App& app, ParallelConfig& pc) {
                  "pipeline stages per replica (the model cut as --pp-partition says); composes with --tp and every "
                  "--strategy but single")
       ->capture_default_str();
+  app.add_option("--cp", pc.cp,
+                 "context-parallel ranks per replica: each sequence split over them (2 x cp chunks, rank r holding "
+                 "chunks r and 2cp-1-r), attention as ring attention at global positions; --seq must be a multiple "
+                 "of 2 x cp. Llama models (finetune --init-from); composes with --tp, --pp and every --strategy but "
+                 "single")
+      ->capture_default_str();
   app.add_option("--micro-batches", pc.micro_batches, "pipeline micro-batches per step and replica (with --pp)")
       ->capture_default_str();
   add_word_option<PipelineSchedule>(app, "--pipeline-schedule", pc.schedule, parse_pipeline_schedule,

@@ -24,8 +24,8 @@ namespace tandem::cp {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr int kTagKV = 0x6370;       // "cp": key/value blocks, forward and backward
-constexpr int kTagGrad = 0x6371;     // accumulated key/value gradients, backward
+constexpr int kTagKV = 0x6370;    // "cp": key/value blocks, forward and backward
+constexpr int kTagGrad = 0x6371;  // accumulated key/value gradients, backward
 thread_local RingStats g_stats;
 
 // The communicator travels through autograd as a capsule (an IValue the context can hold).
@@ -122,8 +122,8 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
       auto vs = expand_heads(kv[1].narrow(2, b.k0, b.kn), groups);
       auto s = scores(qs, ks, b, scale);
       auto block_lse = at::logsumexp(s, -1);
-      merge(out.narrow(2, b.q0, b.qn), lse.narrow(2, b.q0, b.qn),
-            at::matmul((s - block_lse.unsqueeze(-1)).exp(), vs), block_lse);
+      merge(out.narrow(2, b.q0, b.qn), lse.narrow(2, b.q0, b.qn), at::matmul((s - block_lse.unsqueeze(-1)).exp(), vs),
+            block_lse);
       if (ex) kv = ex->wait();
     }
     ctx->save_for_backward({q_in, k_in, v_in, out, lse});
@@ -187,8 +187,8 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
 
 class GatherSequence : public torch::autograd::Function<GatherSequence> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t dim,
-                            c10::IValue comm, double grad_scale) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t dim, c10::IValue comm,
+                            double grad_scale) {
     const auto cp = held(comm);
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["rank"] = static_cast<int64_t>(cp->rank());
@@ -235,8 +235,8 @@ void check_length(int64_t T, int size) {
 at::Tensor positions(int64_t local_len, int rank, int size) {
   const int64_t c = local_len / 2;
   auto opts = at::TensorOptions().dtype(at::kLong);
-  return at::cat({at::arange(rank * c, (rank + 1) * c, opts),
-                  at::arange((2 * size - 1 - rank) * c, (2 * size - rank) * c, opts)});
+  return at::cat(
+      {at::arange(rank * c, (rank + 1) * c, opts), at::arange((2 * size - 1 - rank) * c, (2 * size - rank) * c, opts)});
 }
 
 at::Tensor split_sequence(const at::Tensor& x, int64_t dim, int rank, int size) {
