@@ -628,7 +628,8 @@ at::Tensor slice_rows(const at::Tensor& t, int rank, int world) {
   return t.narrow(0, rank * n, n).contiguous();
 }
 
-bool check_lora(tandem::Runtime& rt, int rank) {
+// Two layers of width 64 over 4 query and 2 key/value heads, a vocabulary of 64.
+tandem::llama::LlamaConfig small_llama(int64_t max_positions) {
   tandem::llama::LlamaConfig mc;
   mc.vocab_size = 64;
   mc.hidden_size = 64;
@@ -636,7 +637,12 @@ bool check_lora(tandem::Runtime& rt, int rank) {
   mc.num_hidden_layers = 2;
   mc.num_attention_heads = 4;
   mc.num_key_value_heads = 2;
-  mc.max_position_embeddings = 16;
+  mc.max_position_embeddings = max_positions;
+  return mc;
+}
+
+bool check_lora(tandem::Runtime& rt, int rank) {
+  const auto mc = small_llama(16);
   auto adapted = [&] {
     torch::manual_seed(9);
     auto seq = tandem::llama::causal_lm_sequential(mc);
@@ -714,14 +720,7 @@ bool check_context_parallel(tandem::Runtime& rt, int rank) {
   const double attn_err = (got - tandem::cp::split_sequence(want, 2, rank, C)).abs().max().item<double>();
   double worst = 0;
   if (C > 1) {
-    tandem::llama::LlamaConfig mc;
-    mc.vocab_size = 64;
-    mc.hidden_size = 64;
-    mc.intermediate_size = 96;
-    mc.num_hidden_layers = 2;
-    mc.num_attention_heads = 4;
-    mc.num_key_value_heads = 2;
-    mc.max_position_embeddings = 64;
+    const auto mc = small_llama(64);
     auto make = [&] {
       torch::manual_seed(5);
       return tandem::llama::causal_lm_sequential(mc);

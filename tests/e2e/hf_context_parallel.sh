@@ -12,15 +12,7 @@ tandem=$1
 src=$2
 . "$src/tests/e2e/hf_lib.sh"
 fortunes_jsonl "$tmp/lm.jsonl" 300
-"$py" - "$tmp" <<'PY'
-import json, os, sys
-out = sys.argv[1]
-labels = ["negative", "neutral", "positive"]
-with open(os.path.join(out, "lm.jsonl")) as f, open(os.path.join(out, "cls.jsonl"), "w") as g:
-    for line in f:
-        d = json.loads(line)["text"]
-        g.write(json.dumps({"text": d, "label": labels[(len(d) > 80) + (len(d) > 250)]}) + "\n")
-PY
+classify_jsonl "$tmp/lm.jsonl" "$tmp/cls.jsonl"
 fails=0
 lm=(--init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2 --no-eval)
 run single -n 1 --strategy single "${lm[@]}"

@@ -15,15 +15,7 @@ src=$2
 . "$src/tests/e2e/hf_lib.sh"
 # Fortune cookies as {"text"}, and as {"text", "label"} with the classifier's label names.
 fortunes_jsonl "$tmp/lm.jsonl" 300
-"$py" - "$tmp" <<'PY'
-import json, os, sys
-out = sys.argv[1]
-labels = ["negative", "neutral", "positive"]
-with open(os.path.join(out, "lm.jsonl")) as f, open(os.path.join(out, "cls.jsonl"), "w") as g:
-    for line in f:
-        d = json.loads(line)["text"]
-        g.write(json.dumps({"text": d, "label": labels[(len(d) > 80) + (len(d) > 250)]}) + "\n")
-PY
+classify_jsonl "$tmp/lm.jsonl" "$tmp/cls.jsonl"
 fails=0
 near() {  # near REF NAME TOL: NAME's losses within TOL relative of REF's at every step
   "$py" - "$src/tests/e2e" "$tmp/$1.jsonl" "$tmp/$2.jsonl" "$3" <<'PY' || fails=$((fails + 1))

@@ -28,6 +28,17 @@ with open(out, "w") as f:
         f.write(json.dumps({"text": d}) + "\n")
 PY
 }
+# classify_jsonl IN OUT: IN's texts with a label by length (negative, neutral, positive), for --task classify.
+classify_jsonl() {
+  "$py" - "$1" "$2" <<'PY'
+import json, sys
+labels = ["negative", "neutral", "positive"]
+with open(sys.argv[1]) as f, open(sys.argv[2], "w") as g:
+    for line in f:
+        d = json.loads(line)["text"]
+        g.write(json.dumps({"text": d, "label": labels[(len(d) > 80) + (len(d) > 250)]}) + "\n")
+PY
+}
 # run NAME ARGS...: one `tandem finetune` run ($tandem), its metrics in $tmp/NAME.jsonl; a failure
 # counts in $fails. same REF NAME [FROM [DROP]]: NAME's 20 losses (from step FROM on) equal REF's
 # within 1e-4, and REF's fell by more than DROP (-1e9: no check).
