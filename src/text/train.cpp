@@ -202,6 +202,10 @@ ParallelConfig default_text_parallel() {
 
 void validate(const TextTrainConfig& cfg, int world) {
   if (!cfg.trace.empty()) trace::check_path(cfg.trace);
+  if (cfg.parallel.sequence_parallel) {
+    throw std::invalid_argument("--sequence-parallel needs a Llama model (tandem finetune --init-from DIR); Tandem's "
+                                "own transformer here does not split the sequence: drop --sequence-parallel");
+  }
   tandem::validate(cfg.parallel, world);
   // The loop gives every replica an equal share of the global batch.
   const int dp = data_parallel_size(cfg.parallel, world);
