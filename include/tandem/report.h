@@ -29,7 +29,8 @@ struct Report {
   std::string strategy = "single";
   std::string precision = "fp32";
   int world_size = 1;
-  int dp = 1, tp = 1, pp = 1;  // dp x tp x pp = world_size
+  int dp = 1, tp = 1, pp = 1;      // dp x tp x pp = world_size
+  bool sequence_parallel = false;  // activations between the tp layers split along the sequence
   int64_t parameters = 0;
   int64_t trainable_parameters = 0;  // those that require gradients (fewer with LoRA adapters)
   int64_t global_batch = 0;
