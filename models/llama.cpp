@@ -223,10 +223,15 @@ RMSNormImpl::RMSNormImpl(int64_t size, double eps) : eps(eps) {
   weight = register_parameter("weight", torch::ones({size}));
 }
 
+RMSNormImpl::RMSNormImpl(torch::Tensor w, double eps, CommPtr tp_) : eps(eps), tp(std::move(tp_)) {
+  const bool trained = w.requires_grad();
+  weight = register_parameter("weight", std::move(w), trained);
+}
+
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   auto h = x.to(torch::kFloat);
   h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return weight * h.to(x.scalar_type());
+  return (tp ? tp::copy_to_tp(weight, tp) : weight) * h.to(x.scalar_type());
 }
 
 AttentionImpl::AttentionImpl(const LlamaConfig& c)
@@ -338,20 +343,28 @@ ScoreHeadImpl::ScoreHeadImpl(int64_t hidden, int64_t labels) {
   weight = register_parameter("weight", linear(hidden, labels, false)->weight.detach().clone());
 }
 
-torch::Tensor ScoreHeadImpl::forward(const torch::Tensor& x) { return torch::linear(x, weight); }
+ScoreHeadImpl::ScoreHeadImpl(torch::Tensor w, CommPtr tp_) : tp(std::move(tp_)) {
+  const bool trained = w.requires_grad();
+  weight = register_parameter("weight", std::move(w), trained);
+}
+
+torch::Tensor ScoreHeadImpl::forward(const torch::Tensor& x) {
+  return torch::linear(tp ? tp::gather_seq_from_tp(x, tp, /*sum_grads=*/false) : x, weight);
+}
 
 namespace {
 // A decoder layer's rotary tables for its input's tokens (a cp rank's at their global positions).
-std::pair<torch::Tensor, torch::Tensor> layer_tables(const LlamaConfig& config, const torch::Tensor& x,
+// T: the tokens attention sees (a sequence-parallel layer's gathered ones).
+std::pair<torch::Tensor, torch::Tensor> layer_tables(const LlamaConfig& config, const torch::Tensor& x, int64_t T,
                                                      const CommPtr& cp) {
-  auto [cos, sin] = cp ? rotary_tables_at(config, cp::positions(x.size(1), cp->rank(), cp->size()))
-                       : rotary_tables(config, x.size(1));
+  auto [cos, sin] =
+      cp ? rotary_tables_at(config, cp::positions(T, cp->rank(), cp->size())) : rotary_tables(config, T);
   return {cos.to(x.device()), sin.to(x.device())};
 }
 }  // namespace
 
 torch::Tensor SequentialDecoderLayerImpl::forward(const torch::Tensor& x) {
-  auto [cos, sin] = layer_tables(config, x, self_attn->cp);
+  auto [cos, sin] = layer_tables(config, x, x.size(1), self_attn->cp);
   return DecoderLayerImpl::forward(x, cos, sin);
 }
 
@@ -398,10 +411,10 @@ ParallelAttentionImpl::ParallelAttentionImpl(const AttentionImpl& d, const CommP
 
 torch::Tensor ParallelAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                              const torch::Tensor& sin) {
-  // One identity/all-reduce for the three projections (each ColumnParallelLinear would add its own).
-  const auto in = tp::copy_to_tp(x, tp);
-  auto y = attend(q_proj->project(in, x), k_proj->project(in, x), v_proj->project(in, x), cos, sin, local_heads,
-                  local_kv_heads, head_dim, cp);
+  // One input collective for the three projections (each ColumnParallelLinear would add its own).
+  const auto in = tp::column_input(x, tp, sequence_parallel);
+  auto y = attend(q_proj->project(in.in, in.whole), k_proj->project(in.in, in.whole), v_proj->project(in.in, in.whole),
+                  cos, sin, local_heads, local_kv_heads, head_dim, cp);
   return o_proj(y);
 }
 
@@ -412,8 +425,8 @@ ParallelMLPImpl::ParallelMLPImpl(const MLPImpl& d, const CommPtr& tp_) : tp(tp_)
 }
 
 torch::Tensor ParallelMLPImpl::forward(const torch::Tensor& x) {
-  const auto in = tp::copy_to_tp(x, tp);
-  return down_proj(torch::silu(gate_proj->project(in, x)) * up_proj->project(in, x));
+  const auto in = tp::column_input(x, tp, sequence_parallel);
+  return down_proj(torch::silu(gate_proj->project(in.in, in.whole)) * up_proj->project(in.in, in.whole));
 }
 
 ParallelDecoderLayerImpl::ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& d, const CommPtr& tp)
@@ -426,34 +439,89 @@ ParallelDecoderLayerImpl::ParallelDecoderLayerImpl(const SequentialDecoderLayerI
 
 void ParallelDecoderLayerImpl::use_context_parallel(const CommPtr& cp) { self_attn->cp = cp; }
 
+void ParallelDecoderLayerImpl::split_sequence() {
+  const auto& tp = self_attn->tp;
+  self_attn->sequence_parallel = mlp->sequence_parallel = true;
+  self_attn->o_proj->sequence_parallel = mlp->down_proj->sequence_parallel = true;
+  input_layernorm = replace_module("input_layernorm", RMSNorm(input_layernorm->weight, input_layernorm->eps, tp));
+  post_attention_layernorm = replace_module("post_attention_layernorm", RMSNorm(post_attention_layernorm->weight,
+                                                                                post_attention_layernorm->eps, tp));
+}
+
 torch::Tensor ParallelDecoderLayerImpl::forward(const torch::Tensor& x) {
-  auto [cos, sin] = layer_tables(config, x, self_attn->cp);
+  // Attention runs on the gathered sequence: the tables cover all of it (with cp, this rank's
+  // part of the sequence, at its global positions).
+  const auto T = self_attn->sequence_parallel ? x.size(1) * self_attn->tp->size() : x.size(1);
+  auto [cos, sin] = layer_tables(config, x, T, self_attn->cp);
   auto h = x + self_attn(input_layernorm(x), cos, sin);
   return h + mlp(post_attention_layernorm(h));
 }
 
-torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr& tp) {
+namespace {
+// The converted model's children with the sequence split between the embedding and the head:
+// the embedding reduce-scatters its output, the decoder layers and the final norm take shards,
+// the head all-gathers them. Replaced children (the norm, the score head) are new modules over
+// the same parameters, so that the dense model's stay as they were.
+torch::nn::Sequential split_sequence(const torch::nn::Sequential& model, const CommPtr& tp) {
+  const auto n = model->size();
+  torch::nn::Sequential out;
+  auto child = model->begin();
+  for (size_t i = 0; i < n; ++i, ++child) {
+    auto* m = child->ptr().get();
+    const bool head = i + 1 == n;
+    if (auto* e = m->as<tp::VocabParallelEmbeddingImpl>(); e && i == 0) {
+      e->sequence_parallel = true;
+    } else if (auto* layer = m->as<ParallelDecoderLayerImpl>()) {
+      layer->split_sequence();
+    } else if (auto* norm = m->as<RMSNormImpl>(); norm && !head) {
+      out->push_back(RMSNorm(norm->weight, norm->eps, tp));
+      continue;
+    } else if (auto* lm = m->as<tp::ColumnParallelLinearImpl>(); lm && head) {
+      lm->sequence_parallel = true;
+    } else if (auto* tied = m->as<TiedHeadImpl>(); tied && head) {
+      tied->sequence_parallel = true;
+    } else if (auto* score = m->as<ScoreHeadImpl>(); score && head) {
+      out->push_back(ScoreHead(score->weight, tp));
+      continue;
+    } else {
+      throw std::invalid_argument("Llama: --sequence-parallel splits the sequence of causal_lm_sequential, "
+                                  "tied_causal_lm_sequential or sequence_classifier_sequential; child " +
+                                  std::to_string(i) + " of this model is none of their layers");
+    }
+    out->push_back(*child);
+  }
+  return out;
+}
+}  // namespace
+
+torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr& tp,
+                                      const tp::TensorParallelOptions& opts) {
   // tp::tensor_parallel checks every decoder layer (check_tensor_parallel) before any collective.
   tp::TensorParallelOptions o;
+  o.sync_dense = opts.sync_dense;
   o.vocab_parallel_output = true;
   o.gather_logits_in_eval = true;
   auto out = tp::tensor_parallel(std::move(dense), tp, o);
   const auto n = out->size();
-  if (n < 2 || !out->ptr(n - 1)->as<TiedHeadImpl>()) return out;
-  // The tied head (shared with the dense model by the converter) gets its own module over the
-  // vocabulary-parallel embedding's shard.
-  auto* embedding = out->ptr(0)->as<tp::VocabParallelEmbeddingImpl>();
-  if (!embedding) throw std::invalid_argument("Llama: a TiedHead needs the embedding as the Sequential's first child");
-  torch::nn::Sequential tied;
-  auto child = out->begin();
-  for (size_t i = 0; i + 1 < n; ++i, ++child) tied->push_back(*child);
-  tied->push_back(TiedHead(embedding->weight, tp));
-  return tied;
+  if (n >= 2 && out->ptr(n - 1)->as<TiedHeadImpl>()) {
+    // The tied head (shared with the dense model by the converter) gets its own module over the
+    // vocabulary-parallel embedding's shard.
+    auto* embedding = out->ptr(0)->as<tp::VocabParallelEmbeddingImpl>();
+    if (!embedding)
+      throw std::invalid_argument("Llama: a TiedHead needs the embedding as the Sequential's first child");
+    torch::nn::Sequential tied;
+    auto child = out->begin();
+    for (size_t i = 0; i + 1 < n; ++i, ++child) tied->push_back(*child);
+    tied->push_back(TiedHead(embedding->weight, tp));
+    out = tied;
+  }
+  return opts.sequence_parallel ? split_sequence(out, tp) : out;
 }
 
 torch::Tensor TiedHeadImpl::forward(const torch::Tensor& x) {
   if (!tp) return torch::linear(x, weight);
-  auto y = torch::linear(tp::copy_to_tp(x, tp), weight);
+  const auto in = sequence_parallel ? tp::gather_seq_from_tp(x, tp) : tp::copy_to_tp(x, tp);
+  auto y = torch::linear(in, weight);
   return is_training() ? y : tp::gather_from_tp(y, tp);
 }
 

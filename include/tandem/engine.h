@@ -27,6 +27,7 @@
 #include "tandem/pipeline.h"
 #include "tandem/precision.h"
 #include "tandem/runtime.h"
+#include "tandem/tensor_parallel.h"
 
 namespace tandem {
 
@@ -68,6 +69,11 @@ struct ParallelConfig {
   // Layout: each replica spans tp x pp x cp ranks; the world size / (tp * pp * cp) replicas are
   // data parallel.
   int tp = 1;  // tensor-parallel ranks (Megatron column/row-parallel layers)
+  // Megatron-LM sequence parallelism over the tp ranks (needs tp > 1 and a converter that
+  // implements it, llama::tensor_parallel): the activations outside the tensor-parallel regions
+  // (residual stream, norms) split along the sequence, all-gathers and reduce-scatters in place of
+  // the all-reduces. Sequences must be a multiple of tp long (of 2 * cp * tp with cp).
+  bool sequence_parallel = false;
   int pp = 1;  // pipeline stages
   // Context-parallel ranks (tandem/context_parallel.h): each sequence split over cp ranks (2 * cp
   // chunks, load-balanced for causal attention), attention as ring attention. The model must be
@@ -140,8 +146,10 @@ struct StepOptions {
 
 struct EngineOptions {
   // Tensor parallelism: converts the dense Sequential into its tensor-parallel form over the tp
-  // group (collective). Default: tp::tensor_parallel (Linear pairs, Tandem's transformer).
-  std::function<torch::nn::Sequential(torch::nn::Sequential dense, CommPtr tp)> tensor_parallel;
+  // group (collective), honouring the options' sequence_parallel (ParallelConfig's) or refusing it.
+  // Default: tp::tensor_parallel (Linear pairs, Tandem's transformer; refuses sequence parallelism).
+  std::function<torch::nn::Sequential(torch::nn::Sequential dense, CommPtr tp, const tp::TensorParallelOptions& opts)>
+      tensor_parallel;
   // Initial values of the parameters it holds, read by every rank for only the elements that rank
   // holds, after the model is cut, converted and sharded (DDP's broadcast and ZeRO's shards come
   // first, so the source's values win). Null: the model keeps the values it was given.

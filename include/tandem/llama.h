@@ -60,9 +60,14 @@ std::string config_json(const LlamaConfig& config, const std::string& architectu
 class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t size, double eps);
+  // Over an existing weight (registered as this module's parameter, shared), for the sequence
+  // shards of `tp` (sequence parallelism): each rank normalises its positions only, so the
+  // weight's gradient is summed over tp (tp::copy_to_tp in forward).
+  RMSNormImpl(torch::Tensor weight, double eps, CommPtr tp);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
   double eps;
+  CommPtr tp;  // set under sequence parallelism only
 };
 TORCH_MODULE(RMSNorm);
 
@@ -173,12 +178,16 @@ TORCH_MODULE(SequentialDecoderLayer);
 class ParallelAttentionImpl : public torch::nn::Module {
  public:
   ParallelAttentionImpl(const AttentionImpl& dense, const CommPtr& tp);
+  // x: [B, T, hidden], or this rank's sequence shard [B, T/tp, hidden] under sequence
+  // parallelism (all-gathered before the projections, o_proj's output reduce-scattered back);
+  // cos and sin of the whole sequence.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   tp::ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
   tp::RowParallelLinear o_proj{nullptr};
   int64_t local_heads, local_kv_heads, head_dim;
   CommPtr tp;
   CommPtr cp;  // ring attention over this context-parallel group when set
+  bool sequence_parallel = false;  // set with o_proj's by ParallelDecoderLayer::split_sequence
 };
 TORCH_MODULE(ParallelAttention);
 
@@ -186,10 +195,11 @@ TORCH_MODULE(ParallelAttention);
 class ParallelMLPImpl : public torch::nn::Module {
  public:
   ParallelMLPImpl(const MLPImpl& dense, const CommPtr& tp);
-  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor forward(const torch::Tensor& x);  // sequence shards as ParallelAttention's
   tp::ColumnParallelLinear gate_proj{nullptr}, up_proj{nullptr};
   tp::RowParallelLinear down_proj{nullptr};
   CommPtr tp;
+  bool sequence_parallel = false;
 };
 TORCH_MODULE(ParallelMLP);
 
@@ -197,6 +207,10 @@ TORCH_MODULE(ParallelMLP);
 class ParallelDecoderLayerImpl : public torch::nn::Module, public cp::ContextParallel {
  public:
   ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& dense, const CommPtr& tp);
+  // Sequence parallelism: the layer then maps this rank's sequence shard [B, T/tp, hidden] (the
+  // residual stream and the norms on it) to its shard of the output. The norms become new
+  // modules over the same weights, so the dense layer is left as it was.
+  void split_sequence();
   torch::Tensor forward(const torch::Tensor& x);
   void use_context_parallel(const CommPtr& cp) override;
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
@@ -214,8 +228,13 @@ void check_tensor_parallel(const LlamaConfig& config, int tp_size);
 // tp::tensor_parallel with the embedding vocabulary-parallel and the LM head column-parallel over
 // the vocabulary (a TiedHead: over the embedding's shard), its logits left split ([B, T, V/tp],
 // for tp::vocab_parallel_cross_entropy) in training mode and gathered in evaluation mode. Throws std::invalid_argument
-// naming the configuration field that tp does not divide.
-torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr& tp);
+// naming the configuration field that tp does not divide. Of `opts` it takes sync_dense and
+// sequence_parallel: then the embedding's output is reduce-scattered along the sequence, the decoder
+// layers and the final norm run on sequence shards (ParallelDecoderLayer::split_sequence), and the
+// head (LM head, TiedHead or ScoreHead) all-gathers the sequence first, so its outputs are as
+// without it. Token sequences must then be a multiple of the tp size long.
+torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr& tp,
+                                      const tp::TensorParallelOptions& opts = {});
 
 // The untied causal LM as a flat Sequential, for pipeline cuts and per-layer ZeRO-3 units:
 // children embed_tokens, layer0 .. layer<N-1> (SequentialDecoderLayer), norm, lm_head; the same
@@ -233,6 +252,7 @@ class TiedHeadImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
   CommPtr tp;
+  bool sequence_parallel = false;  // x is tp's sequence shard, all-gathered first
 };
 TORCH_MODULE(TiedHead);
 
@@ -245,8 +265,13 @@ TORCH_MODULE(TiedHead);
 class ScoreHeadImpl : public torch::nn::Module {
  public:
   ScoreHeadImpl(int64_t hidden, int64_t labels);
+  // Over an existing weight (shared) whose input is `tp`'s sequence shard (sequence
+  // parallelism): the shards are all-gathered first, and x's gradient is this rank's slice of
+  // the (replicated) whole.
+  ScoreHeadImpl(torch::Tensor weight, CommPtr tp);
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;
+  CommPtr tp;  // set under sequence parallelism only
 };
 TORCH_MODULE(ScoreHead);
 

@@ -71,8 +71,10 @@ std::vector<std::string> builtin_model_names();
 ModelSpec transformer_model(int64_t layers, int64_t hidden, int64_t heads, int64_t seq, int64_t vocab,
                             double parameters = 0);
 double forward_flops_per_sample(const ModelSpec& m);
-double activation_bytes_per_sample(const ModelSpec& m, int tp = 1);  // per sample, all layers
-void validate(const ModelSpec& m);                                   // throws std::invalid_argument
+// Per sample, all layers. With sequence_parallel (and tp > 1) the parts outside the
+// tensor-parallel layers (norms, residual, dropout masks) are split over tp too.
+double activation_bytes_per_sample(const ModelSpec& m, int tp = 1, bool sequence_parallel = false);
+void validate(const ModelSpec& m);  // throws std::invalid_argument
 
 // ---------------------------------------------------------------- cluster description
 struct DeviceSpec {
@@ -209,6 +211,9 @@ struct PlanOptions {
   int devices = 0;                   // 0: every device of the cluster
   int max_tp = 8, max_pp = 64;
   bool activation_checkpointing = false;
+  // Megatron sequence parallelism in tp layouts: less activation memory, the same tp bytes (a
+  // ring reduce-scatter plus all-gather costs what the all-reduce it replaces does).
+  bool sequence_parallel = false;
   std::string pipeline_schedule = "1f1b";  // 1f1b | gpipe (same makespan with equal stages)
   // Where a model that lists its children is cut into stages, as `tandem train --pp-partition`:
   // "params" (balanced parameter counts), "time" (balanced per-child time at the micro-batch:

@@ -30,6 +30,7 @@ struct Report {
   std::string precision = "fp32";
   int world_size = 1;
   int dp = 1, tp = 1, pp = 1, cp = 1;  // dp x cp x tp x pp = world_size
+  bool sequence_parallel = false;      // activations between the tp layers split along the sequence
   int64_t parameters = 0;
   int64_t trainable_parameters = 0;  // those that require gradients (fewer with LoRA adapters)
   int64_t global_batch = 0;

@@ -31,6 +31,34 @@ at::Tensor reduce_from_tp(const at::Tensor& x, const CommPtr& tp);  // g: all-re
 at::Tensor gather_from_tp(const at::Tensor& x, const CommPtr& tp);  // all-gather last dim / own slice
 at::Tensor scatter_to_tp(const at::Tensor& x, const CommPtr& tp);   // own slice of last dim / all-gather
 
+// ---- sequence parallelism (Megatron-LM, Korthikanti et al. 2022): between the tensor-parallel
+// regions activations [B, T, H] are split along the sequence (dim 1), tp rank r holding positions
+// [r*T/tp, (r+1)*T/tp). Each function throws std::invalid_argument (seq_shard_size's) when the
+// length it splits is not divisible by the tp size.
+
+// All-gather of the shards [B, T/tp, ...] -> [B, T, ...]. Backward: with `sum_grads` (the consumer
+// is tensor-parallel, so each rank's gradient is a partial sum) the gradients are reduce-scattered;
+// without (the consumer is replicated, every rank's gradient already complete) this rank's slice.
+at::Tensor gather_seq_from_tp(const at::Tensor& x, const CommPtr& tp, bool sum_grads = true);
+// Reduce-scatter of partial sums [B, T, ...] -> this rank's shard of the sum [B, T/tp, ...];
+// backward all-gathers. Replaces reduce_from_tp after a row-parallel layer.
+at::Tensor reduce_scatter_seq_to_tp(const at::Tensor& x, const CommPtr& tp);
+// This rank's shard [B, T/tp, ...] of a replicated [B, T, ...]; backward all-gathers.
+at::Tensor scatter_seq_to_tp(const at::Tensor& x, const CommPtr& tp);
+// T / tp_size; throws std::invalid_argument naming T, --tp and the rule when tp_size does not
+// divide T.
+int64_t seq_shard_size(int64_t T, int tp_size);
+
+// The input of column-parallel projections of one activation x (several may share it): `in` for
+// their weights, whose backward sums the ranks' partial input gradients (copy_to_tp(x), or under
+// sequence parallelism the all-gather of x's shards), and `whole` for their adapters' A, whose input
+// gradient is complete on every rank (x itself, or the same gathered values whose backward keeps
+// this rank's slice: no second all-gather).
+struct ColumnInput {
+  at::Tensor in, whole;
+};
+ColumnInput column_input(const at::Tensor& x, const CommPtr& tp, bool sequence_parallel);
+
 // Cross-entropy over logits split along the last (vocabulary) dimension: rank r holds classes
 // [r * V/tp, (r+1) * V/tp) of `local_logits` [..., V/tp]; `target` [...] holds global class ids.
 // Returns the per-element loss [...] (identical on every tp rank); take .mean() for the usual loss.
@@ -56,9 +84,9 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public PlacedModule {
   // From this rank's shard directly: weight [out/tp, in], bias [out/tp] or undefined.
   ColumnParallelLinearImpl(at::Tensor local_weight, at::Tensor local_bias, CommPtr tp, bool gather_output = false);
   torch::Tensor forward(const torch::Tensor& x);
-  // This rank's output columns from `in` = copy_to_tp(x) (several projections of one input
-  // share it), plus the adapter's update of x.
-  torch::Tensor project(const torch::Tensor& in, const torch::Tensor& x);
+  // This rank's output columns from `in`, plus the adapter's update of `whole`: column_input's
+  // two tensors (several projections of one input share them).
+  torch::Tensor project(const torch::Tensor& in, const torch::Tensor& whole);
   torch::Tensor weight, bias;
   lora::Down lora_A{nullptr};  // a LoRA adapter of the dense layer (tandem/lora.h): A whole,
   lora::Up lora_B{nullptr};    // B this rank's rows
@@ -67,6 +95,8 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public PlacedModule {
   // Gathers in evaluation mode (eval()) even without gather_output: an LM head whose training
   // loss is vocab_parallel_cross_entropy, scored on one rank in evaluation.
   bool gather_in_eval = false;
+  // The input is split along the sequence (sequence parallelism) and all-gathered here.
+  bool sequence_parallel = false;
   // The dense rows are this many equal sections (a fused q|k|v projection), and this rank holds
   // its block of each, stacked: the rows' placement (tandem/placement.h).
   int64_t sections = 1;
@@ -77,7 +107,8 @@ TORCH_MODULE(ColumnParallelLinear);
 
 // y = x W^T + b with W's input columns split: rank r holds columns [r*in/tp, (r+1)*in/tp); the
 // input is split along its last dim (input_is_parallel, e.g. a ColumnParallelLinear's output) or
-// replicated (then this rank takes its slice); the output is all-reduced; the bias is replicated.
+// replicated (then this rank takes its slice); the output is all-reduced (under sequence
+// parallelism reduce-scattered along the sequence); the bias is replicated.
 class RowParallelLinearImpl : public torch::nn::Module, public PlacedModule {
  public:
   RowParallelLinearImpl(const torch::nn::Linear& dense, CommPtr tp, bool input_is_parallel = true);
@@ -87,8 +118,15 @@ class RowParallelLinearImpl : public torch::nn::Module, public PlacedModule {
   lora::Up lora_B{nullptr};    // B whole
   CommPtr tp;
   bool input_is_parallel;
+  // The output is this rank's sequence shard [B, T/tp, out] of the sum. The adapter's partial
+  // output joins the layer's before the reduce-scatter; the replicated bias and adapter B then
+  // see only a shard or a partial sum, so their gradients are summed over tp.
+  bool sequence_parallel = false;
   // weight: block tp rank of the input columns; bias: whole on every tp rank.
   std::vector<ParameterPlacement> parameter_placements() const override;
+
+ private:
+  torch::Tensor forward_sequence_parallel(const torch::Tensor& in);
 };
 TORCH_MODULE(RowParallelLinear);
 
@@ -102,7 +140,9 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public PlacedModule
   torch::Tensor weight;
   CommPtr tp;
   int64_t vocab_begin = 0, vocab_end = 0;
-  int64_t padding_idx = -1;                                               // global id; -1: none
+  int64_t padding_idx = -1;  // global id; -1: none
+  // The partial results are reduce-scattered along the sequence instead: this rank's shard.
+  bool sequence_parallel = false;
   std::vector<ParameterPlacement> parameter_placements() const override;  // rows [vocab_begin, vocab_end)
 };
 TORCH_MODULE(VocabParallelEmbedding);
@@ -170,6 +210,10 @@ struct TensorParallelOptions {
   // With vocab_parallel_output: the logits are gathered anyway in evaluation mode (eval()), so
   // that Engine::evaluate's scoring on one rank sees the whole vocabulary.
   bool gather_logits_in_eval = false;
+  // Sequence parallelism: the activations between the tensor-parallel regions (residual stream,
+  // norms) split along the sequence. Only models whose converter implements it (tandem/llama.h's
+  // llama::tensor_parallel); tp::tensor_parallel refuses it.
+  bool sequence_parallel = false;
 };
 
 // Converts a Sequential into its tensor-parallel form over `tp` (collective). Each child that
@@ -182,7 +226,7 @@ struct TensorParallelOptions {
 // children (an odd last one stays replicated). Other children (LayerNorm, activations, Flatten)
 // are shared as they are. The result is still a flat Sequential with the same children, so a
 // Pipeline can cut it. Throws std::invalid_argument for heads, vocabulary or widths not
-// divisible by the tp size.
+// divisible by the tp size, or for opts.sequence_parallel.
 torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, TensorParallelOptions opts = {});
 
 }  // namespace tandem::tp

@@ -118,6 +118,11 @@ void validate_layout(const ParallelConfig& c, int world) {
                                 std::to_string(c.pp) + " --cp " + std::to_string(c.cp));
   }
   if (c.micro_batches < 1) throw std::invalid_argument("--micro-batches must be at least 1");
+  if (c.sequence_parallel && c.tp < 2) {
+    throw std::invalid_argument("--sequence-parallel splits the sequence over the tensor-parallel ranks and needs "
+                                "--tp 2 or more (got --tp " +
+                                std::to_string(c.tp) + "); add --tp or drop it");
+  }
   validate_virtual_stages(c);
   const int64_t cuts = static_cast<int64_t>(c.pp) * c.virtual_stages;
   // Without a pipeline nothing is cut, and a partition goes unused.

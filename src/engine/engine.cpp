@@ -274,10 +274,14 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   }
   L.net = L.dense;
   if (cfg.tp > 1) {
-    auto convert = L.opts.tensor_parallel ? L.opts.tensor_parallel : [](torch::nn::Sequential d, CommPtr tp) {
-      return tp::tensor_parallel(std::move(d), tp);
-    };
-    L.net = convert(L.dense_sequential(), L.grid->tp()).ptr();
+    auto convert = L.opts.tensor_parallel
+                       ? L.opts.tensor_parallel
+                       : [](torch::nn::Sequential d, CommPtr tp, const tp::TensorParallelOptions& o) {
+                           return tp::tensor_parallel(std::move(d), tp, o);
+                         };
+    tp::TensorParallelOptions o;
+    o.sequence_parallel = cfg.sequence_parallel;
+    L.net = convert(L.dense_sequential(), L.grid->tp(), o).ptr();
   }
   if (L.cp) use_context_parallel(L.net_sequential(), L.cp);
   if (cfg.activation_checkpointing.enabled()) checkpoint_layers(cut);

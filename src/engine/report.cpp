@@ -111,6 +111,11 @@ void format_layout(std::ostringstream& os, const Report& r) {
     line(os, "layout") << "dp " << r.dp << " x tp " << r.tp << " x pp " << r.pp
                        << " (data x tensor x pipeline parallel)\n";
   }
+  if (r.sequence_parallel) {
+    line(os, "sequence") << "split over the " << r.tp
+                         << " tp ranks outside the tensor-parallel layers (--sequence-parallel: all-gathers and "
+                            "reduce-scatters instead of all-reduces)\n";
+  }
   if (r.pp > 1) {
     line(os, "pipeline") << r.pp << " stages";
     if (r.virtual_stages > 1) os << " x " << r.virtual_stages << " virtual stages (chunk c of rank r: c*pp + r)";
@@ -287,6 +292,7 @@ void describe_engine(const Engine& eng, Report& rep) {
   rep.tp = pc.tp;
   rep.pp = pc.pp;
   rep.cp = pc.cp;
+  rep.sequence_parallel = pc.sequence_parallel;
   rep.parameters = eng.parameters();
   rep.trainable_parameters = eng.trainable_parameters();
   rep.grad_accum = pc.grad_accum;
@@ -365,6 +371,7 @@ std::string report_json(const Report& r) {
                       {"tp", r.tp},
                       {"pp", r.pp},
                       {"cp", r.cp},
+                      {"sequence_parallel", r.sequence_parallel},
                       {"layout", "dp " + std::to_string(r.dp) +
                                      (r.cp > 1 ? " x cp " + std::to_string(r.cp) : std::string()) + " x tp " +
                                      std::to_string(r.tp) + " x pp " + std::to_string(r.pp)},

@@ -510,17 +510,19 @@ double forward_flops_per_sample(const ModelSpec& m) {
   return 2.0 * m.parameters * s + 4.0 * m.layers * s * s * m.hidden;
 }
 
-double activation_bytes_per_sample(const ModelSpec& m, int tp) {
+double activation_bytes_per_sample(const ModelSpec& m, int tp, bool sequence_parallel) {
   if (m.activation_bytes_per_sample > 0) return m.activation_bytes_per_sample / std::max(1, tp);
-  // Korthikanti et al. 2022, eq. 1-2 (16-bit, no recomputation, no sequence parallelism), per
-  // layer and sample: s*h*(10 + 24/t + 5*a*s/(h*t)). Of the 10, 2 are the two dropout masks;
+  // Korthikanti et al. 2022, eq. 1-2 (16-bit, no recomputation), per layer and sample:
+  // s*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism (eq. 4) s*h*(10/t + 24/t + ...): the
+  // norms, residual and dropout kept on sequence shards. Of the 10, 2 are the two dropout masks;
   // of the 5*a*s, 2 are the softmax's output (the scores backward needs), 1 the attention
   // dropout's mask and 2 its output. Fused attention keeps no scores, only its output, which
   // is the projection's input (counted in the 24).
   const double s = static_cast<double>(m.seq), h = static_cast<double>(m.hidden), a = static_cast<double>(m.heads);
   const double t = std::max(1, tp);
   const double scores = m.attention_scores ? (m.dropout ? 5.0 : 2.0) * a * s / (h * t) : 0.0;
-  return m.layers * s * h * ((m.dropout ? 10.0 : 8.0) + 24.0 / t + scores);
+  const double outside = (m.dropout ? 10.0 : 8.0) / (sequence_parallel ? t : 1.0);
+  return m.layers * s * h * (outside + 24.0 / t + scores);
 }
 
 void validate(const ModelSpec& m) {
@@ -799,7 +801,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   const int64_t mb = std::max<int64_t>(1, l.micro_batch);
   const int64_t mcount = std::max<int64_t>(1, l.micro_batches);
   const double act_scale = activation_scale(m, o.precision);
-  const double act_sample = activation_bytes_per_sample(m, tp) * act_scale;  // all layers
+  const double act_sample = activation_bytes_per_sample(m, tp, o.sequence_parallel) * act_scale;  // all layers
   const double layers_here = std::ceil(static_cast<double>(m.layers) / pp);
   const double act_layer = act_sample / m.layers;
   const double in_flight = pp > 1 ? std::min<double>(pp, mcount) : 1.0;  // 1F1B: at most p on stage 1

@@ -18,6 +18,7 @@ void add_planned_memory(const ModelSpec& model, const ParallelConfig& pc, int wo
   o.optimizer = optimizer;
   o.precision = pc.precision == Precision::kFP32 ? "fp32" : "mixed";
   o.activation_checkpointing = pc.activation_checkpointing.enabled();
+  o.sequence_parallel = pc.sequence_parallel;
   Layout l;
   l.dp = dp;
   l.tp = pc.tp;

@@ -105,6 +105,12 @@ std::vector<std::string> map_labels(const std::vector<JsonlExample>& data, const
 void validate(const HfFinetuneConfig& cfg, int world) {
   if (cfg.model_dir.empty()) throw std::invalid_argument("--init-from needs a Hugging Face model directory");
   if (cfg.seq < 2) throw std::invalid_argument("--seq must be >= 2, got " + std::to_string(cfg.seq));
+  const auto& pc = cfg.loop.parallel;
+  if (pc.sequence_parallel && pc.tp > 1 && cfg.seq % pc.tp != 0) {
+    throw std::invalid_argument("--sequence-parallel splits each sequence over the --tp " + std::to_string(pc.tp) +
+                                " ranks: --seq " + std::to_string(cfg.seq) + " must be a multiple of " +
+                                std::to_string(pc.tp));
+  }
   if (cfg.valid_fraction < 0 || cfg.valid_fraction >= 1)
     throw std::invalid_argument("--valid-fraction must be in [0, 1)");
   validate(cfg.loop, world);
@@ -318,7 +324,9 @@ Model build(Runtime& rt, const HfFinetuneConfig& cfg, const llama::LlamaConfig& 
   // under ZeRO-3 its shard's elements.
   eo.init_from = initial_values(cfg, weights, to_hf, hf);
   if (cfg.loop.parallel.tp > 1)
-    eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
+    eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp, const tp::TensorParallelOptions& o) {
+      return llama::tensor_parallel(dense, tp, o);
+    };
   m.engine = make_engine(rt, cfg.loop, net, sample, eo);
   m.module = net.ptr();
   m.form = "sequential";

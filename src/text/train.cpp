@@ -192,6 +192,14 @@ nlohmann::json run_record(const char* command, const TextTrainConfig& cfg, const
   return {{"command", command}, {"tokenizer", tok.fingerprint()}, {"batch", cfg.batch}, {"seed", cfg.seed}};
 }
 
+// Tandem's own transformer has no sequence-parallel form (llama::tensor_parallel is the one).
+void refuse_sequence_parallel(const TextTrainConfig& cfg) {
+  if (cfg.parallel.sequence_parallel) {
+    throw std::invalid_argument("--sequence-parallel needs a Llama model (tandem finetune --init-from DIR); Tandem's "
+                                "own transformer does not split the sequence: drop --sequence-parallel");
+  }
+}
+
 }  // namespace
 
 ParallelConfig default_text_parallel() {
@@ -235,6 +243,7 @@ void validate(const TextTrainConfig& cfg, int world) {
 }
 
 TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
+  refuse_sequence_parallel(cfg);
   validate(cfg, rt.world_size());
   if (cfg.checkpoint.empty()) throw std::invalid_argument("pretrain needs an output directory (--out DIR)");
   const int tp = cfg.parallel.tp;
@@ -343,6 +352,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
 }
 
 TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
+  refuse_sequence_parallel(cfg);
   validate(cfg, rt.world_size());
   const int rank = rt.rank();
   torch::manual_seed(cfg.seed);

@@ -4,8 +4,8 @@
 // process training plain LibTorch on the whole sequences. The causal LM (targets per token:
 // each cp rank's loss over its own tokens) with a mean and with a summed loss, and the
 // sequence classifier (one target per sample: the output gathered over the cp ranks).
-// 2 ranks: cp2 under ddp, zero1 and zero3. 4 ranks: cp4, cp2 x dp2 under zero3, tp2 x cp2 and
-// pp2 x cp2. A sequence whose length is not a multiple of 2 * cp is refused with the rule.
+// 2 ranks: cp2 under ddp, zero1 and zero3. 4 ranks: cp4, cp2 x dp2 under zero3, tp2 x cp2 (also
+// with sequence parallelism inside each cp rank's part) and pp2 x cp2. A sequence whose length is not a multiple of 2 * cp is refused with the rule.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -119,6 +119,7 @@ struct Layout {
   const char* name;
   int cp, tp, pp;
   Strategy strategy;
+  bool sequence_parallel = false;
 };
 
 std::unique_ptr<Engine> engine(const Layout& lay, Loss l, const std::string& optimizer, double lr) {
@@ -128,8 +129,11 @@ std::unique_ptr<Engine> engine(const Layout& lay, Loss l, const std::string& opt
   c.pp = lay.pp;
   c.micro_batches = lay.pp > 1 ? 2 : 1;
   c.strategy = lay.strategy;
+  c.sequence_parallel = lay.sequence_parallel;
   EngineOptions eo;
-  eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
+  eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp, const tp::TensorParallelOptions& o) {
+    return llama::tensor_parallel(dense, tp, o);
+  };
   OptimizerOptions o;
   o.kind = optimizer;
   o.lr = lr;
@@ -185,6 +189,7 @@ std::vector<Layout> layouts() {
   return {{"cp4 ddp", 4, 1, 1, Strategy::kDDP},
           {"cp2 x dp2 zero3", 2, 1, 1, Strategy::kZero3},
           {"tp2 x cp2", 2, 2, 1, Strategy::kDDP},
+          {"tp2 x cp2, sequence parallel", 2, 2, 1, Strategy::kDDP, true},
           {"pp2 x cp2", 2, 1, 2, Strategy::kDDP}};
 }
 

@@ -144,7 +144,9 @@ std::unique_ptr<Engine> sequential_engine(SeqLayout layout, torch::nn::Sequentia
   config.tp = layout == SeqLayout::kTp2 || layout == SeqLayout::kTp2Zero3 ? 2 : 1;
   config.micro_batches = layout == SeqLayout::kPp2 ? 3 : 1;
   EngineOptions eo;
-  eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp) { return llama::tensor_parallel(dense, tp); };
+  eo.tensor_parallel = [](torch::nn::Sequential dense, CommPtr tp, const tp::TensorParallelOptions& o) {
+    return llama::tensor_parallel(dense, tp, o);
+  };
   eo.init_from = std::move(init);
   return std::make_unique<Engine>(runtime(), seq, adam(), config, eo);
 }

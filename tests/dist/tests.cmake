@@ -76,3 +76,8 @@ tandem_add_dist_test(dist_activation_checkpoint_np2 2 "*ActivationCheckpoint*" T
 # ddp and zero1 over two replicas (4 ranks), and checkpoints resumed under other strategies.
 tandem_add_dist_test(dist_layerwise_np2 2 "*Layerwise*" TIMEOUT 300)
 tandem_add_dist_test(dist_layerwise_np4 4 "*LayerwiseLayouts*tp2*" TIMEOUT 300)
+# Sequence parallelism on the Llama Sequential forms (untied, tied, classifier, with LoRA): tp2
+# with it trains as tp2 without it (losses, first gradients), predictions whole, the tp traffic
+# all-gathers and reduce-scatters; refusals. On 4 ranks a two-stage pipeline of tp2 stages.
+tandem_add_dist_test(dist_sequence_parallel_np2 2 "SequenceParallelEval.*:Llama/SequenceParallel.*" TIMEOUT 300)
+tandem_add_dist_test(dist_sequence_parallel_np4 4 "SequenceParallelPipeline.*" TIMEOUT 300)

@@ -44,6 +44,9 @@ expect tp-heads "--tp 3: Llama: the tensor-parallel size 3 does not divide num_a
   "$tandem" finetune -n 3 --tp 3 --strategy zero3 --no-progress --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl"
 expect tied-pp "ties its input and output embeddings, which a pipeline cannot split" -- "$tandem" finetune -n 2 --pp 2 \
   --batch 2 --steps 2 --no-progress --init-from "$tmp/fx/lm_tied" --data "$tmp/lm.jsonl"
+# Sequence parallelism splits each sequence over the tp ranks: --seq must be a multiple of --tp.
+expect sp-seq "--sequence-parallel splits each sequence over the --tp 2 ranks: --seq 31 must be a multiple of 2" -- \
+  "$tandem" finetune -n 2 --tp 2 --sequence-parallel --seq 31 --no-progress --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl"
 expect seq-too-long "--seq 4096 exceeds the model's max_position_embeddings 128" -- "$tandem" finetune -n 1 --strategy single \
   --no-progress --seq 4096 --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl"
 # A checkpoint of another command (--resume with none at all starts at step 0, as tandem train).

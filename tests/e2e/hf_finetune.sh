@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # `tandem finetune --init-from HF_DIR` on a tiny random Llama that transformers made
 # (tests/hf/hf_fixture.py): 20 steps of language modelling on fortune cookies under ddp, zero2,
-# zero3, a 2-stage pipeline and tp2 on 2 workers, dp2 x tp2 (ddp, zero3) and tp2 x pp2 on 4, and a model
+# zero3, a 2-stage pipeline and tp2 on 2 workers, dp2 x tp2 (ddp, zero3) and tp2 x pp2 on 4
+# (tp2, tp2 x pp2, tied tp2 and the classifier's tp2 again with --sequence-parallel give the same
+# layouts' losses without it), and a model
 # cut 3 ways, dp2 x tp3 under zero3 and zero2 on 6, give one worker's per-step losses within 1e-4, and so does a model with tied embeddings under zero2, zero3 and tp2; bf16 and
 # fp16 (ddp) and bf16 under tp2 follow its losses within 5e-3 relative; classification under
 # ddp, tp2, pp2 and tp2 x pp2 gives one worker's too; runs resumed under zero2 and tp2 from the pipeline's step-10
@@ -61,6 +63,11 @@ run tp2 -n 2 --strategy ddp --tp 2 --checkpoint-dir "$tmp/ck_tp" --checkpoint-ev
 resume ck_tp resumed_from_tp2 -n 1 --strategy single
 run dp2tp2 -n 4 --strategy ddp --tp 2 "${lm[@]}" && same single dp2tp2
 run tp2pp2 -n 4 --strategy ddp --tp 2 --pp 2 --micro-batches 2 "${lm[@]}" && same single tp2pp2
+# Sequence parallelism (norms and residual on sequence shards, all-gathers and reduce-scatters
+# instead of all-reduces) reproduces tp2's and tp2 x pp2's losses.
+run tp2_sp -n 2 --strategy ddp --tp 2 --sequence-parallel "${lm[@]}" && same tp2 tp2_sp
+run tp2pp2_sp -n 4 --strategy ddp --tp 2 --pp 2 --micro-batches 2 --sequence-parallel "${lm[@]}" &&
+  same tp2pp2 tp2pp2_sp
 # ZeRO-3 over tp2's replicas: each rank reads only its shard of its tensor-parallel block.
 run dp2tp2_zero3 -n 4 --strategy zero3 --tp 2 "${lm[@]}" && same single dp2tp2_zero3
 # Three tensor-parallel ranks (a model whose heads, KV heads, MLP width and vocabulary divide by
@@ -84,6 +91,7 @@ run tied_zero2 -n 2 --strategy zero2 --checkpoint-dir "$tmp/ck_tied" "${tied[@]}
 run tied_zero3 -n 2 --strategy zero3 "${tied[@]}" && same tied_single tied_zero3
 # Tied under tp2: the head over the vocabulary-parallel embedding's shard.
 run tied_tp2 -n 2 --strategy ddp --tp 2 --checkpoint-dir "$tmp/ck_tied_tp" "${tied[@]}" && same tied_single tied_tp2
+run tied_tp2_sp -n 2 --strategy ddp --tp 2 --sequence-parallel "${tied[@]}" && same tied_tp2 tied_tp2_sp
 cls=(--init-from "$tmp/fx/cls" --task classify --data "$tmp/cls.jsonl" --seq 32 --batch 8 --steps 20 --lr 2e-3 --warmup-steps 2)
 run cls_single -n 1 --strategy single "${cls[@]}"
 run cls_ddp -n 2 --strategy ddp "${cls[@]}" && same cls_single cls_ddp 1 -1e9
@@ -92,9 +100,10 @@ grep -q "accuracy" "$tmp/cls_ddp.log" || { echo "FAIL cls_ddp: no validation acc
 # pools each row's last real token from the targets), and both at once on 4; all score the
 # validation split.
 run cls_tp2 -n 2 --strategy ddp --tp 2 "${cls[@]}" && same cls_single cls_tp2 1 -1e9
+run cls_tp2_sp -n 2 --strategy ddp --tp 2 --sequence-parallel "${cls[@]}" && same cls_tp2 cls_tp2_sp 1 -1e9
 run cls_pp2 -n 2 --strategy ddp --pp 2 --micro-batches 2 "${cls[@]}" && same cls_single cls_pp2 1 -1e9
 run cls_tp2pp2 -n 4 --strategy ddp --tp 2 --pp 2 --micro-batches 2 "${cls[@]}" && same cls_single cls_tp2pp2 1 -1e9
-for name in cls_tp2 cls_pp2 cls_tp2pp2; do
+for name in cls_tp2 cls_tp2_sp cls_pp2 cls_tp2pp2; do
   grep -q "accuracy" "$tmp/$name.log" || { echo "FAIL $name: no validation accuracy"; fails=$((fails + 1)); }
 done
 # The pipeline's and the tied model's last checkpoints as Hugging Face directories, loaded by

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# `tandem finetune --init-from HF_DIR` under tp2 x zero3, pp2 x zero2 and tp2 x cp2 (context
-# parallel: each sequence split over 2 ranks, ring attention) on 4 workers against
-# transformers on a tiny random Llama: every rank initialises only the pieces it holds, and the
-# step-1 loss equals transformers' loss on the same batch (rel <= 1e-5); the checkpoint after 5
-# steps, exported with `tandem export --to hf` and loaded by transformers, gives Tandem's step-6
-# loss (rel <= 1e-5). The training set is 8 documents and the global batch 8, so every step's
-# batch is all of them and its loss (per token) does not depend on their order.
+# `tandem finetune --init-from HF_DIR` under tp2 x zero3 (also with --sequence-parallel),
+# pp2 x zero2 and tp2 x cp2 (context parallel: each sequence split over 2 ranks, ring attention)
+# on 4 workers against transformers on a tiny random Llama: every rank initialises only the
+# pieces it holds, and the step-1 loss equals transformers' loss on the same batch
+# (rel <= 1e-5); the checkpoint after 5 steps, exported with `tandem export --to hf` and loaded
+# by transformers, gives Tandem's step-6 loss (rel <= 1e-5). The training set is 8 documents
+# and the global batch 8, so every step's batch is all of them and its loss (per token) does not
+# depend on their order.
 # usage: hf_placements.sh TANDEM SOURCE_DIR
 set -uo pipefail
 tandem=$1
@@ -13,8 +14,8 @@ src=$2
 . "$src/tests/e2e/hf_lib.sh"
 fortunes_jsonl "$tmp/lm8.jsonl" 8
 fails=0
-for layout in "tp2_zero3:--tp 2 --strategy zero3" "pp2_zero2:--pp 2 --micro-batches 2 --strategy zero2" \
-    "tp2_cp2:--tp 2 --cp 2 --strategy zero1"; do
+for layout in "tp2_zero3:--tp 2 --strategy zero3" "tp2_sp_zero3:--tp 2 --sequence-parallel --strategy zero3" \
+  "pp2_zero2:--pp 2 --micro-batches 2 --strategy zero2" "tp2_cp2:--tp 2 --cp 2 --strategy zero1"; do
   name=${layout%%:*}
   read -r -a args <<<"${layout#*:}"
   if ! timeout 300 "$tandem" finetune -n 4 "${args[@]}" --init-from "$tmp/fx/lm" --data "$tmp/lm8.jsonl" \

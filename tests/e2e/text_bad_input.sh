@@ -68,6 +68,10 @@ expect bad-pp-partition "--pp-partition '2,x': use params, time, or the layers o
   "$tandem" finetune -n 2 --strategy ddp --pp 2 --pp-partition 2,x --data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}"
 expect short-pp-partition "the partition covers 3 layers but the model has" -- \
   "$tandem" finetune -n 2 --strategy ddp --pp 2 --pp-partition 1,2 --data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}"
+expect sp-without-tp "--sequence-parallel splits the sequence over the tensor-parallel ranks and needs --tp 2 or more" -- \
+  "$tandem" pretrain -n 1 --strategy single --sequence-parallel --data "$tmp/good" --out "$tmp/x" "${small[@]}"
+expect sp-pretrain "--sequence-parallel needs a Llama model" -- \
+  "$tandem" pretrain -n 2 --strategy ddp --tp 2 --sequence-parallel --data "$tmp/good" --out "$tmp/x" "${small[@]}"
 expect grad-accum-pp "--grad-accum with --pp: the pipeline already accumulates" -- \
   "$tandem" finetune -n 2 --strategy ddp --pp 2 --grad-accum 2 --data "$tmp/good" --checkpoint "$tmp/ckpt" "${small[@]}"
 expect grad-accum-batch "fewer than --grad-accum 64" -- \

@@ -22,6 +22,8 @@ expect missing-dataset "dataset directory '/nonexistent' not found.*apt-get inst
   "$tandem" train --data /nonexistent --no-baseline
 expect uneven-batch "does not split evenly over 2 workers" -- "$tandem" train -n 2 --batch 127 --no-baseline
 expect wrong-model "cannot train on an image dataset" -- "$tandem" train -n 1 --model transformer_tiny --max-steps 1
+expect sp-mlp "--sequence-parallel needs a Llama model" -- "$tandem" train -n 2 --tp 2 --sequence-parallel --max-steps 1 \
+  --no-baseline
 expect unknown-model "unknown model .resnet9000. \\(known: mlp" -- "$tandem" train -n 1 --model resnet9000 --max-steps 1
 expect unknown-strategy "unknown strategy 'zero9'" -- "$tandem" train -n 1 --strategy zero9 --max-steps 1
 expect single-with-many "strategy single runs one worker" -- "$tandem" train -n 2 --strategy single

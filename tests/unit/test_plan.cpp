@@ -945,6 +945,9 @@ TEST(Plan, TransformerActivationsFollowDropoutAndAttention) {
   m.dropout = true;
   EXPECT_DOUBLE_EQ(tp::activation_bytes_per_sample(m), L * s * h * (34 + 5 * a * s / h));
   EXPECT_DOUBLE_EQ(tp::activation_bytes_per_sample(m, 4), L * s * h * (10 + 6 + 5 * a * s / (h * 4)));
+  // Sequence parallelism (eq. 4): the 10 outside the tensor-parallel layers split over t too.
+  EXPECT_DOUBLE_EQ(tp::activation_bytes_per_sample(m, 4, true), L * s * h * (10.0 / 4 + 6 + 5 * a * s / (h * 4)));
+  EXPECT_DOUBLE_EQ(tp::activation_bytes_per_sample(m, 1, true), tp::activation_bytes_per_sample(m, 1));
 }
 
 // ZeRO-2/3 make the gradients in backward and free them in zero_grad(), so with one micro-batch

@@ -127,6 +127,9 @@ void add_plan_options(CLI::App& app, PlanFlags& f) {
                  "micro-batch) | the layers per stage, e.g. 3,7 (tandem train --pp-partition takes each)")
       ->capture_default_str();
   app.add_flag("--checkpointing", o.activation_checkpointing, "activation checkpointing (recompute in backward)");
+  app.add_flag("--sequence-parallel", o.sequence_parallel,
+               "sequence parallelism in tp layouts (transformers): norms' and residual's activations split over tp, "
+               "the same tp traffic as reduce-scatters and all-gathers");
   app.add_option("--headroom", o.memory_headroom, "use at most this fraction of device memory")->capture_default_str();
   app.add_option("--top", f.top, "feasible layouts to show")->capture_default_str();
   app.add_option("--show-infeasible", f.show_infeasible, "infeasible layouts to show")->capture_default_str();

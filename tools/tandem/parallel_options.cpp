@@ -29,6 +29,12 @@ void add_parallel_options(CLI::App& app, ParallelConfig& pc) {
                  "tensor-parallel ranks per replica (Megatron column/row-parallel layers; it must divide the model's "
                  "attention and KV heads, widths and vocabulary); composes with --pp and every --strategy but single")
       ->capture_default_str();
+  app.add_flag("--sequence-parallel", pc.sequence_parallel,
+               "Megatron sequence parallelism: between the tensor-parallel layers the activations (residual stream, "
+               "norms) are split along the sequence over the --tp ranks, all-gathers and reduce-scatters replacing the "
+               "all-reduces (activation memory of those parts / tp, same traffic); needs --tp > 1, a sequence length "
+               "divisible by --tp and a Llama model (finetune --init-from); composes with --pp and every --strategy "
+               "but single");
   app.add_option("--pp", pc.pp,
                  "pipeline stages per replica (the model cut as --pp-partition says); composes with --tp and every "
                  "--strategy but single")

@@ -125,7 +125,8 @@ void print_setting(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& 
   }
   std::cout << "options  global batch "
             << (o.global_batch > 0 ? o.global_batch : (m.kind == "transformer" ? 1024 : 256)) << ", " << o.optimizer
-            << ", " << o.precision << (o.activation_checkpointing ? ", checkpointing" : "") << "\n\n";
+            << ", " << o.precision << (o.activation_checkpointing ? ", checkpointing" : "")
+            << (o.sequence_parallel ? ", sequence-parallel" : "") << "\n\n";
 }
 
 void print_ranking(const std::vector<Estimate>& results, int top, int show_infeasible) {

@@ -83,6 +83,85 @@ struct ScatterToTP : torch::autograd::Function<ScatterToTP> {
   }
 };
 
+// The collectives chunk dim 0 of a contiguous buffer: the sequence (dim 1) goes first.
+at::Tensor sequence_first(const at::Tensor& t) { return t.transpose(0, 1).contiguous(); }
+at::Tensor batch_first(const at::Tensor& t) { return t.transpose(0, 1).contiguous(); }
+
+// [B, n, ...] on every rank -> [B, tp * n, ...], rank r's shard at positions [r*n, (r+1)*n).
+at::Tensor allgather_seq(const at::Tensor& t, Communicator& comm) {
+  auto in = sequence_first(t);
+  auto shape = in.sizes().vec();
+  shape[0] *= comm.size();
+  auto out = at::empty(shape, in.options());
+  comm.allgather(out, in);
+  return batch_first(out);
+}
+
+// [B, T, ...] partial sums -> this rank's positions of the sum, [B, T/tp, ...].
+at::Tensor reduce_scatter_seq(const at::Tensor& t, Communicator& comm) {
+  const int64_t n = seq_shard_size(t.size(1), comm.size());
+  auto in = sequence_first(t);
+  auto shape = in.sizes().vec();
+  shape[0] = n;
+  auto out = at::empty(shape, in.options());
+  comm.reduce_scatter(out, in, ReduceOp::kSum);
+  return batch_first(out);
+}
+
+at::Tensor own_slice_seq(const at::Tensor& t, Communicator& comm) {
+  const int64_t n = seq_shard_size(t.size(1), comm.size());
+  return t.narrow(1, comm.rank() * n, n).contiguous();
+}
+
+void check_sequence(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 2, "tandem::tp: sequence parallelism splits dim 1 of [B, T, ...], got ", x.sizes());
+}
+
+struct GatherSeqFromTP : torch::autograd::Function<GatherSeqFromTP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue comm, bool sum_grads) {
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["sum"] = sum_grads;
+    return allgather_seq(x, *held(comm));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto& comm = *held(ctx->saved_data["comm"]);
+    auto grad = ctx->saved_data["sum"].toBool() ? reduce_scatter_seq(g[0], comm) : own_slice_seq(g[0], comm);
+    return {grad, at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ReduceScatterSeqToTP : torch::autograd::Function<ReduceScatterSeqToTP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue comm) {
+    ctx->saved_data["comm"] = comm;
+    return reduce_scatter_seq(x, *held(comm));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {allgather_seq(g[0], *held(ctx->saved_data["comm"])), at::Tensor()};
+  }
+};
+
+struct ScatterSeqToTP : torch::autograd::Function<ScatterSeqToTP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue comm) {
+    ctx->saved_data["comm"] = comm;
+    return own_slice_seq(x, *held(comm));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {allgather_seq(g[0], *held(ctx->saved_data["comm"])), at::Tensor()};
+  }
+};
+
+// `gathered` (the all-gather of the shards `x`, detached) as a function of x for a replicated
+// consumer: the gradient reaching it is complete on every rank, so x's is this rank's slice.
+struct GatheredAsReplicated : torch::autograd::Function<GatheredAsReplicated> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor&, const at::Tensor& gathered, c10::IValue comm) {
+    ctx->saved_data["comm"] = comm;
+    return gathered;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {own_slice_seq(g[0], *held(ctx->saved_data["comm"])), at::Tensor(), at::Tensor()};
+  }
+};
+
 // Megatron-LM's _VocabParallelCrossEntropy: three all-reduces of [...]-sized tensors (max, the
 // target's logit, the sum of exponentials) instead of gathering [..., V] logits.
 struct VocabParallelCE : torch::autograd::Function<VocabParallelCE> {
@@ -120,6 +199,37 @@ at::Tensor copy_to_tp(const at::Tensor& x, const CommPtr& tp) { return CopyToTP:
 at::Tensor reduce_from_tp(const at::Tensor& x, const CommPtr& tp) { return ReduceFromTP::apply(x, hold(tp)); }
 at::Tensor gather_from_tp(const at::Tensor& x, const CommPtr& tp) { return GatherFromTP::apply(x, hold(tp)); }
 at::Tensor scatter_to_tp(const at::Tensor& x, const CommPtr& tp) { return ScatterToTP::apply(x, hold(tp)); }
+
+at::Tensor gather_seq_from_tp(const at::Tensor& x, const CommPtr& tp, bool sum_grads) {
+  check_sequence(x);
+  return GatherSeqFromTP::apply(x, hold(tp), sum_grads);
+}
+at::Tensor reduce_scatter_seq_to_tp(const at::Tensor& x, const CommPtr& tp) {
+  check_sequence(x);
+  seq_shard_size(x.size(1), tp->size());  // the same refusal on every rank, before the collective
+  return ReduceScatterSeqToTP::apply(x, hold(tp));
+}
+at::Tensor scatter_seq_to_tp(const at::Tensor& x, const CommPtr& tp) {
+  check_sequence(x);
+  return ScatterSeqToTP::apply(x, hold(tp));
+}
+
+int64_t seq_shard_size(int64_t T, int tp_size) {
+  if (tp_size < 1 || T % tp_size != 0) {
+    throw std::invalid_argument("tandem::tp: sequence parallelism (--sequence-parallel) splits each sequence over the "
+                                "--tp " +
+                                std::to_string(tp_size) + " ranks, but T = " + std::to_string(T) +
+                                " tokens is not divisible by " + std::to_string(tp_size) +
+                                "; the sequence length must be a multiple of --tp");
+  }
+  return T / tp_size;
+}
+
+ColumnInput column_input(const at::Tensor& x, const CommPtr& tp, bool sequence_parallel) {
+  if (!sequence_parallel) return {copy_to_tp(x, tp), x};
+  auto in = gather_seq_from_tp(x, tp, /*sum_grads=*/true);
+  return {in, GatheredAsReplicated::apply(x, in.detach(), hold(tp))};
+}
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& target, const CommPtr& tp) {
   if (local_logits.dim() != target.dim() + 1 || local_logits.sizes().slice(0, target.dim()) != target.sizes()) {
@@ -195,16 +305,17 @@ std::vector<ParameterPlacement> ColumnParallelLinearImpl::parameter_placements()
   return out;
 }
 
-torch::Tensor ColumnParallelLinearImpl::project(const torch::Tensor& in, const torch::Tensor& x) {
+torch::Tensor ColumnParallelLinearImpl::project(const torch::Tensor& in, const torch::Tensor& whole) {
   auto y = at::linear(in, weight, bias);
   if (!lora_A) return y;
   // A's output is the same on every tp rank; the gradient reaching it is the sum of every rank's
   // rows' part, hence the all-reduce of copy_to_tp in backward.
-  return y + lora_B->forward(copy_to_tp(lora_A->forward(x), tp));
+  return y + lora_B->forward(copy_to_tp(lora_A->forward(whole), tp));
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
-  auto y = project(copy_to_tp(x, tp), x);
+  const auto ci = column_input(x, tp, sequence_parallel);
+  auto y = project(ci.in, ci.whole);
   return gather_output || (gather_in_eval && !is_training()) ? gather_from_tp(y, tp) : y;
 }
 
@@ -235,11 +346,22 @@ std::vector<ParameterPlacement> RowParallelLinearImpl::parameter_placements() co
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   auto in = input_is_parallel ? x : scatter_to_tp(x, tp);
+  if (sequence_parallel) return forward_sequence_parallel(in);
   auto y = reduce_from_tp(at::linear(in, weight), tp);
   // The adapter's rank-r activations are summed over tp (few bytes), so that B's gradient is
   // whole on every rank.
   if (lora_A) y = y + lora_B->forward(reduce_from_tp(lora_A->forward(in), tp));
   return bias.defined() ? y + bias : y;
+}
+
+torch::Tensor RowParallelLinearImpl::forward_sequence_parallel(const torch::Tensor& in) {
+  auto y = at::linear(in, weight);
+  // B (whole) maps this rank's partial A output: a partial sum of the update, reduced with the
+  // layer's. B's gradient from it is partial too, hence copy_to_tp's all-reduce in backward.
+  if (lora_A) y = y + at::linear(lora_A->forward(in), copy_to_tp(lora_B->weight, tp)) * lora_B->scaling;
+  y = reduce_scatter_seq_to_tp(y, tp);
+  // The bias meets this rank's positions only: its gradient is summed over tp.
+  return bias.defined() ? y + copy_to_tp(bias, tp) : y;
 }
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const torch::nn::Embedding& dense, CommPtr tp_)
@@ -260,7 +382,8 @@ torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
   // Ids outside the shard read row 0; their outputs are zeroed below, so they give it no gradient.
   const int64_t local_pad = padding_idx >= vocab_begin && padding_idx < vocab_end ? padding_idx - vocab_begin : -1;
   auto local = at::embedding(weight, (ids - vocab_begin).masked_fill(outside, 0), local_pad);
-  return reduce_from_tp(local.masked_fill(outside.unsqueeze(-1), 0.0), tp);
+  local = local.masked_fill(outside.unsqueeze(-1), 0.0);
+  return sequence_parallel ? reduce_scatter_seq_to_tp(local, tp) : reduce_from_tp(local, tp);
 }
 
 ParallelTokenEmbeddingImpl::ParallelTokenEmbeddingImpl(const models::TokenEmbeddingImpl& dense, CommPtr tp)
@@ -372,6 +495,12 @@ bool elementwise(const std::shared_ptr<torch::nn::Module>& m) {
 torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, CommPtr tp, TensorParallelOptions opts) {
   if (!dense) throw std::invalid_argument("tandem::tp::tensor_parallel: no model given");
   if (!tp) throw std::invalid_argument("tandem::tp::tensor_parallel: no tensor-parallel communicator given");
+  if (opts.sequence_parallel) {
+    throw std::invalid_argument(
+        "--sequence-parallel needs a Llama model converted by tandem::llama::tensor_parallel (the converter that "
+        "`tandem finetune` uses); this model's converter, tandem::tp::tensor_parallel (Tandem's transformer, "
+        "Linear pairs), does not split the sequence: drop --sequence-parallel");
+  }
   const int T = tp->size();
   std::vector<std::shared_ptr<torch::nn::Module>> kids;
   for (auto it = dense->begin(); it != dense->end(); ++it) kids.push_back(it->ptr());
