@@ -1,8 +1,8 @@
 // The scaling model behind `tandem plan` and `tandem bench`: given a model and a cluster
-// description it predicts, for every data x tensor x pipeline layout and ZeRO stage, the memory
-// per device and the step time (compute from FLOPs and the device rate, collectives by the
-// alpha-beta model, bucketed overlap with backward, pipeline bubble), and ranks the feasible
-// layouts. Plain C++17 (no LibTorch) except the calibration functions at the end.
+// description it predicts, for every data x context x tensor x pipeline layout and ZeRO stage,
+// the memory per device and the step time (compute from FLOPs and the device rate, collectives
+// by the alpha-beta model, bucketed overlap with backward, pipeline bubble, ring attention's
+// transfers), and ranks the feasible layouts. Plain C++17 (no LibTorch) except the calibration functions at the end.
 // Every function is deterministic; bad descriptions throw std::invalid_argument naming the field.
 #pragma once
 
@@ -43,7 +43,11 @@ struct ModelSpec {
   int64_t layers = 1;  // repeated blocks (pipeline stages cut between them)
   int64_t hidden = 0;  // d_model (transformer), widest layer (dense)
   int64_t heads = 0;   // attention heads (transformer); 0 for dense
-  int64_t seq = 1;     // tokens per sample (1 for images)
+  // Key/value heads (grouped-query attention); 0: as many as `heads`. Only context
+  // parallelism's ring traffic depends on it: each rank sends k and v of
+  // hidden * kv_heads / heads values per token.
+  int64_t kv_heads = 0;
+  int64_t seq = 1;  // tokens per sample (1 for images)
   int64_t vocab = 0;
   // Forward FLOPs per sample; 0: transformer estimate 2*Psi*seq + 4*layers*seq^2*hidden.
   double forward_flops_per_sample = 0;
@@ -210,6 +214,10 @@ struct PlanOptions {
   std::vector<int> dp_only_workers;  // non-empty: only dp layouts with these worker counts
   int devices = 0;                   // 0: every device of the cluster
   int max_tp = 8, max_pp = 64;
+  // Context-parallel degrees to consider (tandem train --cp): each divides the devices (or
+  // every worker count it is used with). Only {1} unless asked: context parallelism pays ring
+  // transfers to split activations, and the search does not weigh it against the others.
+  std::vector<int> cp = {1};
   bool activation_checkpointing = false;
   // Megatron sequence parallelism in tp layouts: less activation memory, the same tp bytes (a
   // ring reduce-scatter plus all-gather costs what the all-reduce it replaces does).
@@ -225,13 +233,20 @@ struct PlanOptions {
   const Calibration* calibration = nullptr;
 };
 
+// A replica spans cp x tp x pp devices; dp replicas take different samples. The cp ranks of a
+// replica take the same samples, T/cp tokens of each sequence apiece (tandem/context_parallel.h),
+// and hold the same parameters, so the data-parallel strategies run over dp * cp ranks: ZeRO
+// shards over dp * cp, and gradients are reduced over dp * cp.
 struct Layout {
   int dp = 1, tp = 1, pp = 1;
+  int cp = 1;                 // context-parallel ranks per replica
   int zero = 0;               // 0: replicated (DDP); 1, 2, 3: ZeRO stages
   int64_t micro_batch = 1;    // samples per micro-batch per dp replica
   int64_t micro_batches = 1;  // per step (pipeline depth or gradient accumulation)
   double bucket_bytes = 25.0 * 1024 * 1024;
-  std::string strategy_name() const;  // "single", "ddp", "zero1", ..., "dp2 tp2 pp2 zero1"
+  // "single", "ddp", "zero1", ..., "dp2 tp2 pp2 zero1"; with cp > 1 "dp2 cp2 tp1 pp1 zero1".
+  std::string strategy_name() const;
+  int devices() const { return dp * cp * tp * pp; }
 };
 
 struct MemoryBreakdown {
@@ -282,6 +297,10 @@ struct Estimate {
   // pp - s on stage s; GPipe: all). `memory` above is the heaviest stage's model state with
   // evenly spread activations.
   std::vector<MemoryBreakdown> stage_memory;
+  // Context parallelism (cp > 1): bytes this rank sends around the ring per step (every layer's
+  // k/v blocks and their gradients, every micro-batch), the transfer time if run alone, and the
+  // part not hidden behind the attention blocks' compute (in step_s through the pipeline slot).
+  double ring_bytes = 0, ring_s = 0, ring_exposed_s = 0;
 };
 
 Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, const PlanOptions& o);
@@ -291,8 +310,10 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
 // cut). Leaves them empty for a setting the planner does not model.
 void add_planned_memory(const ModelSpec& model, const ParallelConfig& pc, int world, int64_t global_batch,
                         const std::string& optimizer, const std::vector<int64_t>& partition, Report& rep);
-// Every layout over the cluster's devices (or o.dp_only_workers), best micro-batch and bucket per
-// (dp, tp, pp, zero); feasible ones first, by step time; then infeasible ones with the reason.
+// Every layout over the cluster's devices (or o.dp_only_workers), for each cp of o.cp, best
+// micro-batch and bucket per (dp, cp, tp, pp, zero); feasible ones first, by step time; then
+// infeasible ones with the reason. Throws std::invalid_argument for a cp < 1 or one that divides
+// neither the devices nor any of the worker counts.
 std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o);
 
 // The time a collective takes on the cluster for a group of n ranks (consecutive devices:

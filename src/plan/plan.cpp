@@ -475,6 +475,57 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
   return out;
 }
 
+// Ring attention's transfers (tandem/context_parallel.h) per layer and micro-batch on one rank
+// of a cp > 1 layout, transformers described by shape.
+//
+// A send carries this rank's k and v block (forward and backward) or a block's accumulated dk
+// and dv (backward): 2 * (T/cp) * kv_width/tp * micro_batch values (kv_width = hidden *
+// kv_heads / heads; tensor parallelism splits the heads), 4 bytes each: the ring accumulates,
+// and so sends, in float32 whatever the training precision. Forward: cp - 1 sends; backward:
+// cp - 1 k/v sends and cp gradient sends (a block's gradient visits every rank and comes home):
+// 3cp - 2 per layer and micro-batch.
+//
+// Each transfer runs while a block is computed (the next block arrives during this one), so it
+// is hidden when it takes less than the block and exposed by the difference otherwise. In the
+// load-balanced causal layout every block is 1/cp^2 of the causal attention's forward FLOPs,
+// 2*T^2*hidden per sample (q k^T and the product with v over T^2/2 pairs), over tp; backward's
+// are twice that. Backward's steps 1 to cp - 2 each carry two transfers (the k/v block for the
+// next step and the previous step's gradient), its first and last steps one, and its last
+// gradient send follows the last block: exposed whole. The window uses the training precision's rate; the ring computes
+// its blocks in float32, which takes longer on tensor-core devices, so the exposed time is an upper bound.
+struct RingTimes {
+  double bytes = 0, seconds = 0, exposed = 0;  // per layer and micro-batch
+};
+RingTimes ring_attention_times(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o, const Layout& l,
+                               double rate) {
+  RingTimes r;
+  const int cp = l.cp, tp = l.tp;
+  if (cp <= 1) return r;
+  const double kv_heads = static_cast<double>(m.kv_heads > 0 ? m.kv_heads : m.heads);
+  const double kv_width = static_cast<double>(m.hidden) * kv_heads / static_cast<double>(m.heads) / tp;
+  const double mb = static_cast<double>(std::max<int64_t>(1, l.micro_batch));
+  const double send_bytes = 2.0 * static_cast<double>(m.seq) / cp * kv_width * mb * 4.0;
+  // The ring's cp ranks lie tp apart (tandem/grid.h): within a node while cp * tp fits; across
+  // nodes each of the tp rings of a node sends over the node's link at once.
+  const int dpn = devices_per_node(c);
+  AlphaBeta ab{c.intra.latency, c.intra.bandwidth};
+  if (!c.cpu && cp * tp > dpn) ab = AlphaBeta{c.inter.latency, c.inter.bandwidth / std::min(tp, dpn)};
+  if (const AlphaBeta* cal = c.cpu && o.calibration ? nearest_world(o.calibration->p2p, l.devices()) : nullptr;
+      cal && cal->bandwidth > 0)
+    ab = *cal;
+  const double t = ab.alpha + send_bytes / ab.bandwidth;
+  const double s = static_cast<double>(m.seq);
+  const double block_fwd = 2.0 * s * s * static_cast<double>(m.hidden) * mb / (double(cp) * cp * tp) / rate;
+  const double block_bwd = 2.0 * block_fwd;
+  auto beyond = [](double transfer, double block) { return std::max(0.0, transfer - block); };
+  const double fwd = (cp - 1) * beyond(t, block_fwd);
+  const double bwd = beyond(t, block_bwd) + (cp - 2) * beyond(2.0 * t, block_bwd) + beyond(t, block_bwd) + t;
+  r.bytes = (3.0 * cp - 2.0) * send_bytes;
+  r.seconds = (3.0 * cp - 2.0) * t;
+  r.exposed = fwd + bwd;
+  return r;
+}
+
 // Estimate::stage_memory: each stage's own model state, and the even-spread activation figure
 // of `e` rescaled to the stage's share of the children's inputs (what a child keeps for its
 // backward scales with them) and to the micro-batches alive on it.
@@ -491,7 +542,7 @@ void fill_stage_memory(const ModelSpec& m, const std::vector<double>& stage_para
   for (int s = 0; s < pp; ++s) {
     double inputs = 0;
     for (int64_t k = 0; k < e.partition[s]; ++k, ++i) inputs += m.children[i].input_elems;
-    MemoryBreakdown b = zero_model_states(stage_params[s], l.zero, l.dp, sb);
+    MemoryBreakdown b = zero_model_states(stage_params[s], l.zero, l.dp * l.cp, sb);
     frozen_share(m, b);
     const double flight = o.pipeline_schedule == "gpipe" ? mcount : std::min<double>(pp - s, mcount);
     const double share = all_inputs > 0 ? inputs / all_inputs : 1.0 / pp;
@@ -536,6 +587,9 @@ void validate(const ModelSpec& m) {
     if (m.heads < 1) bad("attention heads must be at least 1, got " + std::to_string(m.heads));
     if (m.hidden % m.heads != 0)
       bad("hidden size " + std::to_string(m.hidden) + " is not divisible by " + std::to_string(m.heads) + " heads");
+    if (m.kv_heads < 0 || (m.kv_heads > 0 && m.heads % m.kv_heads != 0))
+      bad("key/value heads must divide the " + std::to_string(m.heads) + " attention heads, got " +
+          std::to_string(m.kv_heads));
     // The shape alone holds 12*L*h^2 weights in its blocks; far fewer parameters is impossible.
     double implied = 12.0 * m.layers * static_cast<double>(m.hidden) * m.hidden;
     if (m.parameters < 0.5 * implied)
@@ -715,11 +769,12 @@ MemoryBreakdown zero_model_states(double psi, int stage, int dp, StateBytes b) {
 // ---------------------------------------------------------------- layouts
 
 std::string Layout::strategy_name() const {
-  if (tp == 1 && pp == 1) {
+  if (tp == 1 && pp == 1 && cp == 1) {
     if (zero == 0) return dp == 1 ? "single" : "ddp";
     return "zero" + std::to_string(zero);
   }
-  std::string s = "dp" + std::to_string(dp) + " tp" + std::to_string(tp) + " pp" + std::to_string(pp);
+  std::string s = "dp" + std::to_string(dp) + (cp > 1 ? " cp" + std::to_string(cp) : std::string()) + " tp" +
+                  std::to_string(tp) + " pp" + std::to_string(pp);
   if (zero > 0) s += " zero" + std::to_string(zero);
   return s;
 }
@@ -732,8 +787,8 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     e.why = why;
     return e;
   };
-  const int dp = l.dp, tp = l.tp, pp = l.pp;
-  if (dp < 1 || tp < 1 || pp < 1) throw std::invalid_argument("dp, tp and pp must be at least 1");
+  const int dp = l.dp, tp = l.tp, pp = l.pp, cp = l.cp;
+  if (dp < 1 || tp < 1 || pp < 1 || cp < 1) throw std::invalid_argument("dp, cp, tp and pp must be at least 1");
   if (o.pipeline_partition == "auto") {  // both cuts, the faster (parameters on a tie)
     PlanOptions by = o;
     by.pipeline_partition = "params";
@@ -743,7 +798,10 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     Estimate b = estimate(m, c, l, by);
     return b.feasible && (!a.feasible || b.step_s < a.step_s * 0.999) ? b : a;
   }
-  const int used = dp * tp * pp;
+  const int used = l.devices();
+  // The cp ranks of a replica hold the same parameters: the data-parallel strategies (DDP's
+  // all-reduce, ZeRO's sharding) run over dp * cp ranks (ProcessGrid::dp_cp()).
+  const int dp_group = dp * cp;
   const int dpn = devices_per_node(c);
   const StateBytes sb = state_bytes(o.precision, o.optimizer);
   const DeviceSpec dev = slowest_device(c);
@@ -795,18 +853,20 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   // Memory first: it is meaningful even for layouts that are infeasible for other reasons.
   const double psi_dev = stage_params.empty() ? m.parameters / (static_cast<double>(tp) * pp)
                                               : *std::max_element(stage_params.begin(), stage_params.end());
-  e.memory = zero_model_states(psi_dev, l.zero, dp, sb);
+  e.memory = zero_model_states(psi_dev, l.zero, dp_group, sb);
   frozen_share(m, e.memory);
   const int64_t per_replica = batch / dp;
   const int64_t mb = std::max<int64_t>(1, l.micro_batch);
   const int64_t mcount = std::max<int64_t>(1, l.micro_batches);
   const double act_scale = activation_scale(m, o.precision);
-  const double act_sample = activation_bytes_per_sample(m, tp, o.sequence_parallel) * act_scale;  // all layers
+  // Everything kept per token divides by cp: each cp rank holds T/cp tokens of every sample, and
+  // the ring keeps nothing beyond k and v of those (its transfers are transient).
+  const double act_sample = activation_bytes_per_sample(m, tp, o.sequence_parallel) * act_scale / cp;  // all layers
   const double layers_here = std::ceil(static_cast<double>(m.layers) / pp);
   const double act_layer = act_sample / m.layers;
   const double in_flight = pp > 1 ? std::min<double>(pp, mcount) : 1.0;  // 1F1B: at most p on stage 1
   if (o.activation_checkpointing) {
-    const double ckpt = 2.0 * m.seq * m.hidden * (is_16bit(o.precision) ? 1.0 : 2.0) / std::max(1, tp);
+    const double ckpt = 2.0 * m.seq * m.hidden * (is_16bit(o.precision) ? 1.0 : 2.0) / std::max(1, tp) / cp;
     e.memory.activations = (ckpt * layers_here * in_flight + act_layer) * mb;
   } else {
     e.memory.activations = act_layer * layers_here * in_flight * mb;
@@ -828,6 +888,12 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   if (pp > n_layers)
     return infeasible("too few layers: " + std::to_string(n_layers) + " layers for " + std::to_string(pp) +
                       " pipeline stages");
+  if (cp > 1 && (m.kind != "transformer" || !m.children.empty() || m.heads < 1))
+    return infeasible("context parallelism splits sequences for ring attention: it needs a transformer "
+                      "described by its shape (--hidden, --heads, --seq)");
+  if (cp > 1 && m.seq % (2 * cp) != 0)
+    return infeasible("sequence length " + std::to_string(m.seq) + " is not a multiple of 2 * cp = " +
+                      std::to_string(2 * cp) + " (each cp rank holds 2 of 2 * cp chunks)");
   if (tp > 1 && !m.children.empty()) {
     bool pairs = false;
     for (const auto& l : m.children) {
@@ -878,23 +944,36 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     if (tp > 1) e.comm_parts["tp allreduce"] = pt.tp_comm;
     if (pp > 1) e.comm_parts["pp send/recv"] = pt.p2p_comm;
   } else {
-    const double t_mb = train_factor * forward_flops_per_sample(m) * mb / (static_cast<double>(tp) * pp) / r.flops;
-    // Tensor parallel: 2 all-reduces of [mb, seq, hidden] in forward and 2 in backward per layer (Megatron).
+    // Each cp rank computes 1/cp of every sample (the load-balanced causal layout evens out
+    // the attention's share too).
+    const double t_mb = train_factor * forward_flops_per_sample(m) * mb / (static_cast<double>(tp) * pp * cp) / r.flops;
+    // Tensor parallel: 2 all-reduces of [mb, seq/cp, hidden] in forward and 2 in backward per layer (Megatron).
     double tp_mb = 0.0;
     if (tp > 1) {
-      const double bytes = static_cast<double>(mb) * m.seq * m.hidden * act_elem;
+      const double bytes = static_cast<double>(mb) * m.seq / cp * m.hidden * act_elem;
       tp_mb = 4.0 * layers_here * collective_seconds(c, o, "allreduce", tp, bytes, 1);
       e.comm_parts["tp allreduce"] = tp_mb * mcount;
     }
     // Pipeline: one activation forward and one gradient backward per micro-batch and stage boundary.
     double p2p_mb = 0.0;
     if (pp > 1) {
-      const double bytes = static_cast<double>(mb) * m.seq * m.hidden * act_elem / tp;
-      const LinkSpec& link = tp * pp <= dpn ? c.intra : c.inter;
+      const double bytes = static_cast<double>(mb) * m.seq / cp * m.hidden * act_elem / tp;
+      const LinkSpec& link = tp * cp * pp <= dpn ? c.intra : c.inter;
       p2p_mb = 2.0 * (link.latency + bytes / link.bandwidth);
       e.comm_parts["pp send/recv"] = p2p_mb * (mcount + pp - 1);
     }
-    slot = t_mb + tp_mb + p2p_mb;
+    // Ring attention: the part of its transfers not hidden behind the attention blocks delays
+    // every micro-batch's forward and backward.
+    double ring_mb = 0.0;
+    if (cp > 1) {
+      const RingTimes ring = ring_attention_times(m, c, o, l, r.flops);
+      ring_mb = layers_here * ring.exposed;
+      e.ring_bytes = layers_here * ring.bytes * mcount;
+      e.ring_s = layers_here * ring.seconds * mcount;
+      e.ring_exposed_s = ring_mb * mcount;
+      e.comm_parts["cp ring"] = e.ring_s;
+    }
+    slot = t_mb + tp_mb + p2p_mb + ring_mb;
     e.compute_s = t_mb * mcount;
     e.bubble_s = (pp - 1) * slot;
     pipeline_s = (mcount + pp - 1) * slot;
@@ -902,7 +981,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
 
   // Data-parallel gradient and parameter collectives, overlapped with the last backward.
   double exposed = 0.0;
-  if (dp > 1) {
+  if (dp_group > 1) {
     const int stride = tp * pp;
     const double grad_bytes = psi_dev * (is_16bit(o.precision) ? 2.0 : 4.0);
     const double param_bytes = psi_dev * sb.param;
@@ -911,7 +990,8 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     const double window = pp > 1 ? 0.0 : slot * 2.0 / 3.0;
     auto per_bucket = [&](const std::string& op, double bytes) {
       std::vector<double> t;
-      for (double b : split_buckets(bytes, l.bucket_bytes)) t.push_back(collective_seconds(c, o, op, dp, b, stride));
+      for (double b : split_buckets(bytes, l.bucket_bytes))
+        t.push_back(collective_seconds(c, o, op, dp_group, b, stride));
       return t;
     };
     auto sum = [](const std::vector<double>& v) {
@@ -965,7 +1045,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
           for (const auto& ly : m.children) units += ly.parameters > 0 ? 1 : 0;
           if (units == 0) units = static_cast<int>(m.layers);
           const double per_point =
-              std::max(0.0, near->second - collective_seconds(c, o, gather_op, dp, 4096.0, stride));
+              std::max(0.0, near->second - collective_seconds(c, o, gather_op, dp_group, 4096.0, stride));
           e.comm_parts["dp zero3 rendezvous"] = (2.0 * units - 1.0) * per_point * mcount;
           exposed += e.comm_parts["dp zero3 rendezvous"];
         }
@@ -976,7 +1056,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   e.exposed_comm_s = exposed;
 
   // Optimizer step on what this device owns.
-  const double params_updated = l.zero >= 1 ? psi_dev / dp : psi_dev;
+  const double params_updated = l.zero >= 1 ? psi_dev / dp_group : psi_dev;
   if (r.opt_per_param > 0) {
     e.optimizer_s = params_updated * r.opt_per_param;
   } else {
@@ -1017,6 +1097,43 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   return e;
 }
 
+namespace {
+// The (dp, cp, tp, pp) shapes plan() prices: for every cp of o.cp, the data-parallel listing's
+// worker counts that cp divides (dp = workers / cp), or every tp x pp of the n devices over cp
+// (dp = n / (cp * tp * pp)). A replica spans cp * tp * pp devices, so a cp that divides none of
+// them has no layout: refused.
+std::vector<std::tuple<int, int, int, int>> layout_shapes(const PlanOptions& o, int n_total) {
+  std::vector<std::tuple<int, int, int, int>> shapes;
+  for (int n : o.dp_only_workers)
+    if (n < 1) throw std::invalid_argument("worker counts must be at least 1, got " + std::to_string(n));
+  if (o.cp.empty()) throw std::invalid_argument("no context-parallel degree given (cp: at least {1})");
+  for (int cp : o.cp) {
+    if (cp < 1) throw std::invalid_argument("context-parallel degree must be at least 1, got " + std::to_string(cp));
+    const size_t before = shapes.size();
+    if (!o.dp_only_workers.empty()) {
+      for (int n : o.dp_only_workers)
+        if (n % cp == 0) shapes.emplace_back(n / cp, cp, 1, 1);
+    } else if (n_total % cp == 0) {
+      for (int64_t tp : divisors(n_total / cp)) {
+        if (tp > o.max_tp) continue;
+        for (int64_t pp : divisors(n_total / cp / tp)) {
+          if (pp > o.max_pp) continue;
+          shapes.emplace_back(static_cast<int>(n_total / cp / tp / pp), cp, static_cast<int>(tp), static_cast<int>(pp));
+        }
+      }
+    }
+    if (shapes.size() == before && (!o.dp_only_workers.empty() || n_total % cp != 0)) {
+      throw std::invalid_argument("context-parallel degree " + std::to_string(cp) +
+                                  (o.dp_only_workers.empty()
+                                       ? " does not divide the " + std::to_string(n_total) + " devices"
+                                       : std::string(" divides none of the worker counts")) +
+                                  ": a replica spans cp x tp x pp devices");
+    }
+  }
+  return shapes;
+}
+}  // namespace
+
 std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o) {
   validate(m);
   validate(c);
@@ -1031,26 +1148,11 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
     throw std::invalid_argument("--devices " + std::to_string(o.devices) + " is more than the cluster's " +
                                 std::to_string(total_devices(c)));
 
-  std::vector<std::tuple<int, int, int>> shapes;  // dp, tp, pp
-  if (!o.dp_only_workers.empty()) {
-    for (int n : o.dp_only_workers) {
-      if (n < 1) throw std::invalid_argument("worker counts must be at least 1, got " + std::to_string(n));
-      shapes.emplace_back(n, 1, 1);
-    }
-  } else {
-    for (int64_t tp : divisors(n_total)) {
-      if (tp > o.max_tp) continue;
-      for (int64_t pp : divisors(n_total / tp)) {
-        if (pp > o.max_pp) continue;
-        shapes.emplace_back(static_cast<int>(n_total / tp / pp), static_cast<int>(tp), static_cast<int>(pp));
-      }
-    }
-  }
-
+  const std::vector<std::tuple<int, int, int, int>> shapes = layout_shapes(o, n_total);
   std::vector<Estimate> best_feasible, best_infeasible;
-  for (auto [dp, tp, pp] : shapes) {
+  for (auto [dp, cp, tp, pp] : shapes) {
     for (int z : o.zero_stages) {
-      if (z > 0 && dp == 1) continue;  // nothing to shard
+      if (z > 0 && dp * cp == 1) continue;  // nothing to shard
       Estimate best;
       bool have = false, have_feasible = false;
       const int64_t per_replica = batch / dp;
@@ -1074,6 +1176,7 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
         for (double bucket : o.bucket_bytes) {
           Layout l;
           l.dp = dp;
+          l.cp = cp;
           l.tp = tp;
           l.pp = pp;
           l.zero = z;
@@ -1105,7 +1208,8 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
   if (!o.dp_only_workers.empty()) {
     // Keep the requested order of worker counts for tables.
     std::stable_sort(best_feasible.begin(), best_feasible.end(), [](const Estimate& a, const Estimate& b) {
-      return std::make_pair(a.layout.dp, a.layout.zero) < std::make_pair(b.layout.dp, b.layout.zero);
+      return std::make_tuple(a.layout.devices(), a.layout.cp, a.layout.zero) <
+             std::make_tuple(b.layout.devices(), b.layout.cp, b.layout.zero);
     });
   }
   best_feasible.insert(best_feasible.end(), best_infeasible.begin(), best_infeasible.end());

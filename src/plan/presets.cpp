@@ -150,6 +150,7 @@ ModelSpec builtin_model(const std::string& name) {
     m = transformer_model(40, 5120, 40, 4096, 32000, 13.0e9);
   } else if (name == "llama-70b") {
     m = transformer_model(80, 8192, 64, 4096, 32000, 69.0e9);
+    m.kv_heads = 8;  // grouped-query attention
   } else {
     throw std::invalid_argument("unknown model '" + name + "'; built-in models: " + join(builtin_model_names()) +
                                 " (or describe one with --params/--layers/--hidden/--heads/--seq)");

@@ -12,6 +12,9 @@ namespace tandem::plan {
 
 void add_planned_memory(const ModelSpec& model, const ParallelConfig& pc, int world, int64_t global_batch,
                         const std::string& optimizer, const std::vector<int64_t>& partition, Report& rep) {
+  // A replica spans tp x pp x cp ranks; the cp ranks' share of each sequence, their ZeRO group
+  // (dp x cp) and their ring are estimate()'s (plan::Layout).
+  if (pc.tp * pc.pp * pc.cp < 1 || world % (pc.tp * pc.pp * pc.cp) != 0) return;
   const int dp = data_parallel_size(pc, world);
   PlanOptions o;
   o.global_batch = global_batch;
@@ -23,6 +26,7 @@ void add_planned_memory(const ModelSpec& model, const ParallelConfig& pc, int wo
   l.dp = dp;
   l.tp = pc.tp;
   l.pp = pc.pp;
+  l.cp = pc.cp;
   l.zero = zero_stage(pc.strategy);
   l.micro_batches = pc.pp > 1 ? pc.micro_batches : pc.grad_accum;
   l.micro_batch = std::max<int64_t>(1, global_batch / dp / l.micro_batches);

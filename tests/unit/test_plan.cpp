@@ -9,9 +9,11 @@
 #include <fstream>
 #include <sstream>
 
+#include "tandem/engine.h"
 #include "tandem/models.h"
 #include "tandem/pipeline.h"
 #include "tandem/plan.h"
+#include "tandem/report.h"
 
 namespace tp = tandem::plan;
 
@@ -985,4 +987,183 @@ TEST(Plan, ZeroTwoAndThreeGradientsDoNotCoexistWithForwardsActivations) {
                        acc.memory.parameters + acc.memory.optimizer + acc.memory.gradients + acc.memory.activations);
     }
   }
+}
+
+// ---------------------------------------------------------------- context parallelism
+
+namespace {
+
+tp::Estimate context_parallel(const tp::ModelSpec& m, const tp::ClusterSpec& c, int dp, int cp, int tensor, int zero,
+                              int64_t micro_batch, int64_t micro_batches, tp::PlanOptions o = {}) {
+  o.global_batch = dp * micro_batch * micro_batches;
+  tp::Layout l;
+  l.dp = dp;
+  l.cp = cp;
+  l.tp = tensor;
+  l.zero = zero;
+  l.micro_batch = micro_batch;
+  l.micro_batches = micro_batches;
+  return tp::estimate(m, c, l, o);
+}
+
+}  // namespace
+
+// Each cp rank holds T/cp tokens of every sample and computes 1/cp of it: activations and
+// compute per rank are cp 1's over cp, the model states (replicated over cp) unchanged.
+TEST(Plan, ContextParallelDividesActivationsAndCompute) {
+  const auto m = tp::transformer_model(8, 1024, 16, 4096, 32000);
+  const auto c = tp::cluster_preset("h100x8");
+  for (bool ckpt : {false, true}) {
+    SCOPED_TRACE(ckpt ? "activation checkpointing" : "no recomputation");
+    tp::PlanOptions o;
+    o.activation_checkpointing = ckpt;
+    const auto one = context_parallel(m, c, 1, 1, 1, 0, 2, 1, o);
+    ASSERT_TRUE(one.feasible) << one.why;
+    if (!ckpt) EXPECT_DOUBLE_EQ(one.memory.activations, tp::activation_bytes_per_sample(m) * 2);  // 16-bit, 2 samples
+    for (int cp : {2, 4}) {
+      const auto e = context_parallel(m, c, 1, cp, 1, 0, 2, 1, o);
+      ASSERT_TRUE(e.feasible) << e.why;
+      EXPECT_DOUBLE_EQ(e.memory.activations, one.memory.activations / cp) << "cp " << cp;
+      EXPECT_DOUBLE_EQ(e.memory.layer_activations, one.memory.layer_activations / cp) << "cp " << cp;
+      EXPECT_NEAR(e.compute_s, one.compute_s / cp, 1e-12 * one.compute_s) << "cp " << cp;
+      EXPECT_DOUBLE_EQ(e.memory.parameters, one.memory.parameters);
+      EXPECT_DOUBLE_EQ(e.memory.optimizer, one.memory.optimizer);
+    }
+  }
+}
+
+// The cp ranks hold the same parameters and reduce their gradients with dp's: ZeRO shards over
+// dp x cp ranks, so dp 1 x cp 2 holds what dp 2 x cp 1 does, and DDP all-reduces over the cp
+// ranks even with one replica.
+TEST(Plan, ContextParallelShardsZeroOverDpTimesCp) {
+  const auto m = tp::builtin_model("gpt2");
+  const auto c = tp::cluster_preset("h100x8");
+  const auto sb = tp::state_bytes("mixed", "adam");
+  for (int zero : {0, 1, 2, 3}) {
+    SCOPED_TRACE("zero " + std::to_string(zero));
+    const auto cp2 = context_parallel(m, c, 1, 2, 1, zero, 2, 1);
+    const auto dp2 = context_parallel(m, c, 2, 1, 1, zero, 1, 1);
+    ASSERT_TRUE(cp2.feasible) << cp2.why;
+    ASSERT_TRUE(dp2.feasible) << dp2.why;
+    const auto want = tp::zero_model_states(m.parameters, zero, 2, sb);
+    for (const auto* e : {&cp2, &dp2}) {
+      EXPECT_DOUBLE_EQ(e->memory.parameters, want.parameters);
+      EXPECT_DOUBLE_EQ(e->memory.gradients, want.gradients);
+      EXPECT_DOUBLE_EQ(e->memory.optimizer, want.optimizer);
+    }
+    EXPECT_DOUBLE_EQ(cp2.optimizer_s, dp2.optimizer_s);  // each updates its half under ZeRO
+    const char* grad_part = zero >= 1 ? "dp reduce_scatter" : "dp allreduce";
+    ASSERT_TRUE(cp2.comm_parts.count(grad_part)) << "no gradient reduction over the cp ranks";
+    EXPECT_DOUBLE_EQ(cp2.comm_parts.at(grad_part), dp2.comm_parts.at(grad_part));
+  }
+  const auto z3 = context_parallel(m, c, 1, 2, 1, 3, 2, 1);
+  EXPECT_LT(z3.memory.parameters, tp::zero_model_states(m.parameters, 3, 1, sb).parameters);
+}
+
+// Ring traffic by hand. 2 layers, hidden 64, 4 heads of which 2 key/value heads (kv width 32),
+// T = 32, micro-batches of 3, 2 per step, cp 2: each send is k and v of T/cp = 16 tokens:
+// 2 * 16 * 32 * 3 samples * 4 bytes (float32) = 12288 bytes; per layer and micro-batch cp - 1 = 1
+// forward, cp - 1 = 1 backward k/v and cp = 2 gradient sends (4); 2 layers x 2 micro-batches:
+// 16 sends, 196608 bytes. cp 4: 2 * 8 * 32 * 3 * 4 = 6144 bytes, 10 sends per layer and
+// micro-batch, 40 in all: 245760 bytes. At 1 GB/s and 1 us per message a 12288-byte send takes
+// 13.288 us.
+TEST(Plan, ContextParallelRingTrafficByHand) {
+  auto m = tp::transformer_model(2, 64, 4, 32, 100);
+  m.kv_heads = 2;
+  auto c = tp::cluster_preset("h100x8");
+  c.intra.bandwidth = 1e9;
+  c.intra.latency = 1e-6;
+  c.framework_overhead_s = 0;
+  auto cp2 = context_parallel(m, c, 1, 2, 1, 0, 3, 2);
+  ASSERT_TRUE(cp2.feasible) << cp2.why;
+  EXPECT_DOUBLE_EQ(cp2.ring_bytes, 196608.0);
+  EXPECT_NEAR(cp2.ring_s, 16 * 13.288e-6, 1e-15);
+  EXPECT_NEAR(cp2.comm_parts.at("cp ring"), cp2.ring_s, 1e-15);
+  const auto cp4 = context_parallel(m, c, 1, 4, 1, 0, 3, 2);
+  ASSERT_TRUE(cp4.feasible) << cp4.why;
+  EXPECT_DOUBLE_EQ(cp4.ring_bytes, 245760.0);
+  // Tensor parallelism splits the heads: half the bytes.
+  const auto cp2tp2 = context_parallel(m, c, 1, 2, 2, 0, 3, 2);
+  ASSERT_TRUE(cp2tp2.feasible) << cp2tp2.why;
+  EXPECT_DOUBLE_EQ(cp2tp2.ring_bytes, 196608.0 / 2);
+  // No ring without context parallelism.
+  EXPECT_EQ(context_parallel(m, c, 1, 1, 1, 0, 3, 2).ring_bytes, 0.0);
+  // The exposed part lies in the step beside the compute, the exposed data-parallel traffic and
+  // the optimizer (no fixed overhead here).
+  EXPECT_NEAR(cp2.step_s, cp2.compute_s + cp2.ring_exposed_s + cp2.exposed_comm_s + cp2.optimizer_s,
+              1e-12 * cp2.step_s);
+
+  // Blocks that take no time hide nothing: every send is exposed. Blocks far longer than a send
+  // hide all but backward's last gradient send of each layer and micro-batch (2 x 2 of them).
+  for (auto& g : c.groups) g.device.flops = g.device.flops_fp32 = 1e30;
+  cp2 = context_parallel(m, c, 1, 2, 1, 0, 3, 2);
+  ASSERT_TRUE(cp2.feasible) << cp2.why;
+  EXPECT_NEAR(cp2.ring_exposed_s, cp2.ring_s, 1e-12);
+  const auto fast4 = context_parallel(m, c, 1, 4, 1, 0, 3, 2);
+  EXPECT_NEAR(fast4.ring_exposed_s, fast4.ring_s, 1e-12);
+  for (auto& g : c.groups) g.device.flops = g.device.flops_fp32 = 1e3;
+  cp2 = context_parallel(m, c, 1, 2, 1, 0, 3, 2);
+  ASSERT_TRUE(cp2.feasible) << cp2.why;
+  EXPECT_NEAR(cp2.ring_exposed_s, 4 * 13.288e-6, 1e-15);
+}
+
+// A replica spans cp x tp x pp devices: a cp that divides no device count is refused, every
+// layout plan() prices with a cp uses all the devices, and a model without a sequence to split
+// (or one not in 2 x cp chunks) is infeasible with the reason.
+TEST(Plan, ContextParallelLayoutsMustDivideTheDevices) {
+  const auto m = tp::transformer_model(4, 512, 8, 1024, 1000);
+  const auto c = tp::cluster_preset("h100x8");
+  tp::PlanOptions o;
+  o.global_batch = 8;
+  o.devices = 6;
+  o.cp = {4};
+  EXPECT_THROW(tp::plan(m, c, o), std::invalid_argument);
+  o.cp = {0};
+  EXPECT_THROW(tp::plan(m, c, o), std::invalid_argument);
+  o.devices = 8;
+  o.cp = {2};
+  const auto all = tp::plan(m, c, o);
+  ASSERT_FALSE(all.empty());
+  for (const auto& e : all) {
+    EXPECT_EQ(e.layout.cp, 2);
+    EXPECT_EQ(e.layout.dp * e.layout.cp * e.layout.tp * e.layout.pp, 8) << e.layout.strategy_name();
+  }
+  o.devices = 0;
+  o.dp_only_workers = {1, 2, 3, 4};
+  const auto listed = tp::plan(m, c, o);
+  for (const auto& e : listed) EXPECT_TRUE(e.layout.devices() == 2 || e.layout.devices() == 4);
+  o.dp_only_workers = {3};
+  EXPECT_THROW(tp::plan(m, c, o), std::invalid_argument);
+
+  tp::Layout l;
+  l.dp = 2;
+  l.cp = 2;
+  l.zero = 1;
+  EXPECT_EQ(l.strategy_name(), "dp2 cp2 tp1 pp1 zero1");
+  const auto odd = context_parallel(tp::transformer_model(4, 512, 8, 1020, 1000), c, 1, 4, 1, 0, 1, 1);
+  EXPECT_FALSE(odd.feasible);
+  EXPECT_NE(odd.why.find("multiple of 2 * cp"), std::string::npos) << odd.why;
+  const auto cnn = context_parallel(tp::builtin_model("cnn"), c, 1, 2, 1, 0, 1, 1);
+  EXPECT_FALSE(cnn.feasible);
+  EXPECT_NE(cnn.why.find("context parallelism"), std::string::npos) << cnn.why;
+}
+
+// The run report's "plan predicts" figures take the run's cp: per-replica micro-batches as
+// dp 2 x cp 1, activations halved, ZeRO-1's optimizer state sharded over the 4 ranks.
+TEST(Plan, PlannedMemoryOfARunModelsContextParallelism) {
+  const auto m = tp::transformer_model(2, 64, 4, 32, 100);
+  tandem::ParallelConfig pc;
+  pc.strategy = tandem::Strategy::kZero1;
+  tandem::Report one, two;
+  tp::add_planned_memory(m, pc, 2, 8, "adamw", {}, one);
+  pc.cp = 2;
+  tp::add_planned_memory(m, pc, 4, 8, "adamw", {}, two);
+  ASSERT_EQ(one.plan_memory_bytes.size(), 4u);
+  ASSERT_EQ(two.plan_memory_bytes.size(), 4u);
+  EXPECT_DOUBLE_EQ(two.plan_memory_bytes[0], one.plan_memory_bytes[0]);
+  EXPECT_DOUBLE_EQ(two.plan_memory_bytes[2], one.plan_memory_bytes[2] / 2);
+  EXPECT_DOUBLE_EQ(two.plan_memory_bytes[3], one.plan_memory_bytes[3] / 2);
+  tandem::Report none;
+  tp::add_planned_memory(m, pc, 3, 8, "adamw", {}, none);  // 3 ranks do not hold replicas of 2
+  EXPECT_TRUE(none.plan_memory_bytes.empty());
 }
