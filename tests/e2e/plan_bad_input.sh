@@ -35,6 +35,8 @@ expect bad-mixed "expected NODESxDEVICE" -- "$tandem" plan --model gpt2 --mixed 
 expect nothing-fits "no layout of llama-70b fits on h200x1" -- "$tandem" plan --model llama-70b --cluster h200x1
 expect nothing-fits-why "out of memory: .* per device" -- "$tandem" plan --model llama-70b --cluster h200x1
 expect bad-zero "ZeRO stages must be 0-3" -- "$tandem" plan --model gpt2 --cluster h100x8 --zero 4
+expect cp-indivisible "context-parallel degree 3 does not divide the 8 devices" -- \
+  "$tandem" plan --model gpt2 --cluster h100x8 --cp 3
 expect bad-workers "worker counts must be at least 1" -- "$tandem" plan --model cnn --cluster local --workers 0
 expect calibrate-remote "--calibrate measures this machine" -- "$tandem" plan --model gpt2 --cluster h100x8 --calibrate
 expect bench-uneven "does not split evenly over every worker count" -- "$tandem" bench --workers 2,3 --batch 128

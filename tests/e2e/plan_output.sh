@@ -19,7 +19,7 @@ assert feas, "no feasible layout"
 steps = [l["step_seconds"] for l in feas]
 assert steps == sorted(steps), "feasible layouts not ranked by step time"
 for l in feas:
-    assert l["dp"] * l["tp"] * l["pp"] == j["cluster"]["devices"], l
+    assert l["dp"] * l["cp"] * l["tp"] * l["pp"] == j["cluster"]["devices"], l
     assert l["memory_bytes"]["total"] <= 0.9 * 80 * 2**30 + 1, l
     assert 0 < l["efficiency"] <= 1.0 + 1e-9, l
 assert all(l.get("why") for l in bad), "an infeasible layout without a reason"
@@ -49,4 +49,28 @@ for path, want in ((sys.argv[1], None), (sys.argv[2], [5, 5])):
         assert len(l["partition"]) == 2 and sum(l["partition"]) == 10, l
         assert want is None or l["partition"] == want, l
 print("plan pipeline cuts ok")
+PY
+# Context parallelism: --cp 2 prices only cp 2 layouts (a replica of cp x tp x pp devices), the
+# table gains its cp and ring columns, and the JSON's activations are half of cp 1's.
+"$tandem" plan --model llama-7b --cluster h100x8 --batch 8 --cp 2 --top 3 | tee cp.txt
+grep -qE '^rank +layout +cp .*ring ms' cp.txt || { echo "no cp column"; cat cp.txt; exit 1; }
+grep -qE '^1 +dp[0-9]+ cp2 tp[0-9]+ pp[0-9]+.* +2 +' cp.txt || { echo "rank 1 is not a cp 2 layout"; cat cp.txt; exit 1; }
+# Data parallel only on 2 and 4 workers: dp 2 x cp 1 and dp 2 x cp 2 take the same micro-batches.
+"$tandem" plan --model llama-7b --cluster h100x8 --batch 8 --workers 2,4 --cp 1,2 --json cp.json >/dev/null
+python3 - cp.json <<'PY'
+import json, sys
+lay = json.load(open(sys.argv[1]))["layouts"]
+assert {l["cp"] for l in lay} == {1, 2}, "--cp 1,2 did not price both"
+# Activations per rank do not depend on dp: same tp, pp and micro-batches, cp 2 holds half.
+act = {}
+for l in lay:
+    act.setdefault((l["tp"], l["pp"], l["micro_batch"], l["micro_batches"]), {})[l["cp"]] = l["memory_bytes"]["activations"]
+pairs = [v for v in act.values() if len(v) == 2]
+assert pairs, "no cp 2 layout with a cp 1 twin"
+for v in pairs:
+    assert abs(v[2] - v[1] / 2) <= 1e-6 * v[1], v
+for l in lay:
+    if l["cp"] == 2 and l["feasible"]:
+        assert l["ring_bytes"] > 0 and 0 <= l["ring_exposed_seconds"] <= l["ring_seconds"] + 1e-12, l
+print("plan cp ok:", len(pairs), "cp 2 layouts against their cp 1 twins")
 PY

@@ -1,5 +1,5 @@
 // `tandem plan`: predicts memory per device and step time for every data x tensor x pipeline
-// layout and ZeRO stage of a model on a cluster (tandem/plan.h), ranks the feasible ones and
+// layout (x context with --cp) and ZeRO stage of a model on a cluster (tandem/plan.h), ranks the feasible ones and
 // says why the others do not fit. `--calibrate` measures this machine first (compute in this
 // process, collectives on 2..N workers launched through mpirun) and saves the constants.
 // This file: the flags and the cluster, model and options they describe; plan_calibrate.cpp
@@ -54,6 +54,8 @@ void add_model_options(CLI::App& app, PlanFlags& f) {
   app.add_option("--layers", f.layers, "custom model: layers (blocks)");
   app.add_option("--hidden", f.hidden, "custom model: hidden size");
   app.add_option("--heads", f.heads, "custom model: attention heads (0: not a transformer)");
+  app.add_option("--kv-heads", f.kv_heads,
+                 "key/value heads (grouped-query attention; default: --heads); sets --cp's ring traffic");
   app.add_option("--seq", f.seq, "custom model: sequence length (tokens per sample)");
   app.add_option("--vocab", f.vocab, "custom model: vocabulary size");
   app.add_option("--flops-per-sample", f.flops_per_sample, "forward FLOPs per sample (default: from the shape)");
@@ -117,6 +119,15 @@ void add_plan_options(CLI::App& app, PlanFlags& f) {
   app.add_option("--devices", o.devices, "use this many devices (default: all)");
   app.add_option("--max-tp", o.max_tp, "largest tensor-parallel degree")->capture_default_str();
   app.add_option("--max-pp", o.max_pp, "largest pipeline depth")->capture_default_str();
+  app.add_option("--cp", o.cp,
+                 "context-parallel degrees to evaluate, e.g. 2 or 1,2 (tandem train --cp; transformers described "
+                 "by shape, sequence a multiple of 2 x cp): each sequence split over cp ranks of a replica, "
+                 "attention as ring attention. Per rank: activations and compute / cp; ZeRO shards and gradients "
+                 "reduce over dp x cp ranks; the ring sends 3cp-2 k/v blocks (float32) per layer and micro-batch, "
+                 "hidden behind the attention blocks while they take longer. The table then shows cp and the "
+                 "ring's exposed ms")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--pipeline-schedule", o.pipeline_schedule, "1f1b | gpipe (layouts with pp > 1)")
       ->check(CLI::IsMember({"1f1b", "gpipe"}))
       ->capture_default_str();
@@ -198,6 +209,7 @@ ModelSpec model_from_flags(const PlanFlags& f) {
     if (hidden != 0) m.hidden = hidden;
     if (heads != 0) m.heads = heads;
     if (seq != 0) m.seq = seq;
+    if (heads != 0 && f.kv_heads == 0) m.kv_heads = 0;  // the preset's grouping was for its heads
   } else if (!f.model_name.empty()) {
     m = builtin_model(f.model_name);
   } else if (custom) {
@@ -221,6 +233,7 @@ ModelSpec model_from_flags(const PlanFlags& f) {
     throw std::invalid_argument("no model given: use --model NAME (" + std::to_string(builtin_model_names().size()) +
                                 " built in, e.g. cnn, gpt2, llama-7b) or --params/--layers/--hidden/--heads/--seq");
   }
+  if (f.kv_heads != 0) m.kv_heads = f.kv_heads;
   if (flops_per_sample != 0) m.forward_flops_per_sample = flops_per_sample;
   if (act_bytes != 0) m.activation_bytes_per_sample = act_bytes;
   m.attention_scores = m.attention_scores || f.attention_scores;

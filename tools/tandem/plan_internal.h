@@ -17,7 +17,7 @@ struct PlanFlags {
   double params = 0, flops_per_sample = 0, act_bytes = 0;
   int64_t lora_rank = 0;  // LoRA adapters of this rank on q, k, v, o of every layer (transformers)
   bool attention_scores = false, dropout = false;
-  int64_t layers = 0, hidden = 0, heads = 0, seq = 0, vocab = 0;
+  int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, seq = 0, vocab = 0;
   int nodes = -1, per_node = -1;
   double memory_gb = -1, tflops = 0, tflops_fp32 = 0, mfu = 0, mem_bw_gbps = 0;
   double intra_gbps = 0, intra_lat_us = -1, inter_gbps = 0, inter_lat_us = -1, overlap = -1, overhead_ms = -1;

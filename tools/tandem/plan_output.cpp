@@ -36,6 +36,7 @@ nlohmann::json to_json(const Estimate& e) {
   nlohmann::json j = {{"layout", e.layout.strategy_name()},
                       {"partition", e.partition},
                       {"dp", e.layout.dp},
+                      {"cp", e.layout.cp},
                       {"tp", e.layout.tp},
                       {"pp", e.layout.pp},
                       {"zero", e.layout.zero},
@@ -59,6 +60,11 @@ nlohmann::json to_json(const Estimate& e) {
     j["exposed_comm_seconds"] = e.exposed_comm_s;
     j["bubble_seconds"] = e.bubble_s;
     j["comm_parts"] = e.comm_parts;
+    if (e.layout.cp > 1) {
+      j["ring_bytes"] = e.ring_bytes;
+      j["ring_seconds"] = e.ring_s;
+      j["ring_exposed_seconds"] = e.ring_exposed_s;
+    }
     if (!e.caveat.empty()) j["caveat"] = e.caveat;
   } else {
     j["why"] = e.why;
@@ -77,13 +83,17 @@ void write_plan_json(const std::string& path, const ModelSpec& m, const ClusterS
                 {"layers", m.layers},
                 {"hidden", m.hidden},
                 {"heads", m.heads},
+                {"kv_heads", m.kv_heads > 0 ? m.kv_heads : m.heads},
                 {"seq", m.seq},
                 {"forward_flops_per_sample", forward_flops_per_sample(m)}};
   j["cluster"] = {{"name", c.name},
                   {"devices", total_devices(c)},
                   {"devices_per_node", devices_per_node(c)},
                   {"calibrated", calibrated}};
-  j["options"] = {{"global_batch", o.global_batch}, {"optimizer", o.optimizer}, {"precision", o.precision}};
+  j["options"] = {{"global_batch", o.global_batch},
+                  {"optimizer", o.optimizer},
+                  {"precision", o.precision},
+                  {"cp", o.cp}};
   j["layouts"] = nlohmann::json::array();
   for (const auto& e : results) j["layouts"].push_back(to_json(e));
   if (path == "-") {
@@ -131,24 +141,34 @@ void print_setting(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& 
 
 void print_ranking(const std::vector<Estimate>& results, int top, int show_infeasible) {
   int feasible = 0;
-  for (const auto& e : results) feasible += e.feasible;
-  std::cout << std::left << std::setw(5) << "rank" << std::setw(30) << "layout" << std::right << std::setw(9)
-            << "micro-b" << std::setw(8) << "bucket" << std::setw(11) << "step ms" << std::setw(12) << "samples/s"
-            << std::setw(8) << "eff." << std::setw(11) << "memory" << std::setw(11) << "comm ms" << std::setw(10)
-            << "exposed"
-            << "   memory: params/grads/optimizer/activations\n";
+  // The cp and ring columns only where a layout has context parallelism: without it the table
+  // keeps its columns.
+  bool with_cp = false;
+  for (const auto& e : results) {
+    feasible += e.feasible;
+    with_cp = with_cp || e.layout.cp > 1;
+  }
+  std::cout << std::left << std::setw(5) << "rank" << std::setw(30) << "layout" << std::right;
+  if (with_cp) std::cout << std::setw(4) << "cp";
+  std::cout << std::setw(9) << "micro-b" << std::setw(8) << "bucket" << std::setw(11) << "step ms" << std::setw(12)
+            << "samples/s" << std::setw(8) << "eff." << std::setw(11) << "memory" << std::setw(11) << "comm ms"
+            << std::setw(10) << "exposed";
+  if (with_cp) std::cout << std::setw(9) << "ring ms";
+  std::cout << "   memory: params/grads/optimizer/activations\n";
   int shown = 0;
   for (const auto& e : results) {
     if (!e.feasible || shown >= top) continue;
     ++shown;
     const auto& l = e.layout;
-    std::cout << std::left << std::setw(5) << shown << std::setw(30) << layout_label(e) << std::right << std::setw(9)
-              << (std::to_string(l.micro_batch) + "x" + std::to_string(l.micro_batches)) << std::setw(8)
+    std::cout << std::left << std::setw(5) << shown << std::setw(30) << layout_label(e) << std::right;
+    if (with_cp) std::cout << std::setw(4) << l.cp;
+    std::cout << std::setw(9) << (std::to_string(l.micro_batch) + "x" + std::to_string(l.micro_batches)) << std::setw(8)
               << fixed(l.bucket_bytes / 1048576.0, 0) << std::setw(11) << fixed(e.step_s * 1e3, e.step_s < 1 ? 1 : 0)
               << std::setw(12) << fixed(e.samples_per_s, e.samples_per_s < 100 ? 1 : 0) << std::setw(7)
               << fixed(e.efficiency * 100, 0) << "%" << std::setw(11) << human_bytes(e.memory.total()) << std::setw(11)
-              << fixed(e.comm_s * 1e3, 1) << std::setw(10) << fixed(e.exposed_comm_s * 1e3, 1) << "   "
-              << human_bytes(e.memory.parameters) << " / " << human_bytes(e.memory.gradients) << " / "
+              << fixed(e.comm_s * 1e3, 1) << std::setw(10) << fixed(e.exposed_comm_s * 1e3, 1);
+    if (with_cp) std::cout << std::setw(9) << fixed(e.ring_exposed_s * 1e3, 1);
+    std::cout << "   " << human_bytes(e.memory.parameters) << " / " << human_bytes(e.memory.gradients) << " / "
               << human_bytes(e.memory.optimizer) << " / " << human_bytes(e.memory.activations) << "\n";
   }
   {
@@ -159,6 +179,9 @@ void print_ranking(const std::vector<Estimate>& results, int top, int show_infea
       if (!e.caveat.empty()) std::cout << "note: " << k << " (" << layout_label(e) << ") has " << e.caveat << "\n";
     }
   }
+  if (with_cp)
+    std::cout << "ring ms: ring attention's transfers not hidden behind its blocks' compute (in step ms; comm ms "
+                 "counts them whole)\n";
   if (feasible > shown) std::cout << "(" << feasible - shown << " more feasible layouts; --top N shows them)\n";
   int infeasible = static_cast<int>(results.size()) - feasible;
   if (infeasible > 0 && show_infeasible > 0) {
