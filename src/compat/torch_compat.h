@@ -115,4 +115,20 @@ inline void place_storage(const at::Tensor& t, void* data, size_t nbytes, const 
 }
 inline bool storage_allocated(const at::Tensor& t) { return t.storage().nbytes() > 0; }
 
+// ---- one block of attention with its log-sum-exp (ring attention, tandem/context_parallel.h) ----
+// On the CPU the flash kernel returns the block's log-sum-exp ([B, H, L], float32, or float64
+// for float64 inputs), and its backward takes the output and log-sum-exp of the whole row, so a
+// block's gradients come out of the fused kernel without materialising its scores. Other
+// devices: false, and the caller computes the block itself.
+inline bool has_fused_block_attention(const at::Tensor& q) { return q.device().is_cpu(); }
+inline std::tuple<at::Tensor, at::Tensor> block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                          bool causal, double scale) {
+  return at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, {}, scale);
+}
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, bool causal, double scale) {
+  return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal, {}, scale);
+}
+
 }  // namespace tandem::compat

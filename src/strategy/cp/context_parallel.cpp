@@ -9,6 +9,8 @@
 // rank, which is what the chunk pairing balances.
 #include "tandem/context_parallel.h"
 
+#include "compat/torch_compat.h"
+
 #include <torch/autograd.h>
 #include <torch/torch.h>
 
@@ -117,13 +119,8 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
       std::unique_ptr<Exchange> ex;
       if (i + 1 < C) ex = std::make_unique<Exchange>(cp, kv, at::empty_like(kv), kTagKV);
       const Block b = block_of((r - i + C) % C, r, c);
-      auto qs = q.narrow(2, b.q0, b.qn);
-      auto ks = expand_heads(kv[0].narrow(2, b.k0, b.kn), groups);
-      auto vs = expand_heads(kv[1].narrow(2, b.k0, b.kn), groups);
-      auto s = scores(qs, ks, b, scale);
-      auto block_lse = at::logsumexp(s, -1);
-      merge(out.narrow(2, b.q0, b.qn), lse.narrow(2, b.q0, b.qn), at::matmul((s - block_lse.unsqueeze(-1)).exp(), vs),
-            block_lse);
+      auto [block_out, block_lse] = block_forward(q, kv, b, groups, scale);
+      merge(out.narrow(2, b.q0, b.qn), lse.narrow(2, b.q0, b.qn), block_out, block_lse);
       if (ex) kv = ex->wait();
     }
     ctx->save_for_backward({q_in, k_in, v_in, out, lse});
@@ -148,7 +145,7 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     for (int i = 0; i < C; ++i) {
       std::unique_ptr<Exchange> ex;
       if (i + 1 < C) ex = std::make_unique<Exchange>(cp, kv, at::empty_like(kv), kTagKV);
-      auto part = block_grads(q, kv, dout, lse, delta, dq, block_of((r - i + C) % C, r, c), groups, scale);
+      auto part = block_grads(q, kv, dout, out, lse, delta, dq, block_of((r - i + C) % C, r, c), groups, scale);
       // This block's gradient so far arrives from the previous rank (none at the first step).
       auto accumulated = grad_ex ? grad_ex->wait() + part : part;
       if (C == 1) return finish(q_in, saved, dq, accumulated);
@@ -168,12 +165,37 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
 
   // One block's contribution: dq += for its rows, returned [2, B, KV, L, D] holding dk and dv of
   // the block's keys (zero elsewhere).
+  // One block's output and log-sum-exp: the fused kernel where there is one, else the scores.
+  static std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& kv, const Block& b,
+                                                         int64_t groups, double scale) {
+    auto qs = q.narrow(2, b.q0, b.qn).contiguous();
+    auto ks = expand_heads(kv[0].narrow(2, b.k0, b.kn), groups).contiguous();
+    auto vs = expand_heads(kv[1].narrow(2, b.k0, b.kn), groups).contiguous();
+    if (compat::has_fused_block_attention(qs)) {
+      auto [o, l] = compat::block_attention(qs, ks, vs, b.causal, scale);
+      return {o, l.to(q.scalar_type())};
+    }
+    auto s = scores(qs, ks, b, scale);
+    auto l = at::logsumexp(s, -1);
+    return {at::matmul((s - l.unsqueeze(-1)).exp(), vs), l};
+  }
+
   static at::Tensor block_grads(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& dout,
-                                const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq, const Block& b,
-                                int64_t groups, double scale) {
-    auto qs = q.narrow(2, b.q0, b.qn), dos = dout.narrow(2, b.q0, b.qn);
-    auto ks = expand_heads(kv[0].narrow(2, b.k0, b.kn), groups);
-    auto vs = expand_heads(kv[1].narrow(2, b.k0, b.kn), groups);
+                                const at::Tensor& out, const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq,
+                                const Block& b, int64_t groups, double scale) {
+    auto qs = q.narrow(2, b.q0, b.qn).contiguous(), dos = dout.narrow(2, b.q0, b.qn).contiguous();
+    auto ks = expand_heads(kv[0].narrow(2, b.k0, b.kn), groups).contiguous();
+    auto vs = expand_heads(kv[1].narrow(2, b.k0, b.kn), groups).contiguous();
+    if (compat::has_fused_block_attention(qs)) {
+      // The kernel's softmax backward reads the whole row's output and log-sum-exp.
+      auto [dqb, dkb, dvb] = compat::block_attention_backward(dos, qs, ks, vs, out.narrow(2, b.q0, b.qn).contiguous(),
+                                                              lse.narrow(2, b.q0, b.qn).contiguous(), b.causal, scale);
+      dq.narrow(2, b.q0, b.qn).add_(dqb);
+      auto part = at::zeros_like(kv);
+      part[0].narrow(2, b.k0, b.kn).copy_(sum_heads(dkb, groups));
+      part[1].narrow(2, b.k0, b.kn).copy_(sum_heads(dvb, groups));
+      return part;
+    }
     auto p = (scores(qs, ks, b, scale) - lse.narrow(2, b.q0, b.qn).unsqueeze(-1)).exp();
     auto dp = at::matmul(dos, vs.transpose(-2, -1));
     auto ds = p * (dp - delta.narrow(2, b.q0, b.qn).unsqueeze(-1)) * scale;
