@@ -357,8 +357,7 @@ namespace {
 // T: the tokens attention sees (a sequence-parallel layer's gathered ones).
 std::pair<torch::Tensor, torch::Tensor> layer_tables(const LlamaConfig& config, const torch::Tensor& x, int64_t T,
                                                      const CommPtr& cp) {
-  auto [cos, sin] =
-      cp ? rotary_tables_at(config, cp::positions(T, cp->rank(), cp->size())) : rotary_tables(config, T);
+  auto [cos, sin] = cp ? rotary_tables_at(config, cp::positions(T, cp->rank(), cp->size())) : rotary_tables(config, T);
   return {cos.to(x.device()), sin.to(x.device())};
 }
 }  // namespace

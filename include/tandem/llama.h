@@ -186,7 +186,7 @@ class ParallelAttentionImpl : public torch::nn::Module {
   tp::RowParallelLinear o_proj{nullptr};
   int64_t local_heads, local_kv_heads, head_dim;
   CommPtr tp;
-  CommPtr cp;  // ring attention over this context-parallel group when set
+  CommPtr cp;                      // ring attention over this context-parallel group when set
   bool sequence_parallel = false;  // set with o_proj's by ParallelDecoderLayer::split_sequence
 };
 TORCH_MODULE(ParallelAttention);

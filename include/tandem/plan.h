@@ -74,6 +74,11 @@ std::vector<std::string> builtin_model_names();
 // A transformer from its shape: parameters 12*L*h^2 + (vocab+seq)*h unless `parameters` > 0.
 ModelSpec transformer_model(int64_t layers, int64_t hidden, int64_t heads, int64_t seq, int64_t vocab,
                             double parameters = 0);
+// A Llama-family model (RMSNorm, rotary positions, grouped-query attention, SwiGLU) from its
+// shape, with the activations its training keeps counted from Tandem's layers (fp32 bytes;
+// halved in 16-bit) rather than Megatron's GPT estimate, which undercounts SwiGLU and RoPE.
+ModelSpec llama_model(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t intermediate,
+                      int64_t seq, int64_t vocab, double parameters);
 double forward_flops_per_sample(const ModelSpec& m);
 // Per sample, all layers. With sequence_parallel (and tp > 1) the parts outside the
 // tensor-parallel layers (norms, residual, dropout masks) are split over tp too.

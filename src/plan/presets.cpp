@@ -65,6 +65,23 @@ ModelSpec transformer_model(int64_t layers, int64_t hidden, int64_t heads, int64
   return m;
 }
 
+ModelSpec llama_model(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t intermediate,
+                      int64_t seq, int64_t vocab, double parameters) {
+  auto m = transformer_model(layers, hidden, heads, seq, vocab, parameters);
+  m.name = "llama";
+  m.kv_heads = kv_heads;
+  // What autograd keeps of Tandem's Llama layers per token, in fp32 elements: the two RMSNorms'
+  // inputs and outputs (4h); q, its rotate_half and the rotated q (3h); k likewise, or with
+  // grouped heads k and its rotate_half (2 h_kv) and the repeated k and v (2h) in place of the
+  // rotated k and v (so 2 h_kv + 2h either way with h_kv = h); attention's output and the output
+  // projection's input (2h); SwiGLU's gate, its activation, up and their product (4i). Then the
+  // final norm (2h) and the log-softmax over the vocabulary. Fused attention keeps no scores.
+  const double h = static_cast<double>(hidden), kv = static_cast<double>(hidden) * kv_heads / heads;
+  const double per_layer = 11 * h + 2 * kv + 4 * static_cast<double>(intermediate);
+  m.activation_bytes_per_sample = 4.0 * static_cast<double>(seq) * (layers * per_layer + 2 * h + vocab);
+  return m;
+}
+
 std::vector<std::string> builtin_model_names() {
   return {"mlp",  "cnn",       "cnn_bn",    "transformer_tiny", "resnet50",  "resnet101", "vgg16",
           "gpt2", "gpt3-1.3b", "zero-7.5b", "llama-7b",         "llama-13b", "llama-70b"};

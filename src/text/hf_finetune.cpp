@@ -519,9 +519,8 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
     rep.context.emplace_back("adapters", line.str());
   }
   if (rt.rank() == 0) {  // tandem plan's memory for a transformer of this shape (per-rank figures only)
-    auto spec = plan::transformer_model(mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, cfg.seq,
-                                        mc.vocab_size, static_cast<double>(rep.parameters));
-    spec.kv_heads = mc.num_key_value_heads;
+    auto spec = plan::llama_model(mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads,
+                                  mc.intermediate_size, cfg.seq, mc.vocab_size, static_cast<double>(rep.parameters));
     if (cfg.use_lora) spec.trainable_parameters = static_cast<double>(rep.trainable_parameters);
     plan::add_planned_memory(spec, cfg.loop.parallel, rt.world_size(), cfg.loop.batch, "adamw", {}, rep);
     rep.plan_memory_bytes_per_stage.clear();

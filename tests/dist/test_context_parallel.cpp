@@ -5,7 +5,8 @@
 // each cp rank's loss over its own tokens) with a mean and with a summed loss, and the
 // sequence classifier (one target per sample: the output gathered over the cp ranks).
 // 2 ranks: cp2 under ddp, zero1 and zero3. 4 ranks: cp4, cp2 x dp2 under zero3, tp2 x cp2 (also
-// with sequence parallelism inside each cp rank's part) and pp2 x cp2. A sequence whose length is not a multiple of 2 * cp is refused with the rule.
+// with sequence parallelism inside each cp rank's part) and pp2 x cp2. A sequence whose length is not a multiple of 2 *
+// cp is refused with the rule.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 

@@ -66,6 +66,17 @@ run tp2pp2 -n 4 --strategy ddp --tp 2 --pp 2 --micro-batches 2 "${lm[@]}" && sam
 # Sequence parallelism (norms and residual on sequence shards, all-gathers and reduce-scatters
 # instead of all-reduces) reproduces tp2's and tp2 x pp2's losses.
 run tp2_sp -n 2 --strategy ddp --tp 2 --sequence-parallel "${lm[@]}" && same tp2 tp2_sp
+# The report's traffic line: all-gathers and reduce-scatters in place of tp2's all-reduces.
+"$py" - "$tmp/tp2.log" "$tmp/tp2_sp.log" <<'PY' || fails=$((fails + 1))
+import re, sys
+def ops(path):
+    line = [l for l in open(path) if l.startswith("traffic per step")][0]
+    return {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) MiB", line.split("payload:")[1])}
+tp, sp = ops(sys.argv[1]), ops(sys.argv[2])
+ok = sp.get("allgather", 0) > 0 and sp.get("reduce_scatter", 0) > 0 and sp.get("allreduce", 0) < tp.get("allreduce", 0) / 4
+print(f"{'ok  ' if ok else 'FAIL'} tp2_sp traffic per step (MiB): {sp}; tp2: {tp}")
+sys.exit(0 if ok else 1)
+PY
 run tp2pp2_sp -n 4 --strategy ddp --tp 2 --pp 2 --micro-batches 2 --sequence-parallel "${lm[@]}" &&
   same tp2pp2 tp2pp2_sp
 # ZeRO-3 over tp2's replicas: each rank reads only its shard of its tensor-parallel block.

@@ -1167,3 +1167,15 @@ TEST(Plan, PlannedMemoryOfARunModelsContextParallelism) {
   tp::add_planned_memory(m, pc, 3, 8, "adamw", {}, none);  // 3 ranks do not hold replicas of 2
   EXPECT_TRUE(none.plan_memory_bytes.empty());
 }
+
+// A Llama's activations are counted from what its layers keep per token (fp32 elements):
+// 11h + 2 h_kv + 4i per layer, the final norm's 2h and the log-softmax's vocabulary, here by hand
+// for 2 layers, h 8 over 2 heads with 1 key/value head (h_kv 4), i 12, 4 tokens, 10 words. In
+// 16-bit the planner halves it.
+TEST(Plan, LlamaActivationsCountWhatItsLayersKeep) {
+  const auto m = tp::llama_model(2, 8, 2, 1, 12, 4, 10, 1000);
+  const double per_layer = 11 * 8 + 2 * 4 + 4 * 12;
+  EXPECT_DOUBLE_EQ(m.activation_bytes_per_sample, 4.0 * 4 * (2 * per_layer + 2 * 8 + 10));
+  EXPECT_EQ(m.kv_heads, 1);
+  EXPECT_DOUBLE_EQ(tp::activation_bytes_per_sample(m, 1), m.activation_bytes_per_sample);
+}
