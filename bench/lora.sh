@@ -14,19 +14,11 @@ reps=${3:-3}
 py=$src/.venv-hf/bin/python
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
-"$py" "$src/tests/hf/hf_fixture.py" make "$work/fx" >/dev/null
+. "$src/bench/llama_lib.sh"
+random_llama "$work/big" 512 1376 4 8 256
 "$py" - "$work" <<'PY'
-import json, os, sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import json, os, sys
 work = sys.argv[1]
-torch.manual_seed(0)
-c = LlamaConfig(vocab_size=800, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=8, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-LlamaForCausalLM(c).save_pretrained(f"{work}/big")
-for f in os.listdir(f"{work}/fx/lm"):
-    if f.startswith("tokenizer") or f.endswith(".model") or f == "special_tokens_map.json":
-        os.system(f"cp {work}/fx/lm/{f} {work}/big/")
 docs = []
 root = "/usr/share/games/fortunes"
 for name in sorted(os.listdir(root)):

@@ -345,11 +345,13 @@ Layout validate(const JobSpec& s) {
 
   // Training arguments that the manifest owns, and what the ranks will check anyway, early.
   check_reserved(s.train_args);
-  const std::string tp = train_flag(s.train_args, "--tp"), pp = train_flag(s.train_args, "--pp");
-  const int model_parallel = (tp.empty() ? 1 : to_int("--tp", tp)) * (pp.empty() ? 1 : to_int("--pp", pp));
+  const std::string tp = train_flag(s.train_args, "--tp"), pp = train_flag(s.train_args, "--pp"),
+                    cp = train_flag(s.train_args, "--cp");
+  const int model_parallel = (tp.empty() ? 1 : to_int("--tp", tp)) * (pp.empty() ? 1 : to_int("--pp", pp)) *
+                             (cp.empty() ? 1 : to_int("--cp", cp));
   if (model_parallel < 1 || l.ranks() % model_parallel != 0) {
-    bad("training arguments --tp/--pp: " + std::to_string(l.ranks()) + " ranks do not split into tp x pp = " +
-        std::to_string(model_parallel) + " groups; change --tp/--pp or the node count");
+    bad("training arguments --tp/--pp/--cp: " + std::to_string(l.ranks()) + " ranks do not split into tp x pp x cp = " +
+        std::to_string(model_parallel) + " groups; change --tp/--pp/--cp or the node count");
   }
   const std::string batch_text = train_flag(s.train_args, "--batch");
   const int batch = batch_text.empty() ? 128 : to_int("--batch", batch_text);

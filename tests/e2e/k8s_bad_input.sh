@@ -59,8 +59,10 @@ expect default-batch "the global batch 128 \(tandem train's default\) does not s
   --nodes 3 --gpus-per-node 8 --image "$img"
 expect shares-small "the global batch 16 is smaller than the 24 data-parallel ranks" -- \
   --nodes 3 --gpus-per-node 8 --image "$img" -- --batch 16 --batch-shares auto
-expect tp-pp-split "16 ranks do not split into tp x pp = 3 groups" -- \
+expect tp-pp-split "16 ranks do not split into tp x pp x cp = 3 groups" -- \
   --nodes 2 --gpus-per-node 8 --image "$img" --checkpoint-pvc c -- --tp 3
+expect tp-cp-split "16 ranks do not split into tp x pp x cp = 24 groups" -- \
+  --nodes 2 --gpus-per-node 8 --image "$img" --checkpoint-pvc c -- --tp 2 --cp 4 --pp 3
 expect bad-format "--format 'toml': use yaml or json" -- --format toml --image "$img"
 echo "$fails failed"
 [ $fails -eq 0 ]
