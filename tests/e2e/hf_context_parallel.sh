@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `tandem finetune --init-from` with context parallelism (--cp: each sequence split over ranks,
-# ring attention) on tiny random Llamas: the causal LM under cp2 (ddp, zero3), cp4, tp2 x cp2 and
-# pp2 x cp2, the tied LM under cp2 (ddp, zero2), and the classifier under cp2 and tp2 x cp2 follow
-# one worker's 20 losses within 1e-4; a cp2 x zero3 checkpoint resumes on one worker as one
+# ring attention) on tiny random Llamas: the causal LM under cp2 (ddp, zero3, with recomputation),
+# cp4, tp2 x cp2 (also with --sequence-parallel under zero3) and pp2 x cp2, the tied LM under cp2
+# (ddp, zero2), and the classifier under cp2 and tp2 x cp2 follow one worker's 20 losses within
+# 1e-4 (bf16 under cp2: within 5e-3 relative); a cp2 x zero3 checkpoint resumes on one worker as one
 # worker's steps 11-20; the report names the layout and the ring's transfers; the classifier
 # scores its validation split. Bad input: a --seq that is not a multiple of 2 x cp, and a tied
 # LM under zero3 with --cp, are refused naming the rule.
@@ -22,6 +23,11 @@ run cp2_zero3 -n 2 --cp 2 --strategy zero3 --checkpoint-dir "$tmp/ck" --checkpoi
 run cp4 -n 4 --cp 4 "${lm[@]}" && same single cp4
 run tp2_cp2 -n 4 --tp 2 --cp 2 "${lm[@]}" && same single tp2_cp2
 run pp2_cp2 -n 4 --pp 2 --micro-batches 2 --cp 2 "${lm[@]}" && same single pp2_cp2
+# With recomputation, with sequence parallelism inside each cp rank's part under zero3, and in
+# bf16 (within bf16's resolution of fp32: e2e_hf_finetune's bound).
+run cp2_recompute -n 2 --cp 2 --activation-checkpointing every "${lm[@]}" && same single cp2_recompute
+run tp2_cp2_sp_zero3 -n 4 --tp 2 --cp 2 --sequence-parallel --strategy zero3 "${lm[@]}" && same single tp2_cp2_sp_zero3
+run cp2_bf16 -n 2 --cp 2 --precision bf16 "${lm[@]}" && near single cp2_bf16 5e-3
 grep -q "layout *dp 1 x cp 2 x tp 2 x pp 1" "$tmp/tp2_cp2.log" ||
   { echo "FAIL tp2_cp2: no cp in the layout line"; fails=$((fails + 1)); }
 grep -q "ring attention .* MiB sent" "$tmp/cp4.log" ||

@@ -67,3 +67,20 @@ print(f"{'ok  ' if ok else 'FAIL'} {name}: {len(got)} steps from step {first}, m
 sys.exit(0 if ok else 1)
 PY
 }
+# near REF NAME TOL: NAME's 20 losses within TOL relative of REF's at every step, and falling.
+near() {
+  "$py" - "$src/tests/e2e" "$tmp/$1.jsonl" "$tmp/$2.jsonl" "$3" <<'PY' || fails=$((fails + 1))
+import sys
+sys.path.insert(0, sys.argv[1])
+import metrics
+ref, _ = metrics.load(sys.argv[2])
+got, _ = metrics.load(sys.argv[3])
+tol = float(sys.argv[4])
+worst = max(abs(a - b) / abs(a) for a, b in zip(ref, got)) if len(got) == len(ref) else float("inf")
+name = sys.argv[3].rsplit("/", 1)[1]
+ok = len(got) == 20 and worst <= tol and got[0] - got[-1] > 0.05
+print(f"{'ok  ' if ok else 'FAIL'} {name}: {len(got)} steps, max |loss - fp32's| / fp32's {worst:.2g} (bound {tol:g};"
+      f" {got[0]:.4f} -> {got[-1]:.4f})")
+sys.exit(0 if ok else 1)
+PY
+}
