@@ -480,19 +480,20 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
 //
 // A send carries this rank's k and v block (forward and backward) or a block's accumulated dk
 // and dv (backward): 2 * (T/cp) * kv_width/tp * micro_batch values (kv_width = hidden *
-// kv_heads / heads; tensor parallelism splits the heads), 4 bytes each: the ring accumulates,
-// and so sends, in float32 whatever the training precision. Forward: cp - 1 sends; backward:
-// cp - 1 k/v sends and cp gradient sends (a block's gradient visits every rank and comes home):
-// 3cp - 2 per layer and micro-batch.
+// kv_heads / heads; tensor parallelism splits the heads); k and v in the training precision
+// (2 bytes in 16-bit, 4 in fp32), the gradients in float32, in which the ring accumulates them.
+// Forward: cp - 1 sends; backward: cp - 1 k/v sends and cp gradient sends (a block's gradient
+// visits every rank and comes home): 3cp - 2 per layer and micro-batch.
 //
 // Each transfer runs while a block is computed (the next block arrives during this one), so it
 // is hidden when it takes less than the block and exposed by the difference otherwise. In the
 // load-balanced causal layout every block is 1/cp^2 of the causal attention's forward FLOPs,
 // 2*T^2*hidden per sample (q k^T and the product with v over T^2/2 pairs), over tp; backward's
 // are twice that. Backward's steps 1 to cp - 2 each carry two transfers (the k/v block for the
-// next step and the previous step's gradient), its first and last steps one, and its last
-// gradient send follows the last block: exposed whole. The window uses the training precision's rate; the ring computes
-// its blocks in float32, which takes longer on tensor-core devices, so the exposed time is an upper bound.
+// next step and the previous step's gradient), its first step the k/v block and its last the
+// previous gradient, and its last gradient send follows the last block: exposed whole. The window uses the training
+// precision's rate; the ring computes its blocks in float32, which takes longer on tensor-core devices, so the exposed
+// time is an upper bound.
 struct RingTimes {
   double bytes = 0, seconds = 0, exposed = 0;  // per layer and micro-batch
 };
@@ -504,7 +505,8 @@ RingTimes ring_attention_times(const ModelSpec& m, const ClusterSpec& c, const P
   const double kv_heads = static_cast<double>(m.kv_heads > 0 ? m.kv_heads : m.heads);
   const double kv_width = static_cast<double>(m.hidden) * kv_heads / static_cast<double>(m.heads) / tp;
   const double mb = static_cast<double>(std::max<int64_t>(1, l.micro_batch));
-  const double send_bytes = 2.0 * static_cast<double>(m.seq) / cp * kv_width * mb * 4.0;
+  const double values = 2.0 * static_cast<double>(m.seq) / cp * kv_width * mb;
+  const double kv_bytes = values * (is_16bit(o.precision) ? 2.0 : 4.0), grad_bytes = values * 4.0;
   // The ring's cp ranks lie tp apart (tandem/grid.h): within a node while cp * tp fits; across
   // nodes each of the tp rings of a node sends over the node's link at once.
   const int dpn = devices_per_node(c);
@@ -513,15 +515,16 @@ RingTimes ring_attention_times(const ModelSpec& m, const ClusterSpec& c, const P
   if (const AlphaBeta* cal = c.cpu && o.calibration ? nearest_world(o.calibration->p2p, l.devices()) : nullptr;
       cal && cal->bandwidth > 0)
     ab = *cal;
-  const double t = ab.alpha + send_bytes / ab.bandwidth;
+  const double t_kv = ab.alpha + kv_bytes / ab.bandwidth, t_grad = ab.alpha + grad_bytes / ab.bandwidth;
   const double s = static_cast<double>(m.seq);
   const double block_fwd = 2.0 * s * s * static_cast<double>(m.hidden) * mb / (double(cp) * cp * tp) / rate;
   const double block_bwd = 2.0 * block_fwd;
   auto beyond = [](double transfer, double block) { return std::max(0.0, transfer - block); };
-  const double fwd = (cp - 1) * beyond(t, block_fwd);
-  const double bwd = beyond(t, block_bwd) + (cp - 2) * beyond(2.0 * t, block_bwd) + beyond(t, block_bwd) + t;
-  r.bytes = (3.0 * cp - 2.0) * send_bytes;
-  r.seconds = (3.0 * cp - 2.0) * t;
+  const double fwd = (cp - 1) * beyond(t_kv, block_fwd);
+  const double bwd =
+      beyond(t_kv, block_bwd) + (cp - 2) * beyond(t_kv + t_grad, block_bwd) + beyond(t_grad, block_bwd) + t_grad;
+  r.bytes = (2.0 * cp - 2.0) * kv_bytes + cp * grad_bytes;
+  r.seconds = (2.0 * cp - 2.0) * t_kv + cp * t_grad;
   r.exposed = fwd + bwd;
   return r;
 }

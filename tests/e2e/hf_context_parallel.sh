@@ -28,6 +28,15 @@ run pp2_cp2 -n 4 --pp 2 --micro-batches 2 --cp 2 "${lm[@]}" && same single pp2_c
 run cp2_recompute -n 2 --cp 2 --activation-checkpointing every "${lm[@]}" && same single cp2_recompute
 run tp2_cp2_sp_zero3 -n 4 --tp 2 --cp 2 --sequence-parallel --strategy zero3 "${lm[@]}" && same single tp2_cp2_sp_zero3
 run cp2_bf16 -n 2 --cp 2 --precision bf16 "${lm[@]}" && near single cp2_bf16 5e-3
+# In bf16 k and v travel in 2 bytes, the accumulated gradients in 4: cp2 sends 2 k/v blocks and
+# 2 gradients per layer, so 3/4 of fp32's bytes.
+"$py" - "$tmp/cp2.jsonl" "$tmp/cp2_bf16.jsonl" <<'PY' || fails=$((fails + 1))
+import json, sys
+fp32, bf16 = ([json.loads(l) for l in open(p) if '"report"' in l][-1]["ring_bytes"] for p in sys.argv[1:3])
+ok = fp32 > 0 and abs(bf16 / fp32 - 0.75) < 0.01
+print(f"{'ok  ' if ok else 'FAIL'} ring bytes on rank 0: bf16 {bf16}, fp32 {fp32} (ratio {bf16 / max(fp32, 1):.3f}, want 0.75)")
+sys.exit(0 if ok else 1)
+PY
 grep -q "layout *dp 1 x cp 2 x tp 2 x pp 1" "$tmp/tp2_cp2.log" ||
   { echo "FAIL tp2_cp2: no cp in the layout line"; fails=$((fails + 1)); }
 grep -q "ring attention .* MiB sent" "$tmp/cp4.log" ||

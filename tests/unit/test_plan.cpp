@@ -1061,8 +1061,8 @@ TEST(Plan, ContextParallelShardsZeroOverDpTimesCp) {
 }
 
 // Ring traffic by hand. 2 layers, hidden 64, 4 heads of which 2 key/value heads (kv width 32),
-// T = 32, micro-batches of 3, 2 per step, cp 2: each send is k and v of T/cp = 16 tokens:
-// 2 * 16 * 32 * 3 samples * 4 bytes (float32) = 12288 bytes; per layer and micro-batch cp - 1 = 1
+// T = 32, micro-batches of 3, 2 per step, cp 2, in fp32: each send is k and v of T/cp = 16
+// tokens: 2 * 16 * 32 * 3 samples * 4 bytes = 12288 bytes; per layer and micro-batch cp - 1 = 1
 // forward, cp - 1 = 1 backward k/v and cp = 2 gradient sends (4); 2 layers x 2 micro-batches:
 // 16 sends, 196608 bytes. cp 4: 2 * 8 * 32 * 3 * 4 = 6144 bytes, 10 sends per layer and
 // micro-batch, 40 in all: 245760 bytes. At 1 GB/s and 1 us per message a 12288-byte send takes
@@ -1074,20 +1074,22 @@ TEST(Plan, ContextParallelRingTrafficByHand) {
   c.intra.bandwidth = 1e9;
   c.intra.latency = 1e-6;
   c.framework_overhead_s = 0;
-  auto cp2 = context_parallel(m, c, 1, 2, 1, 0, 3, 2);
+  tp::PlanOptions fp32;
+  fp32.precision = "fp32";
+  auto cp2 = context_parallel(m, c, 1, 2, 1, 0, 3, 2, fp32);
   ASSERT_TRUE(cp2.feasible) << cp2.why;
   EXPECT_DOUBLE_EQ(cp2.ring_bytes, 196608.0);
   EXPECT_NEAR(cp2.ring_s, 16 * 13.288e-6, 1e-15);
   EXPECT_NEAR(cp2.comm_parts.at("cp ring"), cp2.ring_s, 1e-15);
-  const auto cp4 = context_parallel(m, c, 1, 4, 1, 0, 3, 2);
+  const auto cp4 = context_parallel(m, c, 1, 4, 1, 0, 3, 2, fp32);
   ASSERT_TRUE(cp4.feasible) << cp4.why;
   EXPECT_DOUBLE_EQ(cp4.ring_bytes, 245760.0);
   // Tensor parallelism splits the heads: half the bytes.
-  const auto cp2tp2 = context_parallel(m, c, 1, 2, 2, 0, 3, 2);
+  const auto cp2tp2 = context_parallel(m, c, 1, 2, 2, 0, 3, 2, fp32);
   ASSERT_TRUE(cp2tp2.feasible) << cp2tp2.why;
   EXPECT_DOUBLE_EQ(cp2tp2.ring_bytes, 196608.0 / 2);
   // No ring without context parallelism.
-  EXPECT_EQ(context_parallel(m, c, 1, 1, 1, 0, 3, 2).ring_bytes, 0.0);
+  EXPECT_EQ(context_parallel(m, c, 1, 1, 1, 0, 3, 2, fp32).ring_bytes, 0.0);
   // The exposed part lies in the step beside the compute, the exposed data-parallel traffic and
   // the optimizer (no fixed overhead here).
   EXPECT_NEAR(cp2.step_s, cp2.compute_s + cp2.ring_exposed_s + cp2.exposed_comm_s + cp2.optimizer_s,
@@ -1096,15 +1098,20 @@ TEST(Plan, ContextParallelRingTrafficByHand) {
   // Blocks that take no time hide nothing: every send is exposed. Blocks far longer than a send
   // hide all but backward's last gradient send of each layer and micro-batch (2 x 2 of them).
   for (auto& g : c.groups) g.device.flops = g.device.flops_fp32 = 1e30;
-  cp2 = context_parallel(m, c, 1, 2, 1, 0, 3, 2);
+  cp2 = context_parallel(m, c, 1, 2, 1, 0, 3, 2, fp32);
   ASSERT_TRUE(cp2.feasible) << cp2.why;
   EXPECT_NEAR(cp2.ring_exposed_s, cp2.ring_s, 1e-12);
-  const auto fast4 = context_parallel(m, c, 1, 4, 1, 0, 3, 2);
+  const auto fast4 = context_parallel(m, c, 1, 4, 1, 0, 3, 2, fp32);
   EXPECT_NEAR(fast4.ring_exposed_s, fast4.ring_s, 1e-12);
   for (auto& g : c.groups) g.device.flops = g.device.flops_fp32 = 1e3;
-  cp2 = context_parallel(m, c, 1, 2, 1, 0, 3, 2);
+  cp2 = context_parallel(m, c, 1, 2, 1, 0, 3, 2, fp32);
   ASSERT_TRUE(cp2.feasible) << cp2.why;
   EXPECT_NEAR(cp2.ring_exposed_s, 4 * 13.288e-6, 1e-15);
+  // In 16-bit, k and v travel in 2 bytes and the accumulated gradients in float32: cp 2 sends 2
+  // k/v blocks of 6144 bytes and 2 gradients of 12288 per layer and micro-batch, 147456 in all.
+  const auto mixed = context_parallel(m, c, 1, 2, 1, 0, 3, 2);
+  ASSERT_TRUE(mixed.feasible) << mixed.why;
+  EXPECT_DOUBLE_EQ(mixed.ring_bytes, 147456.0);
 }
 
 // A replica spans cp x tp x pp devices: a cp that divides no device count is refused, every

@@ -109,7 +109,8 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
                             const at::Tensor& v_in, c10::IValue comm) {
     const auto cp = held(comm);
     const auto acc = acc_type(q_in);
-    auto q = q_in.to(acc), kv = at::stack({k_in, v_in}).to(acc).contiguous();
+    // k and v travel in their own dtype (half the bytes in 16-bit); each block is attended in acc.
+    auto q = q_in.to(acc), kv = at::stack({k_in, v_in}).contiguous();
     const int C = cp->size(), r = cp->rank();
     const int64_t L = q.size(2), c = L / 2, groups = q.size(1) / k_in.size(1);
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
@@ -134,7 +135,7 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     const auto cp = held(ctx->saved_data["cp"]);
     const auto& q_in = saved[0];
     const auto acc = acc_type(q_in);
-    auto q = q_in.to(acc), kv = at::stack({saved[1], saved[2]}).to(acc).contiguous();
+    auto q = q_in.to(acc), kv = at::stack({saved[1], saved[2]}).contiguous();
     auto out = saved[3], lse = saved[4], dout = grads[0].to(acc);
     const int C = cp->size(), r = cp->rank();
     const int64_t L = q.size(2), c = L / 2, groups = q.size(1) / saved[1].size(1);
@@ -169,8 +170,8 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
   static std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& kv, const Block& b,
                                                          int64_t groups, double scale) {
     auto qs = q.narrow(2, b.q0, b.qn).contiguous();
-    auto ks = expand_heads(kv[0].narrow(2, b.k0, b.kn), groups).contiguous();
-    auto vs = expand_heads(kv[1].narrow(2, b.k0, b.kn), groups).contiguous();
+    auto ks = expand_heads(kv[0].narrow(2, b.k0, b.kn), groups).to(q.scalar_type()).contiguous();
+    auto vs = expand_heads(kv[1].narrow(2, b.k0, b.kn), groups).to(q.scalar_type()).contiguous();
     if (compat::has_fused_block_attention(qs)) {
       auto [o, l] = compat::block_attention(qs, ks, vs, b.causal, scale);
       return {o, l.to(q.scalar_type())};
@@ -184,14 +185,14 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
                                 const at::Tensor& out, const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq,
                                 const Block& b, int64_t groups, double scale) {
     auto qs = q.narrow(2, b.q0, b.qn).contiguous(), dos = dout.narrow(2, b.q0, b.qn).contiguous();
-    auto ks = expand_heads(kv[0].narrow(2, b.k0, b.kn), groups).contiguous();
-    auto vs = expand_heads(kv[1].narrow(2, b.k0, b.kn), groups).contiguous();
+    auto ks = expand_heads(kv[0].narrow(2, b.k0, b.kn), groups).to(q.scalar_type()).contiguous();
+    auto vs = expand_heads(kv[1].narrow(2, b.k0, b.kn), groups).to(q.scalar_type()).contiguous();
     if (compat::has_fused_block_attention(qs)) {
       // The kernel's softmax backward reads the whole row's output and log-sum-exp.
       auto [dqb, dkb, dvb] = compat::block_attention_backward(dos, qs, ks, vs, out.narrow(2, b.q0, b.qn).contiguous(),
                                                               lse.narrow(2, b.q0, b.qn).contiguous(), b.causal, scale);
       dq.narrow(2, b.q0, b.qn).add_(dqb);
-      auto part = at::zeros_like(kv);
+      auto part = at::zeros(kv.sizes(), kv.options().dtype(q.scalar_type()));  // gradients accumulate in acc
       part[0].narrow(2, b.k0, b.kn).copy_(sum_heads(dkb, groups));
       part[1].narrow(2, b.k0, b.kn).copy_(sum_heads(dvb, groups));
       return part;
@@ -200,7 +201,7 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     auto dp = at::matmul(dos, vs.transpose(-2, -1));
     auto ds = p * (dp - delta.narrow(2, b.q0, b.qn).unsqueeze(-1)) * scale;
     dq.narrow(2, b.q0, b.qn).add_(at::matmul(ds, ks));
-    auto part = at::zeros_like(kv);
+    auto part = at::zeros(kv.sizes(), kv.options().dtype(q.scalar_type()));
     part[0].narrow(2, b.k0, b.kn).copy_(sum_heads(at::matmul(ds.transpose(-2, -1), qs), groups));
     part[1].narrow(2, b.k0, b.kn).copy_(sum_heads(at::matmul(p.transpose(-2, -1), dos), groups));
     return part;
