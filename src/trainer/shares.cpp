@@ -160,8 +160,8 @@ void validate_batch_shares(const TrainConfig& cfg, int world) {
   parse_slow_rank(cfg.slow_rank, world);
   const auto spec = parse_batch_shares(cfg.batch_shares);
   if (spec.kind == BatchSharesSpec::Kind::kEqual) return;
-  if (cfg.parallel.tp * cfg.parallel.pp > 1) {
-    throw std::invalid_argument("--batch-shares applies to pure data parallelism; drop it or use --tp 1 --pp 1");
+  if (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp > 1) {
+    throw std::invalid_argument("--batch-shares applies to pure data parallelism; drop it or use --tp 1 --pp 1 --cp 1");
   }
   if (spec.kind == BatchSharesSpec::Kind::kAuto) {
     if (cfg.calibration_steps < 2) {

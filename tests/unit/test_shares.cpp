@@ -124,6 +124,9 @@ TEST(BatchShares, ValidatesTheConfiguration) {
   cfg.parallel.tp = 2;
   EXPECT_NE(error_of([&] { tandem::validate_config(cfg, 4); }).find("pure data parallelism"), std::string::npos);
   cfg.parallel.tp = 1;
+  cfg.parallel.cp = 2;  // the cp ranks of a replica take the same rows
+  EXPECT_NE(error_of([&] { tandem::validate_config(cfg, 4); }).find("pure data parallelism"), std::string::npos);
+  cfg.parallel.cp = 1;
   cfg.slow_rank = "2:1";
   EXPECT_NE(error_of([&] { tandem::validate_config(cfg, 2); }).find("not one of the 2 worker(s)"), std::string::npos);
   cfg.slow_rank = "1";
