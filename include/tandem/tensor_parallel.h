@@ -43,8 +43,6 @@ at::Tensor gather_seq_from_tp(const at::Tensor& x, const CommPtr& tp, bool sum_g
 // Reduce-scatter of partial sums [B, T, ...] -> this rank's shard of the sum [B, T/tp, ...];
 // backward all-gathers. Replaces reduce_from_tp after a row-parallel layer.
 at::Tensor reduce_scatter_seq_to_tp(const at::Tensor& x, const CommPtr& tp);
-// This rank's shard [B, T/tp, ...] of a replicated [B, T, ...]; backward all-gathers.
-at::Tensor scatter_seq_to_tp(const at::Tensor& x, const CommPtr& tp);
 // T / tp_size; throws std::invalid_argument naming T, --tp and the rule when tp_size does not
 // divide T.
 int64_t seq_shard_size(int64_t T, int tp_size);

@@ -82,13 +82,6 @@ void use_context_parallel(const torch::nn::Sequential& net, const CommPtr& cp) {
   }
 }
 
-// The gathered output's first dimensions, for messages.
-std::string shape_of(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
-
 }  // namespace
 
 struct Engine::Impl {
@@ -356,7 +349,8 @@ at::Tensor Engine::Impl::split_input(const at::Tensor& x) const {
   if (!L.cp) return x;
   if (x.dim() < 2) {
     throw std::invalid_argument("--cp " + std::to_string(L.cp->size()) +
-                                " splits dimension 1 of the inputs (sequences [B, T, ...]); these are " + shape_of(x));
+                                " splits dimension 1 of the inputs (sequences [B, T, ...]); these are " +
+                                c10::str(x.sizes()));
   }
   return cp::split_sequence(x, 1, L.cp->rank(), L.cp->size());
 }
@@ -376,7 +370,7 @@ Engine::Impl::CpParts Engine::Impl::split_for_cp(const at::Tensor& x, const at::
     if (out.dim() < 2 || out.size(1) != local) {
       throw std::invalid_argument("--cp: targets without a token per position need the model's output per position "
                                   "([B, T/cp, ...], gathered over the cp ranks for the loss); this output is " +
-                                  shape_of(out));
+                                  c10::str(out.sizes()));
     }
     const double n = cp->size();
     auto l = loss_fn(cp::gather_sequence(out, 1, cp, /*grad_scale=*/n), target);

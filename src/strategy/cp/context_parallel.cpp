@@ -146,9 +146,13 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     for (int i = 0; i < C; ++i) {
       std::unique_ptr<Exchange> ex;
       if (i + 1 < C) ex = std::make_unique<Exchange>(cp, kv, at::empty_like(kv), kTagKV);
-      auto part = block_grads(q, kv, dout, out, lse, delta, dq, block_of((r - i + C) % C, r, c), groups, scale);
-      // This block's gradient so far arrives from the previous rank (none at the first step).
-      auto accumulated = grad_ex ? grad_ex->wait() + part : part;
+      const Block b = block_of((r - i + C) % C, r, c);
+      auto [dk, dv] = block_grads(q, kv, dout, out, lse, delta, dq, b, groups, scale);
+      // This block's gradient so far arrives from the previous rank (none at the first step);
+      // this rank's part is added into it in place.
+      auto accumulated = grad_ex ? grad_ex->wait() : at::zeros(kv.sizes(), kv.options().dtype(acc));
+      accumulated[0].narrow(2, b.k0, b.kn).add_(dk);
+      accumulated[1].narrow(2, b.k0, b.kn).add_(dv);
       if (C == 1) return finish(q_in, saved, dq, accumulated);
       grad_ex = std::make_unique<Exchange>(cp, accumulated, at::empty_like(accumulated), kTagGrad);
       if (ex) kv = ex->wait();
@@ -164,8 +168,6 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
             torch::autograd::Variable()};
   }
 
-  // One block's contribution: dq += for its rows, returned [2, B, KV, L, D] holding dk and dv of
-  // the block's keys (zero elsewhere).
   // One block's output and log-sum-exp: the fused kernel where there is one, else the scores.
   static std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& kv, const Block& b,
                                                          int64_t groups, double scale) {
@@ -181,9 +183,12 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     return {at::matmul((s - l.unsqueeze(-1)).exp(), vs), l};
   }
 
-  static at::Tensor block_grads(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& dout,
-                                const at::Tensor& out, const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq,
-                                const Block& b, int64_t groups, double scale) {
+  // One block's contribution: dq += for its rows; returned, dk and dv of the block's keys
+  // ([B, KV, kn, D], summed over each key/value head's query heads).
+  static std::pair<at::Tensor, at::Tensor> block_grads(const at::Tensor& q, const at::Tensor& kv,
+                                                       const at::Tensor& dout, const at::Tensor& out,
+                                                       const at::Tensor& lse, const at::Tensor& delta, at::Tensor& dq,
+                                                       const Block& b, int64_t groups, double scale) {
     auto qs = q.narrow(2, b.q0, b.qn).contiguous(), dos = dout.narrow(2, b.q0, b.qn).contiguous();
     auto ks = expand_heads(kv[0].narrow(2, b.k0, b.kn), groups).to(q.scalar_type()).contiguous();
     auto vs = expand_heads(kv[1].narrow(2, b.k0, b.kn), groups).to(q.scalar_type()).contiguous();
@@ -192,19 +197,14 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
       auto [dqb, dkb, dvb] = compat::block_attention_backward(dos, qs, ks, vs, out.narrow(2, b.q0, b.qn).contiguous(),
                                                               lse.narrow(2, b.q0, b.qn).contiguous(), b.causal, scale);
       dq.narrow(2, b.q0, b.qn).add_(dqb);
-      auto part = at::zeros(kv.sizes(), kv.options().dtype(q.scalar_type()));  // gradients accumulate in acc
-      part[0].narrow(2, b.k0, b.kn).copy_(sum_heads(dkb, groups));
-      part[1].narrow(2, b.k0, b.kn).copy_(sum_heads(dvb, groups));
-      return part;
+      return {sum_heads(dkb, groups), sum_heads(dvb, groups)};
     }
     auto p = (scores(qs, ks, b, scale) - lse.narrow(2, b.q0, b.qn).unsqueeze(-1)).exp();
     auto dp = at::matmul(dos, vs.transpose(-2, -1));
     auto ds = p * (dp - delta.narrow(2, b.q0, b.qn).unsqueeze(-1)) * scale;
     dq.narrow(2, b.q0, b.qn).add_(at::matmul(ds, ks));
-    auto part = at::zeros(kv.sizes(), kv.options().dtype(q.scalar_type()));
-    part[0].narrow(2, b.k0, b.kn).copy_(sum_heads(at::matmul(ds.transpose(-2, -1), qs), groups));
-    part[1].narrow(2, b.k0, b.kn).copy_(sum_heads(at::matmul(p.transpose(-2, -1), dos), groups));
-    return part;
+    return {sum_heads(at::matmul(ds.transpose(-2, -1), qs), groups),
+            sum_heads(at::matmul(p.transpose(-2, -1), dos), groups)};
   }
 };
 

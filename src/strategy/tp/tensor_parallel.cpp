@@ -83,29 +83,28 @@ struct ScatterToTP : torch::autograd::Function<ScatterToTP> {
   }
 };
 
-// The collectives chunk dim 0 of a contiguous buffer: the sequence (dim 1) goes first.
-at::Tensor sequence_first(const at::Tensor& t) { return t.transpose(0, 1).contiguous(); }
-at::Tensor batch_first(const at::Tensor& t) { return t.transpose(0, 1).contiguous(); }
+// The collectives chunk dim 0 of a contiguous buffer: the sequence (dim 1) goes first, and back.
+at::Tensor swap_batch_and_sequence(const at::Tensor& t) { return t.transpose(0, 1).contiguous(); }
 
 // [B, n, ...] on every rank -> [B, tp * n, ...], rank r's shard at positions [r*n, (r+1)*n).
 at::Tensor allgather_seq(const at::Tensor& t, Communicator& comm) {
-  auto in = sequence_first(t);
+  auto in = swap_batch_and_sequence(t);
   auto shape = in.sizes().vec();
   shape[0] *= comm.size();
   auto out = at::empty(shape, in.options());
   comm.allgather(out, in);
-  return batch_first(out);
+  return swap_batch_and_sequence(out);
 }
 
 // [B, T, ...] partial sums -> this rank's positions of the sum, [B, T/tp, ...].
 at::Tensor reduce_scatter_seq(const at::Tensor& t, Communicator& comm) {
   const int64_t n = seq_shard_size(t.size(1), comm.size());
-  auto in = sequence_first(t);
+  auto in = swap_batch_and_sequence(t);
   auto shape = in.sizes().vec();
   shape[0] = n;
   auto out = at::empty(shape, in.options());
   comm.reduce_scatter(out, in, ReduceOp::kSum);
-  return batch_first(out);
+  return swap_batch_and_sequence(out);
 }
 
 at::Tensor own_slice_seq(const at::Tensor& t, Communicator& comm) {
@@ -134,16 +133,6 @@ struct ReduceScatterSeqToTP : torch::autograd::Function<ReduceScatterSeqToTP> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue comm) {
     ctx->saved_data["comm"] = comm;
     return reduce_scatter_seq(x, *held(comm));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {allgather_seq(g[0], *held(ctx->saved_data["comm"])), at::Tensor()};
-  }
-};
-
-struct ScatterSeqToTP : torch::autograd::Function<ScatterSeqToTP> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue comm) {
-    ctx->saved_data["comm"] = comm;
-    return own_slice_seq(x, *held(comm));
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
     return {allgather_seq(g[0], *held(ctx->saved_data["comm"])), at::Tensor()};
@@ -208,10 +197,6 @@ at::Tensor reduce_scatter_seq_to_tp(const at::Tensor& x, const CommPtr& tp) {
   check_sequence(x);
   seq_shard_size(x.size(1), tp->size());  // the same refusal on every rank, before the collective
   return ReduceScatterSeqToTP::apply(x, hold(tp));
-}
-at::Tensor scatter_seq_to_tp(const at::Tensor& x, const CommPtr& tp) {
-  check_sequence(x);
-  return ScatterSeqToTP::apply(x, hold(tp));
 }
 
 int64_t seq_shard_size(int64_t T, int tp_size) {
