@@ -18,6 +18,7 @@
 
 #include "bench_internal.h"
 #include "checks.h"
+#include "cli_app.h"
 #include "commands.h"
 #include "tandem/engine.h"
 #include "tandem/pipeline_schedule.h"
@@ -231,11 +232,13 @@ int cmd_bench(int argc, char** argv) {
                "tandem bench"};
   BenchOptions o;
   add_bench_options(app, o);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  app.footer(examples_footer({
+      {"the CNN under DDP, ZeRO and model-parallel layouts on 1, 2 and 4 workers, 3 repetitions",
+       {"tandem bench --model cnn --strategies ddp,zero1,zero2,tp2,pp2 -n 1,2,4 --reps 3"}},
+      {"predicted step times only, from this machine's calibration",
+       {"tandem plan --calibrate", "tandem bench --predict-only -n 1,2,4"}},
+  }));
+  if (auto rc = parse_command_line(app, argc, argv)) return *rc;
   // `model` becomes the registered name; the runs get the option as given, and load the plugin.
   o.model_option = o.model;
   load_plugins_from_model_option(o.model);

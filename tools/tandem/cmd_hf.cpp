@@ -10,6 +10,7 @@
 
 #include "checkpoint_options.h"
 #include "checks.h"
+#include "cli_app.h"
 #include "commands.h"
 #include "host_options.h"
 #include "parallel_options.h"
@@ -127,11 +128,20 @@ int cmd_finetune_hf(int argc, char** argv) {
   f.cfg.loop.warmup_steps = 10;
   f.cfg.loop.log_every = 10;
   add_hf_flags(app, f);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  app.footer(examples_footer({
+      {"full fine-tuning under ZeRO-2, then the result as a Hugging Face directory",
+       {"tandem finetune --init-from ./my-llama --task lm --data train.jsonl -n 2 --strategy zero2 --steps 200 "
+        "--checkpoint-dir ck",
+        "tandem export --to hf ./my-llama-tuned --checkpoint ck"}},
+      {"LoRA adapters of rank 8 under ZeRO-3, then as a PEFT adapter",
+       {"tandem finetune --init-from ./my-llama --data train.jsonl -n 2 --strategy zero3 --lora-rank 8 --lora-targets "
+        "q_proj,k_proj,v_proj,o_proj --checkpoint-dir ck",
+        "tandem export --to peft ./my-adapter --checkpoint ck"}},
+      {"long sequences: context parallel 2 x tensor parallel 2 with sequence parallelism",
+       {"tandem finetune --init-from ./my-llama --data train.jsonl -n 4 --cp 2 --tp 2 --sequence-parallel --seq 4096"}},
+      {"a classifier", {"tandem finetune --init-from ./my-llama --task classify --data labelled.jsonl -n 2"}},
+  }));
+  if (auto rc = parse_command_line(app, argc, argv)) return *rc;
   auto& cfg = f.cfg;
   try {
     set_lora(f, app);
@@ -228,11 +238,13 @@ int cmd_export(int argc, char** argv) {
       ->required();
   app.add_option("--max-shard-size", max_shard_mb, "largest safetensors file in MiB before sharding")
       ->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  app.footer(examples_footer({
+      {"", {"tandem export --to hf ./my-llama-tuned --checkpoint ck"}},
+      {"a LoRA run: its adapter for PEFT, or the base with the adapters merged in",
+       {"tandem export --to peft ./my-adapter --checkpoint ck",
+        "tandem export --to hf ./my-llama-merged --merge --checkpoint ck"}},
+  }));
+  if (auto rc = parse_command_line(app, argc, argv)) return *rc;
   if (to != "hf" && to != "peft") {
     std::cerr << "tandem export: --to '" << to << "' is not a known format; use --to hf or --to peft\n";
     return 2;

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "cli_app.h"
 #include "commands.h"
 #include "tandem/k8s.h"
 
@@ -48,14 +49,12 @@ int cmd_k8s(int argc, char** argv) {
   app.add_option("--tandem-path", s.tandem_path, "the tandem binary inside the image")->capture_default_str();
   app.add_option("--format", format, "yaml | json")->capture_default_str();
   app.add_option("-o,--output", out_path, "write to FILE instead of standard output");
-  app.footer("Training arguments follow --, e.g.\n"
-             "  tandem k8s --name fmnist --nodes 2 --gpus-per-node 8 --image REGISTRY/tandem:0.1 \\\n"
-             "             --checkpoint-pvc fmnist-ckpt --checkpoint-size 20Gi -- --model cnn --epochs 5 --batch 512");
-  try {
-    app.parse(split, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  app.footer(examples_footer({
+      {"2 nodes of 8 GPUs, checkpoints on a 20 GiB claim; the training arguments follow --",
+       {"tandem k8s --name fmnist --nodes 2 --gpus-per-node 8 --image REGISTRY/tandem:0.1 \\",
+        "           --checkpoint-pvc fmnist-ckpt --checkpoint-size 20Gi -- --model cnn --epochs 5 --batch 512"}},
+  }));
+  if (auto rc = parse_command_line(app, split, argv)) return *rc;
   s.train_args.assign(argv + std::min(split + 1, argc), argv + argc);
 
   std::string text;

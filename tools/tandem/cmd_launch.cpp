@@ -2,6 +2,7 @@
 
 #include <iostream>
 
+#include "cli_app.h"
 #include "commands.h"
 #include "host_options.h"
 #include "tandem/launcher.h"
@@ -22,17 +23,16 @@ int cmd_launch(int argc, char** argv) {
   CLI::App app{"Run PROGRAM on N workers through mpirun; stop all of them if one fails.", "tandem launch"};
   LaunchOptions opts;
   // No CLI11 range check: launch() rejects -n < 1 with a clearer message than CLI11's.
-  app.add_option("-n,--nprocs", opts.nprocs, "number of workers");
+  app.add_option("-n,--nprocs", opts.nprocs, "number of workers")->capture_default_str();
   add_host_options(app, opts);
   app.add_option("-x,--env", opts.env, "NAME=VALUE for every worker (repeatable)");
   bool no_prefix = false;
   app.add_flag("--no-prefix", no_prefix, "do not prefix output lines with the rank");
-  app.footer("example: tandem launch -n 2 -- ./build/tandem selftest");
-  try {
-    app.parse(split, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  app.footer(examples_footer({
+      {"", {"tandem launch -n 2 -- build/tandem selftest"}},
+      {"a program of your own on 8 workers of two hosts", {"tandem launch -n 8 --hostfile hosts -- ./app zero2"}},
+  }));
+  if (auto rc = parse_command_line(app, split, argv)) return *rc;
   opts.prefix_output = !no_prefix;
   std::vector<std::string> prog(argv + std::min(split + 1, argc), argv + argc);
   if (prog.empty()) {

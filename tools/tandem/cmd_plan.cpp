@@ -9,6 +9,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "cli_app.h"
 #include "commands.h"
 #include "plan_internal.h"
 #include "tandem/plan.h"
@@ -279,11 +280,14 @@ int cmd_plan(int argc, char** argv) {
   add_model_options(app, f);
   add_cluster_options(app, f);
   add_plan_options(app, f);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  app.footer(examples_footer({
+      {"GPT-2 on H100 nodes over InfiniBand: the 3 fastest layouts",
+       {"tandem plan --model gpt2 --cluster h100-ib --top 3"}},
+      {"a model described by its shape, with context parallelism",
+       {"tandem plan --params 7e9 --layers 32 --hidden 4096 --heads 32 --seq 8192 --cluster h100-ib --cp 1,2"}},
+      {"this machine, measured first", {"tandem plan --model cnn --calibrate"}},
+  }));
+  if (auto rc = parse_command_line(app, argc, argv)) return *rc;
 
   const std::vector<std::string> cal_models = calibration_models(f);
   if (f.calibrate_worker) return calibration_worker(f, cal_models);

@@ -6,6 +6,7 @@
 #include <iostream>
 
 #include "checks.h"
+#include "cli_app.h"
 #include "commands.h"
 #include "tandem/launcher.h"
 #include "tandem/runtime.h"
@@ -29,13 +30,12 @@ int cmd_selftest(int argc, char** argv) {
   int n = 2;
   std::string device = "cpu";
   app.add_option("-n,--nprocs", n, "workers to launch when not already running under a launcher")
-      ->check(whole_between(1, kMaxWorkers));
-  app.add_option("--device", device, "cpu, cuda or auto");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+      ->check(whole_between(1, kMaxWorkers))
+      ->capture_default_str();
+  app.add_option("--device", device, "cpu, cuda or auto")->capture_default_str();
+  app.footer(
+      examples_footer({{"", {"tandem selftest -n 4"}}, {"NCCL on 2 GPUs", {"tandem selftest -n 2 --device cuda"}}}));
+  if (auto rc = parse_command_line(app, argc, argv)) return *rc;
   if (detect_process_info().launcher == "none" && n > 1) {
     LaunchOptions lo;
     lo.nprocs = n;

@@ -10,6 +10,7 @@
 
 #include "checkpoint_options.h"
 #include "checks.h"
+#include "cli_app.h"
 #include "commands.h"
 #include "host_options.h"
 #include "parallel_options.h"
@@ -95,11 +96,21 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
     app.add_option("--out", cfg.output, "write the fine-tuned model here (a checkpoint directory)");
     shape_flags(app);
   }
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+  if (pretraining) {
+    app.footer(examples_footer({
+        {"", {"tandem pretrain --out pre"}},
+        {"4 workers: 2 tensor-parallel ranks x 2 ZeRO-1 replicas, bf16",
+         {"tandem pretrain --out pre -n 4 --tp 2 --strategy zero1 --precision bf16"}},
+    }));
+  } else {
+    app.footer(examples_footer({
+        {"classify the language of fortune cookies with the pre-trained model",
+         {"tandem finetune --checkpoint pre --out ft"}},
+        {"the same on 2 to 4 workers, elastic",
+         {"tandem finetune --checkpoint pre -n 2:4 --checkpoint-dir ck --checkpoint-every 50"}},
+    }));
   }
+  if (auto rc = parse_command_line(app, argc, argv)) return *rc;
   int nprocs = 0;
   WorkerRange range;
   ElasticLr lr_mode = ElasticLr::kKeep;

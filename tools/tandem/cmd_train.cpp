@@ -11,6 +11,7 @@
 #include <iostream>
 
 #include "checks.h"
+#include "cli_app.h"
 #include "commands.h"
 #include "host_options.h"
 #include "parallel_options.h"
@@ -261,11 +262,26 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--schedule-batch", cfg.schedule_batch,
                  "(internal) the global batch whose steps the schedule counts (--elastic-lr scale: the one at MAX)")
       ->group("");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  app.footer(examples_footer({
+      {"the CNN on Fashion-MNIST, 2 workers, DDP, one epoch", {"tandem train"}},
+      {"4 workers, ZeRO-2, bf16 mixed precision, AdamW",
+       {"tandem train -n 4 --strategy zero2 --precision bf16 --optimizer adamw --lr 1e-3"}},
+      {"dp 1 x tp 2 x pp 2: tensor parallel inside each of 2 pipeline stages",
+       {"tandem train -n 4 --model mlp --tp 2 --pp 2 --micro-batches 8 --strategy zero1"}},
+      {"checkpoints every 100 steps, written in the background; resumed on 4 workers under ZeRO-3",
+       {"tandem train --checkpoint-dir ck --checkpoint-every 100 --checkpoint-async",
+        "tandem train -n 4 --strategy zero3 --checkpoint-dir ck --checkpoint-every 100 --resume"}},
+      {"elastic: 2 to 4 workers, relaunched from the newest checkpoint after a failure",
+       {"tandem train -n 2:4 --checkpoint-dir ck --checkpoint-every 50"}},
+      {"8 workers on two hosts (ranks 0-3 on node1, 4-7 on node2)",
+       {"printf 'node1 slots=4\\nnode2 slots=4\\n' > hosts",
+        "tandem train -n 8 --hostfile hosts --net-if 10.1.0.0/16 --strategy zero2"}},
+      {"4 replicas as threads of one process, no MPI", {"tandem train --replicas 4 --strategy zero1"}},
+      {"shares of the batch from each worker's measured speed; a timeline of 50 steps",
+       {"tandem train --batch-shares auto --max-steps 50 --trace trace.json"}},
+      {"a model from a plugin", {"tandem train --model path/to/libmynet.so"}},
+  }));
+  if (auto rc = parse_command_line(app, argc, argv)) return *rc;
   // --replicas alone: one process, the replicas are the workers.
   if (app.count("--replicas") > 0 && app.count("--nprocs") == 0 && app.count("--min-workers") == 0) {
     workers.count = "1";

@@ -4,6 +4,7 @@
 #include <iomanip>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace tandem::cli {
 // `v` with `digits` digits after the point, for tables and messages.
@@ -20,6 +21,21 @@ inline int dashdash_index(int argc, char** argv) {
   }
   return argc;
 }
+// A command of `tandem`, or a form of one that a flag selects ("finetune --init-from DIR").
+struct Command {
+  std::string name;                   // as typed after `tandem`; placeholders in capitals
+  int (*run)(int argc, char** argv);  // argv[0] is the name's first word
+  std::string summary;                // its line in `tandem help`
+  std::string notes;                  // docs/CLI.md's prose about it (markdown), before its flags
+};
+// Every command, in `tandem help`'s order; main dispatches on the names without a space.
+const std::vector<Command>& command_table();
+// `tandem help`.
+std::string usage();
+// docs/CLI.md: every command's description, notes, flags (from the CLI::App that parses them)
+// and examples (its footer). std::logic_error when a command does not describe itself.
+std::string cli_reference_markdown();
+
 int cmd_bench(int argc, char** argv);
 int cmd_export(int argc, char** argv);
 int cmd_finetune(int argc, char** argv);

@@ -1,0 +1,183 @@
+// The commands of `tandem`: their names, `tandem help` lines and the prose docs/CLI.md gives
+// each before its flags (the flags themselves and the examples come from the commands' own
+// CLI::App definitions).
+#include "commands.h"
+
+namespace tandem::cli {
+
+namespace {
+
+const char* kTrainNotes = R"md(Launches N workers of itself (`-n`, default 2) through mpirun and trains; before that it
+measures one worker for a few steps (`--baseline-steps`) for the report's speedup figure.
+The report gives the layout, throughput, speedup, loss, accuracy, memory per rank, traffic per
+step and the share of communication hidden behind backward.
+
+- **Strategies and layouts.** `--strategy single|ddp|zero1|zero2|zero3` (ZeRO: optimizer state,
+  then gradients, then parameters sharded). `--tp T --pp P` add Megatron tensor parallelism and
+  pipeline stages (`--micro-batches M`, `--pipeline-schedule gpipe|1f1b|interleaved` with
+  `--virtual-stages V`, `--pp-partition params|time|3,7`); the remaining ranks are data parallel
+  under any strategy but `single` (under a pipeline ZeRO-2/3 reduce-scatter after every
+  micro-batch and ZeRO-3 gathers each layer per micro-batch). Refused, each with its reason:
+  `--tp` or `--pp` with `single`; `--tp` x `--pp` that does not divide `-n`; `--grad-accum` with
+  `--pp` (use more `--micro-batches`); `--compress` with a pipeline or a strategy other than
+  `ddp`. The report gives the cut and the measured pipeline bubble beside (P-1)/M. `tandem
+  train` defaults to 4 micro-batches, the text commands to 1. The layout flags are the same, with
+  the same checks, on `pretrain`, `finetune` and `finetune --init-from`.
+- **Replicas in one process.** `--replicas K` runs K replicas as threads of one process (no MPI
+  or launcher; one CUDA device each on GPUs), gradients reduced inside the process; `-n P
+  --replicas K` runs P processes of K replicas, reduced inside each process and then across
+  them. Every strategy runs with a replica as a worker (ZeRO shards over all replicas).
+- **Checkpoints.** `--checkpoint-dir D --checkpoint-every N [--keep K] [--checkpoint-async]`
+  (async: written by a background thread while training goes on, committed atomically when
+  complete); `--resume` continues from the newest in any strategy, layout and worker count:
+  every rank writes only the pieces it holds (its stage, its tensor-parallel blocks, its ZeRO
+  chunk of them) and a resume reads only the shards holding what each rank needs.
+  `--max-restarts K` relaunches from the newest checkpoint after a failure.
+- **Elastic runs.** `-n MIN:MAX` (or `--min-workers MIN -n MAX`; needs `--checkpoint-dir` and
+  `--checkpoint-every`): after a failure the launcher probes the hosts, drops the unreachable
+  ones and resumes from the newest checkpoint on as many workers as fit (at least MIN), keeping
+  the global batch (`--elastic-batch grow|accumulate`) or, with `--elastic-lr scale`, each
+  worker's share, the global batch and the learning rate following the worker count (the linear
+  scaling rule; the schedule and `--max-steps` count steps of the batch at MAX workers). A host
+  that answers again is taken back at the next checkpoint, up to MAX. The report lists every
+  membership change.
+- **Mixed devices** (`tandem/shares.h`). `--batch-shares 3,1` (weights), `counts:96,32` (samples
+  per step) or `auto` (the first `--calibration-steps` steps run with equal shares while each rank
+  times its forward pass, less what ZeRO-3 spent waiting for other ranks' parameter gathers; then
+  the batch is split in proportion to the measured samples/s, at least one sample each) gives
+  each data-parallel rank its share of the global batch. Each rank's mean loss is weighted by
+  world x n_r / N, so the update and the reported loss are those of the homogeneous global batch
+  (the loss trajectory matches equal shares within 1e-4). `--slow-rank R:MS` slows rank R to try
+  it; the report shows each rank's share and samples/s.
+- **Several machines.** `--hostfile F` (lines `NAME slots=K`; ranks fill each host's slots in
+  order), `--net-if` for the interfaces or subnet between hosts, `--mpi-arg` for anything else
+  mpirun needs; every host needs Tandem at the same path and passwordless ssh. A host that
+  becomes unreachable ends the job after `--timeout` with a rank naming it; relaunch with
+  `--resume`. See [DEPLOY.md](DEPLOY.md).
+- **Models and plugins.** `--model` takes a built-in model or a plugin, a shared library built
+  against Tandem that registers models and datasets (`tandem/registry.h`, `examples/plugin/`);
+  `--pp` and `--tp` need a `torch::nn::Sequential` whose children can be cut.
+- **Trace.** `--trace FILE` writes every rank's timeline as Chrome trace JSON (open it in
+  [Perfetto](https://ui.perfetto.dev); `bench/trace_plot.py` draws one,
+  [example](img/trace-ddp-async-checkpoint.png)).
+)md";
+
+const char* kLaunchNotes =
+    R"md(Runs any program on N workers through mpirun (root allowed, oversubscription, no core binding,
+idle ranks yielding), prefixes every output line with `[rank R]`, and if one worker fails stops
+the others and exits non-zero naming it. Everything after `--` is the program and its
+arguments. A program built on `tandem::Runtime` reads its rank, world and device from the
+environment mpirun sets.
+)md";
+
+const char* kSelftestNotes =
+    R"md(Runs all-reduce (sum, avg, max), reduce-scatter, all-gather, broadcast and send/recv across N
+workers on 1, 7 and 1000003 floats and checks each against a reference every rank computes
+locally; exits non-zero naming the collective that disagrees.
+)md";
+
+const char* kBenchNotes =
+    R"md(Runs `tandem train` for a model under a list of strategies (`ddp`, `zero1`-`zero3`, layouts
+such as `tp2`, `pp2`, `tp2pp2`, `pp2-gpipe`) and worker counts, a bounded number of steps each,
+and prints speedup, efficiency, communication share and memory, writing CSV and a gnuplot plot.
+After `tandem plan --calibrate` (or with `--calibrate`, a calibration before every repetition)
+it shows the predicted step time beside the measured one (`--predict-only`: the predictions
+alone, nothing run). With `--reps` 3 or more it shows each row's spread over its repetitions,
+measures again the rows the machine ran slow through (`--remeasure`) and reports CPU time
+stolen by the hypervisor. See [PLAN.md](PLAN.md).
+)md";
+
+const char* kPlanNotes = R"md(Predicts memory per device and step time of dp x tp x pp x ZeRO layouts (x cp with `--cp`)
+of a model, built-in or described by its shape, on a cluster (presets: A100/H100/H200,
+NVLink/InfiniBand/Ethernet, mixed nodes, or this machine with `--calibrate`), ranks the
+feasible ones and says why the others do not fit. Exit code 0; 3 when nothing fits. The models,
+presets, output and accuracy of the predictions are in [PLAN.md](PLAN.md).
+)md";
+
+const char* kK8sNotes =
+    R"md(Writes a Kubeflow MPI Operator `MPIJob` (GPUs, `/dev/shm`, mixed GPU pools, checkpoints on a
+claim, `--tp`/`--pp` runs too) and optionally the checkpoint claim; the arguments after `--` go
+to `tandem train`. Deploying on one server, over SSH or Slurm, and on Kubernetes:
+[DEPLOY.md](DEPLOY.md).
+)md";
+
+const char* kPretrainNotes =
+    R"md(Pre-trains a small transformer on the fortune-cookie corpus (Debian's `fortunes` files; a
+SentencePiece tokenizer trained on it and saved with the checkpoint) under any strategy and
+worker count, `--precision fp32|bf16|fp16`, and `--tp`/`--pp` with any strategy but `single`
+(`--tp` must divide `--heads` and `--vocab`), with the rest of `tandem train`'s layout flags.
+Checkpoints work as for `tandem train` (`--resume` in any layout and worker count: the
+checkpoint holds the sampler's position, so the run continues the same data order and
+schedule), and so do elastic `-n MIN:MAX` runs. Every step's loss is normalised by the real
+tokens of the whole global batch, so every layout and worker count trains as one worker with
+one pass over the batch. The report is `tandem train`'s plus the corpus and the validation loss.
+)md";
+
+const char* kFinetuneNotes = R"md(Fine-tunes `tandem pretrain`'s model to classify the language of a text (or, `--task
+category`, which file of the root a text comes from), with the same layouts, checkpoints and
+elastic runs as `tandem pretrain`; the report adds a confusion table. Each step's loss is
+normalised by the samples of the whole global batch. With `--init-from` it is another
+command: [`tandem finetune --init-from DIR`](#tandem-finetune---init-from-dir).
+)md";
+
+const char* kFinetuneHfNotes = R"md(Fine-tunes a local Hugging Face Llama-family checkpoint (`config.json`, safetensors,
+SentencePiece `tokenizer.model`; special tokens from its configuration files) on JSON lines
+(`--task lm`: `{"text": ...}`; `--task classify`: `{"text": ..., "label": ...}`), with a
+validation split, then `tandem export` writes the result back in Hugging Face's formats.
+
+- **Layouts.** ddp, zero1-3, `--tp` and `--pp` and their combinations, for both tasks. `--tp`
+  must divide the attention heads, the KV heads, the MLP width and the vocabulary (each rank holds
+  whole heads and equal vocabulary shards; KV heads are not replicated): a 6-head, 3-KV-head model
+  takes `--tp 3`. Tied embeddings refuse `--pp`, whose first and last stages would share them.
+  The classifier's score head is on the last stage, replicated over the tp ranks. Each rank reads
+  only the bytes of what it holds from the safetensors files.
+- **Long sequences.** `--cp C` (context parallelism) splits every sequence over C ranks, rank r
+  holding chunks r and 2C-1-r of 2C so that causal attention costs each the same, and computes
+  attention as ring attention: key/value blocks travel around the ranks behind each block's
+  compute, merged with an online softmax, their gradients travelling back the same way. Activations
+  per rank fall by about C; `--seq` must be a multiple of 2C; the cp ranks' gradients are reduced
+  with the data-parallel ones, and `-n` = dp x cp x tp x pp. `--sequence-parallel` (with `--tp`)
+  keeps the norms and the residual stream split along the sequence over the tp ranks. `tandem plan
+  --cp C` prices these layouts.
+- **LoRA**, as PEFT defines it: `--lora-rank R` adds adapters `lora_A`/`lora_B` on
+  `--lora-targets`, scaled by `--lora-alpha`/R (`--lora-rslora`: /sqrt(R)); every other weight
+  is frozen (a classifier's `score` head trains whole). Frozen weights get no gradient and no
+  optimizer state under any layout: DDP and ZeRO reduce only the adapters, ZeRO-3 still shards the
+  frozen base, `--tp` splits B of a column-parallel layer and A of a row-parallel one.
+  `--init-adapter DIR` starts from a PEFT adapter. Checkpoints hold the adapters only (a resume
+  re-reads the base from `--init-from`). The report gives trainable against total parameters.
+- **Checkpoints and elastic runs** as for `tandem pretrain`.
+)md";
+
+const char* kExportNotes = R"md(Writes a checkpoint of `tandem finetune --init-from` of any layout as `config.json`,
+`model.safetensors` (sharded above `--max-shard-size`) and the tokenizer, which `transformers`'
+`from_pretrained` loads (`--to hf`; `--merge`: a LoRA run's base with the adapters merged in),
+or a LoRA run's `adapter_config.json` and `adapter_model.safetensors`, which
+`peft.PeftModel.from_pretrained` loads (`--to peft`).
+)md";
+
+}  // namespace
+
+const std::vector<Command>& command_table() {
+  static const std::vector<Command> table = {
+      {"train", cmd_train, "train a model on N workers (default: the CNN on Fashion-MNIST, 2 workers, DDP)",
+       kTrainNotes},
+      {"launch", cmd_launch, "run a program on N workers: tandem launch -n N [--hostfile F] -- PROGRAM ARGS...",
+       kLaunchNotes},
+      {"selftest", cmd_selftest, "check every collective across the workers: tandem selftest [-n N]", kSelftestNotes},
+      {"bench", cmd_bench, "speedup table and plot of a model over strategies and worker counts", kBenchNotes},
+      {"plan", cmd_plan, "predict memory and step time of parallel layouts on a cluster, ranked", kPlanNotes},
+      {"k8s", cmd_k8s, "write Kubernetes manifests (MPIJob, checkpoint claim) that run tandem train on a cluster",
+       kK8sNotes},
+      {"pretrain", cmd_pretrain, "pre-train a transformer language model on text (fortune cookies), with its tokenizer",
+       kPretrainNotes},
+      {"finetune", cmd_finetune, "fine-tune it to classify text by language, under any strategy and worker count",
+       kFinetuneNotes},
+      {"finetune --init-from DIR", cmd_finetune_hf,
+       "fine-tune a Hugging Face Llama directory on JSON lines (full, LoRA; tp, pp, cp)", kFinetuneHfNotes},
+      {"export", cmd_export, "write a checkpoint as a Hugging Face model or PEFT adapter directory", kExportNotes},
+  };
+  return table;
+}
+
+}  // namespace tandem::cli
