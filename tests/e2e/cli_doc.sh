@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # docs/CLI.md is what `tandem help --markdown` writes from the commands' own flag definitions
 # (so a flag added without its line there fails here), and every command's --help lists the same
-# flags as its section of docs/CLI.md. The comparison is also run on a copy of the file with one
-# flag's line taken out, which it must reject.
+# flags as its section of docs/CLI.md, and the examples there and in README.md use only flags
+# their command has. The comparison is also run on a copy of the file with one flag's line taken
+# out, which it must reject.
 # Usage: cli_doc.sh TANDEM SOURCE_DIR
 set -euo pipefail
 tandem=$1
@@ -62,6 +63,39 @@ compare() {
   fi
   return $bad
 }
+
+# Every example in a bash block of FILE (docs/CLI.md, README.md) uses only flags its command
+# documents; prints each unknown one, returns 1 when there is one.
+check_examples() {
+  local bad=0 line cmd flag
+  while IFS= read -r line; do
+    read -ra w <<<"${line%% -- *}"
+    cmd=${w[1]}
+    [[ $cmd == finetune && " ${w[*]} " == *" --init-from "* ]] && cmd="finetune --init-from DIR"
+    doc_flags "$doc" "$cmd" | tr ',' '\n' >"$tmp/known.txt"
+    if [ ! -s "$tmp/known.txt" ]; then
+      echo "$1: example of an undocumented command: $line"
+      bad=1
+      continue
+    fi
+    for flag in "${w[@]:2}"; do
+      flag=${flag%%=*}
+      if [[ $flag == -* ]] && ! grep -qx -- "$flag" "$tmp/known.txt"; then
+        echo "$1: 'tandem $cmd' has no flag $flag: $line"
+        bad=1
+      fi
+    done
+  done < <(awk '/^```bash$/ { on = 1; next } /^```$/ { on = 0 }
+    on { sub(/^\$ /, ""); if (/\\$/) { sub(/\\$/, ""); held = held $0; next } print held $0; held = "" }' "$1" |
+    grep '^tandem ')
+  return $bad
+}
+for f in "$doc" "$2/README.md"; do
+  if ! check_examples "$f"; then
+    echo "FAIL: an example in $f uses a flag its command does not have"
+    fail=1
+  fi
+done
 
 if ! compare "$doc"; then
   echo "FAIL: docs/CLI.md does not match --help of every command; regenerate it: scripts/cli-doc.sh"

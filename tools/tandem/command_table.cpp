@@ -134,18 +134,22 @@ validation split, then `tandem export` writes the result back in Hugging Face's 
 - **Long sequences.** `--cp C` (context parallelism) splits every sequence over C ranks, rank r
   holding chunks r and 2C-1-r of 2C so that causal attention costs each the same, and computes
   attention as ring attention: key/value blocks travel around the ranks behind each block's
-  compute, merged with an online softmax, their gradients travelling back the same way. Activations
-  per rank fall by about C; `--seq` must be a multiple of 2C; the cp ranks' gradients are reduced
+  compute, merged with an online softmax, their gradients travelling back the same way; rotary
+  positions are the global ones. Activations per rank fall by about C; `--seq` must be a multiple of 2C; the cp ranks' gradients are reduced
   with the data-parallel ones, and `-n` = dp x cp x tp x pp. `--sequence-parallel` (with `--tp`)
-  keeps the norms and the residual stream split along the sequence over the tp ranks. `tandem plan
-  --cp C` prices these layouts.
+  keeps the norms and the residual stream split along the sequence over the tp ranks, with
+  all-gathers and reduce-scatters instead of all-reduces. Both for the LM and the classifier; the
+  report names the layout and the ring's transfers and their hidden share; `tandem plan --cp C`
+  prices these layouts.
 - **LoRA**, as PEFT defines it: `--lora-rank R` adds adapters `lora_A`/`lora_B` on
   `--lora-targets`, scaled by `--lora-alpha`/R (`--lora-rslora`: /sqrt(R)); every other weight
   is frozen (a classifier's `score` head trains whole). Frozen weights get no gradient and no
   optimizer state under any layout: DDP and ZeRO reduce only the adapters, ZeRO-3 still shards the
-  frozen base, `--tp` splits B of a column-parallel layer and A of a row-parallel one.
+  frozen base, `--tp` splits B of a column-parallel layer and A of a row-parallel one, pipeline
+  stages hold their own.
   `--init-adapter DIR` starts from a PEFT adapter. Checkpoints hold the adapters only (a resume
-  re-reads the base from `--init-from`). The report gives trainable against total parameters.
+  re-reads the base from `--init-from`). The report gives trainable against total parameters and
+  the optimizer state per rank.
 - **Checkpoints and elastic runs** as for `tandem pretrain`.
 )md";
 
