@@ -58,16 +58,23 @@ std::string examples_block(const Command& c, const std::string& footer) {
   return out + "```\n";
 }
 
+// The command's record. It runs with --help, so that a command which parsed without
+// parse_command_line would only print its help before capture's error names it.
 CommandDoc capture(const Command& c) {
   std::vector<std::string> words;
   std::istringstream in(c.name);
   for (std::string w; in >> w;) words.push_back(w);
+  words.push_back("--help");
   std::vector<char*> argv;
   for (auto& w : words) argv.push_back(w.data());
   argv.push_back(nullptr);
   CommandCapture cap;
   c.run(static_cast<int>(words.size()), argv.data());
-  return cap.doc();
+  try {
+    return cap.doc();
+  } catch (const std::logic_error&) {
+    throw std::logic_error("tandem " + c.name + " did not read its flags with parse_command_line (cli_app.h)");
+  }
 }
 
 }  // namespace

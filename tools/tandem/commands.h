@@ -21,7 +21,9 @@ inline int dashdash_index(int argc, char** argv) {
   }
   return argc;
 }
-// A command of `tandem`, or a form of one that a flag selects ("finetune --init-from DIR").
+// A command of `tandem`, or a form of one that a flag selects ("finetune --init-from DIR"). Its
+// run reads the command line with parse_command_line and lists examples with examples_footer
+// (cli_app.h): that is how docs/CLI.md describes it (scripts/cli-doc.sh regenerates the file).
 struct Command {
   std::string name;                   // as typed after `tandem`; placeholders in capitals
   int (*run)(int argc, char** argv);  // argv[0] is the name's first word
