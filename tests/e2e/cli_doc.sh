@@ -2,7 +2,7 @@
 # docs/CLI.md is what `tandem help --markdown` writes from the commands' own flag definitions
 # (so a flag added without its line there fails here), and every command's --help lists the same
 # flags as its section of docs/CLI.md, and the examples there and in README.md use only flags
-# their command has. The comparison is also run on a copy of the file with one flag's line taken
+# their command has; README.md links every command's section. The comparison is also run on a copy of the file with one flag's line taken
 # out, which it must reject.
 # Usage: cli_doc.sh TANDEM SOURCE_DIR
 set -euo pipefail
@@ -96,6 +96,15 @@ for f in "$doc" "$2/README.md"; do
     fail=1
   fi
 done
+
+# README.md's table links every command's section (GitHub's anchor of "tandem NAME").
+while IFS= read -r cmd; do
+  a=$(printf 'tandem %s' "$cmd" | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9_-')
+  if ! grep -qF "(docs/CLI.md#$a)" "$2/README.md"; then
+    echo "FAIL: README.md's command table has no link to docs/CLI.md#$a (tandem $cmd)"
+    fail=1
+  fi
+done < <(commands "$doc")
 
 if ! compare "$doc"; then
   echo "FAIL: docs/CLI.md does not match --help of every command; regenerate it: scripts/cli-doc.sh"
