@@ -2,8 +2,8 @@
 # docs/CLI.md is what `tandem help --markdown` writes from the commands' own flag definitions
 # (so a flag added without its line there fails here), and every command's --help lists the same
 # flags as its section of docs/CLI.md, and the examples there and in README.md use only flags
-# their command has; README.md links every command's section. The comparison is also run on a copy of the file with one flag's line taken
-# out, which it must reject.
+# their command has; README.md links every command's section. The comparison is also run on a
+# copy of the file with one flag's line taken out, which it must reject.
 # Usage: cli_doc.sh TANDEM SOURCE_DIR
 set -euo pipefail
 tandem=$1
