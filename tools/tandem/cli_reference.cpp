@@ -23,6 +23,21 @@ std::string anchor(const std::string& heading) {
   return a;
 }
 
+// Text as markdown shows it literally: a '*' or '<' would start emphasis or an HTML tag, and in
+// a table cell a '|' would end the cell.
+std::string literal(const std::string& text, bool in_table = false) {
+  std::string out;
+  for (char ch : text) {
+    if (ch == '*' || (in_table && ch == '|')) out += '\\';
+    if (ch == '<') {
+      out += "&lt;";
+      continue;
+    }
+    out += ch;
+  }
+  return out;
+}
+
 std::string code_list(const std::vector<std::string>& names) {
   std::string out;
   for (const auto& n : names) out += (out.empty() ? "`" : ", `") + n + "`";
@@ -39,7 +54,7 @@ std::string option_line(const OptionDoc& o) {
   if (o.repeatable)
     facts.push_back(o.delimiter != '\0' ? std::string("a list (") + o.delimiter + "-separated)" : "repeatable");
   for (size_t i = 0; i < facts.size(); ++i) line += (i == 0 ? " " : ", ") + facts[i];
-  line += ": " + o.description;
+  line += ": " + literal(o.description);
   if (!o.description.empty() && o.description.back() != '.') line += '.';
   if (!o.excludes.empty()) line += " Not with " + code_list(o.excludes) + ".";
   if (!o.needs.empty()) line += " Needs " + code_list(o.needs) + ".";
@@ -100,11 +115,12 @@ std::string cli_reference_markdown() {
         "description says what that means).\n\n"
      << "| command | what it does |\n|---|---|\n";
   for (const auto& c : command_table()) {
-    md << "| [`tandem " << c.name << "`](#" << anchor("tandem " + c.name) << ") | " << c.summary << " |\n";
+    md << "| [`tandem " << c.name << "`](#" << anchor("tandem " + c.name) << ") | "
+       << literal(c.summary, /*in_table=*/true) << " |\n";
   }
   for (const auto& c : command_table()) {
     const CommandDoc doc = capture(c);
-    md << "\n## tandem " << c.name << "\n\n" << doc.description << "\n\n";
+    md << "\n## tandem " << c.name << "\n\n" << literal(doc.description) << "\n\n";
     if (!c.notes.empty()) md << c.notes << (c.notes.back() == '\n' ? "" : "\n") << "\n";
     md << "Flags:\n\n";
     for (const auto& o : doc.options) md << option_line(o);
