@@ -8,6 +8,7 @@
 #                        starts el_run ARGS in the background ($job; output in $out/stdout and
 #                        $out/stderr) and takes h1's link down once the first checkpoint is in
 #   el_wait_for FILE S   waits up to S seconds for FILE while $job runs (fails otherwise)
+#   el_cut_after STEP S  waits up to S seconds for checkpoint STEP, then takes h1's link down
 #   el_newest            the newest complete checkpoint's step
 #   el_same_as_manual FROM WORKERS [ARGS...]
 #                        runs a manual `--resume` on WORKERS workers of this machine (and ARGS)
@@ -55,7 +56,11 @@ el_newest() {
 el_start_and_cut() {
   el_run "$@" >"$out/stdout" 2>"$out/stderr" &
   job=$!
-  el_wait_for "$out/ck/step-00000020/manifest.json" 60
+  el_cut_after 20 60
+}
+
+el_cut_after() {
+  el_wait_for "$out/ck/step-$(printf '%08d' "$1")/manifest.json" "$2"
   netns_link "$NET_ID" "$h1" down
   echo "took $h1's link down after checkpoint step $(el_newest)"
 }

@@ -11,7 +11,7 @@ tandem=$1
 src=$2
 NET_ID=$3
 . "$src/tests/e2e/hf_lib.sh"            # $tmp/fx, $py, fortunes_jsonl
-source "$src/tests/e2e/elastic_lib.sh"  # $out, $h0, $h1, hostfile, el_wait_for, el_wait_ok, el_fail
+source "$src/tests/e2e/elastic_lib.sh"  # $out, $h0, $h1, hostfile, el_cut_after, el_wait_ok, el_fail
 trap 'netns_down "$NET_ID"; rm -rf "$out" "$tmp"' EXIT
 fortunes_jsonl "$tmp/lm.jsonl" 300
 steps=40
@@ -21,9 +21,7 @@ lm=(--init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --seq 32 --batch 8 --steps "
 mn_launch "$tandem" finetune -n 1:2 --hostfile "$out/hostfile" --net-if "$mn_net" "${lm[@]}" \
   --checkpoint-dir "$out/ck" --timeout 6 --metrics "$out/elastic.jsonl" >"$out/stdout" 2>"$out/stderr" &
 job=$!
-el_wait_for "$out/ck/step-00000010/manifest.json" 120
-netns_link "$NET_ID" "$h1" down
-echo "took $h1's link down after checkpoint step $(el_newest)"
+el_cut_after 10 120
 el_wait_ok
 resumed=$(grep -oE "2 -> 1 workers \(failure\); lost $h1; resuming from step [0-9]+" "$out/stdout" | head -n1 |
   grep -oE "[0-9]+$") || el_fail "no membership change 2 -> 1 naming $h1"

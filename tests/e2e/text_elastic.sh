@@ -23,9 +23,7 @@ mn_launch "$tandem" pretrain -n 1:2 --hostfile "$out/hostfile" --net-if "$mn_net
   --checkpoint-dir "$out/ck" --out "$out/model" --timeout 6 --metrics "$out/elastic.jsonl" \
   >"$out/stdout" 2>"$out/stderr" &
 job=$!
-el_wait_for "$out/ck/step-00000020/manifest.json" 90
-netns_link "$NET_ID" "$h1" down
-echo "took $h1's link down after checkpoint step $(el_newest)"
+el_cut_after 20 90
 el_wait_ok
 resumed=$(grep -oE "2 -> 1 workers \(failure\); lost $h1; resuming from step [0-9]+" "$out/stdout" | head -n1 |
   grep -oE "[0-9]+$") || el_fail "no membership change 2 -> 1 naming $h1"
