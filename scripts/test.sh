@@ -9,8 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --all
-# .venv-hf holds the Python reference (safetensors, transformers) of the Hugging Face
-# cross-checks; without it (no PyPI) those tests skip and say so.
+# .venv-hf holds the Python references (safetensors, transformers, PyTorch for the package
+# tests) of the cross-checks; without it (no PyPI) those tests fail and say so.
 scripts/setup-hf-venv.sh || echo "[test] .venv-hf could not be set up: the Hugging Face cross-checks will fail" >&2
 build_dir=${TANDEM_BUILD_DIR:-build}
 # Two at a time: a multi-rank test reserves both slots (PROCESSORS 2), so only the one-process

@@ -6,7 +6,7 @@
 # writer or disagree on a shape refused on every rank.
 foreach(np 2 4)
   tandem_add_dist_test(dist_checkpoint_np${np} ${np}
-    "*CheckpointResume.*:CheckpointReshard.*:CheckpointMixed.*:CheckpointPieces.*" TIMEOUT 120)
+    "*CheckpointResume.*:CheckpointResumeDdp.*:CheckpointReshard.*:CheckpointMixed.*:CheckpointPieces.*" TIMEOUT 120)
 endforeach()
 # Bad input (corrupted, truncated, missing files, another model, manifest pieces that leave an
 # element out, overlap or lie outside their tensor) and a save killed with SIGKILL midway, each

@@ -8,6 +8,7 @@
 #                        starts el_run ARGS in the background ($job; output in $out/stdout and
 #                        $out/stderr) and takes h1's link down once the first checkpoint is in
 #   el_wait_for FILE S   waits up to S seconds for FILE while $job runs (fails otherwise)
+#   el_cut_after STEP S  waits up to S seconds for checkpoint STEP, then takes h1's link down
 #   el_newest            the newest complete checkpoint's step
 #   el_same_as_manual FROM WORKERS [ARGS...]
 #                        runs a manual `--resume` on WORKERS workers of this machine (and ARGS)
@@ -15,6 +16,9 @@
 #                        losses equal those of $out/elastic.jsonl (the elastic run's last part)
 #                        within 1e-6 (--max-steps $el_max_steps when set: a schedule that counts
 #                        steps of another batch)
+#   el_compare_losses FROM WORKERS [OLD:NEW]
+#                        that comparison of $out/elastic.jsonl and $out/manual.jsonl (steps FROM
+#                        to $steps); with OLD:NEW, the one membership change the run recorded
 source "$(dirname "${BASH_SOURCE[0]}")/multinode_lib.sh"
 h0="tdm$NET_ID-h0" h1="tdm$NET_ID-h1"
 mn_hosts "$h0" "$h1"
@@ -52,7 +56,11 @@ el_newest() {
 el_start_and_cut() {
   el_run "$@" >"$out/stdout" 2>"$out/stderr" &
   job=$!
-  el_wait_for "$out/ck/step-00000020/manifest.json" 60
+  el_cut_after 20 60
+}
+
+el_cut_after() {
+  el_wait_for "$out/ck/step-$(printf '%08d' "$1")/manifest.json" "$2"
   netns_link "$NET_ID" "$h1" down
   echo "took $h1's link down after checkpoint step $(el_newest)"
 }
@@ -72,11 +80,15 @@ el_same_as_manual() {
   cp -r "$out/ck/step-$(printf '%08d' "$from")" "$out/manual/"
   "$tandem" train -n "$workers" "${el_common[@]}" --checkpoint-dir "$out/manual" --resume --max-steps "${el_max_steps:-$steps}" \
     --metrics "$out/manual.jsonl" "$@" >"$out/stdout-manual" 2>&1 || el_fail "the manual --resume failed"
-  python3 - "$(dirname "${BASH_SOURCE[0]}")" "$out" "$from" "$steps" "$workers" <<'PY' || el_fail "losses differ"
-import sys
+  el_compare_losses "$from" "$workers"
+}
+
+el_compare_losses() {
+  python3 - "$(dirname "${BASH_SOURCE[0]}")" "$out" "$1" "$steps" "$2" "${3:-}" <<'PY' || el_fail "losses differ"
+import json, sys
 sys.path.insert(0, sys.argv[1])
 from metrics import load
-out, start, steps, workers = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+out, start, steps, workers, change = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
 el, _ = load(f"{out}/elastic.jsonl")
 man, _ = load(f"{out}/manual.jsonl")
 want = steps - start
@@ -84,5 +96,9 @@ assert len(el) == want and len(man) == want, f"steps from {start}: elastic {len(
 worst = max(abs(a - b) for a, b in zip(el, man))
 print(f"steps {start}-{steps}: worst per-step loss difference from a manual {workers}-worker --resume {worst:.2e}")
 assert worst <= 1e-6, f"{worst:.2e} > 1e-6"
+if change:  # OLD:NEW, the only membership change the metrics may record
+    changes = [json.loads(l)["membership"] for l in open(f"{out}/elastic.jsonl") if "membership" in l]
+    old, new = (int(x) for x in change.split(":"))
+    assert len(changes) == 1 and (changes[0]["old_workers"], changes[0]["new_workers"]) == (old, new), changes
 PY
 }

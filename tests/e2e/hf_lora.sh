@@ -15,12 +15,8 @@
 set -uo pipefail
 tandem=$1
 src=$2
-# hf_lib.sh skips (exit 77) without its prerequisites; here a missing one is a failure.
-[ -x "$src/.venv-hf/bin/python" ] || { echo "FAIL: $src/.venv-hf missing (run scripts/setup-hf-venv.sh)"; exit 1; }
-"$src/.venv-hf/bin/python" -c "import peft" 2>/dev/null ||
-  { echo "FAIL: peft missing from $src/.venv-hf (run scripts/setup-hf-venv.sh)"; exit 1; }
-[ -d /usr/share/games/fortunes ] || { echo "FAIL: no fortunes corpus (apt-get install fortunes)"; exit 1; }
-. "$src/tests/e2e/hf_lib.sh"
+. "$src/tests/e2e/hf_lib.sh"  # fails without .venv-hf or the corpus
+"$py" -c "import peft" 2>/dev/null || { echo "FAIL: peft missing from $src/.venv-hf (run scripts/setup-hf-venv.sh)"; exit 1; }
 export PYTHONDONTWRITEBYTECODE=1
 fortunes_jsonl "$tmp/lm8.jsonl" 8
 # The adapters (random A and B: with PEFT's B = 0 a wrong forward would go unseen) and PEFT's

@@ -14,7 +14,7 @@
 #      remote side with a clean environment (the ranks get only what mpirun -x forwards)
 # Then a second manifest (the same job, more steps) is run on the same claim: it resumes from
 # the first run's newest checkpoint, as a restarted or updated job does.
-# usage: k8s_run.sh TANDEM NET_ID   (exit 77: no network namespaces or no python3-yaml here)
+# usage: k8s_run.sh TANDEM NET_ID   (exit 77: no network namespaces here; no python3-yaml fails)
 set -uo pipefail
 tandem=$1
 id=$2
@@ -22,7 +22,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/../netns/netns.sh"
 py=/usr/bin/python3
 netns_available || exit 77
-$py -c 'import yaml' 2>/dev/null || { echo "SKIP: $py lacks yaml (apt-get install python3-yaml)"; exit 77; }
+$py -c 'import yaml' 2>/dev/null || { echo "FAIL: $py lacks yaml (apt-get install python3-yaml; scripts/setup.sh does)"; exit 1; }
 name=k8srun$id ns=tandem-test
 tmp=$(mktemp -d)
 trap 'netns_down "$id"; rm -rf "$tmp"' EXIT

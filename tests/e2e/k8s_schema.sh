@@ -10,8 +10,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 crd=$here/../data/k8s/mpijob-v2beta1-crd.yaml
 py=/usr/bin/python3
 if ! $py -c 'import jsonschema, yaml' 2>/dev/null; then
-  echo "SKIP: $py lacks jsonschema/yaml (apt-get install python3-jsonschema python3-yaml; scripts/setup.sh does)"
-  exit 77
+  echo "FAIL: $py lacks jsonschema/yaml (apt-get install python3-jsonschema python3-yaml; scripts/setup.sh does)"
+  exit 1
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -5,12 +5,12 @@
 # on this one host: the validation loss of pre-training and the fine-tuned test accuracy must
 # agree (same seed, global batch and order: 1e-4 relative on the loss, equal accuracy), and
 # rank 0 must report both hosts with their own addresses.
-# usage: multinode_text.sh TANDEM NET_ID [DATA_DIR]   (exit 77: no netns or no corpus here)
+# usage: multinode_text.sh TANDEM NET_ID [DATA_DIR]   (exit 77: no netns here; no corpus fails)
 set -euo pipefail
 tandem=$1
 NET_ID=$2
 data=${3:-/usr/share/games/fortunes}
-[ -d "$data" ] || { echo "no fortune corpus at $data: skipped"; exit 77; }
+[ -d "$data" ] || { echo "FAIL: no fortune corpus at $data (apt-get install fortunes; scripts/setup.sh does)"; exit 1; }
 source "$(dirname "$0")/multinode_lib.sh"
 hosts=("tdm$NET_ID-h0" "tdm$NET_ID-h1")
 mn_hosts "${hosts[@]}"

@@ -7,7 +7,7 @@
 set -uo pipefail
 tandem=$1
 data=${2:-/usr/share/games/fortunes}
-. "$(dirname "$0")/text_lib.sh"  # skips without the corpus; $tmp, fails=0, run/field/check
+. "$(dirname "$0")/text_lib.sh"  # fails without the corpus; $tmp, fails=0, run/field/check
 # Small and bounded: d_model 64, 2 layers, seq 64, vocabulary 2000, 1200 documents per language.
 common=(--data "$data" --max-per-label 1200 --batch 32 --no-progress --log-every 100)
 shape=(--vocab 2000 --d-model 64 --heads 4 --layers 2 --seq 64)

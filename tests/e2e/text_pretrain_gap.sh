@@ -12,7 +12,7 @@ set -uo pipefail
 tandem=$1
 data=${2:-/usr/share/games/fortunes}
 seed=${3:-1}
-. "$(dirname "$0")/text_lib.sh"  # skips without the corpus; $tmp, fails=0, run/field/check
+. "$(dirname "$0")/text_lib.sh"  # fails without the corpus; $tmp, fails=0, run/field/check
 # Small enough for ~1 minute on 2 cores: vocabulary 500 (the LM head dominates a step), seq 32,
 # d_model 64, 2 layers; the tokenizer trains on 3000 documents. One thread per worker: the
 # machine has 2 cores, and threads beyond them slow every step down many times over.

@@ -13,7 +13,7 @@
 set -uo pipefail
 tandem=$1
 data=${2:-/usr/share/games/fortunes}
-. "$(dirname "$0")/text_lib.sh"  # skips without the corpus; $tmp, fails=0, run/field/check
+. "$(dirname "$0")/text_lib.sh"  # fails without the corpus; $tmp, fails=0, run/field/check
 common=(--data "$data" --batch 8 --threads 1 --no-progress --steps 10 --lr 3e-3 --warmup-steps 2 --seed 4
         --max-per-label 60 --eval-limit 16 --checkpoint-every 3)
 shape=(--vocab 200 --tokenizer-sentences 1000 --d-model 32 --heads 2 --layers 1 --seq 32)

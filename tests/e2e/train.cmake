@@ -26,3 +26,8 @@ set_tests_properties(e2e_train_layerwise PROPERTIES TIMEOUT 300 PROCESSORS 2)
 # 1e-5 over 20 steps; bad input to --replicas.
 add_test(NAME e2e_train_replicas COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_replicas.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_train_replicas PROPERTIES TIMEOUT 600 PROCESSORS 2)
+# Flags with one effect each, checked for it: --scale-lr (lr x workers), --compress fp16 (half
+# the all-reduce bytes), --no-overlap and --activation-checkpointing (the same losses), --model
+# cnn_bn (its BatchNorm parameters and broadcast running statistics).
+add_test(NAME e2e_train_flags COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_flags.sh $<TARGET_FILE:tandem_cli>)
+set_tests_properties(e2e_train_flags PROPERTIES TIMEOUT 300 PROCESSORS 2)

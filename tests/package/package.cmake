@@ -1,7 +1,8 @@
 # The installed package as a C++ team uses it: this build installed into a fresh prefix, the
-# examples/ projects configured with find_package(Tandem) and built against it, then run under
-# the installed `tandem launch` and compared step by step with one worker. The setup test
-# installs and builds (ccache keeps rebuilds quick); the other two need it (a CTest fixture).
+# examples/ projects configured with find_package(Tandem) and built against it, then run: one
+# worker step by step against plain PyTorch (reference_train.py, .venv-hf), and under the
+# installed `tandem launch` against one worker. The setup test installs and builds (ccache keeps
+# rebuilds quick); the others need it (a CTest fixture).
 set(_pkg ${CMAKE_CURRENT_SOURCE_DIR}/package)
 set(_pkg_work ${CMAKE_BINARY_DIR}/package-test)
 get_filename_component(_torch_prefix "${Torch_DIR}" DIRECTORY)  # torch.utils.cmake_prefix_path

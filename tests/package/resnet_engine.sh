@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # examples/resnet_engine, built against the installed package (install_examples.sh): one worker
-# with --strategy single is the reference; two workers under the installed `tandem launch` with
-# ddp, zero1, zero2 and zero3 must report every step's global loss within 1e-5 of it, and each
-# run must leave its final checkpoint. The reference must also have trained (loss down).
+# with --strategy single must report every step's loss within 1e-5 of plain PyTorch's training of
+# the same model (reference_train.py in .venv-hf, part of the test setup) and train (loss down);
+# two workers under the installed `tandem launch` with ddp, zero1, zero2 and zero3 must report
+# every step's global loss within 1e-5 of one worker's, and each run must leave its final checkpoint.
 #
 # resnet_engine.sh WORK_DIR SOURCE_DIR
 set -euo pipefail
@@ -10,6 +11,7 @@ work=$1 source=$2
 exe=$work/resnet_engine/resnet_engine
 tandem=$work/prefix/bin/tandem
 compare=$source/tests/package/compare_losses.py
+py=$source/.venv-hf/bin/python
 steps=10
 out=$work/resnet_engine-runs
 rm -rf "$out"
@@ -17,6 +19,7 @@ mkdir -p "$out"
 cd "$out"
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
+[[ -x $py ]] || fail "$py missing (run scripts/setup-hf-venv.sh)"
 run() {  # NAME COMMAND...: runs it, its output in NAME.out; fails naming the command
   local name=$1
   shift
@@ -30,7 +33,11 @@ has_checkpoint() {  # DIR STEP
 
 args=(--steps $steps --batch 64 --lr 0.05 --seed 7)
 run single "$exe" "${args[@]}" --strategy single --checkpoint-dir "$out/ckpt-single"
-python3 "$compare" single.out single.out --steps 1-$steps --tol 0 --decreasing > single.cmp || { cat single.cmp; fail "the reference run"; }
+"$py" "$source/tests/package/reference_train.py" resnet_engine "${args[@]}" > pytorch.out 2>&1 ||
+  { cat pytorch.out; fail "reference_train.py"; }
+python3 "$compare" pytorch.out single.out --steps 1-$steps --tol 1e-5 --decreasing > single.cmp ||
+  { cat single.cmp; fail "one worker against PyTorch"; }
+tail -1 single.cmp
 has_checkpoint "$out/ckpt-single" $steps
 for s in ddp zero1 zero2 zero3; do
   run "$s-2" "$tandem" launch -n 2 -- "$exe" "${args[@]}" --strategy $s --checkpoint-dir "$out/ckpt-$s"

@@ -254,9 +254,8 @@ TEST(Idx, FashionMnistLayoutAcceptsRawNamesAndReportsMissing) {
 
 TEST(FashionMnist, RealFilesLoadWithExpectedStatistics) {
   struct stat st {};
-  if (::stat(tandem::data::kFashionMnistDir, &st) != 0) {
-    GTEST_SKIP() << tandem::data::kFashionMnistDir << " missing (apt-get install dataset-fashion-mnist)";
-  }
+  ASSERT_EQ(::stat(tandem::data::kFashionMnistDir, &st), 0)
+      << tandem::data::kFashionMnistDir << " missing (apt-get install dataset-fashion-mnist; scripts/setup.sh does)";
   auto train = tandem::data::load_fashion_mnist();
   auto test = tandem::data::load_fashion_mnist(tandem::data::kFashionMnistDir, false);
   ASSERT_EQ(train.size(), 60000);

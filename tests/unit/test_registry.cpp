@@ -183,7 +183,8 @@ TEST(Registry, FactoryFailuresNameTheModel) {
 }
 
 TEST(Registry, FashionMnistIsTheBuiltinDataset) {
-  if (access(tandem::data::kFashionMnistDir, R_OK) != 0) GTEST_SKIP() << "no Fashion-MNIST installed";
+  ASSERT_EQ(access(tandem::data::kFashionMnistDir, R_OK), 0)
+      << "no Fashion-MNIST installed (apt-get install dataset-fashion-mnist; scripts/setup.sh does)";
   auto s = tandem::load_registered_dataset("fashion-mnist", tandem::data::kFashionMnistDir);
   EXPECT_EQ(s.train.size(), 60000);
   EXPECT_EQ(s.test.size(), 10000);
