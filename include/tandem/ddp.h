@@ -53,7 +53,7 @@ struct DDPStats {
   int64_t steps = 0;
   int64_t buckets = 0;           // buckets in the current plan
   int64_t bytes = 0;             // bytes all-reduced by this rank
-  double comm_seconds = 0.0;     // time the all-reduces took on the engine
+  double comm_seconds = 0.0;     // time at least one all-reduce was running on the engine
   double exposed_seconds = 0.0;  // time backward's end waited for communication
   // Share of communication hidden behind backward: 1 - exposed / comm (0 when no comm).
   double hidden_fraction() const;

@@ -31,6 +31,7 @@ struct Bucket {
   at::Tensor wire;               // compressed copy sent on the wire (when compressing)
   size_t pending = 0;            // parameters still waiting for their gradient this step
   WorkPtr work;
+  std::chrono::steady_clock::time_point launched;
 };
 
 }  // namespace
@@ -52,19 +53,31 @@ struct DistributedDataParallel::Impl {
   bool no_sync = false;
   Clock::time_point backward_started;
 
-  // Works of the last step: their engine time is known only once they completed, which on
-  // CUDA (where wait() only orders streams) is later than the end of backward.
-  std::vector<WorkPtr> finished;
+  // Works of the last step with their launch times: their engine time is known only once they
+  // completed, which on CUDA (where wait() only orders streams) is later than the end of backward.
+  // Buckets in flight together overlap in time, so the communication time is the union of
+  // their intervals, not the sum: with no overlap every bucket goes out at the end of backward
+  // and the whole of that union is exposed.
+  std::vector<std::pair<WorkPtr, Clock::time_point>> finished;
   void collect_seconds() {
-    std::vector<WorkPtr> still;
-    for (auto& w : finished) {
+    std::vector<std::pair<WorkPtr, Clock::time_point>> still;
+    std::vector<std::pair<Clock::time_point, Clock::time_point>> spans;
+    for (auto& [w, at] : finished) {
       if (w->is_completed()) {
-        stats.comm_seconds += w->seconds();
+        spans.emplace_back(at, at + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(w->seconds())));
       } else {
-        still.push_back(w);
+        still.emplace_back(w, at);
       }
     }
     finished.swap(still);
+    std::sort(spans.begin(), spans.end());
+    Clock::time_point covered = Clock::time_point::min();
+    for (const auto& [from, to] : spans) {
+      const auto start = std::max(from, covered);
+      if (to > start) stats.comm_seconds += std::chrono::duration<double>(to - start).count();
+      covered = std::max(covered, to);
+    }
   }
 
   std::vector<size_t> arrival;  // gradient order of the first synchronized step
@@ -187,6 +200,7 @@ struct DistributedDataParallel::Impl {
       bk.wire = bk.flat;
     }
     stats.bytes += bk.wire.numel() * bk.wire.element_size();
+    bk.launched = Clock::now();
     bk.work = comm->allreduce_async(bk.wire, ReduceOp::kAvg);
   }
 
@@ -217,7 +231,7 @@ struct DistributedDataParallel::Impl {
     if (err) std::rethrow_exception(err);
     torch::NoGradGuard ng;
     for (auto& bk : buckets) {
-      finished.push_back(bk.work);
+      finished.emplace_back(bk.work, bk.launched);
       if (!bk.wire.is_same(bk.flat)) bk.flat.copy_(bk.wire);
       bk.work.reset();
       bk.pending = bk.params.size();
