@@ -5,9 +5,10 @@
 #                       and --lr 0.01 without it does not
 #   --compress fp16     the all-reduce payload per step is half of the uncompressed run's, and
 #                       the losses stay within 1e-5 relative of it
-#   --no-overlap        the same losses as the overlapped run (the same buckets, summed alike);
-#                       when the buckets go out is not checked: on shared cores the timeline
-#                       and the report's hidden fraction look alike with and without it
+#   --no-overlap        the same losses as the overlapped run (the same buckets, summed alike),
+#                       and the report's hidden share of the all-reduce time under 10% (every
+#                       bucket goes out after backward; buckets in flight together count once).
+#                       Overlap's own share is not checked: on shared cores it can be as low
 #   --activation-checkpointing every
 #                       the same losses as without (recomputing gives the same values), the
 #                       report and the metrics name the recomputation; on a 4-layer transformer
@@ -70,6 +71,8 @@ check(payload["fp16"] * 2 == payload["base"], f"--compress fp16 all-reduces half
 check(0 < worst("base", "fp16") <= 1e-5, f"--compress fp16 losses within 1e-5 relative of fp32's, not equal "
       f"({worst('base', 'fp16'):.2g})")
 check(worst("base", "no_overlap") <= 1e-7, f"--no-overlap: the overlapped run's losses ({worst('base', 'no_overlap'):.2g})")
+hidden = runs["no_overlap"][1]["hidden_fraction"]
+check(hidden < 0.1, f"--no-overlap: {100 * hidden:.0f}% of the all-reduce time reported hidden behind backward")
 check(worst("base", "ckpt") <= 1e-7, f"--activation-checkpointing every: the same losses ({worst('base', 'ckpt'):.2g})")
 check(runs["ckpt"][1]["activation_checkpointing"] == "every" and runs["base"][1]["activation_checkpointing"] == "none",
       "the metrics report names the recomputation")

@@ -216,9 +216,10 @@ struct DistributedDataParallel::Impl {
       if (!plan_final) arrival.push_back(i);
     }
     for (auto& bk : buckets) bk.pending = 0;
-    launch_ready();
-
+    // Exposed: from the launch of the buckets backward did not start (all of them without
+    // overlap) to the last one done.
     auto t0 = Clock::now();
+    launch_ready();
     std::exception_ptr err;
     for (auto& bk : buckets) {
       try {
