@@ -154,6 +154,7 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
   std::vector<double> step_ms;
   if (!cfg.trace.empty()) trace::start(*rt.cpu_world());
   StepMeter meter(eng);
+  const bool measure = !cfg.metrics_path.empty() || !cfg.tensorboard.empty();  // someone reads the figures
   auto t_start = Clock::now();
   double last = 0.0;
   rep.first_step = hooks.first_step;
@@ -178,8 +179,10 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
       throw std::runtime_error("loss is " + std::to_string(last) + " at step " + std::to_string(step) + "; lower --lr");
     }
     step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-    rep.step_figures.push_back(meter.next(step_ms.back(), cfg.batch));
-    if (hooks.tensorboard) hooks.tensorboard->step(step + 1, last, rep.step_figures.back());
+    if (measure) rep.step_figures.push_back(meter.next(step_ms.back(), cfg.batch));
+    if (hooks.tensorboard && hooks.tensorboard->active()) {
+      hooks.tensorboard->step(step + 1, last, rep.step_figures.back());
+    }
     const int64_t done = step + 1 - hooks.first_step;
     progress.update(1, 1, done, last, done * cfg.batch, Clock::now() - t_start);
     if (hooks.after_step && hooks.after_step(step + 1, first_sample + done * cfg.batch)) {

@@ -282,6 +282,7 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
   eng.train(true);
   eng.reset_stats();
   StepMeter meter(eng);
+  const bool measure = !cfg.metrics_path.empty() || !cfg.tensorboard.empty();  // someone reads the figures
   auto t_start = Clock::now();
   for (int epoch = static_cast<int>(start.epoch);
        epoch < cfg.epochs && at.schedule_samples < last_sample && !rec.stopped; ++epoch) {
@@ -329,7 +330,7 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
       at.schedule_samples += cfg.batch;
       rec.samples += step_global;
       rec.step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-      rec.figures.push_back(meter.next(rec.step_ms.back(), step_global));
+      if (measure) rec.figures.push_back(meter.next(rec.step_ms.back(), step_global));
       if (!cfg.tensorboard.empty()) {  // every rank: the loss is reduced over them
         rec.global_losses.push_back(global_loss(eng, l, rec.loss_shares.back(), shares.active(), dev));
         tb.step(at.step, rec.global_losses.back(), rec.figures.back());
