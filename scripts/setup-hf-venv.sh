@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Creates .venv-hf (git-ignored), the test-only Python environment of the Hugging Face
 # cross-checks (tests/unit/test_safetensors*.cpp, tests/unit/test_llama.cpp, tests/hf/*.py):
-# safetensors, transformers, sentencepiece, numpy and peft from PyPI. torch comes from .venv
-# through a .pth file, so the 4.7 GB wheel is not installed a second time; .venv must exist
-# (scripts/setup.sh). pip sees that torch as installed; a constraint pins it to .venv's version,
+# safetensors, transformers, sentencepiece, numpy and peft from PyPI, and tensorboard (its
+# EventAccumulator reads back the --tensorboard event files, tests/e2e/tensorboard.sh). torch
+# comes from .venv through a .pth file, so the 4.7 GB wheel is not installed a second time;
+# .venv must exist (scripts/setup.sh). pip sees that torch as installed; a constraint pins it to .venv's version,
 # so a package wanting another torch fails the install instead of downloading a second one.
 # Idempotent. Tests that need .venv-hf skip, saying so, while it is absent.
 set -euo pipefail
@@ -21,14 +22,14 @@ fi
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 hf_site=$(.venv-hf/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$site" > "$hf_site/zz_tandem_venv.pth"
-if .venv-hf/bin/python -c 'import safetensors, transformers, sentencepiece, numpy, torch, peft' 2>/dev/null; then
-  log "safetensors, transformers, sentencepiece, peft present"
+if .venv-hf/bin/python -c 'import safetensors, transformers, sentencepiece, numpy, torch, peft, tensorboard' 2>/dev/null; then
+  log "safetensors, transformers, sentencepiece, peft, tensorboard present"
 else
-  log "installing safetensors transformers sentencepiece numpy peft into .venv-hf"
+  log "installing safetensors transformers sentencepiece numpy peft tensorboard into .venv-hf"
   torch_version=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))')
   constraints=$(mktemp)
   trap 'rm -f "$constraints"' EXIT
   echo "torch==$torch_version" >"$constraints"
-  .venv-hf/bin/pip install -q --disable-pip-version-check -c "$constraints" safetensors transformers sentencepiece numpy peft
+  .venv-hf/bin/pip install -q --disable-pip-version-check -c "$constraints" safetensors transformers sentencepiece numpy peft tensorboard
 fi
 .venv-hf/bin/python -c 'import safetensors, transformers, peft, torch; print("[setup-hf] transformers", transformers.__version__, "safetensors", safetensors.__version__, "peft", peft.__version__, "torch", torch.__version__, "from", torch.__file__)'

@@ -27,6 +27,7 @@ done
 # ---- Debian packages
 pkgs=(build-essential cmake ninja-build ccache python3 python3-venv python3-pip python3-jsonschema python3-yaml
       openmpi-bin libopenmpi-dev libgtest-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
+      libprotobuf-dev protobuf-compiler libboost-dev
       dataset-fashion-mnist gnuplot-nox libsentencepiece-dev sentencepiece clang libclang-rt-14-dev
       fortunes fortunes-min fortunes-de fortunes-es fortunes-it fortunes-pl fortunes-ru fortunes-cs
       iproute2 util-linux   # ip, unshare: the network-namespace hosts of tests/netns

@@ -344,6 +344,9 @@ class Engine {
   // Seconds of the last step's forward passes and losses on this rank, less what ZeRO-3 waited
   // for other ranks' parameters: this rank's own forward compute (for batch-share calibration).
   double last_forward_seconds() const;
+  // The global gradient norm (whole model, before clipping) of the last optimizer step, where
+  // the step computed it (max_grad_norm > 0); negative otherwise.
+  double last_grad_norm() const;
 
   struct Impl;
 

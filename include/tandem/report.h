@@ -22,6 +22,33 @@ namespace tandem {
 class Engine;
 struct EngineStats;
 
+// One step's figures beside its loss, rank 0's: each step's line of a --metrics file and the
+// curves of --tensorboard (tandem/tensorboard.h).
+struct StepFigures {
+  double lr = 0.0;
+  double samples_per_second = 0.0;  // the step's global samples over its wall time
+  // The global gradient norm before clipping, where the engine computes it (--max-grad-norm);
+  // negative: not computed.
+  double grad_norm = -1.0;
+  double loss_scale = 1.0;     // the loss scale after the step (fp16's dynamic one; 1 otherwise)
+  int64_t peak_rss_bytes = 0;  // this process's resident peak so far
+  // Seconds on the communication engine during the step over the step's wall seconds (what
+  // overlaps compute counts too).
+  double comm_share = 0.0;
+};
+
+// Reads a loop's StepFigures off the engine's counters, step after step. Local.
+class StepMeter {
+ public:
+  explicit StepMeter(const Engine& engine);  // after the engine's reset_stats(), before the first step
+  // The step that just ended: its wall milliseconds and the global samples it trained on.
+  StepFigures next(double step_ms, int64_t samples);
+
+ private:
+  const Engine& engine_;
+  double comm_seconds_ = 0.0;
+};
+
 struct Report {
   // ---- what ran (filled by the command)
   std::string command = "train";  // the title: "== tandem <command> report =="
@@ -51,10 +78,11 @@ struct Report {
   int64_t samples = 0;        // global samples processed
   double wall_seconds = 0.0;  // the training loop only (no data loading, no evaluation)
   double samples_per_second = 0.0;
-  double step_ms_median = 0.0;  // median wall time of a step, the first left out
-  double speedup = 0.0;         // over baseline_samples_per_second, from the median step
-  std::vector<double> step_ms;  // this rank's wall milliseconds of every step
-  std::vector<double> losses;   // the global batch's loss of every step
+  double step_ms_median = 0.0;            // median wall time of a step, the first left out
+  double speedup = 0.0;                   // over baseline_samples_per_second, from the median step
+  std::vector<double> step_ms;            // this rank's wall milliseconds of every step
+  std::vector<double> losses;             // the global batch's loss of every step
+  std::vector<StepFigures> step_figures;  // rank 0's figures of every step (beside losses)
   double final_loss = 0.0;
 
   // ---- the evaluation (filled by the command; negative: not evaluated)
@@ -145,9 +173,10 @@ std::string format_report(const Report& rep);
 // and "layout": "dp A x tp B x pp C" (the last line of a --metrics file).
 std::string report_json(const Report& rep);
 
-// A --metrics file: a JSON line per step ({"step", "loss", "step_ms"}, steps counted from
-// first_step + 1), then the report_json line. Throws std::runtime_error naming the path when it
-// cannot be written.
+// A --metrics file: a JSON line per step ({"step", "loss", "step_ms"} and, where recorded, the
+// step's StepFigures: "lr", "samples_per_second", "grad_norm" (where computed), "loss_scale",
+// "peak_rss_bytes", "comm_share"; steps counted from first_step + 1), then the report_json
+// line. Throws std::runtime_error naming the path when it cannot be written.
 void write_metrics(const std::string& path, const Report& rep);
 
 }  // namespace tandem

@@ -198,6 +198,7 @@ struct TextTrainConfig {
   double baseline_samples_per_second = 0.0;  // one worker's, for the speedup figure
   std::string trace;                         // Chrome trace-event timeline of the loop (tandem/trace.h); "": none
   std::string metrics_path;                  // JSON lines: per-step loss and time, then the report (tandem/report.h)
+  std::string tensorboard;  // TensorBoard event files of the same figures (tandem/tensorboard.h); "": none
   TextCheckpoints checkpoints;
 };
 

@@ -45,7 +45,10 @@ struct TrainConfig {
   int64_t eval_limit = -1;  // evaluate on at most this many test samples; -1: all
   bool evaluate = true;
   std::string metrics_path;  // JSON lines, written by rank 0
-  int64_t log_every = 50;    // plain progress lines every N steps when not on a terminal
+  // TensorBoard event files of the same figures, written by rank 0 while it trains
+  // (tandem/tensorboard.h); "" for none.
+  std::string tensorboard;
+  int64_t log_every = 50;  // plain progress lines every N steps when not on a terminal
   bool progress = true;
   // Throughput of one worker on the same job (samples/s), measured by the launcher; 0 = unknown.
   double baseline_samples_per_second = 0.0;

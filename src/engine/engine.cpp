@@ -715,5 +715,6 @@ const LossScaler& Engine::loss_scaler() const { return impl_->up->scaler(); }
 int64_t Engine::parameters() const { return impl_->parameters; }
 int64_t Engine::trainable_parameters() const { return impl_->trainable; }
 double Engine::last_forward_seconds() const { return impl_->forward_s; }
+double Engine::last_grad_norm() const { return impl_->up->last_grad_norm(); }
 
 }  // namespace tandem

@@ -303,6 +303,22 @@ void describe_engine(const Engine& eng, Report& rep) {
   rep.activation_checkpointing = to_string(pc.activation_checkpointing);
 }
 
+StepMeter::StepMeter(const Engine& engine) : engine_(engine), comm_seconds_(engine.stats().comm.seconds) {}
+
+StepFigures StepMeter::next(double step_ms, int64_t samples) {
+  const EngineStats s = engine_.stats();
+  StepFigures f;
+  f.lr = engine_.lr();
+  f.samples_per_second = step_ms > 0 ? static_cast<double>(samples) * 1000.0 / step_ms : 0.0;
+  const double norm = engine_.last_grad_norm();
+  f.grad_norm = std::isfinite(norm) && norm >= 0 ? norm : -1.0;  // an fp16 overflow's is inf
+  f.loss_scale = s.scaler.scale;
+  f.peak_rss_bytes = s.memory.peak_rss_bytes;
+  f.comm_share = step_ms > 0 ? (s.comm.seconds - comm_seconds_) * 1000.0 / step_ms : 0.0;
+  comm_seconds_ = s.comm.seconds;
+  return f;
+}
+
 void record_loop(Report& rep, int64_t steps, int64_t samples, double wall_seconds, const std::vector<double>& step_ms) {
   rep.steps = steps;
   rep.samples = samples;
@@ -445,11 +461,19 @@ void write_metrics(const std::string& path, const Report& rep) {
   std::ofstream f(path);
   if (!f) throw std::runtime_error("cannot write metrics to '" + path + "'; check the directory exists");
   for (size_t i = 0; i < rep.losses.size(); ++i) {
-    f << nlohmann::json{{"step", rep.first_step + static_cast<int64_t>(i) + 1},
+    nlohmann::json line{{"step", rep.first_step + static_cast<int64_t>(i) + 1},
                         {"loss", rep.losses[i]},
-                        {"step_ms", i < rep.step_ms.size() ? rep.step_ms[i] : 0.0}}
-             .dump()
-      << '\n';
+                        {"step_ms", i < rep.step_ms.size() ? rep.step_ms[i] : 0.0}};
+    if (i < rep.step_figures.size()) {
+      const StepFigures& s = rep.step_figures[i];
+      line["lr"] = s.lr;
+      line["samples_per_second"] = s.samples_per_second;
+      if (s.grad_norm >= 0) line["grad_norm"] = s.grad_norm;
+      line["loss_scale"] = s.loss_scale;
+      line["peak_rss_bytes"] = s.peak_rss_bytes;
+      line["comm_share"] = s.comm_share;
+    }
+    f << line.dump() << '\n';
   }
   f << report_json(rep) << '\n';
   if (!f) throw std::runtime_error("writing metrics to '" + path + "' failed (disk full?)");

@@ -82,6 +82,7 @@ class Updater {
   virtual bool step() = 0;
   virtual void set_lr(double lr) = 0;
   virtual double lr() const = 0;
+  virtual double last_grad_norm() const = 0;  // negative: not computed by the last step
   virtual const LossScaler& scaler() const = 0;
   // Seconds this rank waited for other ranks' parameters (ZeRO-3), for timing its own compute.
   virtual double gather_wait_seconds() const { return 0.0; }

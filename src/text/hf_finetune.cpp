@@ -484,7 +484,9 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
   if (!ck.dir.empty() && rt.rank() == 0) copy_tokenizer(cfg.model_dir, (fs::path(ck.dir) / "tokenizer").string());
   // The data position holds only with the same examples, global batch and seed.
   LoopCheckpoints checkpoints(eng, cfg.loop, "hf_finetune", run, {"task", "labels", "seed", "lora"});
-  const LoopHooks hooks = checkpoints.start();
+  tensorboard::Log tb(cfg.loop.tensorboard, rt.rank() == 0);
+  LoopHooks hooks = checkpoints.start();
+  hooks.tensorboard = &tb;
   LossFn loss_fn = lm ? LossFn(lm_loss_sum) : LossFn(cls_loss_sum);
   if (lm && cfg.loop.parallel.tp > 1) {
     loss_fn = [tp = eng.grid()->tp()](const torch::Tensor& logits, const torch::Tensor& targets) {
@@ -526,6 +528,7 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
     rep.plan_memory_bytes_per_stage.clear();
   }
   if (rt.rank() == 0 && !cfg.loop.metrics_path.empty()) write_metrics(cfg.loop.metrics_path, rep);
+  tb.finish(rep);
   return rep;
 }
 

@@ -19,6 +19,7 @@
 
 #include "tandem/engine.h"
 #include "tandem/progress.h"
+#include "tandem/tensorboard.h"
 #include "tandem/text.h"
 #include "tandem/trace.h"
 
@@ -29,10 +30,12 @@ namespace tandem::text {
 // rate continue where the saved run stopped. after_step(steps, samples) runs after each step
 // with the steps done (1-based, from the start of training) and the sampler's position after it,
 // e.g. to save a checkpoint; returning true ends the loop there. Collective when it is.
+// `tensorboard` (null: none) gets each step's loss and figures as they come.
 struct LoopHooks {
   int64_t first_step = 0;
   int64_t first_sample = -1;  // -1: first_step whole global batches
   std::function<bool(int64_t steps_done, int64_t samples_done)> after_step;
+  tensorboard::Log* tensorboard = nullptr;
 };
 
 // The checkpoints of a text loop (TextTrainConfig::checkpoints) on `eng`. Each records `run`
@@ -150,6 +153,8 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
   Progress progress(rank == 0 && cfg.progress, cfg.steps - hooks.first_step, cfg.log_every);
   std::vector<double> step_ms;
   if (!cfg.trace.empty()) trace::start(*rt.cpu_world());
+  StepMeter meter(eng);
+  const bool measure = !cfg.metrics_path.empty() || !cfg.tensorboard.empty();  // someone reads the figures
   auto t_start = Clock::now();
   double last = 0.0;
   rep.first_step = hooks.first_step;
@@ -174,6 +179,10 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
       throw std::runtime_error("loss is " + std::to_string(last) + " at step " + std::to_string(step) + "; lower --lr");
     }
     step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    if (measure) rep.step_figures.push_back(meter.next(step_ms.back(), cfg.batch));
+    if (hooks.tensorboard && hooks.tensorboard->active()) {
+      hooks.tensorboard->step(step + 1, last, rep.step_figures.back());
+    }
     const int64_t done = step + 1 - hooks.first_step;
     progress.update(1, 1, done, last, done * cfg.batch, Clock::now() - t_start);
     if (hooks.after_step && hooks.after_step(step + 1, first_sample + done * cfg.batch)) {

@@ -155,8 +155,9 @@ std::string confusion_table(const std::vector<std::string>& labels, const std::v
 }
 
 // The Engine's figures, tandem plan's memory for this shape and layout beside them, and the
-// metrics file (rank 0). Collective.
-void finish_report(Engine& eng, const EngineStats& loop, const TextTrainConfig& cfg, TextReport& rep) {
+// metrics file and the TensorBoard run's final figures (rank 0). Collective.
+void finish_report(Engine& eng, const EngineStats& loop, const TextTrainConfig& cfg, TextReport& rep,
+                   tensorboard::Log& tb) {
   collect_engine_report(eng, loop, rep);
   if (eng.world()->rank() == 0) {
     const ModelShape& m = rep.shape;
@@ -168,6 +169,7 @@ void finish_report(Engine& eng, const EngineStats& loop, const TextTrainConfig& 
     rep.plan_memory_bytes_per_stage.clear();
   }
   if (eng.world()->rank() == 0 && !cfg.metrics_path.empty()) write_metrics(cfg.metrics_path, rep);
+  tb.finish(rep);
 }
 
 // Writes model.pt (the dense fp32 parameters) and the manifest that describes it into `dir`.
@@ -210,6 +212,7 @@ ParallelConfig default_text_parallel() {
 
 void validate(const TextTrainConfig& cfg, int world) {
   if (!cfg.trace.empty()) trace::check_path(cfg.trace);
+  if (!cfg.tensorboard.empty()) tensorboard::check_dir(cfg.tensorboard);
   tandem::validate(cfg.parallel, world);
   // The loop gives every replica an equal share of the global batch.
   const int dp = data_parallel_size(cfg.parallel, world);
@@ -313,7 +316,9 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
     return ids.narrow(1, 1, ids.size(1) - 1).ne(tok.pad_id()).sum().item<int64_t>();
   };
   LoopCheckpoints checkpoints(eng, cfg, "text", run_record("pretrain", cfg, tok), {"command", "tokenizer", "seed"});
-  const LoopHooks hooks = checkpoints.start();
+  tensorboard::Log tb(cfg.tensorboard, rank == 0);
+  LoopHooks hooks = checkpoints.start();
+  hooks.tensorboard = &tb;
   const EngineStats loop = train_loop(
       rt, cfg, eng, train.ids.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
@@ -327,7 +332,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
       rep, hooks);
   checkpoints.finish();
   if (rep.stopped) {  // relaunched from the checkpoint: neither evaluation nor --out yet
-    finish_report(eng, loop, cfg, rep);
+    finish_report(eng, loop, cfg, rep, tb);
     return rep;
   }
   if (cfg.evaluate) {
@@ -346,7 +351,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
     rep.eval_loss = h[1].item<double>() > 0 ? h[0].item<double>() / h[1].item<double>() : -1.0;
   }
   auto params = eng.full_parameters();
-  finish_report(eng, loop, cfg, rep);
+  finish_report(eng, loop, cfg, rep, tb);
   if (rank == 0) save_model(dir, "pretrain", params, shape, cfg, corpus, tok);
   return rep;
 }
@@ -429,7 +434,9 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
   auto run = run_record("finetune", cfg, tok);
   run["labels"] = corpus.labels;
   LoopCheckpoints checkpoints(eng, cfg, "text", run, {"command", "tokenizer", "labels", "seed"});
-  const LoopHooks hooks = checkpoints.start();
+  tensorboard::Log tb(cfg.tensorboard, rank == 0);
+  LoopHooks hooks = checkpoints.start();
+  hooks.tensorboard = &tb;
   const EngineStats loop = train_loop(
       rt, cfg, eng, train_x.size(0),
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
@@ -443,7 +450,7 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
       [](const std::vector<int64_t>&, int64_t from, int64_t to) { return static_cast<double>(to - from); }, rep, hooks);
   checkpoints.finish();
   if (rep.stopped) {  // relaunched from the checkpoint: neither evaluation nor --out yet
-    finish_report(eng, loop, cfg, rep);
+    finish_report(eng, loop, cfg, rep, tb);
     return rep;
   }
   if (cfg.evaluate) {
@@ -472,7 +479,7 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
     rep.evaluation_detail = confusion_table(rep.labels, rep.confusion);
   }
   auto params = cfg.output.empty() ? std::map<std::string, torch::Tensor>{} : eng.full_parameters();
-  finish_report(eng, loop, cfg, rep);
+  finish_report(eng, loop, cfg, rep, tb);
   if (rank == 0 && !cfg.output.empty()) {
     fs::create_directories(cfg.output);
     tok.save((fs::path(cfg.output) / "tokenizer.model").string());

@@ -26,6 +26,7 @@
 #include "tandem/registry.h"
 #include "tandem/replicas.h"
 #include "tandem/shares.h"
+#include "tandem/tensorboard.h"
 #include "tandem/trace.h"
 
 namespace tandem {
@@ -104,6 +105,7 @@ void validate_checkpointing(const TrainConfig& cfg) {
                                 " needs --checkpoint-dir DIR");
   }
   if (!cfg.trace.empty()) trace::check_path(cfg.trace);
+  if (!cfg.tensorboard.empty()) tensorboard::check_dir(cfg.tensorboard);
   if (cfg.checkpoint_async && cfg.checkpoint_every == 0) {
     throw std::invalid_argument("--checkpoint-async needs --checkpoint-every N (it makes those saves asynchronous)");
   }
@@ -223,6 +225,10 @@ LrSchedule lr_schedule(const TrainConfig& cfg, int dp, int64_t steps_per_epoch, 
 // What the loop collects on this rank.
 struct LoopRecord {
   std::vector<double> losses, loss_shares, step_ms;  // per step: local loss, this rank's share of the batch
+  // Per step, when the loop reduced them as it went (--tensorboard plots them live): the global
+  // batch's loss.
+  std::vector<double> global_losses;
+  std::vector<StepFigures> figures;  // per step: this rank's StepFigures
   int64_t steps = 0, samples = 0;
   bool weighted = false;  // unequal batch shares: the global loss is the sample-weighted mean
   bool stopped = false;   // ended early at a checkpoint, as cfg.stop_file asked
@@ -242,10 +248,19 @@ std::vector<std::vector<int64_t>> epoch_batches(const TrainConfig& cfg, const Ba
   return data::batches(idx, local_batch, pc.pp > 1 && (n % local_batch) % pc.micro_batches != 0);
 }
 
+// The global batch's loss of one step from every rank's: the sample-weighted sum under unequal
+// shares, else the mean (report_losses's reduction, one step at a time). Collective.
+double global_loss(Engine& eng, double local, double share, bool weighted, const c10::Device& dev) {
+  if (eng.world_size() == 1) return local;
+  auto t = torch::tensor({weighted ? local * share : local}, torch::kDouble).to(dev);
+  eng.world()->allreduce(t, weighted ? ReduceOp::kSum : ReduceOp::kAvg);
+  return t.cpu().item<double>();
+}
+
 // The training loop: epochs of this replica's batches, the learning rate, checkpoints, progress
 // and the batch shares' calibration.
 LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& train_set, const Position& start,
-                    const c10::Device& dev, TrainReport& rep) {
+                    const c10::Device& dev, TrainReport& rep, tensorboard::Log& tb) {
   const int rank = eng.world()->rank(), world = eng.world_size();
   const int dp = eng.dp_size();
   data::DistributedSampler sampler(train_set.size(), eng.dp_rank(), dp, /*shuffle=*/true, cfg.seed);
@@ -266,6 +281,8 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
   Position at = start;
   eng.train(true);
   eng.reset_stats();
+  StepMeter meter(eng);
+  const bool measure = !cfg.metrics_path.empty() || !cfg.tensorboard.empty();  // someone reads the figures
   auto t_start = Clock::now();
   for (int epoch = static_cast<int>(start.epoch);
        epoch < cfg.epochs && at.schedule_samples < last_sample && !rec.stopped; ++epoch) {
@@ -313,6 +330,11 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
       at.schedule_samples += cfg.batch;
       rec.samples += step_global;
       rec.step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      if (measure) rec.figures.push_back(meter.next(rec.step_ms.back(), step_global));
+      if (!cfg.tensorboard.empty()) {  // every rank: the loss is reduced over them
+        rec.global_losses.push_back(global_loss(eng, l, rec.loss_shares.back(), shares.active(), dev));
+        tb.step(at.step, rec.global_losses.back(), rec.figures.back());
+      }
       progress.update(epoch + 1, cfg.epochs, at.step, l, rec.samples, Clock::now() - t_start);
       if (cfg.checkpoint_every > 0 && at.step % cfg.checkpoint_every == 0) {
         save_checkpoint_now(cfg, eng, at);
@@ -341,7 +363,13 @@ LoopRecord run_loop(const TrainConfig& cfg, Engine& eng, const data::Dataset& tr
 // Global per-step losses (one all-reduce of every step's local loss), the step times and the speedup.
 void report_losses(Engine& eng, const LoopRecord& rec, const c10::Device& dev, TrainReport& rep) {
   record_loop(rep, rec.steps, rec.samples, rep.wall_seconds, rec.step_ms);
+  rep.step_figures = rec.figures;
   if (rec.losses.empty()) return;
+  if (!rec.global_losses.empty()) {  // reduced step by step already: the values plotted live
+    rep.losses = rec.global_losses;
+    rep.final_loss = rep.losses.back();
+    return;
+  }
   auto lt = torch::tensor(rec.losses, torch::kDouble).to(dev);
   if (rec.weighted) {  // the sample-weighted mean: sum over ranks of n_r / N * loss_r
     lt = lt * torch::tensor(rec.loss_shares, torch::kDouble).to(dev);
@@ -457,8 +485,9 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   Position start = fresh_start(cfg);
   if (cfg.resume) start = resume_from_checkpoint(cfg, eng, rank);
   rep.first_step = start.step;
+  tensorboard::Log tb(cfg.tensorboard, rank == 0);
   if (!cfg.trace.empty()) trace::start(*rt.cpu_world());
-  const LoopRecord rec = run_loop(cfg, eng, train_set, start, dev, rep);
+  const LoopRecord rec = run_loop(cfg, eng, train_set, start, dev, rep, tb);
   if (!cfg.trace.empty()) {
     trace::stop();
     trace::write(cfg.trace, *rt.cpu_world());
@@ -469,6 +498,7 @@ TrainReport train(Runtime& rt, const TrainConfig& cfg_in) {
   collect_engine_report(eng, loop, rep);
   if (rank == 0) add_planned_memory(cfg, pc, world, pc.pp > 1 ? eng.partition() : std::vector<int64_t>{}, rep);
   if (rank == 0 && !cfg.metrics_path.empty()) write_metrics(cfg.metrics_path, rep);
+  tb.finish(rep);
   return rep;
 }
 

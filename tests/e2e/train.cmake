@@ -31,3 +31,9 @@ set_tests_properties(e2e_train_replicas PROPERTIES TIMEOUT 600 PROCESSORS 2)
 # cnn_bn (its BatchNorm parameters and broadcast running statistics).
 add_test(NAME e2e_train_flags COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_flags.sh $<TARGET_FILE:tandem_cli>)
 set_tests_properties(e2e_train_flags PROPERTIES TIMEOUT 300 PROCESSORS 2)
+# --tensorboard DIR on train, pretrain, finetune and finetune --init-from: TensorBoard's
+# EventAccumulator reads every step's figures and the final ones equal to the same run's
+# --metrics; a run killed midway leaves readable steps; an unusable directory is refused before
+# training. Fails without .venv-hf (with tensorboard) or the fortunes corpus (test setup).
+add_test(NAME e2e_tensorboard COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/tensorboard.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
+set_tests_properties(e2e_tensorboard PROPERTIES TIMEOUT 300 PROCESSORS 2)

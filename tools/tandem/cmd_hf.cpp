@@ -87,6 +87,10 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
   app.add_flag("--no-progress", f.no_progress, "no progress display");
   app.add_option("--log-every", l.log_every, "plain progress line every N steps")->capture_default_str();
   app.add_option("--metrics", l.metrics_path, "write per-step loss and time, then the report, as JSON lines");
+  app.add_option(
+      "--tensorboard", l.tensorboard,
+      "write TensorBoard event files of the per-step loss, learning rate, throughput, gradient norm, loss scale, "
+      "memory and communication share, then the final figures, into DIR (rank 0; the --metrics figures)");
   app.add_option("--trace", l.trace, "write a timeline of every rank's training loop to FILE (Chrome trace JSON)");
   add_text_checkpoint_options(app, l.checkpoints);
   add_elastic_lr_option(app, f.elastic_lr);

@@ -68,6 +68,10 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   app.add_flag("--no-progress", no_progress, "no progress display");
   app.add_option("--log-every", cfg.log_every, "plain progress line every N steps")->capture_default_str();
   app.add_option("--metrics", cfg.metrics_path, "write per-step loss and time, then the report, as JSON lines");
+  app.add_option(
+      "--tensorboard", cfg.tensorboard,
+      "write TensorBoard event files of the per-step loss, learning rate, throughput, gradient norm, loss scale, "
+      "memory and communication share, then the final figures, into DIR (rank 0; the --metrics figures)");
   app.add_option("--trace", cfg.trace, "write a timeline of every rank's training loop to FILE (Chrome trace JSON)");
   app.add_option("--timeout", timeout_s, "seconds any communication may block before failing")->capture_default_str();
   add_text_checkpoint_options(app, cfg.checkpoints);

@@ -108,6 +108,7 @@ bool measure_baseline(const TrainConfig& cfg, const RuntimeOptions& ro, int work
   b.evaluate = false;
   b.progress = false;
   b.metrics_path.clear();
+  b.tensorboard.clear();
   b.checkpoint_every = 0;  // the measurement neither saves nor resumes
   b.resume = false;
   b.parallel.strategy = Strategy::kSingle;
@@ -201,6 +202,10 @@ int cmd_train(int argc, char** argv) {
   app.add_option("--threads", threads, "compute threads per worker (0: cores / workers)")->capture_default_str();
   app.add_option("--max-steps", cfg.max_steps, "stop after this many steps (-1: all)")->capture_default_str();
   app.add_option("--metrics", cfg.metrics_path, "write per-step metrics and the report as JSON lines");
+  app.add_option(
+      "--tensorboard", cfg.tensorboard,
+      "write TensorBoard event files of the per-step loss, learning rate, throughput, gradient norm, loss scale, "
+      "memory and communication share, then the final figures, into DIR (rank 0; the --metrics figures)");
   app.add_option("--bucket-mb", cfg.parallel.bucket_mb, "gradient bucket size cap in MiB (DDP, ZeRO-1/2)")
       ->check(whole_between(1, 1 << 20))
       ->capture_default_str();
