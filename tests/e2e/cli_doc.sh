@@ -69,6 +69,7 @@ compare() {
 check_examples() {
   local bad=0 line cmd flag
   while IFS= read -r line; do
+    line=${line%% \#*}  # a trailing comment is prose
     read -ra w <<<"${line%% -- *}"
     cmd=${w[1]}
     [[ $cmd == finetune && " ${w[*]} " == *" --init-from "* ]] && cmd="finetune --init-from DIR"
