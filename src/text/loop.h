@@ -52,6 +52,10 @@ class LoopCheckpoints {
   // deletes it (the launcher's sign that the checkpoint is committed). Collective.
   void finish();
   bool stopped() const { return stopped_; }
+  // The samples of an epoch: checkpoints then also record the data loader's place as "data":
+  // {"epoch", "index" (samples of that epoch drawn), "samples_per_epoch"}; a resumed run continues
+  // at epoch * samples_per_epoch + index, whatever its worker count.
+  void set_epoch_size(int64_t n) { epoch_size_ = n; }
 
  private:
   LoopHooks start_hooks(LoopHooks hooks);
@@ -62,7 +66,7 @@ class LoopCheckpoints {
   std::string key_;
   nlohmann::json run_;
   std::vector<std::string> must_match_;
-  int64_t steps_ = 0, samples_ = 0, saved_at_ = -1;
+  int64_t steps_ = 0, samples_ = 0, saved_at_ = -1, epoch_size_ = 0;
   bool stopped_ = false;
 };
 

@@ -22,6 +22,8 @@ const char* kUsage =
     "  pretrain   pre-train a transformer language model on text (fortune cookies), with its tokenizer\n"
     "  finetune   fine-tune it to classify text by language, under any strategy and worker count;\n"
     "             or a Hugging Face Llama directory: tandem finetune --init-from DIR --data FILE.jsonl\n"
+    "  preprocess tokenize JSON lines once into a memory-mapped dataset for finetune --init-from:\n"
+    "             tandem preprocess --init-from DIR --data FILE.jsonl --out DATA_DIR\n"
     "  export     write a checkpoint as a Hugging Face directory: tandem export --to hf OUT --checkpoint DIR\n"
     "\n"
     "Run 'tandem COMMAND --help' for a command's options.\n";
@@ -42,6 +44,7 @@ int main(int argc, char** argv) {
     if (cmd == "bench") return tandem::cli::cmd_bench(argc - 1, argv + 1);
     if (cmd == "plan") return tandem::cli::cmd_plan(argc - 1, argv + 1);
     if (cmd == "k8s") return tandem::cli::cmd_k8s(argc - 1, argv + 1);
+    if (cmd == "preprocess") return tandem::cli::cmd_preprocess(argc - 1, argv + 1);
     if (cmd == "pretrain") return tandem::cli::cmd_pretrain(argc - 1, argv + 1);
     if (cmd == "finetune") return tandem::cli::cmd_finetune(argc - 1, argv + 1);
     if (cmd == "export") return tandem::cli::cmd_export(argc - 1, argv + 1);
