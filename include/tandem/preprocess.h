@@ -15,10 +15,10 @@
 namespace tandem::text {
 
 struct PreprocessOptions {
-  std::string model_dir;  // --init-from: whose tokenizer
-  std::string data;       // the JSON lines file
-  std::string out;        // the output directory (created)
-  int threads = 0;        // tokenizing threads; 0: the machine's cores
+  std::string model_dir;          // --init-from: whose tokenizer
+  std::string data;               // the JSON lines file
+  std::string out;                // the output directory (created)
+  int threads = 0;                // tokenizing threads; 0: the machine's cores
   int64_t chunk_bytes = 4 << 20;  // input bytes a thread tokenizes at a time
   // Called after each chunk is written: input bytes done of the file's total, documents and tokens so far.
   std::function<void(int64_t bytes, int64_t total, int64_t documents, int64_t tokens)> progress;

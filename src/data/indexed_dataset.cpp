@@ -27,7 +27,8 @@ constexpr const char* kRemake = "; make it again with tandem preprocess";
 // The whole file mapped read-only (nullptr for an empty file).
 const char* map_file(const std::string& path, size_t* len) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(path, std::string("cannot open (") + std::strerror(errno) + "); give the prefix of a preprocessed dataset");
+  if (fd < 0)
+    fail(path, std::string("cannot open (") + std::strerror(errno) + "); give the prefix of a preprocessed dataset");
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
@@ -129,7 +130,8 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
   const std::string idx = prefix + ".idx", bin = prefix + ".bin";
   idx_ = map_file(idx, &idx_len_);
   try {
-    if (idx_len_ < kHeaderBytes) fail(idx, "truncated: " + std::to_string(idx_len_) + " bytes, shorter than the header" + kRemake);
+    if (idx_len_ < kHeaderBytes)
+      fail(idx, "truncated: " + std::to_string(idx_len_) + " bytes, shorter than the header" + kRemake);
     if (std::memcmp(idx_, kMagic, 9) != 0) fail(idx, "not a Megatron indexed dataset index (no MMIDIDX magic)");
     if (load<uint64_t>(idx_ + 9) != 1) fail(idx, "version " + std::to_string(load<uint64_t>(idx_ + 9)) + ", not 1");
     const uint8_t code = load<uint8_t>(idx_ + 17);
@@ -139,12 +141,14 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     type_ = static_cast<TokenType>(code);
     const uint64_t n = load<uint64_t>(idx_ + 18), d = load<uint64_t>(idx_ + 26);
     const uint64_t limit = idx_len_ / 8;  // no count can exceed the file's length
-    if (n > limit || d > limit || d < 1) fail(idx, "impossible counts (" + std::to_string(n) + " sequences, " + std::to_string(d) + " document indices)" + kRemake);
+    if (n > limit || d > limit || d < 1)
+      fail(idx, "impossible counts (" + std::to_string(n) + " sequences, " + std::to_string(d) + " document indices)" +
+                    kRemake);
     const uint64_t want = kHeaderBytes + n * 4 + n * 8 + d * 8;
     if (idx_len_ != want) {
-      fail(idx, std::string(idx_len_ < want ? "truncated" : "longer than its counts") + ": " + std::to_string(idx_len_) +
-                    " bytes, its header's " + std::to_string(n) + " sequences and " + std::to_string(d) +
-                    " document indices need " + std::to_string(want) + kRemake);
+      fail(idx, std::string(idx_len_ < want ? "truncated" : "longer than its counts") + ": " +
+                    std::to_string(idx_len_) + " bytes, its header's " + std::to_string(n) + " sequences and " +
+                    std::to_string(d) + " document indices need " + std::to_string(want) + kRemake);
     }
     sequences_ = static_cast<int64_t>(n);
     doc_count_ = static_cast<int64_t>(d);
@@ -159,7 +163,8 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
       if (size(i) < 0) fail(idx, "sequence " + std::to_string(i) + " has a negative size" + kRemake);
       if (pointer(i) != expect) {
         fail(idx, "sequence " + std::to_string(i) + " starts at byte " + std::to_string(pointer(i)) + ", not " +
-                      std::to_string(expect) + " after the ones before it (Tandem reads sequences stored back to back)");
+                      std::to_string(expect) +
+                      " after the ones before it (Tandem reads sequences stored back to back)");
       }
       expect += static_cast<int64_t>(size(i)) * w;
     }
@@ -190,9 +195,7 @@ IndexedDataset::~IndexedDataset() {
 }
 
 int32_t IndexedDataset::size(int64_t i) const { return load<int32_t>(reinterpret_cast<const char*>(sizes_ + i)); }
-int64_t IndexedDataset::pointer(int64_t i) const {
-  return load<int64_t>(reinterpret_cast<const char*>(pointers_ + i));
-}
+int64_t IndexedDataset::pointer(int64_t i) const { return load<int64_t>(reinterpret_cast<const char*>(pointers_ + i)); }
 int64_t IndexedDataset::doc_index(int64_t i) const {
   return load<int64_t>(reinterpret_cast<const char*>(doc_idx_ + i));
 }
@@ -222,7 +225,8 @@ PackedWindows::PackedWindows(const IndexedDataset& data, int64_t seq)
 }
 
 void PackedWindows::window(int64_t w, int64_t* out, int64_t vocab_size) const {
-  if (w < 0 || w >= windows_) throw std::out_of_range("window " + std::to_string(w) + " of " + std::to_string(windows_));
+  if (w < 0 || w >= windows_)
+    throw std::out_of_range("window " + std::to_string(w) + " of " + std::to_string(windows_));
   data_.read(w * seq_, seq_ + 1, out);
   if (vocab_size <= 0) return;
   for (int64_t i = 0; i <= seq_; ++i) {
@@ -240,7 +244,8 @@ void write_dataset_info(const std::string& dir, const DatasetInfo& i) {
   nlohmann::json j = {{"format", "megatron-mmap-indexed-dataset"},
                       {"prefix", i.prefix},
                       {"dtype", to_string(i.type)},
-                      {"tokenizer", {{"model_dir", i.tokenizer_dir}, {"vocab_size", i.vocab_size}, {"eos", i.eos}, {"bos", i.bos}}},
+                      {"tokenizer",
+                       {{"model_dir", i.tokenizer_dir}, {"vocab_size", i.vocab_size}, {"eos", i.eos}, {"bos", i.bos}}},
                       {"source", i.source},
                       {"documents", i.documents},
                       {"tokens", i.tokens},

@@ -39,9 +39,9 @@ PackedSet::PackedSet(const HfFinetuneConfig& cfg, const hf::Tokenizer& tok, cons
   data_ = std::make_unique<data::IndexedDataset>(dir_ + "/" + info_.prefix);
   if (data_->tokens() != info_.tokens || data_->sequences() != info_.documents) {
     throw std::runtime_error("--data '" + dir_ + "': the index holds " + std::to_string(data_->sequences()) +
-                             " documents of " + std::to_string(data_->tokens()) + " tokens, " +
-                             data::kDatasetInfoFile + " says " + std::to_string(info_.documents) + " of " +
-                             std::to_string(info_.tokens) + "; preprocess again");
+                             " documents of " + std::to_string(data_->tokens()) + " tokens, " + data::kDatasetInfoFile +
+                             " says " + std::to_string(info_.documents) + " of " + std::to_string(info_.tokens) +
+                             "; preprocess again");
   }
   windows_ = std::make_unique<data::PackedWindows>(*data_, cfg.seq);
   if (!cfg.data_record.empty()) {
@@ -76,8 +76,11 @@ void PackedSet::record(const std::vector<int64_t>& idx, int64_t from, int64_t to
     return rows;
   };
   const auto positions = llama::document_layout(ids, eos_).positions;
-  *record_ << nlohmann::json{{"step", step_},   {"samples", samples},       {"windows", windows},
-                             {"ids", to_json(ids)}, {"positions", to_json(positions)}}
+  *record_ << nlohmann::json{{"step", step_},
+                             {"samples", samples},
+                             {"windows", windows},
+                             {"ids", to_json(ids)},
+                             {"positions", to_json(positions)}}
                   .dump()
            << '\n'
            << std::flush;

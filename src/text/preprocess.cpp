@@ -2,7 +2,10 @@
 // others, and written in input order.
 #include "tandem/preprocess.h"
 
+#include <limits.h>
 #include <sys/stat.h>
+
+#include <cstdlib>
 
 #include <algorithm>
 #include <deque>
@@ -95,7 +98,8 @@ data::DatasetInfo preprocess(const PreprocessOptions& o) {
   if (!in) throw std::runtime_error("data file '" + o.data + "' not found or unreadable; give a JSON lines file");
   make_dir(o.out);
   data::DatasetInfo info;
-  info.tokenizer_dir = o.model_dir;
+  char resolved[PATH_MAX];
+  info.tokenizer_dir = ::realpath(o.model_dir.c_str(), resolved) ? resolved : o.model_dir;
   info.vocab_size = tok.vocab_size();
   info.eos = s.eos;
   info.bos = s.add_bos ? s.bos : -1;
@@ -126,7 +130,8 @@ data::DatasetInfo preprocess(const PreprocessOptions& o) {
     }
     while (!pending.empty()) write_front();
   } catch (...) {
-    for (auto& p : pending) p.wait();  // no thread outlives the tokenizer
+    for (auto& p : pending)
+      if (p.valid()) p.wait();  // no thread outlives the tokenizer
     throw;
   }
   if (writer.documents() == 0) throw std::runtime_error("data file '" + o.data + "' holds no documents");

@@ -52,11 +52,10 @@ int cmd_preprocess(int argc, char** argv) {
   try {
     const auto info = text::preprocess(o);
     if (!no_progress && tty) std::printf("\n");
-    std::cout << "preprocessed     " << o.data << ": " << info.documents << " documents, " << info.tokens
-              << " tokens (" << data::to_string(info.type) << ", EOS " << info.eos << " after each) in "
-              << fixed(seconds(), 1) << " s\n"
-              << "wrote            " << o.out << "/" << info.prefix << ".bin, .idx, " << data::kDatasetInfoFile
-              << "\n";
+    std::cout << "preprocessed     " << o.data << ": " << info.documents << " documents, " << info.tokens << " tokens ("
+              << data::to_string(info.type) << ", EOS " << info.eos << " after each) in " << fixed(seconds(), 1)
+              << " s\n"
+              << "wrote            " << o.out << "/" << info.prefix << ".bin, .idx, " << data::kDatasetInfoFile << "\n";
   } catch (const std::exception& e) {
     if (!no_progress && tty) std::printf("\n");
     std::cerr << "tandem preprocess: " << e.what() << "\n";
