@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv-hf (git-ignored), the test-only Python environment of the Hugging Face
 # cross-checks (tests/unit/test_safetensors*.cpp, tests/unit/test_llama.cpp, tests/hf/*.py):
-# safetensors, transformers, sentencepiece, numpy and peft from PyPI. torch comes from .venv
+# safetensors, transformers, sentencepiece, numpy and peft (and megatron-core without its dependencies) from PyPI. torch comes from .venv
 # through a .pth file, so the 4.7 GB wheel is not installed a second time; .venv must exist
 # (scripts/setup.sh). pip sees that torch as installed; a constraint pins it to .venv's version,
 # so a package wanting another torch fails the install instead of downloading a second one.
@@ -30,5 +30,13 @@ else
   trap 'rm -f "$constraints"' EXIT
   echo "torch==$torch_version" >"$constraints"
   .venv-hf/bin/pip install -q --disable-pip-version-check -c "$constraints" safetensors transformers sentencepiece numpy peft
+fi
+# Megatron-LM's reader of the indexed dataset that `tandem preprocess` writes (e2e_hf_packed reads the
+# files with it). --no-deps: the reader needs numpy and torch only, both here already.
+if .venv-hf/bin/python -c 'import megatron.core' 2>/dev/null; then
+  log "megatron-core present"
+else
+  log "installing megatron-core (--no-deps) into .venv-hf"
+  .venv-hf/bin/pip install -q --disable-pip-version-check --no-deps megatron-core
 fi
 .venv-hf/bin/python -c 'import safetensors, transformers, peft, torch; print("[setup-hf] transformers", transformers.__version__, "safetensors", safetensors.__version__, "peft", peft.__version__, "torch", torch.__version__, "from", torch.__file__)'
