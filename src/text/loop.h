@@ -115,6 +115,15 @@ class Batches {
     }
     return out;
   }
+  // Draws k without keeping them (a resumed run's position: memory stays one permutation).
+  void skip(int64_t k) {
+    while (k > 0) {
+      if (pos_ >= n_) reshuffle();
+      const int64_t d = std::min(k, n_ - pos_);
+      pos_ += d;
+      k -= d;
+    }
+  }
 
  private:
   void reshuffle() {
@@ -150,7 +159,7 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
   // The samples already drawn: the sampler's position, so that a resumed run (at any global
   // batch) continues the same sequence of documents.
   const int64_t first_sample = hooks.first_sample >= 0 ? hooks.first_sample : hooks.first_step * cfg.batch;
-  batches.next(first_sample);
+  batches.skip(first_sample);
   Progress progress(rank == 0 && cfg.progress, cfg.steps - hooks.first_step, cfg.log_every);
   std::vector<double> step_ms;
   if (!cfg.trace.empty()) trace::start(*rt.cpu_world());

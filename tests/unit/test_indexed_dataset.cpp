@@ -193,9 +193,9 @@ void expect_packed_equals_alone(const std::function<torch::Tensor(const torch::T
     EXPECT_TRUE(torch::allclose(part, alone, 1e-5, 1e-5))
         << "document at " << at << ": max |diff| " << (part - alone).abs().max().item<float>();
     auto ce = [&](const torch::Tensor& logits) {
-      return torch::nn::functional::cross_entropy(
-                 logits[0].narrow(0, 0, n - 1), d.narrow(0, 1, n - 1),
-                 torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+      return torch::nn::functional::cross_entropy(logits[0].narrow(0, 0, n - 1), d.narrow(0, 1, n - 1),
+                                                  torch::nn::functional::CrossEntropyFuncOptions().reduction(
+                                                      torch::kSum))
           .item<double>();
     };
     packed_loss += ce(part);
