@@ -44,4 +44,4 @@ print(f"{'ok  ' if ok else 'FAIL'} training on {info['tokens']} tokens ({info['d
 sys.exit(0 if ok else 1)
 PY
 [ "$fails" -eq 0 ] || { echo "$fails check(s) failed"; exit 1; }
-echo "the 2 GB corpus preprocessed and trained on in bounded memory"
+echo "the corpus of $bytes bytes preprocessed and trained on in bounded memory"
