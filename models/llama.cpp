@@ -110,7 +110,7 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
 // the sequence (cos and sin at their global positions) and attention is ring attention.
 torch::Tensor attend(const torch::Tensor& q_proj, const torch::Tensor& k_proj, const torch::Tensor& v_proj,
                      const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
-                     int64_t head_dim, const CommPtr& cp) {
+                     int64_t head_dim, const CommPtr& cp, const torch::Tensor& mask) {
   const auto B = q_proj.size(0), T = q_proj.size(1);
   auto split = [&](const torch::Tensor& t, int64_t h) { return t.view({B, T, h, head_dim}).transpose(1, 2); };
   auto q = split(q_proj, heads), k = split(k_proj, kv_heads), v = split(v_proj, kv_heads);
@@ -123,7 +123,8 @@ torch::Tensor attend(const torch::Tensor& q_proj, const torch::Tensor& k_proj, c
     k = k.repeat_interleave(heads / kv_heads, /*dim=*/1);
     v = v.repeat_interleave(heads / kv_heads, /*dim=*/1);
   }
-  auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  auto y = mask.defined() ? at::scaled_dot_product_attention(q, k, v, mask.to(q.device()), 0.0, /*is_causal=*/false)
+                          : at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
   return y.transpose(1, 2).reshape({B, T, heads * head_dim});
 }
 
@@ -242,9 +243,10 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c)
   o_proj = register_module("o_proj", linear(heads * head_dim, c.hidden_size, c.attention_bias));
 }
 
-torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                     const torch::Tensor& mask) {
   return lora::linear(o_proj, attend(lora::linear(q_proj, x), lora::linear(k_proj, x), lora::linear(v_proj, x), cos,
-                                     sin, heads, kv_heads, head_dim, cp));
+                                     sin, heads, kv_heads, head_dim, cp, mask));
 }
 
 MLPImpl::MLPImpl(const LlamaConfig& c) {
@@ -264,8 +266,9 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c) {
   post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
 }
 
-torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  auto h = x + self_attn(input_layernorm(x), cos, sin);
+torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                        const torch::Tensor& mask) {
+  auto h = x + self_attn(input_layernorm(x), cos, sin, mask);
   return h + mlp(post_attention_layernorm(h));
 }
 
@@ -284,9 +287,36 @@ std::pair<torch::Tensor, torch::Tensor> rotary_tables(const LlamaConfig& config,
 std::pair<torch::Tensor, torch::Tensor> rotary_tables_at(const LlamaConfig& config, const torch::Tensor& positions) {
   const auto d = config.head_size();
   auto inv_freq = 1.0 / torch::pow(config.rope_theta, torch::arange(0, d, 2, torch::kLong).to(torch::kFloat) / d);
-  auto freqs = torch::outer(positions.to(torch::kFloat), inv_freq);
+  auto freqs = positions.to(torch::kFloat).unsqueeze(-1) * inv_freq;
   auto emb = torch::cat({freqs, freqs}, -1);
+  if (positions.dim() == 2) emb = emb.unsqueeze(1);  // [B, 1, T, d]: the same for every head
   return {emb.cos(), emb.sin()};
+}
+
+DocumentLayout document_layout(const torch::Tensor& ids, int64_t separator) {
+  TORCH_CHECK(ids.dim() == 2, "Llama: document_layout takes ids [B, T], not ", ids.sizes());
+  const auto B = ids.size(0), T = ids.size(1);
+  const auto opts = ids.options().dtype(torch::kLong);
+  auto sep = ids.eq(separator).to(torch::kLong);
+  auto doc = sep.cumsum(1) - sep;  // a token's document: the separators before it
+  auto t = torch::arange(T, opts).expand({B, T});
+  // A document starts after the last separator before it: the running maximum of (s + 1) at
+  // separators s, shifted by one.
+  auto after = (t + 1) * sep;
+  auto before = torch::cat({torch::zeros({B, 1}, opts), after.narrow(1, 0, T - 1)}, 1);
+  auto start = std::get<0>(before.cummax(1));
+  auto causal = torch::ones({T, T}, ids.options().dtype(torch::kBool)).tril();
+  return {t - start, (doc.unsqueeze(2).eq(doc.unsqueeze(1)) & causal).unsqueeze(1)};
+}
+
+torch::Tensor DocumentEmbeddingImpl::forward(const torch::Tensor& ids) {
+  documents->current = document_layout(ids, documents->separator);
+  return torch::nn::EmbeddingImpl::forward(ids);
+}
+
+torch::Tensor DocumentVocabEmbeddingImpl::forward(const torch::Tensor& ids) {
+  documents->current = document_layout(ids, documents->separator);
+  return tp::VocabParallelEmbeddingImpl::forward(ids);
 }
 
 torch::Tensor LlamaModelImpl::forward(const torch::Tensor& ids) {
@@ -295,11 +325,17 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& ids) {
   const auto T = ids.size(1);
   TORCH_CHECK(T <= config.max_position_embeddings, "Llama: ", T, " tokens exceed max_position_embeddings ",
               config.max_position_embeddings);
+  torch::Tensor mask;
   auto [cos, sin] = rotary_tables(config, T);
+  if (config.document_separator >= 0) {
+    auto docs = document_layout(ids, config.document_separator);
+    std::tie(cos, sin) = rotary_tables_at(config, docs.positions);
+    mask = docs.mask;
+  }
   cos = cos.to(embed_tokens->weight.device());
   sin = sin.to(embed_tokens->weight.device());
   auto h = embed_tokens(ids);
-  for (auto& layer : *layers) h = layer->as<DecoderLayer>()->forward(h, cos, sin);
+  for (auto& layer : *layers) h = layer->as<DecoderLayer>()->forward(h, cos, sin, mask);
   return norm(h);
 }
 
@@ -353,18 +389,32 @@ torch::Tensor ScoreHeadImpl::forward(const torch::Tensor& x) {
 }
 
 namespace {
-// A decoder layer's rotary tables for its input's tokens (a cp rank's at their global positions).
-// T: the tokens attention sees (a sequence-parallel layer's gathered ones).
-std::pair<torch::Tensor, torch::Tensor> layer_tables(const LlamaConfig& config, const torch::Tensor& x, int64_t T,
-                                                     const CommPtr& cp) {
+// A decoder layer's rotary tables for its input's tokens (a cp rank's at their global positions,
+// packed documents' at their positions in their document) and its attention mask (packed
+// documents': block-diagonal; else undefined, causal). T: the tokens attention sees (a
+// sequence-parallel layer's gathered ones).
+struct LayerTables {
+  torch::Tensor cos, sin, mask;
+};
+LayerTables layer_tables(const LlamaConfig& config, const torch::Tensor& x, int64_t T, const CommPtr& cp,
+                         const DocumentState* documents) {
+  if (documents) {
+    TORCH_CHECK(!cp, "Llama: packed documents cannot be split by context parallelism");
+    const auto& d = documents->current;
+    TORCH_CHECK(d.positions.defined() && d.positions.size(1) == T,
+                "Llama: a decoder layer of a model with a document_separator ran before its DocumentEmbedding "
+                "(a pipeline stage after the first?)");
+    auto [cos, sin] = rotary_tables_at(config, d.positions);
+    return {cos.to(x.device()), sin.to(x.device()), d.mask};
+  }
   auto [cos, sin] = cp ? rotary_tables_at(config, cp::positions(T, cp->rank(), cp->size())) : rotary_tables(config, T);
-  return {cos.to(x.device()), sin.to(x.device())};
+  return {cos.to(x.device()), sin.to(x.device()), {}};
 }
 }  // namespace
 
 torch::Tensor SequentialDecoderLayerImpl::forward(const torch::Tensor& x) {
-  auto [cos, sin] = layer_tables(config, x, x.size(1), self_attn->cp);
-  return DecoderLayerImpl::forward(x, cos, sin);
+  const auto t = layer_tables(config, x, x.size(1), self_attn->cp, documents.get());
+  return DecoderLayerImpl::forward(x, t.cos, t.sin, t.mask);
 }
 
 void SequentialDecoderLayerImpl::use_context_parallel(const CommPtr& cp) { self_attn->cp = cp; }
@@ -408,12 +458,12 @@ ParallelAttentionImpl::ParallelAttentionImpl(const AttentionImpl& d, const CommP
   o_proj = register_module("o_proj", tp::RowParallelLinear(d.o_proj, tp, /*input_is_parallel=*/true));
 }
 
-torch::Tensor ParallelAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                             const torch::Tensor& sin) {
+torch::Tensor ParallelAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                             const torch::Tensor& mask) {
   // One input collective for the three projections (each ColumnParallelLinear would add its own).
   const auto in = tp::column_input(x, tp, sequence_parallel);
   auto y = attend(q_proj->project(in.in, in.whole), k_proj->project(in.in, in.whole), v_proj->project(in.in, in.whole),
-                  cos, sin, local_heads, local_kv_heads, head_dim, cp);
+                  cos, sin, local_heads, local_kv_heads, head_dim, cp, mask);
   return o_proj(y);
 }
 
@@ -429,7 +479,7 @@ torch::Tensor ParallelMLPImpl::forward(const torch::Tensor& x) {
 }
 
 ParallelDecoderLayerImpl::ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& d, const CommPtr& tp)
-    : config(d.config) {
+    : config(d.config), documents(d.documents) {
   self_attn = register_module("self_attn", ParallelAttention(*d.self_attn, tp));
   mlp = register_module("mlp", ParallelMLP(*d.mlp, tp));
   input_layernorm = register_module("input_layernorm", d.input_layernorm);
@@ -451,8 +501,8 @@ torch::Tensor ParallelDecoderLayerImpl::forward(const torch::Tensor& x) {
   // Attention runs on the gathered sequence: the tables cover all of it (with cp, this rank's
   // part of the sequence, at its global positions).
   const auto T = self_attn->sequence_parallel ? x.size(1) * self_attn->tp->size() : x.size(1);
-  auto [cos, sin] = layer_tables(config, x, T, self_attn->cp);
-  auto h = x + self_attn(input_layernorm(x), cos, sin);
+  const auto t = layer_tables(config, x, T, self_attn->cp, documents.get());
+  auto h = x + self_attn(input_layernorm(x), t.cos, t.sin, t.mask);
   return h + mlp(post_attention_layernorm(h));
 }
 
@@ -500,7 +550,18 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr
   o.sync_dense = opts.sync_dense;
   o.vocab_parallel_output = true;
   o.gather_logits_in_eval = true;
+  auto* packed = dense->size() > 0 ? dense->ptr(0)->as<DocumentEmbeddingImpl>() : nullptr;
+  const auto documents = packed ? packed->documents : nullptr;
+  auto first = packed ? torch::nn::Embedding(std::dynamic_pointer_cast<torch::nn::EmbeddingImpl>(dense->ptr(0)))
+                      : torch::nn::Embedding(nullptr);
   auto out = tp::tensor_parallel(std::move(dense), tp, o);
+  if (documents) {  // the vocabulary-parallel embedding that also records the documents
+    torch::nn::Sequential with;
+    with->push_back(DocumentVocabEmbedding(first, tp, documents));
+    auto child = out->begin();
+    for (++child; child != out->end(); ++child) with->push_back(*child);
+    out = with;
+  }
   const auto n = out->size();
   if (n >= 2 && out->ptr(n - 1)->as<TiedHeadImpl>()) {
     // The tied head (shared with the dense model by the converter) gets its own module over the
@@ -524,31 +585,40 @@ torch::Tensor TiedHeadImpl::forward(const torch::Tensor& x) {
   return is_training() ? y : tp::gather_from_tp(y, tp);
 }
 
-torch::nn::Sequential tied_causal_lm_sequential(const LlamaConfig& c) {
-  if (!c.tie_word_embeddings) throw std::invalid_argument("Llama: tied_causal_lm_sequential needs tied embeddings");
-  validate(c, "LlamaConfig");
-  torch::nn::Sequential seq;
-  auto embed = embedding(c);
-  seq->push_back("embed_tokens", embed);
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
-    seq->push_back("layer" + std::to_string(i), SequentialDecoderLayer(c));
-  seq->push_back("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
-  seq->push_back("lm_head", TiedHead(embed->weight));
-  return seq;
+namespace {
+std::shared_ptr<DocumentState> document_state(const LlamaConfig& c) {
+  if (c.document_separator < 0) return nullptr;
+  auto d = std::make_shared<DocumentState>();
+  d->separator = c.document_separator;
+  return d;
 }
 
-namespace {
 // embed_tokens, layer0 .. layer<N-1>, norm: the body of both Sequential forms.
 torch::nn::Sequential decoder_sequential(const LlamaConfig& c) {
   validate(c, "LlamaConfig");
   torch::nn::Sequential seq;
-  seq->push_back("embed_tokens", embedding(c));
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
-    seq->push_back("layer" + std::to_string(i), SequentialDecoderLayer(c));
+  auto documents = document_state(c);
+  if (documents) {
+    seq->push_back("embed_tokens", DocumentEmbedding(embedding(c)->options, documents));
+  } else {
+    seq->push_back("embed_tokens", embedding(c));
+  }
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    SequentialDecoderLayer layer(c);
+    layer->documents = documents;
+    seq->push_back("layer" + std::to_string(i), layer);
+  }
   seq->push_back("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   return seq;
 }
 }  // namespace
+
+torch::nn::Sequential tied_causal_lm_sequential(const LlamaConfig& c) {
+  if (!c.tie_word_embeddings) throw std::invalid_argument("Llama: tied_causal_lm_sequential needs tied embeddings");
+  auto seq = decoder_sequential(c);
+  seq->push_back("lm_head", TiedHead(seq->ptr(0)->as<torch::nn::EmbeddingImpl>()->weight));
+  return seq;
+}
 
 torch::nn::Sequential causal_lm_sequential(const LlamaConfig& c) {
   if (c.tie_word_embeddings)

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Creates .venv-hf (git-ignored), the test-only Python environment of the Hugging Face
 # cross-checks (tests/unit/test_safetensors*.cpp, tests/unit/test_llama.cpp, tests/hf/*.py):
-# safetensors, transformers, sentencepiece, numpy and peft from PyPI, and tensorboard (its
-# EventAccumulator reads back the --tensorboard event files, tests/e2e/tensorboard.sh). torch
-# comes from .venv through a .pth file, so the 4.7 GB wheel is not installed a second time;
+# safetensors, transformers, sentencepiece, numpy and peft from PyPI, tensorboard (its
+# EventAccumulator reads back the --tensorboard event files, tests/e2e/tensorboard.sh) and
+# megatron-core without its dependencies (its IndexedDataset reads `tandem preprocess` output).
+# torch comes from .venv through a .pth file, so the 4.7 GB wheel is not installed a second time;
 # .venv must exist (scripts/setup.sh). pip sees that torch as installed; a constraint pins it to .venv's version,
 # so a package wanting another torch fails the install instead of downloading a second one.
-# Idempotent. Tests that need .venv-hf skip, saying so, while it is absent.
+# Idempotent. Tests that need .venv-hf fail, saying so, while it is absent (scripts/test.sh sets it up).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -31,5 +32,13 @@ else
   trap 'rm -f "$constraints"' EXIT
   echo "torch==$torch_version" >"$constraints"
   .venv-hf/bin/pip install -q --disable-pip-version-check -c "$constraints" safetensors transformers sentencepiece numpy peft tensorboard
+fi
+# Megatron-LM's reader of the indexed dataset that `tandem preprocess` writes (e2e_hf_packed reads the
+# files with it). --no-deps: the reader needs numpy and torch only, both here already.
+if .venv-hf/bin/python -c 'import megatron.core' 2>/dev/null; then
+  log "megatron-core present"
+else
+  log "installing megatron-core (--no-deps) into .venv-hf"
+  .venv-hf/bin/pip install -q --disable-pip-version-check --no-deps megatron-core
 fi
 .venv-hf/bin/python -c 'import safetensors, transformers, peft, torch; print("[setup-hf] transformers", transformers.__version__, "safetensors", safetensors.__version__, "peft", peft.__version__, "torch", torch.__version__, "from", torch.__file__)'

@@ -35,6 +35,9 @@ struct JsonlExample {
 // FILE:LINE and the problem (not JSON, no "text", a label of another type), or the file when it
 // is missing or holds no example.
 std::vector<JsonlExample> read_jsonl(const std::string& path, bool labels);
+// One line of such a file (not blank); errors start with `where` ("FILE:LINE: "). line is 0.
+JsonlExample parse_jsonl_line(const std::string& line, const std::string& where, bool labels);
+bool blank_line(const std::string& line);  // only spaces, tabs, '\r'
 
 // The class names by id. `model_labels`: the model's id2label when it names its classes (not
 // transformers' default LABEL_i), and then every data label must be one of them (else
@@ -46,7 +49,11 @@ std::vector<std::string> map_labels(const std::vector<JsonlExample>& data, const
 struct HfFinetuneConfig {
   std::string model_dir;  // --init-from: the Hugging Face directory
   HfTask task = HfTask::kLm;
-  std::string data;             // JSON lines
+  // JSON lines, or (task lm) a directory of tandem preprocess (tandem/preprocess.h): its token
+  // stream read by mmap in packed windows of seq + 1 tokens (tandem/indexed_dataset.h), drawn in a
+  // seeded order, the documents in a window kept apart by their EOS (llama::document_layout). No
+  // validation split then.
+  std::string data;
   double valid_fraction = 0.1;  // examples held out for validation, chosen by a hash of the text
   int64_t seq = 128;            // tokens per example, truncated and right-padded (<= max_position_embeddings)
   // LoRA (tandem/lora.h): adapters on lora.targets, every other weight frozen (a classifier's
@@ -57,6 +64,11 @@ struct HfFinetuneConfig {
   // A PEFT adapter directory to start from: its adapter_config.json replaces `lora` (rank,
   // alpha, dropout, targets) and its task_type must be the task's; use_lora is implied.
   std::string init_adapter;
+  // With a preprocessed --data DIR: each rank appends one JSON line per step to
+  // data_record + ".rank<R>.jsonl": {"step", "samples" (global sample numbers), "windows", "ids"
+  // and "positions" (document_layout's) of the rows it trained on}. For tests and debugging of
+  // the data order; it grows with steps x batch x seq. "": none.
+  std::string data_record;
   // Layout, batch, steps, optimizer, progress, metrics, trace and checkpoints (loop.checkpoints:
   // step-N/ checkpoints in any layout, which tandem export reads; its corpus, tokenizer and shape
   // fields are not used).
@@ -66,6 +78,9 @@ struct HfFinetuneConfig {
 // Checks the configuration without reading the data (layout against the world size, tp, the
 // checkpoint settings); std::invalid_argument.
 void validate(const HfFinetuneConfig& cfg, int world);
+
+// True when `data` is a directory (a preprocessed dataset) rather than a JSON lines file.
+bool is_preprocessed(const std::string& data);
 
 // Collective: every rank reads the model directory and the data, trains, and, with a
 // checkpoint directory, saves step-N checkpoints whose metadata records the model's config, the

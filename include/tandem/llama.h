@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,10 @@ struct LlamaConfig {
   bool mlp_bias = false;             // gate/up/down projections with bias
   int64_t pad_token_id = -1;         // -1: none (the classifier then pools the last position)
   int64_t num_labels = 2;            // the sequence-classification head's outputs
+  // Not a Hugging Face field (config.json neither holds nor gets it): >= 0 makes every row of ids
+  // packed documents, each ending with this token (EOS), attended to and positioned apart
+  // (document_layout); -1: one sequence per row.
+  int64_t document_separator = -1;
 
   int64_t head_size() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
 };
@@ -71,13 +76,35 @@ class RMSNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
+// Packed documents in rows of ids [B, T], each ending with `separator`, as Megatron-LM's
+// reset_position_ids and reset_attention_mask from its EOD token: a separator belongs to the
+// document it ends, positions restart at 0 after it, and a token attends to its own document's
+// tokens up to itself only (block-diagonal causal attention). A row without separators is one
+// sequence (positions 0..T-1, causal attention).
+struct DocumentLayout {
+  torch::Tensor positions;  // int64 [B, T]
+  torch::Tensor mask;       // bool [B, 1, T, T]: query t may attend to key s
+};
+DocumentLayout document_layout(const torch::Tensor& ids, int64_t separator);
+
+// Where the Sequential forms of a model with a document_separator keep the current batch's
+// layout: their first child (DocumentEmbedding, or its vocabulary-parallel form) computes it from
+// the ids, and the decoder layers after it read it. Only a model whose layers run after its
+// embedding in the same process can share it: not the stages of a pipeline after the first.
+struct DocumentState {
+  int64_t separator = -1;
+  DocumentLayout current;  // of the last ids embedded
+};
+
 // Causal self-attention with rotary embeddings; num_key_value_heads key/value heads shared by
 // groups of query heads. [B, T, hidden] -> [B, T, hidden]. With `cp` set, x holds this rank's
 // tokens of each sequence (tandem/context_parallel.h) and attention is ring attention over cp.
 class AttentionImpl : public torch::nn::Module, public lora::Adaptable {
  public:
   explicit AttentionImpl(const LlamaConfig& config);
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  // mask: DocumentLayout::mask, or undefined for causal attention over the whole row.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask = {});
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   int64_t heads, kv_heads, head_dim;
   CommPtr cp;
@@ -96,14 +123,16 @@ TORCH_MODULE(MLP);
 // The rotary tables cos and sin [T, head_dim] of positions 0..T-1, in float32 (as transformers
 // computes them).
 std::pair<torch::Tensor, torch::Tensor> rotary_tables(const LlamaConfig& config, int64_t T);
-// The same tables at the given positions (int64 [T]; a context-parallel rank's global ones).
+// The same tables at the given positions (int64 [T]; a context-parallel rank's global ones; or
+// [B, T] per row, giving [B, 1, T, head_dim] to broadcast over the heads).
 std::pair<torch::Tensor, torch::Tensor> rotary_tables_at(const LlamaConfig& config, const torch::Tensor& positions);
 
 // x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).
 class DecoderLayerImpl : public torch::nn::Module {
  public:
   explicit DecoderLayerImpl(const LlamaConfig& config);
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask = {});
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
   MLP mlp{nullptr};
@@ -166,8 +195,20 @@ class SequentialDecoderLayerImpl : public DecoderLayerImpl, public tp::Paralleli
   torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
   void use_context_parallel(const CommPtr& cp) override;
   LlamaConfig config;
+  std::shared_ptr<DocumentState> documents;  // set when config.document_separator >= 0
 };
 TORCH_MODULE(SequentialDecoderLayer);
+
+// The token embedding of a Sequential form with a document_separator: an Embedding (the same
+// parameter, the same name) that also records the ids' DocumentLayout in `documents`.
+class DocumentEmbeddingImpl : public torch::nn::EmbeddingImpl {
+ public:
+  DocumentEmbeddingImpl(const torch::nn::EmbeddingOptions& options, std::shared_ptr<DocumentState> documents)
+      : torch::nn::EmbeddingImpl(options), documents(std::move(documents)) {}
+  torch::Tensor forward(const torch::Tensor& ids);
+  std::shared_ptr<DocumentState> documents;
+};
+TORCH_MODULE(DocumentEmbedding);
 
 // ---- tensor parallelism (tandem/tensor_parallel.h): Megatron-LM's cut of a decoder layer.
 // Parameter names are those of the dense layer; every tp rank runs the same forwards.
@@ -181,7 +222,8 @@ class ParallelAttentionImpl : public torch::nn::Module {
   // x: [B, T, hidden], or this rank's sequence shard [B, T/tp, hidden] under sequence
   // parallelism (all-gathered before the projections, o_proj's output reduce-scattered back);
   // cos and sin of the whole sequence.
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask = {});
   tp::ColumnParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr};
   tp::RowParallelLinear o_proj{nullptr};
   int64_t local_heads, local_kv_heads, head_dim;
@@ -217,8 +259,19 @@ class ParallelDecoderLayerImpl : public torch::nn::Module, public cp::ContextPar
   ParallelAttention self_attn{nullptr};
   ParallelMLP mlp{nullptr};
   LlamaConfig config;
+  std::shared_ptr<DocumentState> documents;  // the dense layer's
 };
 TORCH_MODULE(ParallelDecoderLayer);
+
+// DocumentEmbedding's vocabulary-parallel form (llama::tensor_parallel makes it).
+class DocumentVocabEmbeddingImpl : public tp::VocabParallelEmbeddingImpl {
+ public:
+  DocumentVocabEmbeddingImpl(const torch::nn::Embedding& dense, CommPtr tp, std::shared_ptr<DocumentState> documents)
+      : tp::VocabParallelEmbeddingImpl(dense, std::move(tp)), documents(std::move(documents)) {}
+  torch::Tensor forward(const torch::Tensor& ids);
+  std::shared_ptr<DocumentState> documents;
+};
+TORCH_MODULE(DocumentVocabEmbedding);
 
 // Throws std::invalid_argument naming the field (num_attention_heads, num_key_value_heads,
 // intermediate_size, vocab_size) that tp_size does not divide, and the tp sizes that would.

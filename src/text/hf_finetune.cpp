@@ -20,6 +20,7 @@
 #include "tandem/llama.h"
 #include "tandem/plan.h"
 #include "tandem/safetensors.h"
+#include "text/hf_packed.h"
 #include "text/loop.h"
 
 namespace tandem::text {
@@ -36,39 +37,45 @@ const char* to_string(HfTask t) { return t == HfTask::kLm ? "lm" : "classify"; }
 
 const char* peft_task_type(HfTask t) { return t == HfTask::kLm ? "CAUSAL_LM" : "SEQ_CLS"; }
 
+JsonlExample parse_jsonl_line(const std::string& line, const std::string& where, bool labels) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(line);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(where + "not a JSON object (" + e.what() + "); each line must be one object");
+  }
+  if (!j.is_object()) throw std::runtime_error(where + "not a JSON object; each line must be {\"text\": ...}");
+  auto t = j.find("text");
+  if (t == j.end() || !t->is_string()) {
+    throw std::runtime_error(where + "has no string field \"text\"; each line must be {\"text\": \"...\"" +
+                             (labels ? ", \"label\": ...}" : "}"));
+  }
+  JsonlExample ex{t->get<std::string>(), "", false, 0};
+  if (labels) {
+    auto l = j.find("label");
+    if (l != j.end() && l->is_number_unsigned()) {
+      ex.label = std::to_string(l->get<uint64_t>());
+      ex.integer_label = true;
+    } else if (l != j.end() && l->is_string() && !l->get<std::string>().empty()) {
+      ex.label = l->get<std::string>();
+    } else {
+      throw std::runtime_error(where + "needs a \"label\": a non-empty string or a non-negative integer");
+    }
+  }
+  return ex;
+}
+
+bool blank_line(const std::string& line) { return line.find_first_not_of(" \t\r") == std::string::npos; }
+
 std::vector<JsonlExample> read_jsonl(const std::string& path, bool labels) {
   std::ifstream f(path);
   if (!f) throw std::runtime_error("data file '" + path + "' not found or unreadable; give a JSON lines file");
   std::vector<JsonlExample> out;
   std::string line;
   for (int64_t n = 1; std::getline(f, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = path + ":" + std::to_string(n) + ": ";
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      throw std::runtime_error(where + "not a JSON object (" + e.what() + "); each line must be one object");
-    }
-    if (!j.is_object()) throw std::runtime_error(where + "not a JSON object; each line must be {\"text\": ...}");
-    auto t = j.find("text");
-    if (t == j.end() || !t->is_string()) {
-      throw std::runtime_error(where + "has no string field \"text\"; each line must be {\"text\": \"...\"" +
-                               (labels ? ", \"label\": ...}" : "}"));
-    }
-    JsonlExample ex{t->get<std::string>(), "", false, n};
-    if (labels) {
-      auto l = j.find("label");
-      if (l != j.end() && l->is_number_unsigned()) {
-        ex.label = std::to_string(l->get<uint64_t>());
-        ex.integer_label = true;
-      } else if (l != j.end() && l->is_string() && !l->get<std::string>().empty()) {
-        ex.label = l->get<std::string>();
-      } else {
-        throw std::runtime_error(where + "needs a \"label\": a non-empty string or a non-negative integer");
-      }
-    }
-    out.push_back(std::move(ex));
+    if (blank_line(line)) continue;
+    out.push_back(parse_jsonl_line(line, path + ":" + std::to_string(n) + ": ", labels));
+    out.back().line = n;
   }
   if (out.empty()) throw std::runtime_error("data file '" + path + "' holds no examples");
   return out;
@@ -431,7 +438,14 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
                                   "), which Tandem reads for a classifier's score head only");
     }
   }
-  const auto data = read_jsonl(cfg.data, !lm);
+  std::unique_ptr<PackedSet> packed;
+  std::vector<JsonlExample> data;
+  if (is_preprocessed(cfg.data)) {
+    packed = std::make_unique<PackedSet>(cfg, tok, mc, rt.rank());
+    mc.document_separator = tok.special().eos;
+  } else {
+    data = read_jsonl(cfg.data, !lm);
+  }
   std::vector<std::string> labels;
   if (!lm) {
     labels = map_labels(data, named_labels(cfg.model_dir), cfg.data);
@@ -446,13 +460,13 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
   for (const auto& ex : data) {
     (split_of(ex.text, cfg.valid_fraction, 0.0) == Split::kValid ? valid : train).push_back(&ex);
   }
-  if (train.empty())
+  if (train.empty() && !packed)
     throw std::runtime_error("'" + cfg.data + "': every example fell into validation; lower --valid-fraction");
   const auto tr = encode(tok, train, cfg.seq, lm, pad, labels);
   const auto va = encode(tok, valid, cfg.seq, lm, pad, labels);
 
   torch::manual_seed(cfg.loop.seed);
-  Model model = build(rt, cfg, mc, tr.ids);
+  Model model = build(rt, cfg, mc, packed ? packed->sample() : tr.ids);
   Engine& eng = *model.engine;
   TextReport rep;
   rep.command = "finetune";
@@ -463,9 +477,10 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
   rep.labels = labels;
   rep.initialised_from_checkpoint = true;
   describe_engine(eng, rep);
-  rep.context.emplace_back("data", std::to_string(train.size()) + " train / " + std::to_string(valid.size()) +
-                                       " validation examples" +
-                                       (lm ? "" : ", " + std::to_string(labels.size()) + " labels"));
+  rep.context.emplace_back("data", packed ? packed->describe()
+                                          : std::to_string(train.size()) + " train / " + std::to_string(valid.size()) +
+                                                " validation examples" +
+                                                (lm ? "" : ", " + std::to_string(labels.size()) + " labels"));
   rep.context.emplace_back("initialised", "from " + cfg.model_dir);
 
   nlohmann::json run = {{"task", to_string(cfg.task)},
@@ -473,6 +488,7 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
                         {"form", model.form},
                         {"batch", cfg.loop.batch},
                         {"seed", cfg.loop.seed}};
+  if (packed) run["dataset"] = packed->identity();
   run["config"] = nlohmann::json::parse(llama::config_json(mc));
   if (cfg.use_lora) {  // what export needs: the adapters' shape and the base they adapt
     run["lora"] = {{"rank", cfg.lora.rank},       {"alpha", cfg.lora.alpha},
@@ -483,10 +499,15 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
   const auto& ck = cfg.loop.checkpoints;
   if (!ck.dir.empty() && rt.rank() == 0) copy_tokenizer(cfg.model_dir, (fs::path(ck.dir) / "tokenizer").string());
   // The data position holds only with the same examples, global batch and seed.
-  LoopCheckpoints checkpoints(eng, cfg.loop, "hf_finetune", run, {"task", "labels", "seed", "lora"});
+  LoopCheckpoints checkpoints(eng, cfg.loop, "hf_finetune", run, {"task", "labels", "seed", "lora", "dataset"});
+  const int64_t samples = packed ? packed->size() : tr.ids.size(0);
+  checkpoints.set_epoch_size(samples);
   tensorboard::Log tb(cfg.loop.tensorboard, rt.rank() == 0);
   LoopHooks hooks = checkpoints.start();
   hooks.tensorboard = &tb;
+  if (packed)
+    packed->start(hooks.first_step, hooks.first_sample >= 0 ? hooks.first_sample : hooks.first_step * cfg.loop.batch,
+                  cfg.loop.batch);
   LossFn loss_fn = lm ? LossFn(lm_loss_sum) : LossFn(cls_loss_sum);
   if (lm && cfg.loop.parallel.tp > 1) {
     loss_fn = [tp = eng.grid()->tp()](const torch::Tensor& logits, const torch::Tensor& targets) {
@@ -494,18 +515,23 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
     };
   }
   const EngineStats loop = train_loop(
-      rt, cfg.loop, eng, tr.ids.size(0),
+      rt, cfg.loop, eng, samples,
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
+        if (packed) {
+          auto [x, y] = packed->batch(idx, from, to);
+          return std::make_pair(x.to(rt.device()), y.to(rt.device()));
+        }
         return std::make_pair(rows(tr.ids, idx, from, to).to(rt.device()),
                               rows(tr.targets, idx, from, to).to(rt.device()));
       },
       loss_fn,
       [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
-        return terms(rows(tr.targets, idx, from, to), lm);
+        return packed ? packed->terms(idx, from, to) : terms(rows(tr.targets, idx, from, to), lm);
       },
       rep, hooks);
   checkpoints.finish();
-  if (cfg.loop.evaluate && !rep.stopped && va.ids.size(0) > 0) evaluate(rt, eng, va, lm, cfg.loop.eval_limit, rep);
+  if (cfg.loop.evaluate && !rep.stopped && va.ids.defined() && va.ids.size(0) > 0)
+    evaluate(rt, eng, va, lm, cfg.loop.eval_limit, rep);
   collect_engine_report(eng, loop, rep);
   if (cfg.use_lora) {  // with the optimizer state, and what training every weight would hold instead
     const auto& c = cfg.lora;

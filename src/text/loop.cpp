@@ -42,6 +42,15 @@ LoopHooks LoopCheckpoints::start() {
     const auto meta = eng_.load(dir);
     hooks.first_step = meta.step;
     hooks.first_sample = saved.value("samples", meta.step * cfg_.batch);
+    if (saved.contains("data") && epoch_size_ > 0) {  // the data loader's place, by epoch
+      const auto& d = saved["data"];
+      if (d.value("samples_per_epoch", int64_t{0}) != epoch_size_) {
+        throw std::runtime_error("--resume: checkpoint '" + dir + "' was saved over epochs of " +
+                                 d.value("samples_per_epoch", nlohmann::json()).dump() + " samples, this run's have " +
+                                 std::to_string(epoch_size_) + "; resume with the same data and --seq");
+      }
+      hooks.first_sample = d.at("epoch").get<int64_t>() * epoch_size_ + d.at("index").get<int64_t>();
+    }
     steps_ = saved_at_ = hooks.first_step;
     samples_ = hooks.first_sample;
     if (eng_.world()->rank() == 0) {
@@ -80,7 +89,13 @@ void LoopCheckpoints::save(int64_t steps, int64_t samples, bool async) {
   CheckpointMeta meta;
   meta.step = steps;
   meta.seed = cfg_.seed;
-  meta.extra_json = nlohmann::json{{key_, run_}, {"samples", samples}}.dump();
+  nlohmann::json extra = {{key_, run_}, {"samples", samples}};
+  if (epoch_size_ > 0) {
+    extra["data"] = {{"epoch", samples / epoch_size_},
+                     {"index", samples % epoch_size_},
+                     {"samples_per_epoch", epoch_size_}};
+  }
+  meta.extra_json = extra.dump();
   CheckpointSaveOptions so;
   so.keep = cfg_.checkpoints.keep;
   if (async) so.async = std::make_shared<AsyncCheckpoint>();

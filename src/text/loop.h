@@ -55,6 +55,10 @@ class LoopCheckpoints {
   // deletes it (the launcher's sign that the checkpoint is committed). Collective.
   void finish();
   bool stopped() const { return stopped_; }
+  // The samples of an epoch: checkpoints then also record the data loader's place as "data":
+  // {"epoch", "index" (samples of that epoch drawn), "samples_per_epoch"}; a resumed run continues
+  // at epoch * samples_per_epoch + index, whatever its worker count.
+  void set_epoch_size(int64_t n) { epoch_size_ = n; }
 
  private:
   LoopHooks start_hooks(LoopHooks hooks);
@@ -65,7 +69,7 @@ class LoopCheckpoints {
   std::string key_;
   nlohmann::json run_;
   std::vector<std::string> must_match_;
-  int64_t steps_ = 0, samples_ = 0, saved_at_ = -1;
+  int64_t steps_ = 0, samples_ = 0, saved_at_ = -1, epoch_size_ = 0;
   bool stopped_ = false;
 };
 
@@ -114,6 +118,15 @@ class Batches {
     }
     return out;
   }
+  // Draws k without keeping them (a resumed run's position: memory stays one permutation).
+  void skip(int64_t k) {
+    while (k > 0) {
+      if (pos_ >= n_) reshuffle();
+      const int64_t d = std::min(k, n_ - pos_);
+      pos_ += d;
+      k -= d;
+    }
+  }
 
  private:
   void reshuffle() {
@@ -149,7 +162,7 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
   // The samples already drawn: the sampler's position, so that a resumed run (at any global
   // batch) continues the same sequence of documents.
   const int64_t first_sample = hooks.first_sample >= 0 ? hooks.first_sample : hooks.first_step * cfg.batch;
-  batches.next(first_sample);
+  batches.skip(first_sample);
   Progress progress(rank == 0 && cfg.progress, cfg.steps - hooks.first_step, cfg.log_every);
   std::vector<double> step_ms;
   if (!cfg.trace.empty()) trace::start(*rt.cpu_world());

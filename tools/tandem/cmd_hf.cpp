@@ -16,6 +16,7 @@
 #include "parallel_options.h"
 #include "tandem/hf_finetune.h"
 #include "tandem/hf_tokenizer.h"
+#include "tandem/indexed_dataset.h"
 #include "tandem/launcher.h"
 #include "tandem/llama.h"
 #include "tandem/lora.h"
@@ -48,7 +49,13 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
       ->required();
   app.add_option("--task", f.task, "lm (JSON lines {\"text\"}) | classify ({\"text\", \"label\"})")
       ->capture_default_str();
-  app.add_option("--data", c.data, "JSON lines file of examples")->required();
+  app.add_option("--data", c.data,
+                 "JSON lines file of examples, or (--task lm) a directory of tandem preprocess: packed windows "
+                 "of --seq + 1 tokens read by mmap")
+      ->required();
+  app.add_option("--data-record", c.data_record,
+                 "with a preprocessed --data DIR: each rank appends what it trained on per step (samples, windows, "
+                 "ids, positions) to PREFIX.rank<R>.jsonl (tests, debugging)");
   app.add_option("--valid-fraction", c.valid_fraction, "share of examples held out for validation (by text hash)")
       ->capture_default_str();
   app.add_option("--seq", c.seq, "tokens per example (truncated, padded)")->capture_default_str();
@@ -173,8 +180,15 @@ int cmd_finetune_hf(int argc, char** argv) {
       if (!range.elastic()) text::validate(cfg, nprocs);  // elastic: at each worker count, below
       hf::Tokenizer::load(cfg.model_dir);                 // finetune_hf reads both again on every worker
       llama::load_config(cfg.model_dir);
-      auto data = text::read_jsonl(cfg.data, cfg.task == text::HfTask::kClassify);
-      std::cout << "data             " << cfg.data << ": " << data.size() << " examples" << std::endl;
+      if (text::is_preprocessed(cfg.data)) {
+        const auto info = data::read_dataset_info(cfg.data);
+        const data::IndexedDataset ds(cfg.data + "/" + info.prefix);
+        std::cout << "data             " << cfg.data << ": " << ds.documents() << " documents, " << ds.tokens()
+                  << " tokens (preprocessed)" << std::endl;
+      } else {
+        auto data = text::read_jsonl(cfg.data, cfg.task == text::HfTask::kClassify);
+        std::cout << "data             " << cfg.data << ": " << data.size() << " examples" << std::endl;
+      }
     } catch (const std::exception& e) {
       std::cerr << "tandem finetune: " << e.what() << "\n";
       return 2;

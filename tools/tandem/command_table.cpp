@@ -160,6 +160,27 @@ or a LoRA run's `adapter_config.json` and `adapter_model.safetensors`, which
 `peft.PeftModel.from_pretrained` loads (`--to peft`).
 )md";
 
+const char* kPreprocessNotes =
+    R"md(Tokenizes a JSON lines corpus once with a Hugging Face Llama directory's tokenizer, streaming
+it in chunks over `--threads` tokenizing threads (memory: a few 4 MB chunks and 12 bytes per
+document), into Megatron-LM's indexed dataset: `DIR/text_document.bin` + `.idx` (`MMIDIDX`,
+version 1, uint16 ids below a 65500 vocabulary else int32, sizes, byte pointers, document
+index), each document's ids followed by EOS (Megatron's `--append-eod`), and `DIR/dataset.json`
+naming the tokenizer (vocabulary, EOS, model directory, counts). Megatron's `IndexedDataset`
+reads the files. A bad line stops it naming `FILE:LINE`.
+
+`tandem finetune --init-from HF_DIR --data DIR` (`--task lm`) maps the `.bin` read-only and
+trains on packed windows: the token stream cut into windows of `--seq` + 1 tokens (inputs and
+their next tokens, as Megatron's GPT samples), drawn in a seeded order per epoch, with attention
+and rotary positions restarting after each EOS (Megatron's `reset_attention_mask` and
+`reset_position_ids`: block-diagonal causal attention), computed from the ids by the model,
+under ddp, zero1-3, `--tp` (with `--sequence-parallel`) and recomputation; `--pp` (later stages
+do not see the ids) and `--cp` (ring attention is not masked) are refused. Memory does not grow
+with the corpus but for 8 bytes per window (the order). Checkpoints record the data loader's
+place (`epoch`, `index`), so a resume at another worker count continues with the next unseen
+window: no repeat, no gap. `--data-record PREFIX` writes what each rank trained on per step.
+)md";
+
 }  // namespace
 
 const std::vector<Command>& command_table() {
@@ -179,6 +200,9 @@ const std::vector<Command>& command_table() {
        kFinetuneNotes},
       {"finetune --init-from DIR", cmd_finetune_hf,
        "fine-tune a Hugging Face Llama directory on JSON lines (full, LoRA; tp, pp, cp)", kFinetuneHfNotes},
+      {"preprocess", cmd_preprocess,
+       "tokenize JSON lines once into a memory-mapped dataset (Megatron's .bin/.idx) for finetune --init-from",
+       kPreprocessNotes},
       {"export", cmd_export, "write a checkpoint as a Hugging Face model or PEFT adapter directory", kExportNotes},
   };
   return table;

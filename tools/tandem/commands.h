@@ -47,6 +47,7 @@ int cmd_k8s(int argc, char** argv);
 int cmd_launch(int argc, char** argv);
 int cmd_plan(int argc, char** argv);
 int cmd_pretrain(int argc, char** argv);
+int cmd_preprocess(int argc, char** argv);
 int cmd_selftest(int argc, char** argv);
 int cmd_train(int argc, char** argv);
 }  // namespace tandem::cli
