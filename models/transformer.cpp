@@ -1,4 +1,5 @@
 // The reference causal transformer: pre-LN blocks, fused qkv, scaled_dot_product_attention, GELU.
+#include "tandem/llama.h"
 #include "tandem/models.h"
 #include "tandem/tensor_parallel.h"
 
@@ -8,8 +9,8 @@
 
 namespace tandem::models {
 
-TokenEmbeddingImpl::TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t seq_, int64_t pad_id_)
-    : seq(seq_), pad_id(pad_id_) {
+TokenEmbeddingImpl::TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t seq_, int64_t pad_id_, int64_t eos_id_)
+    : seq(seq_), pad_id(pad_id_), eos_id(eos_id_) {
   tok = register_module("tok", torch::nn::Embedding(vocab, d_model));
   pos = register_module("pos", torch::nn::Embedding(seq_, d_model));
   torch::NoGradGuard g;
@@ -17,15 +18,39 @@ TokenEmbeddingImpl::TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t s
   pos->weight.normal_(0.0, 0.02);
 }
 
-torch::Tensor TokenEmbeddingImpl::forward(const torch::Tensor& ids) {
-  TORCH_CHECK(ids.dim() == 2, "tandem::models::TokenEmbedding: expected token ids [B, T], got ", ids.sizes());
-  const int64_t t = ids.size(1);
-  TORCH_CHECK(t <= seq, "tandem::models::TokenEmbedding: sequence of ", t,
-              " tokens is longer than the model's maximum ", seq, "; truncate it or raise config.seq");
+torch::Tensor with_positions(const torch::Tensor& tokens, const torch::Tensor& ids, torch::nn::Embedding pos,
+                             int64_t pad_id, int64_t eos_id, const char* who) {
+  const int64_t t = ids.size(1), seq = pos->options.num_embeddings();
+  TORCH_CHECK(t <= seq, who, ": sequence of ", t, " tokens is longer than the model's maximum ", seq,
+              "; truncate it or raise config.seq");
+  if (eos_id >= 0) {
+    auto positions = llama::document_layout(ids, eos_id).positions;
+    auto x = tokens + pos->forward(positions);
+    return torch::cat({x, positions.unsqueeze(-1).to(x.dtype())}, -1);
+  }
   auto positions = torch::arange(t, torch::TensorOptions().dtype(torch::kLong).device(ids.device()));
-  auto x = tok->forward(ids) + pos->forward(positions).unsqueeze(0);
+  auto x = tokens + pos->forward(positions).unsqueeze(0);
   if (pad_id < 0) return x;
   return torch::cat({x, ids.ne(pad_id).unsqueeze(-1).to(x.dtype())}, -1);
+}
+
+torch::Tensor TokenEmbeddingImpl::forward(const torch::Tensor& ids) {
+  TORCH_CHECK(ids.dim() == 2, "tandem::models::TokenEmbedding: expected token ids [B, T], got ", ids.sizes());
+  return with_positions(tok->forward(ids), ids, pos, pad_id, eos_id, "tandem::models::TokenEmbedding");
+}
+
+torch::Tensor document_attention_mask(const torch::Tensor& position_channel) {
+  TORCH_CHECK(position_channel.dim() == 3 && position_channel.size(2) == 1,
+              "tandem::models::document_attention_mask: expected the position channel [B, T, 1], got ",
+              position_channel.sizes());
+  const int64_t t = position_channel.size(1);
+  auto opts = torch::TensorOptions().dtype(torch::kLong).device(position_channel.device());
+  auto q = torch::arange(t, opts);
+  // The document of query q starts at q - position[q]; keys from there to q.
+  auto start = q.unsqueeze(0) - position_channel.squeeze(2).round().to(torch::kLong);  // [B, T]
+  auto k = q.view({1, 1, t});
+  auto mask = k.le(q.view({1, t, 1})) & k.ge(start.unsqueeze(2));
+  return mask.unsqueeze(1);
 }
 
 torch::Tensor padded_attention_mask(const torch::Tensor& mask_channel) {
@@ -40,8 +65,9 @@ torch::Tensor padded_attention_mask(const torch::Tensor& mask_channel) {
   return mask.unsqueeze(1);
 }
 
-TransformerBlockImpl::TransformerBlockImpl(int64_t d_model, int64_t heads_, int64_t mlp_ratio, bool padded_)
-    : heads(heads_), padded(padded_) {
+TransformerBlockImpl::TransformerBlockImpl(int64_t d_model, int64_t heads_, int64_t mlp_ratio, bool padded_,
+                                           bool documents_)
+    : heads(heads_), padded(padded_ || documents_), documents(documents_) {
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
   qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
   proj = register_module("proj", torch::nn::Linear(d_model, d_model));
@@ -55,9 +81,9 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
   if (padded) {
     const int64_t b = x.size(0), t = x.size(1), d = x.size(2) - 1, hd = d / heads;
     auto h0 = x.narrow(2, 0, d);
-    auto m = x.narrow(2, d, 1);  // [B, T, 1]: 1 real, 0 padding
+    auto m = x.narrow(2, d, 1);  // [B, T, 1]: 1 real, 0 padding (or the position in the document)
     auto q_k_v = qkv->forward(ln1->forward(h0)).view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4});
-    auto att = at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], padded_attention_mask(m),
+    auto att = at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], channel_attention_mask(m, documents),
                                                 /*dropout_p=*/0.0, /*is_causal=*/false);
     auto h = h0 + proj->forward(att.transpose(1, 2).reshape({b, t, d}));
     h = h + fc2->forward(torch::gelu(fc1->forward(ln2->forward(h))));
@@ -111,11 +137,17 @@ torch::nn::Sequential transformer(const TransformerConfig& c) {
     throw std::invalid_argument("tandem::models::transformer: config.pad_id " + std::to_string(c.pad_id) +
                                 " is not a token id below vocab " + std::to_string(c.vocab));
   }
+  if (c.eos_id >= c.vocab || (c.eos_id >= 0 && (c.pad_id >= 0 || c.num_classes > 0))) {
+    throw std::invalid_argument("tandem::models::transformer: config.eos_id " + std::to_string(c.eos_id) +
+                                " must be a token id below vocab " + std::to_string(c.vocab) +
+                                ", of an LM (num_classes 0) without pad_id (packed documents have no padding)");
+  }
   torch::nn::Sequential net;
-  if (c.pad_id >= 0) {  // padded: the attention mask travels as the last channel
-    net->push_back(TokenEmbedding(c.vocab, c.d_model, c.seq, c.pad_id));
+  if (c.pad_id >= 0 || c.eos_id >= 0) {  // padded or packed: the mask's source travels as the last channel
+    const bool documents = c.eos_id >= 0;
+    net->push_back(TokenEmbedding(c.vocab, c.d_model, c.seq, c.pad_id, c.eos_id));
     for (int64_t i = 0; i < c.layers; ++i) {
-      net->push_back(TransformerBlock(c.d_model, c.heads, c.mlp_ratio, /*padded=*/true));
+      net->push_back(TransformerBlock(c.d_model, c.heads, c.mlp_ratio, /*padded=*/true, documents));
     }
     net->push_back(Unpad(/*pool=*/c.num_classes > 0));
     net->push_back(torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));

@@ -41,31 +41,45 @@ struct TransformerConfig {
   int64_t num_classes = 0;  // 0: language model, output [B, T, vocab]; else [B, num_classes]
   // >= 0: token id `pad_id` is padding (a padded model, see transformer() below); -1: none.
   int64_t pad_id = -1;
+  // >= 0 (with pad_id -1): rows are packed documents each ending with token `eos_id`; positions
+  // restart and attention is block-diagonal causal per document, as Megatron-LM's
+  // reset_position_ids / reset_attention_mask (see transformer() below). -1: one sequence a row.
+  int64_t eos_id = -1;
 };
 
 // Token + learned position embedding: int64 ids [B, T] (T <= seq) -> float [B, T, d_model].
 // With pad_id >= 0 the output is [B, T, d_model + 1]: the last channel is the attention mask
 // (1 for a real token, 0 for padding), carried through the padded blocks (see transformer()).
+// With eos_id >= 0 instead, positions restart after each `eos_id` and the last channel is each
+// token's position in its document (the document blocks derive their mask from it).
 class TokenEmbeddingImpl : public torch::nn::Module, public tp::Parallelizable {
  public:
-  TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t seq, int64_t pad_id = -1);
+  TokenEmbeddingImpl(int64_t vocab, int64_t d_model, int64_t seq, int64_t pad_id = -1, int64_t eos_id = -1);
   torch::Tensor forward(const torch::Tensor& ids);
   // The token table split over the vocabulary, positions replicated (tp::ParallelTokenEmbedding).
   void check_tensor_parallel(int tp_size) const override;
   torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
   int64_t seq;
-  int64_t pad_id = -1;
+  int64_t pad_id = -1, eos_id = -1;
 };
 TORCH_MODULE(TokenEmbedding);
+
+// TokenEmbedding's output from its token embedding `tokens` [B, T, D] of `ids`: the position
+// embedding added and the channel of pad_id / eos_id appended (shared with its tensor-parallel
+// form). `who` names the module in the error for a row longer than pos's table.
+torch::Tensor with_positions(const torch::Tensor& tokens, const torch::Tensor& ids, torch::nn::Embedding pos,
+                             int64_t pad_id, int64_t eos_id, const char* who);
 
 // Pre-LN causal block: x + attn(ln1(x)), then + mlp(ln2(x)). Attention uses one fused qkv
 // linear and at::scaled_dot_product_attention(is_causal); the MLP uses GELU. [B,T,D] -> [B,T,D].
 // padded = true: input and output [B, T, D + 1], the last channel the mask of TokenEmbedding;
-// attention is causal and skips padded keys (a position always sees itself).
+// attention is causal and skips padded keys (a position always sees itself). documents = true
+// (with padded): the channel is the position in the document (TokenEmbedding with eos_id) and
+// attention is causal within each document only.
 class TransformerBlockImpl : public torch::nn::Module, public tp::Parallelizable {
  public:
-  TransformerBlockImpl(int64_t d_model, int64_t heads, int64_t mlp_ratio, bool padded = false);
+  TransformerBlockImpl(int64_t d_model, int64_t heads, int64_t mlp_ratio, bool padded = false, bool documents = false);
   torch::Tensor forward(const torch::Tensor& x);
   // Heads and the MLP's hidden units split (tp::ParallelTransformerBlock).
   void check_tensor_parallel(int tp_size) const override;
@@ -73,7 +87,7 @@ class TransformerBlockImpl : public torch::nn::Module, public tp::Parallelizable
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
   int64_t heads;
-  bool padded = false;
+  bool padded = false, documents = false;
 };
 TORCH_MODULE(TransformerBlock);
 
@@ -81,6 +95,13 @@ TORCH_MODULE(TransformerBlock);
 // padding): bool [B, 1, T(query), T(key)], causal, and the key is real or the query itself (so
 // a padded query still attends to something). For at::scaled_dot_product_attention.
 torch::Tensor padded_attention_mask(const torch::Tensor& mask_channel);
+// The attention mask of a document block from the position channel [B, T, 1] (each token's
+// position in its document): query t attends to keys t - position[t] .. t, bool [B, 1, T, T].
+torch::Tensor document_attention_mask(const torch::Tensor& position_channel);
+// A channelled block's mask: document_attention_mask when `documents`, else padded_attention_mask.
+inline torch::Tensor channel_attention_mask(const torch::Tensor& channel, bool documents) {
+  return documents ? document_attention_mask(channel) : padded_attention_mask(channel);
+}
 
 // [B, T, D] -> [B, D]: the last position, the only one that sees the whole causal sequence.
 class LastTokenImpl : public torch::nn::Module, public tp::Parallelizable {
@@ -115,6 +136,9 @@ TORCH_MODULE(Unpad);
 // padded TransformerBlocks, Unpad, final LayerNorm, then Linear(d_model, vocab) (Unpad drops
 // the mask) or Linear(d_model, num_classes) (Unpad mean-pools the real tokens). The LM and the
 // classifier share every parameter name but the head's, so one initialises the other.
+// With config.eos_id >= 0 (packed documents, an LM): the same children and parameter names as
+// the padded LM, the channel holding positions within documents (document blocks), so a model
+// pre-trained on packed documents initialises the padded classifier too.
 torch::nn::Sequential transformer(const TransformerConfig& config);
 
 // The configuration behind make_model("transformer_tiny"): vocab 256, d_model 64, 4 heads,

@@ -146,7 +146,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public PlacedModule
 TORCH_MODULE(VocabParallelEmbedding);
 
 // models::TokenEmbedding with a vocabulary-parallel token table (positions replicated); with
-// pad_id >= 0 the mask channel is appended as in the dense one.
+// pad_id >= 0 the mask channel (eos_id >= 0: the position channel) is appended as in the dense one.
 class ParallelTokenEmbeddingImpl : public torch::nn::Module {
  public:
   ParallelTokenEmbeddingImpl(const models::TokenEmbeddingImpl& dense, CommPtr tp);
@@ -154,7 +154,7 @@ class ParallelTokenEmbeddingImpl : public torch::nn::Module {
   VocabParallelEmbedding tok{nullptr};
   torch::nn::Embedding pos{nullptr};
   int64_t seq;
-  int64_t pad_id = -1;
+  int64_t pad_id = -1, eos_id = -1;
 };
 TORCH_MODULE(ParallelTokenEmbedding);
 
@@ -192,7 +192,7 @@ class ParallelTransformerBlockImpl : public torch::nn::Module, public PlacedModu
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   ParallelSelfAttention attn{nullptr};
   ParallelMLP mlp{nullptr};
-  bool padded = false;
+  bool padded = false, documents = false;  // as the dense block's
   // Its projections' blocks under models::TransformerBlock's names (attn.qkv -> qkv, mlp.fc1 -> fc1).
   std::vector<ParameterPlacement> parameter_placements() const override;
 };

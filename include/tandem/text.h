@@ -86,6 +86,9 @@ Corpus read_corpus(const CorpusOptions& opts);
 
 // True when Tandem was built with SentencePiece (libsentencepiece-dev).
 bool have_sentencepiece();
+// True when `dir` is the output of tandem preprocess (it holds dataset.json and
+// text_document.idx): tandem pretrain --data then trains on its packed windows.
+bool is_preprocessed_dataset(const std::string& dir);
 
 struct TokenizerOptions {
   int64_t vocab_size = 2000;
@@ -100,7 +103,9 @@ struct Encoded {
   at::Tensor mask;  // int64 [N, seq]: 1 for a real token, 0 for padding
 };
 
-// A SentencePiece model. Ids: pad 0, unk 1, bos 2, eos 3, pieces from 4. Newlines and tabs are
+// A SentencePiece model. Ids of the ones tandem trains: pad 0, unk 1, bos 2, eos 3, pieces from
+// 4; a loaded model keeps its own (a Llama tokenizer.model: unk 0, bos 1, eos 2, no pad piece,
+// whose padding then uses the unk id: byte-fallback models never emit it). Newlines and tabs are
 // encoded as spaces.
 class Tokenizer {
  public:
@@ -108,7 +113,8 @@ class Tokenizer {
   // std::runtime_error with SentencePiece's message when training fails (e.g. too few
   // distinct characters for the vocabulary size) or when built without SentencePiece.
   static Tokenizer train(const std::vector<std::string>& texts, const TokenizerOptions& opts);
-  // Loads a model file written by save(). Throws std::runtime_error naming the file.
+  // Loads a model file written by save(), or another SentencePiece model with unk, bos and eos
+  // pieces. Throws std::runtime_error naming the file.
   static Tokenizer load(const std::string& path);
   Tokenizer();
   ~Tokenizer();
@@ -117,9 +123,9 @@ class Tokenizer {
 
   void save(const std::string& path) const;
   int64_t vocab_size() const;
-  int64_t pad_id() const { return 0; }
-  int64_t bos_id() const { return 2; }
-  int64_t eos_id() const { return 3; }
+  int64_t pad_id() const { return pad_; }
+  int64_t bos_id() const { return bos_; }
+  int64_t eos_id() const { return eos_; }
   // fnv1a64 of the serialized model, as 16 hex digits: identifies the tokenizer in a checkpoint.
   std::string fingerprint() const;
   std::vector<int64_t> encode(std::string_view text) const;  // pieces only, no bos/eos
@@ -129,6 +135,7 @@ class Tokenizer {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  int64_t pad_ = 0, bos_ = 2, eos_ = 3;
 };
 
 // ---- checkpoint directory: model.pt (torch::save of the named parameters), tokenizer.model,
@@ -199,6 +206,9 @@ struct TextTrainConfig {
   std::string trace;                         // Chrome trace-event timeline of the loop (tandem/trace.h); "": none
   std::string metrics_path;                  // JSON lines: per-step loss and time, then the report (tandem/report.h)
   std::string tensorboard;  // TensorBoard event files of the same figures (tandem/tensorboard.h); "": none
+  // pretrain on a preprocessed dataset: each rank appends what it trained on to
+  // PREFIX.rankR.jsonl (step, samples, windows, ids, positions); "": none.
+  std::string data_record;
   TextCheckpoints checkpoints;
 };
 

@@ -5,6 +5,8 @@
 
 #include <stdexcept>
 
+#include "tandem/text.h"
+
 namespace tandem::text {
 
 bool is_preprocessed(const std::string& data) {
@@ -12,30 +14,27 @@ bool is_preprocessed(const std::string& data) {
   return ::stat(data.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-PackedSet::PackedSet(const HfFinetuneConfig& cfg, const hf::Tokenizer& tok, const llama::LlamaConfig& mc, int rank)
-    : dir_(cfg.data), vocab_(mc.vocab_size), eos_(tok.special().eos) {
-  const auto& pc = cfg.loop.parallel;
-  const std::string what = "--data '" + cfg.data + "' (a preprocessed dataset) packs documents into windows";
-  if (cfg.task != HfTask::kLm) {
-    throw std::invalid_argument(what + ", for --task lm; classification reads a JSON lines file");
-  }
+void refuse_unmasked_layouts(const ParallelConfig& pc, const std::string& what) {
   if (pc.pp > 1) {
     throw std::invalid_argument(what + " whose attention and positions restart at each EOS, which the stages of --pp " +
                                 std::to_string(pc.pp) +
                                 " after the first cannot see (they get activations, not token ids); use --pp 1 (with "
-                                "--tp or a ZeRO strategy for memory), or a JSON lines file");
+                                "--tp or a ZeRO strategy for memory)");
   }
   if (pc.cp > 1) {
     throw std::invalid_argument(what + " whose attention restarts at each EOS, which ring attention under --cp " +
-                                std::to_string(pc.cp) + " does not mask; use --cp 1, or a JSON lines file");
+                                std::to_string(pc.cp) + " does not mask; use --cp 1");
   }
+}
+
+bool is_preprocessed_dataset(const std::string& dir) {
+  struct stat st {};
+  const auto has = [&](const std::string& f) { return ::stat((dir + "/" + f).c_str(), &st) == 0; };
+  return is_preprocessed(dir) && has(data::kDatasetInfoFile) && has("text_document.idx");
+}
+
+PackedSet::PackedSet(const PackedSource& src, int rank) : dir_(src.dir), vocab_(src.vocab), eos_(src.eos) {
   info_ = data::read_dataset_info(dir_);
-  if (info_.vocab_size != tok.vocab_size() || info_.eos != eos_) {
-    throw std::runtime_error("--data '" + dir_ + "' was tokenized by '" + info_.tokenizer_dir + "' (vocabulary " +
-                             std::to_string(info_.vocab_size) + ", EOS " + std::to_string(info_.eos) + "), not by '" +
-                             cfg.model_dir + "' (vocabulary " + std::to_string(tok.vocab_size()) + ", EOS " +
-                             std::to_string(eos_) + "); preprocess the text again with --init-from " + cfg.model_dir);
-  }
   data_ = std::make_unique<data::IndexedDataset>(dir_ + "/" + info_.prefix);
   if (data_->tokens() != info_.tokens || data_->sequences() != info_.documents) {
     throw std::runtime_error("--data '" + dir_ + "': the index holds " + std::to_string(data_->sequences()) +
@@ -43,11 +42,26 @@ PackedSet::PackedSet(const HfFinetuneConfig& cfg, const hf::Tokenizer& tok, cons
                              " says " + std::to_string(info_.documents) + " of " + std::to_string(info_.tokens) +
                              "; preprocess again");
   }
-  windows_ = std::make_unique<data::PackedWindows>(*data_, cfg.seq);
-  if (!cfg.data_record.empty()) {
-    const auto path = cfg.data_record + ".rank" + std::to_string(rank) + ".jsonl";
+  windows_ = std::make_unique<data::PackedWindows>(*data_, src.seq);
+  if (!src.record.empty()) {
+    const auto path = src.record + ".rank" + std::to_string(rank) + ".jsonl";
     record_ = std::make_unique<std::ofstream>(path, std::ios::app);
     if (!*record_) throw std::runtime_error("--data-record: cannot write '" + path + "'");
+  }
+}
+
+PackedSet::PackedSet(const HfFinetuneConfig& cfg, const hf::Tokenizer& tok, const llama::LlamaConfig& mc, int rank)
+    : PackedSet(PackedSource{cfg.data, cfg.seq, mc.vocab_size, tok.special().eos, cfg.data_record}, rank) {
+  const std::string what = "--data '" + cfg.data + "' (a preprocessed dataset) packs documents into windows";
+  if (cfg.task != HfTask::kLm) {
+    throw std::invalid_argument(what + ", for --task lm; classification reads a JSON lines file");
+  }
+  refuse_unmasked_layouts(cfg.loop.parallel, what);
+  if (info_.vocab_size != tok.vocab_size() || info_.eos != eos_) {
+    throw std::runtime_error("--data '" + dir_ + "' was tokenized by '" + info_.tokenizer_dir + "' (vocabulary " +
+                             std::to_string(info_.vocab_size) + ", EOS " + std::to_string(info_.eos) + "), not by '" +
+                             cfg.model_dir + "' (vocabulary " + std::to_string(tok.vocab_size()) + ", EOS " +
+                             std::to_string(eos_) + "); preprocess the text again with --init-from " + cfg.model_dir);
   }
 }
 

@@ -1,6 +1,6 @@
-// The training samples of `tandem finetune --init-from MODEL --data DIR` (a preprocessed dataset,
-// tandem/preprocess.h): packed windows read by mmap, as batches for the text loop. Private to
-// src/text.
+// The training samples of `tandem finetune --init-from MODEL --data DIR` and `tandem pretrain
+// --data DIR` (a preprocessed dataset, tandem/preprocess.h): packed windows read by mmap, as
+// batches for the text loops. Private to src/text.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -20,8 +20,23 @@
 
 namespace tandem::text {
 
+// What a model trains on: the dataset directory, window length, the model's vocabulary (ids at or
+// above it are refused) and the EOS that ends documents; record: --data-record's prefix or "".
+struct PackedSource {
+  std::string dir;
+  int64_t seq = 0, vocab = 0, eos = -1;
+  std::string record;
+};
+
+// Throws std::invalid_argument naming `what` (the dataset) for a layout whose later ranks cannot
+// see the document boundaries: --pp above 1 (later stages get activations, not ids), --cp above 1
+// (ring attention does not mask documents).
+void refuse_unmasked_layouts(const ParallelConfig& pc, const std::string& what);
+
 class PackedSet {
  public:
+  // Opens the dataset: std::runtime_error naming the directory for a missing or corrupt one.
+  PackedSet(const PackedSource& src, int rank);
   // Checks the run against the dataset and opens it. Throws std::invalid_argument naming the flag
   // for a layout that cannot see the document boundaries (--pp above 1, --cp above 1) or --task
   // classify, std::runtime_error naming the directory for a missing or corrupt dataset or one made
@@ -38,6 +53,7 @@ class PackedSet {
   // What a resumed run must match: the windows (count, seq) and the dataset's counts.
   nlohmann::json identity() const;
   std::string describe() const;
+  const data::DatasetInfo& info() const { return info_; }
   // Where the loop starts (its first step and the sampler's position), for the record.
   void start(int64_t first_step, int64_t first_sample, int64_t global_batch) {
     step_ = first_step;

@@ -124,12 +124,15 @@ Tokenizer Tokenizer::load(const std::string& path) {
   if (!st.ok()) {
     throw std::runtime_error("'" + path + "' is not a SentencePiece model (" + st.ToString() + ")");
   }
-  if (t.impl_->sp.pad_id() != 0 || t.impl_->sp.unk_id() != 1 || t.impl_->sp.bos_id() != 2 ||
-      t.impl_->sp.eos_id() != 3) {
-    throw std::runtime_error("tokenizer '" + path +
-                             "' was not made by tandem (expects pad 0, unk 1, bos 2, eos 3); let tandem pretrain "
-                             "train one");
+  const auto& sp = t.impl_->sp;
+  if (sp.unk_id() < 0 || sp.bos_id() < 0 || sp.eos_id() < 0) {
+    throw std::runtime_error("tokenizer '" + path + "' has no unk, bos or eos piece (unk " +
+                             std::to_string(sp.unk_id()) + ", bos " + std::to_string(sp.bos_id()) + ", eos " +
+                             std::to_string(sp.eos_id()) + "); let tandem pretrain train one");
   }
+  t.pad_ = sp.pad_id() >= 0 ? sp.pad_id() : sp.unk_id();
+  t.bos_ = sp.bos_id();
+  t.eos_ = sp.eos_id();
   return t;
 #else
   no_sentencepiece();

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <random>
 #include <sstream>
@@ -20,6 +21,7 @@
 #include "tandem/progress.h"
 #include "tandem/text.h"
 #include "tandem/trace.h"
+#include "text/hf_packed.h"
 #include "text/loop.h"
 
 namespace tandem::text {
@@ -117,14 +119,19 @@ Tokenizer load_checked_tokenizer(const TextTrainConfig& cfg, const Manifest* m, 
   return tok;
 }
 
-// What ran: the report's header, from the configuration, the engine's layout and the corpus.
-void describe_run(const Engine& eng, const TextTrainConfig& cfg, const Corpus& corpus, TextReport& rep) {
+// The report's header from the configuration and the engine's layout.
+void describe_model(const Engine& eng, const TextTrainConfig& cfg, TextReport& rep) {
   const ModelShape& m = rep.shape;
   rep.model = "transformer d_model " + std::to_string(m.d_model) + ", " + std::to_string(m.layers) + " layers, seq " +
               std::to_string(m.seq) + ", vocabulary " + std::to_string(m.vocab);
   rep.global_batch = cfg.batch;
   rep.baseline_samples_per_second = cfg.baseline_samples_per_second;
   describe_engine(eng, rep);
+}
+
+// What ran: the report's header, from the configuration, the engine's layout and the corpus.
+void describe_run(const Engine& eng, const TextTrainConfig& cfg, const Corpus& corpus, TextReport& rep) {
+  describe_model(eng, cfg, rep);
   rep.labels = corpus.labels;
   rep.train_documents = static_cast<int64_t>(corpus.train.size());
   rep.valid_documents = static_cast<int64_t>(corpus.valid.size());
@@ -173,16 +180,18 @@ void finish_report(Engine& eng, const EngineStats& loop, const TextTrainConfig& 
 }
 
 // Writes model.pt (the dense fp32 parameters) and the manifest that describes it into `dir`.
+// `task` and `labels`: what the model learned (a packed dataset: "lm", no labels).
 void save_model(const fs::path& dir, const char* kind, const std::map<std::string, torch::Tensor>& params,
-                const ModelShape& shape, const TextTrainConfig& cfg, const Corpus& corpus, const Tokenizer& tok) {
+                const ModelShape& shape, const TextTrainConfig& cfg, const std::string& task,
+                const std::vector<std::string>& labels, const Tokenizer& tok) {
   torch::serialize::OutputArchive ar;
   for (auto& [name, t] : params) ar.write(name, t);
   ar.save_to((dir / "model.pt").string());
   Manifest m;
   m.kind = kind;
   m.shape = shape;
-  m.task = cfg.corpus.task;
-  m.labels = corpus.labels;
+  m.task = task;
+  m.labels = labels;
   m.tokenizer_fingerprint = tok.fingerprint();
   m.tokenizer_vocab = tok.vocab_size();
   m.steps = cfg.steps;
@@ -199,6 +208,51 @@ void refuse_sequence_parallel(const TextTrainConfig& cfg) {
   if (cfg.parallel.sequence_parallel) {
     throw std::invalid_argument("--sequence-parallel needs a Llama model (tandem finetune --init-from DIR); Tandem's "
                                 "own transformer does not split the sequence: drop --sequence-parallel");
+  }
+}
+
+// The run's tokenizer as --out DIR/tokenizer.model: `make(path)` writes it there (rank 0), unless
+// a resumed run takes the one its checkpoints were trained with (kept beside them); the other
+// ranks wait and load it. Collective.
+Tokenizer place_tokenizer(Runtime& rt, const TextTrainConfig& cfg,
+                          const std::function<void(const std::string&)>& make) {
+  const fs::path dir(cfg.checkpoint);
+  const auto tok_path = (dir / "tokenizer.model").string();
+  const TextCheckpoints& ck = cfg.checkpoints;
+  const auto kept_tok = ck.dir.empty() ? fs::path() : fs::path(ck.dir) / "tokenizer.model";
+  std::string error;
+  if (rt.rank() == 0) {
+    try {
+      fs::create_directories(dir);
+      if (ck.resume && fs::exists(kept_tok)) {
+        fs::copy_file(kept_tok, tok_path, fs::copy_options::overwrite_existing);
+      } else {
+        make(tok_path);
+      }
+      if (!ck.dir.empty()) {
+        fs::create_directories(ck.dir);
+        if (!fs::exists(kept_tok)) fs::copy_file(tok_path, kept_tok);
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  auto ok = torch::tensor({error.empty() ? 1.0f : 0.0f}).to(rt.device());
+  rt.world()->allreduce(ok, ReduceOp::kSum);
+  if (ok.item<float>() < rt.world_size()) {
+    throw std::runtime_error(error.empty() ? "rank 0 could not make the tokenizer (see its message)" : error);
+  }
+  return Tokenizer::load(tok_path);
+}
+
+// --tp must divide the heads and the vocabulary (the rest is checked when the model is split;
+// these before a tokenizer is trained or read).
+void check_tp_split(const TextTrainConfig& cfg, int64_t vocab) {
+  const int tp = cfg.parallel.tp;
+  if (tp > 1 && (cfg.shape.heads % tp != 0 || vocab % tp != 0)) {
+    throw std::invalid_argument("--tp " + std::to_string(tp) + " must divide --heads (" +
+                                std::to_string(cfg.shape.heads) + ") and the vocabulary (" + std::to_string(vocab) +
+                                ")");
   }
 }
 
@@ -245,50 +299,92 @@ void validate(const TextTrainConfig& cfg, int world) {
   }
 }
 
+namespace {
+
+// tandem pretrain --data DIR on a preprocessed dataset: the packed windows of its .bin (mmap),
+// the model's vocabulary that of the tokenizer named in DIR/dataset.json (its tokenizer.model
+// becomes --out's), attention and positions reset at each EOS, every target a loss term.
+TextReport pretrain_packed(Runtime& rt, const TextTrainConfig& cfg) {
+  const std::string& data = cfg.corpus.root;
+  refuse_unmasked_layouts(cfg.parallel, "--data '" + data + "' (a preprocessed dataset) packs documents into windows");
+  const auto info = data::read_dataset_info(data);
+  const auto source = (fs::path(info.tokenizer_dir) / "tokenizer.model").string();
+  if (!fs::exists(source)) {
+    throw std::runtime_error("--data '" + data + "' was tokenized by '" + info.tokenizer_dir +
+                             "', which holds no SentencePiece tokenizer.model for tandem pretrain to keep as its own; "
+                             "preprocess with a model directory that ships one");
+  }
+  check_tp_split(cfg, info.vocab_size);
+  torch::manual_seed(cfg.seed);
+  auto tok = place_tokenizer(rt, cfg, [&](const std::string& path) {
+    fs::copy_file(source, path, fs::copy_options::overwrite_existing);
+  });
+  if (tok.vocab_size() != info.vocab_size || tok.eos_id() != info.eos) {
+    throw std::runtime_error("--data '" + data + "': its " + data::kDatasetInfoFile + " says vocabulary " +
+                             std::to_string(info.vocab_size) + ", EOS " + std::to_string(info.eos) + ", but '" +
+                             cfg.checkpoint + "/tokenizer.model' has " + std::to_string(tok.vocab_size()) + ", EOS " +
+                             std::to_string(tok.eos_id()) + "; preprocess again, or resume with the same data");
+  }
+  ModelShape shape = cfg.shape;
+  shape.vocab = tok.vocab_size();
+  PackedSet set(PackedSource{data, shape.seq, shape.vocab, info.eos, cfg.data_record}, rt.rank());
+  auto mc = model_config(shape, 0);
+  mc.pad_id = -1;
+  mc.eos_id = info.eos;
+  auto engine = make_engine(rt, cfg, models::transformer(mc), set.sample(), transformer_options());
+  Engine& eng = *engine;
+  TextReport rep;
+  rep.command = "pretrain";
+  rep.shape = shape;
+  describe_model(eng, cfg, rep);
+  rep.context.emplace_back("data", set.describe());
+  auto run = run_record("pretrain", cfg, tok);
+  run["dataset"] = set.identity();
+  LoopCheckpoints checkpoints(eng, cfg, "text", run, {"command", "tokenizer", "seed", "dataset"});
+  checkpoints.set_epoch_size(set.size());
+  tensorboard::Log tb(cfg.tensorboard, rt.rank() == 0);
+  LoopHooks hooks = checkpoints.start();
+  hooks.tensorboard = &tb;
+  set.start(hooks.first_step, hooks.first_sample >= 0 ? hooks.first_sample : hooks.first_step * cfg.batch, cfg.batch);
+  const EngineStats loop = train_loop(
+      rt, cfg, eng, set.size(),
+      [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) {
+        auto [x, y] = set.batch(idx, from, to);
+        return std::make_pair(x.to(rt.device()), y.to(rt.device()));
+      },
+      [](const torch::Tensor& logits, const torch::Tensor& targets) {
+        return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(2)}).to(torch::kFloat),
+                                                    targets.reshape({-1}),
+                                                    torch::nn::functional::CrossEntropyFuncOptions().reduction(
+                                                        torch::kSum));
+      },
+      [&](const std::vector<int64_t>& idx, int64_t from, int64_t to) { return set.terms(idx, from, to); }, rep, hooks);
+  checkpoints.finish();
+  if (rep.stopped) {  // relaunched from the checkpoint: no --out yet
+    finish_report(eng, loop, cfg, rep, tb);
+    return rep;
+  }
+  auto params = eng.full_parameters();
+  finish_report(eng, loop, cfg, rep, tb);
+  if (rt.rank() == 0) save_model(cfg.checkpoint, "pretrain", params, shape, cfg, "lm", {}, tok);
+  return rep;
+}
+
+}  // namespace
+
 TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   refuse_sequence_parallel(cfg);
   validate(cfg, rt.world_size());
   if (cfg.checkpoint.empty()) throw std::invalid_argument("pretrain needs an output directory (--out DIR)");
-  const int tp = cfg.parallel.tp;
-  if (tp > 1 && (cfg.shape.heads % tp != 0 || cfg.tokenizer.vocab_size % tp != 0)) {
-    // (the rest is checked when the model is split; these before the tokenizer is trained)
-    throw std::invalid_argument("--tp " + std::to_string(tp) + " must divide --heads (" +
-                                std::to_string(cfg.shape.heads) + ") and --vocab (" +
-                                std::to_string(cfg.tokenizer.vocab_size) + ")");
-  }
+  if (is_preprocessed_dataset(cfg.corpus.root)) return pretrain_packed(rt, cfg);
+  check_tp_split(cfg, cfg.tokenizer.vocab_size);
   const int rank = rt.rank();
   torch::manual_seed(cfg.seed);
   auto corpus = read_corpus(cfg.corpus);
+  auto tok = place_tokenizer(rt, cfg, [&](const std::string& path) {
+    Tokenizer::train(texts_of(corpus.train), cfg.tokenizer).save(path);
+  });
   const fs::path dir(cfg.checkpoint);
-  const auto tok_path = (dir / "tokenizer.model").string();
-  // Rank 0 trains the tokenizer on the training split; the others wait and load it.
-  // A resumed run takes the tokenizer its checkpoints were trained with (kept beside them).
-  const TextCheckpoints& ck = cfg.checkpoints;
-  const auto kept_tok = ck.dir.empty() ? fs::path() : fs::path(ck.dir) / "tokenizer.model";
-  std::string error;
-  if (rank == 0) {
-    try {
-      fs::create_directories(dir);
-      if (ck.resume && fs::exists(kept_tok)) {
-        fs::copy_file(kept_tok, tok_path, fs::copy_options::overwrite_existing);
-      } else {
-        auto tok = Tokenizer::train(texts_of(corpus.train), cfg.tokenizer);
-        tok.save(tok_path);
-      }
-      if (!ck.dir.empty()) {
-        fs::create_directories(ck.dir);
-        if (!fs::exists(kept_tok)) fs::copy_file(tok_path, kept_tok);
-      }
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  }
-  auto ok = torch::tensor({error.empty() ? 1.0f : 0.0f}).to(rt.device());
-  rt.world()->allreduce(ok, ReduceOp::kSum);
-  if (ok.item<float>() < rt.world_size()) {
-    throw std::runtime_error(error.empty() ? "rank 0 could not make the tokenizer (see its message)" : error);
-  }
-  auto tok = Tokenizer::load(tok_path);
   ModelShape shape = cfg.shape;
   shape.vocab = tok.vocab_size();
 
@@ -352,7 +448,7 @@ TextReport pretrain(Runtime& rt, const TextTrainConfig& cfg) {
   }
   auto params = eng.full_parameters();
   finish_report(eng, loop, cfg, rep, tb);
-  if (rank == 0) save_model(dir, "pretrain", params, shape, cfg, corpus, tok);
+  if (rank == 0) save_model(dir, "pretrain", params, shape, cfg, cfg.corpus.task, corpus.labels, tok);
   return rep;
 }
 
@@ -483,7 +579,7 @@ TextReport finetune(Runtime& rt, const TextTrainConfig& cfg) {
   if (rank == 0 && !cfg.output.empty()) {
     fs::create_directories(cfg.output);
     tok.save((fs::path(cfg.output) / "tokenizer.model").string());
-    save_model(cfg.output, "finetune", params, shape, cfg, corpus, tok);
+    save_model(cfg.output, "finetune", params, shape, cfg, cfg.corpus.task, corpus.labels, tok);
   }
   return rep;
 }

@@ -7,6 +7,8 @@
 #include <set>
 #include <torch/torch.h>
 
+#include <algorithm>
+
 #include "tandem/models.h"
 #include "tandem/placement.h"
 #include "tandem/tensor_parallel.h"
@@ -251,20 +253,25 @@ std::map<std::string, torch::Tensor> assembled(torch::nn::Module& par, const Com
   return out;
 }
 
-// The padded transformer of `tandem pretrain/finetune` (mask channel, pooled classifier head):
-// the converted model computes the dense one's outputs, keeps a classification head replicated,
-// and its placements give back the dense weights (what a checkpoint saves).
+// The padded transformer of `tandem pretrain/finetune` (mask channel, pooled classifier head)
+// and the packed one of `tandem pretrain --data DIR` (position channel, attention within each
+// document): the converted model computes the dense one's outputs, keeps a classification head
+// replicated, and its placements give back the dense weights (what a checkpoint saves).
 TEST(TensorParallel, PaddedTransformerMatchesDenseAndGathersBack) {
   auto tp = world();
-  for (int64_t classes : {0, 3}) {
-    SCOPED_TRACE(classes ? "classifier" : "language model");
+  for (int64_t variant : {0, 3, -1}) {
+    const int64_t classes = std::max<int64_t>(variant, 0);
+    SCOPED_TRACE(variant > 0 ? "classifier" : variant == 0 ? "language model" : "packed language model");
     auto c = small_lm();
-    c.pad_id = 0;
+    if (variant >= 0) c.pad_id = 0;
+    if (variant < 0) c.eos_id = 0;
     c.num_classes = classes;
     auto make = [&](uint64_t seed) { return double_transformer(c, seed); };
     auto g = at::detail::createCPUGenerator(21);
     auto ids = torch::randint(1, c.vocab, {3, 6}, g);
-    ids.narrow(1, 4, 2).narrow(0, 0, 2).fill_(0);  // right padding in two rows
+    // Right padding in two rows, or (packed) documents ending at positions 1 and 3, 4.
+    ids.narrow(1, 4, 2).narrow(0, 0, 2).fill_(0);
+    if (variant < 0) ids.select(1, 1).fill_(0);
     auto dense = make(5);
     auto want = dense->forward(ids);
     auto par = tp::tensor_parallel(make(tp->rank() == 0 ? 5 : 100 + tp->rank()), tp);

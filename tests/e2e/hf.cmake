@@ -26,6 +26,11 @@ set_tests_properties(e2e_hf_context_parallel PROPERTIES TIMEOUT 400 PROCESSORS 2
 # resume, packed losses under zero3, tp2 and the tied LM, and bad data refused naming the problem.
 add_test(NAME e2e_hf_packed COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_packed.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
 set_tests_properties(e2e_hf_packed PROPERTIES TIMEOUT 400 PROCESSORS 2 LABELS e2e)
+# tandem pretrain --data DIR on the same preprocessed fixture corpus: Tandem's transformer on
+# packed windows with the dataset's tokenizer, the rows against the numpy reference, a 2 -> 1
+# worker resume with no repeat or gap, zero3 and tp2 within 1e-6 of one worker, bad flags refused.
+add_test(NAME e2e_pretrain_packed COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/pretrain_packed.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
+set_tests_properties(e2e_pretrain_packed PROPERTIES TIMEOUT 300 PROCESSORS 2 LABELS e2e)
 # Data at scale (slow): a 768 MB synthetic JSON lines corpus preprocessed (2 tokenizing threads)
 # and trained on by 2 workers, each process's peak resident memory under 1 GiB (about 100 s). The
 # script's default is the 2 GB corpus (hf_packed_2gb.sh TANDEM SOURCE_DIR, docs/BENCHMARKS.md):

@@ -84,3 +84,15 @@ print(f"{'ok  ' if ok else 'FAIL'} {name}: {len(got)} steps, max |loss - fp32's|
 sys.exit(0 if ok else 1)
 PY
 }
+# refused NAME PATTERN COMMAND...: COMMAND exits non-zero and its output holds PATTERN; a failure
+# counts in $fails.
+refused() {
+  local name=$1 pattern=$2; shift 2
+  if timeout 120 "$@" >"$tmp/$name.log" 2>&1; then
+    echo "FAIL $name: accepted"; fails=$((fails + 1))
+  elif ! grep -qF -- "$pattern" "$tmp/$name.log"; then
+    echo "FAIL $name: no '$pattern' in:"; tail -5 "$tmp/$name.log"; fails=$((fails + 1))
+  else
+    echo "ok   $name: $(grep -F -- "$pattern" "$tmp/$name.log" | head -1 | cut -c1-220)"
+  fi
+}

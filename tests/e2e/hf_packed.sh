@@ -16,17 +16,6 @@ src=$2
 fortunes_jsonl "$tmp/c.jsonl" 60
 fails=0
 ref=("$py" "$src/tests/e2e/packed_reference.py")
-# refused NAME PATTERN COMMAND...: COMMAND exits non-zero and its output holds PATTERN.
-refused() {
-  local name=$1 pattern=$2; shift 2
-  if timeout 120 "$@" >"$tmp/$name.log" 2>&1; then
-    echo "FAIL $name: accepted"; fails=$((fails + 1))
-  elif ! grep -qF -- "$pattern" "$tmp/$name.log"; then
-    echo "FAIL $name: no '$pattern' in:"; tail -5 "$tmp/$name.log"; fails=$((fails + 1))
-  else
-    echo "ok   $name: $(grep -F -- "$pattern" "$tmp/$name.log" | head -1 | cut -c1-220)"
-  fi
-}
 
 if ! timeout 120 "$tandem" preprocess --init-from "$tmp/fx/lm" --data "$tmp/c.jsonl" --out "$tmp/d" --threads 2 \
   >"$tmp/pre.log" 2>&1; then

@@ -168,6 +168,50 @@ TEST(Models, TransformerLanguageModelIsCausal) {
   EXPECT_TRUE(torch::allclose(prefix, out.narrow(1, 0, 6), 1e-5, 1e-6));
 }
 
+// Packed documents (config.eos_id): each document of a packed row gets the logits it gets
+// alone (positions from 0, attention within itself), as Megatron-LM's reset_position_ids and
+// reset_attention_mask; the same weights without the reset (an eos_id absent from the row) differ.
+TEST(Models, TransformerPackedDocumentsEqualEachDocumentAlone) {
+  torch::manual_seed(5);
+  const int eos = 2;
+  tmod::TransformerConfig c{40, 32, 4, 2, 16, 4, 0};
+  c.eos_id = eos;
+  auto lm = tmod::transformer(c);
+  lm->eval();
+  // Three documents of 5, 7 and 4 tokens (the last one cut by the window: no EOS).
+  auto docs = std::vector<torch::Tensor>{torch::tensor({7, 9, 11, 13, eos}, torch::kLong),
+                                         torch::tensor({21, 5, 8, 30, 17, 4, eos}, torch::kLong),
+                                         torch::tensor({12, 6, 33, 19}, torch::kLong)};
+  auto row = torch::cat(docs).unsqueeze(0);
+  torch::NoGradGuard ng;
+  auto packed = lm->forward(row);
+  ASSERT_EQ(packed.sizes(), (std::vector<int64_t>{1, 16, 40}));
+  int64_t at = 0;
+  for (const auto& d : docs) {
+    auto alone = lm->forward(d.unsqueeze(0));
+    const int64_t n = d.size(0);
+    EXPECT_TRUE(torch::allclose(packed.narrow(1, at, n), alone, 0.0, 1e-5))
+        << "document at " << at << ": max difference " << (packed.narrow(1, at, n) - alone).abs().max().item<float>();
+    at += n;
+  }
+  // The control: the same weights with an EOS that never occurs see one 16-token sequence.
+  tmod::TransformerConfig whole = c;
+  whole.eos_id = 39;
+  auto plain = tmod::transformer(whole);
+  plain->eval();
+  auto mine = lm->named_parameters();
+  for (auto& p : plain->named_parameters()) p.value().copy_(mine[p.key()]);
+  auto unreset = plain->forward(row);
+  EXPECT_TRUE(torch::allclose(unreset.narrow(1, 0, 5), packed.narrow(1, 0, 5), 0.0, 1e-5));  // the first document
+  EXPECT_GT((unreset.narrow(1, 5, 11) - packed.narrow(1, 5, 11)).abs().max().item<float>(), 1e-3);
+  // The mask itself: query 6 (second document, position 1) sees keys 5 and 6 only.
+  auto m = tmod::document_attention_mask(torch::tensor({0, 1, 2, 0, 1}, torch::kFloat).view({1, 5, 1}));
+  EXPECT_TRUE(m[0][0][4].equal(torch::tensor({false, false, false, true, true})));
+  tmod::TransformerConfig bad = c;
+  bad.pad_id = 0;
+  EXPECT_NE(error_of([&] { tmod::transformer(bad); }).find("without pad_id"), std::string::npos);
+}
+
 TEST(Models, TransformerTrainsAndRejectsBadConfig) {
   // One intra-op thread: tiny ops on a shared 2-core machine are ~8x slower with two.
   struct ThreadGuard {

@@ -45,8 +45,11 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
   LaunchOptions lo;  // several machines: the hosts and their network
   add_host_options(app, lo);
   app.add_option("--data", cfg.corpus.root,
-                 "directory of '%'-separated text files; files in it are labelled --root-label, each "
-                 "subdirectory is a label")
+                 pretraining ? "directory of '%'-separated text files (files in it are labelled --root-label, each "
+                               "subdirectory is a label), or the output of tandem preprocess (packed windows, its "
+                               "tokenizer)"
+                             : "directory of '%'-separated text files; files in it are labelled --root-label, each "
+                               "subdirectory is a label")
       ->capture_default_str();
   app.add_option("--root-label", cfg.corpus.root_label, "label of the files directly in --data")->capture_default_str();
   app.add_option("--task", cfg.corpus.task, "language (label = subdirectory) | category (the root's files by name)")
@@ -90,6 +93,8 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
     shape_flags(app);
     app.add_option("--tokenizer-sentences", cfg.tokenizer.max_sentences, "documents the tokenizer trains on at most")
         ->capture_default_str();
+    app.add_option("--data-record", cfg.data_record,
+                   "with a preprocessed --data: each rank appends what it trains on to PREFIX.rankR.jsonl");
   } else {
     app.add_option("--checkpoint", cfg.checkpoint, "tandem pretrain's checkpoint directory");
     app.add_flag("--from-scratch", cfg.from_scratch,
@@ -105,6 +110,8 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
         {"", {"tandem pretrain --out pre"}},
         {"4 workers: 2 tensor-parallel ranks x 2 ZeRO-1 replicas, bf16",
          {"tandem pretrain --out pre -n 4 --tp 2 --strategy zero1 --precision bf16"}},
+        {"packed windows of a preprocessed corpus, with its Llama tokenizer",
+         {"tandem preprocess --init-from llama --data corpus.jsonl --out d", "tandem pretrain --data d --out pre"}},
     }));
   } else {
     app.footer(examples_footer({
@@ -128,6 +135,20 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
     return 2;
   }
   if (pretraining) cfg.checkpoint = out;
+  const bool packed = pretraining && text::is_preprocessed_dataset(cfg.corpus.root);
+  for (const char* flag : {"--vocab", "--tokenizer-sentences"}) {
+    if (packed && app.count(flag) > 0) {
+      std::cerr << cmd << ": " << flag << " does not apply to --data '" << cfg.corpus.root
+                << "' (a preprocessed dataset): the vocabulary is that of the tokenizer its dataset.json names; "
+                   "drop "
+                << flag << "\n";
+      return 2;
+    }
+  }
+  if (!packed && !cfg.data_record.empty()) {
+    std::cerr << cmd << ": --data-record needs a preprocessed --data (tandem preprocess --out DIR)\n";
+    return 2;
+  }
   cfg.evaluate = !no_eval;
   cfg.progress = !no_progress;
 
@@ -151,7 +172,10 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
             "needs --checkpoint DIR (made by tandem pretrain), or --from-scratch --tokenizer FILE");
       }
       // The cheap checks before starting workers: the data reads and the checkpoint matches.
-      auto corpus = text::read_corpus(cfg.corpus);
+      if (packed) {
+        std::cout << "data             " << cfg.corpus.root << ": a preprocessed dataset (packed windows)" << std::endl;
+      }
+      auto corpus = packed ? text::Corpus{} : text::read_corpus(cfg.corpus);
       if (!pretraining && !cfg.checkpoint.empty()) {
         auto m = text::read_manifest(cfg.checkpoint);  // finetune() checks the same on the workers
         if (m.task == cfg.corpus.task && m.labels != corpus.labels) {
@@ -163,11 +187,13 @@ int run_text(const char* name, bool pretraining, int argc, char** argv) {
                                    "}; fine-tune on data with the checkpoint's labels, or pre-train on this data");
         }
       }
-      std::cout << "data             " << cfg.corpus.root << ": " << corpus.files << " files, " << corpus.duplicates
-                << " duplicates dropped; documents per label:";
-      for (auto& [l, n] : corpus.per_label) std::cout << " " << l << " " << n;
-      std::cout << "; split " << corpus.train.size() << " / " << corpus.valid.size() << " / " << corpus.test.size()
-                << " (train / validation / test)" << std::endl;
+      if (!packed) {
+        std::cout << "data             " << cfg.corpus.root << ": " << corpus.files << " files, " << corpus.duplicates
+                  << " duplicates dropped; documents per label:";
+        for (auto& [l, n] : corpus.per_label) std::cout << " " << l << " " << n;
+        std::cout << "; split " << corpus.train.size() << " / " << corpus.valid.size() << " / " << corpus.test.size()
+                  << " (train / validation / test)" << std::endl;
+      }
     } catch (const std::exception& e) {
       std::cerr << cmd << ": " << e.what() << "\n";
       return 2;

@@ -179,6 +179,14 @@ do not see the ids) and `--cp` (ring attention is not masked) are refused. Memor
 with the corpus but for 8 bytes per window (the order). Checkpoints record the data loader's
 place (`epoch`, `index`), so a resume at another worker count continues with the next unseen
 window: no repeat, no gap. `--data-record PREFIX` writes what each rank trained on per step.
+
+`tandem pretrain --data DIR --out OUT` trains Tandem's own transformer on the same packed windows:
+its vocabulary is that of the SentencePiece `tokenizer.model` in the model directory
+`dataset.json` names, copied to `OUT/tokenizer.model` (so `tandem finetune --checkpoint OUT`
+classifies with it; `--vocab` and `--tokenizer-sentences` are refused), and its learned
+positions and causal attention restart after each EOS. The same layouts, checkpoints of the
+data loader's place, `--data-record`, and refusals of `--pp` and `--cp` apply; there is no
+validation split. A `--data` directory of `%`-separated files trains on fortunes as before.
 )md";
 
 }  // namespace

@@ -372,20 +372,14 @@ torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
 }
 
 ParallelTokenEmbeddingImpl::ParallelTokenEmbeddingImpl(const models::TokenEmbeddingImpl& dense, CommPtr tp)
-    : seq(dense.seq), pad_id(dense.pad_id) {
+    : seq(dense.seq), pad_id(dense.pad_id), eos_id(dense.eos_id) {
   this->tok = register_module("tok", VocabParallelEmbedding(dense.tok, tp));
   pos = register_module("pos", dense.pos);
 }
 
 torch::Tensor ParallelTokenEmbeddingImpl::forward(const torch::Tensor& ids) {
   TORCH_CHECK(ids.dim() == 2, "tandem::tp::ParallelTokenEmbedding: expected token ids [B, T], got ", ids.sizes());
-  const int64_t t = ids.size(1);
-  TORCH_CHECK(t <= seq, "tandem::tp::ParallelTokenEmbedding: sequence of ", t, " tokens is longer than the maximum ",
-              seq);
-  auto positions = torch::arange(t, torch::TensorOptions().dtype(torch::kLong).device(ids.device()));
-  auto x = tok->forward(ids) + pos->forward(positions).unsqueeze(0);
-  if (pad_id < 0) return x;
-  return torch::cat({x, ids.ne(pad_id).unsqueeze(-1).to(x.dtype())}, -1);
+  return models::with_positions(tok->forward(ids), ids, pos, pad_id, eos_id, "tandem::tp::ParallelTokenEmbedding");
 }
 
 ParallelMLPImpl::ParallelMLPImpl(const torch::nn::Linear& d1, const torch::nn::Linear& d2, CommPtr tp) {
@@ -432,7 +426,7 @@ torch::Tensor ParallelSelfAttentionImpl::forward(const torch::Tensor& x, const t
 }
 
 ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(const models::TransformerBlockImpl& dense, CommPtr tp)
-    : padded(dense.padded) {
+    : padded(dense.padded), documents(dense.documents) {
   ln1 = register_module("ln1", dense.ln1);
   attn = register_module("attn", ParallelSelfAttention(dense.qkv, dense.proj, dense.heads, tp));
   ln2 = register_module("ln2", dense.ln2);
@@ -454,7 +448,7 @@ torch::Tensor ParallelTransformerBlockImpl::forward(const torch::Tensor& x) {
     const int64_t d = x.size(2) - 1;
     auto h0 = x.narrow(2, 0, d);
     auto m = x.narrow(2, d, 1);
-    auto h = h0 + attn->forward(ln1->forward(h0), models::padded_attention_mask(m));
+    auto h = h0 + attn->forward(ln1->forward(h0), models::channel_attention_mask(m, documents));
     h = h + mlp->forward(ln2->forward(h));
     return torch::cat({h, m}, 2);
   }
