@@ -307,6 +307,17 @@ namespace {
 TextReport pretrain_packed(Runtime& rt, const TextTrainConfig& cfg) {
   const std::string& data = cfg.corpus.root;
   refuse_unmasked_layouts(cfg.parallel, "--data '" + data + "' (a preprocessed dataset) packs documents into windows");
+  // Each token's position in its document travels to the blocks as a channel of the activations,
+  // in the compute dtype: integers are exact up to 256 in bf16 and 2048 in fp16.
+  const int64_t exact = cfg.parallel.precision == Precision::kBF16   ? 256
+                        : cfg.parallel.precision == Precision::kFP16 ? 2048
+                                                                     : int64_t{1} << 24;
+  if (cfg.shape.seq - 1 > exact) {
+    throw std::invalid_argument("--data '" + data + "' (packed documents) with --precision " +
+                                precision_name(cfg.parallel.precision) + " takes --seq " + std::to_string(exact + 1) +
+                                " at most (positions in a document must stay exact in that dtype), got --seq " +
+                                std::to_string(cfg.shape.seq) + "; lower --seq or train in fp32");
+  }
   const auto info = data::read_dataset_info(data);
   const auto source = (fs::path(info.tokenizer_dir) / "tokenizer.model").string();
   if (!fs::exists(source)) {

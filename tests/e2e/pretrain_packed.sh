@@ -84,6 +84,8 @@ refused cp2 "--cp 2" "$tandem" pretrain "${pk[@]}" --out "$tmp/x" -n 2 --cp 2 --
 refused vocab "--vocab does not apply" "$tandem" pretrain "${pk[@]}" --out "$tmp/x" --vocab 500 --steps 2
 refused sentences "--tokenizer-sentences does not apply" "$tandem" pretrain "${pk[@]}" --out "$tmp/x" \
   --tokenizer-sentences 10 --steps 2
+refused bf16-seq "--precision bf16 takes --seq 257 at most" "$tandem" pretrain --data "$tmp/d" --seq 320 --batch 8 \
+  --d-model 32 --heads 4 --layers 2 --precision bf16 --out "$tmp/x" --steps 2 --no-progress
 refused record "--data-record needs a preprocessed --data" "$tandem" pretrain --out "$tmp/x" --steps 2 \
   --data-record "$tmp/r"
 [ "$fails" -eq 0 ] || { echo "$fails check(s) failed"; exit 1; }
