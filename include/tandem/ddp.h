@@ -37,7 +37,7 @@ namespace tandem {
 // smaller, (n + m) r * min_compression_rate < n m (r clipped to min(n, m)); the others
 // (biases, small matrices) are all-reduced as they are, in the P all-reduce.
 // The residuals and Q live in memory only: a resume from a checkpoint starts them afresh (zero
-// residual, a new Q from the seed), as PyTorch's hook does.
+// residual, a new Q from the seed, start_step uncompressed steps again), as PyTorch's hook does.
 struct PowerSGDOptions {
   int64_t rank = 1;  // r, the approximation's rank (>= 1)
   // Synchronized steps averaged uncompressed before compression starts (PyTorch's
