@@ -24,6 +24,32 @@
 
 namespace tandem {
 
+// PowerSGD (Vogels et al., NeurIPS 2019; PyTorch's powerSGD_hook): each gradient viewed as a
+// matrix M, n x m (a convolution kernel [out, in, kh, kw] as [out, in * kh * kw]), travels as
+// two rank-r factors. Per bucket: P = M Q for each of its matrices, one all-reduce (average) of
+// all its P's together with the bucket's tensors that are not compressed, P orthonormalised
+// (QR), Q = M^T P, one all-reduce (average) of all its Q's, and M is replaced by P Q^T: the
+// projection of the average gradient onto the shared column space. Error feedback: each rank
+// adds to its next gradient the part of this one the projection left out (M - P Q_local^T),
+// so nothing is lost, only delayed. Warm start: Q is kept from step to step, so one power
+// iteration per step tracks the dominant subspace; its first value is drawn from `seed`, the
+// same on every rank. Compressed: tensors of 2 or more dimensions where the factors are
+// smaller, (n + m) r * min_compression_rate < n m (r clipped to min(n, m)); the others
+// (biases, small matrices) are all-reduced as they are, in the P all-reduce.
+// The residuals and Q live in memory only: a resume from a checkpoint starts them afresh (zero
+// residual, a new Q from the seed, start_step uncompressed steps again), as PyTorch's hook does.
+struct PowerSGDOptions {
+  int64_t rank = 1;  // r, the approximation's rank (>= 1)
+  // Synchronized steps averaged uncompressed before compression starts (PyTorch's
+  // start_powerSGD_iter): the first steps' gradients are the largest and change fastest, and a
+  // residual carried from them would be applied with a delay when it is stale.
+  int64_t start_step = 10;
+  // Compress a matrix only when it shrinks at least this much (PyTorch's default 2: below that
+  // the extra compute and the approximation cost more than the bytes saved). 0: every matrix.
+  double min_compression_rate = 2.0;
+  uint64_t seed = 0;  // Q's first values, drawn on every rank alike
+};
+
 struct DDPOptions {
   int64_t bucket_cap_bytes = 25 * 1024 * 1024;
   // A small first bucket lets communication start early in backward. 0 = automatic: 1 MiB for
@@ -40,6 +66,8 @@ struct DDPOptions {
   bool broadcast_buffers = true;
   // Gradients on the wire in this dtype (bf16/fp16) instead of the parameters' dtype.
   c10::optional<at::ScalarType> compress_dtype;
+  // Low-rank gradient compression (above), instead of compress_dtype.
+  c10::optional<PowerSGDOptions> powersgd;
   // false: all-reduce every bucket only after backward has finished (no overlap; for
   // measuring how much overlap hides).
   bool overlap = true;
@@ -52,7 +80,7 @@ struct DDPOptions {
 struct DDPStats {
   int64_t steps = 0;
   int64_t buckets = 0;           // buckets in the current plan
-  int64_t bytes = 0;             // bytes all-reduced by this rank
+  int64_t bytes = 0;             // bytes all-reduced by this rank (as sent: compressed)
   double comm_seconds = 0.0;     // time at least one all-reduce was running on the engine
   double exposed_seconds = 0.0;  // time backward's end waited for communication
   // Share of communication hidden behind backward: 1 - exposed / comm (0 when no comm).
@@ -89,6 +117,11 @@ class DistributedDataParallel {
 
   DDPStats stats() const;
   void reset_stats();
+
+  // PowerSGD: this rank's error-feedback residual of each parameter (registration order), to be
+  // added to its next gradient; undefined for parameters sent uncompressed and before the first
+  // compressed step. Empty without PowerSGD.
+  std::vector<at::Tensor> powersgd_residuals() const;
 
   struct Impl;
 

@@ -23,6 +23,7 @@
 #include "tandem/activation_checkpoint.h"
 #include "tandem/checkpoint.h"
 #include "tandem/comm.h"
+#include "tandem/ddp.h"
 #include "tandem/optim.h"
 #include "tandem/pipeline.h"
 #include "tandem/precision.h"
@@ -45,9 +46,10 @@ int zero_stage(Strategy s);
 inline bool is_single(Strategy s) { return s == Strategy::kSingle; }
 inline bool is_ddp(Strategy s) { return s == Strategy::kDDP; }
 
-// DDP's gradients on the wire: as they are, or rounded to bf16 / fp16.
-enum class Compression { kNone, kBF16, kFP16 };
-Compression parse_compression(const std::string& name);  // "none" | "bf16" | "fp16"
+// DDP's gradients on the wire: as they are, rounded to bf16 / fp16, or PowerSGD's low-rank
+// factors (ParallelConfig::powersgd).
+enum class Compression { kNone, kBF16, kFP16, kPowerSGD };
+Compression parse_compression(const std::string& name);  // "none" | "bf16" | "fp16" | "powersgd"
 const char* to_string(Compression c);
 
 // Where a pipeline's stages are cut: balanced parameter counts (DeepSpeed's default), balanced
@@ -97,6 +99,7 @@ struct ParallelConfig {
   ActivationCheckpointing activation_checkpointing;
   // DDP
   Compression compress = Compression::kNone;
+  PowerSGDOptions powersgd;  // with Compression::kPowerSGD: rank, warm-up steps (tandem/ddp.h)
   int64_t bucket_mb = 0;     // gradient buckets (DDP, ZeRO-1/2); 0: the strategy's default (DDP 25, ZeRO 8)
   bool find_unused = false;  // DDP: parameters without a gradient count as zero instead of failing
   bool overlap = true;       // DDP: all-reduce buckets during backward

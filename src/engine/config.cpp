@@ -48,7 +48,8 @@ Compression parse_compression(const std::string& name) {
   if (name == "none") return Compression::kNone;
   if (name == "bf16") return Compression::kBF16;
   if (name == "fp16") return Compression::kFP16;
-  throw std::invalid_argument("--compress must be none, bf16 or fp16, not '" + name + "'");
+  if (name == "powersgd") return Compression::kPowerSGD;
+  throw std::invalid_argument("--compress must be none, bf16, fp16 or powersgd, not '" + name + "'");
 }
 
 const char* to_string(Compression c) {
@@ -56,6 +57,7 @@ const char* to_string(Compression c) {
     case Compression::kNone: return "none";
     case Compression::kBF16: return "bf16";
     case Compression::kFP16: return "fp16";
+    case Compression::kPowerSGD: return "powersgd";
   }
   return "?";
 }
@@ -175,6 +177,17 @@ void validate_batch(const ParallelConfig& c, int world, int64_t batch) {
   }
 }
 
+void validate_powersgd(const PowerSGDOptions& o) {
+  if (o.rank < 1) {
+    throw std::invalid_argument("--powersgd-rank must be at least 1 (got " + std::to_string(o.rank) +
+                                "): the rank of each gradient's approximation, e.g. 4");
+  }
+  if (o.start_step < 0) {
+    throw std::invalid_argument("--powersgd-start-step must be >= 0 (got " + std::to_string(o.start_step) +
+                                "): the uncompressed steps before PowerSGD starts");
+  }
+}
+
 }  // namespace
 
 void validate(const ParallelConfig& c, int world, int64_t global_batch) {
@@ -189,6 +202,7 @@ void validate(const ParallelConfig& c, int world, int64_t global_batch) {
                                 " compresses fp32 gradients; with --precision " + precision_name(c.precision) +
                                 " they already travel in " + precision_name(c.precision) + " (drop --compress)");
   }
+  if (c.compress == Compression::kPowerSGD) validate_powersgd(c.powersgd);
   if (!is_ddp(c.strategy) && c.compress != Compression::kNone) {
     throw std::invalid_argument(std::string("--compress applies to --strategy ddp only (") + to_string(c.strategy) +
                                 " does not compress gradients); drop --compress or use --strategy ddp");

@@ -108,6 +108,7 @@ class Replicated final : public Updater {
       o.find_unused_parameters = L.cfg.find_unused;
       if (L.cfg.compress == Compression::kBF16) o.compress_dtype = at::kBFloat16;
       if (L.cfg.compress == Compression::kFP16) o.compress_dtype = at::kHalf;
+      if (L.cfg.compress == Compression::kPowerSGD) o.powersgd = L.cfg.powersgd;
       o.overlap = L.cfg.overlap;
       o.communicate = L.cfg.communicate;
       ddp_ = std::make_unique<DistributedDataParallel>(L.net, L.dp, o);

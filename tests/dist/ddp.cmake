@@ -12,3 +12,8 @@ add_test(NAME e2e_train_shares_parity COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/tr
 set_tests_properties(e2e_train_shares_parity PROPERTIES TIMEOUT 600 PROCESSORS 2)
 add_test(NAME e2e_train_shares_bad_input COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_shares.sh $<TARGET_FILE:tandem_cli> bad-input)
 set_tests_properties(e2e_train_shares_bad_input PROPERTIES TIMEOUT 300 PROCESSORS 2)
+# PowerSGD: full rank equals DDP's average, error feedback, uncompressed tensors and warm-up
+# steps exact, the bytes sent, bad options (2 and 4 ranks).
+foreach(np 2 4)
+  tandem_add_dist_test(dist_powersgd_np${np} ${np} "PowerSGD.*" TIMEOUT 120)
+endforeach()

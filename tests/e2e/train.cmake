@@ -37,3 +37,8 @@ set_tests_properties(e2e_train_flags PROPERTIES TIMEOUT 300 PROCESSORS 2)
 # training. Fails without .venv-hf (with tensorboard) or the fortunes corpus (test setup).
 add_test(NAME e2e_tensorboard COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/tensorboard.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
 set_tests_properties(e2e_tensorboard PROPERTIES TIMEOUT 300 PROCESSORS 2)
+# --compress powersgd --powersgd-rank 4: the CNN on 2 workers for 120 steps against DDP, the
+# compressed bytes reported exactly, accuracy within 1 point (train_powersgd.sh TANDEM -1 0.5 3
+# is the 3-epoch comparison).
+add_test(NAME e2e_train_powersgd COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/train_powersgd.sh $<TARGET_FILE:tandem_cli> 120 1.0)
+set_tests_properties(e2e_train_powersgd PROPERTIES TIMEOUT 300 PROCESSORS 2)

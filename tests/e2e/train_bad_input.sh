@@ -34,6 +34,13 @@ expect nprocs-negative "nprocs: must be between 1 and 4096, got -3$" -- "$tandem
 expect nprocs-not-a-number "nprocs: must be a whole number between 1 and 4096, got 'two'" -- "$tandem" train -n two
 expect epochs-zero "epochs: must be between 1 and 10000, got 0$" -- "$tandem" train --epochs 0
 expect batch-zero "batch: must be between 1 and 16777216, got 0$" -- "$tandem" train --batch 0
+expect powersgd-rank-zero "powersgd-rank: must be between 1 and 1048576, got 0$" -- \
+  "$tandem" train --compress powersgd --powersgd-rank 0
+expect powersgd-rank-alone "--powersgd-rank and --powersgd-start-step apply to --compress powersgd" -- \
+  "$tandem" train --powersgd-rank 4 --max-steps 1
+expect powersgd-zero2 "--compress applies to --strategy ddp only" -- \
+  "$tandem" train -n 2 --strategy zero2 --compress powersgd --max-steps 1 --no-baseline
+expect compress-unknown "--compress must be none, bf16, fp16 or powersgd, not 'int8'" -- "$tandem" train --compress int8
 expect bad-lr "lr must be a positive number" -- "$tandem" train -n 1 --lr -1 --max-steps 1
 expect unknown-optimizer "unknown optimizer 'lion' \\(use sgd, adam, adamw, lars or lamb\\)" -- \
   "$tandem" train -n 1 --optimizer lion --max-steps 1

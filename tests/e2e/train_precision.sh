@@ -15,14 +15,7 @@ steps=${2:--1}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 common=(-n 2 --model mlp --batch 128 --seed 3 --max-steps "$steps" --no-baseline --no-progress --threads 1)
-run() {
-  local name=$1
-  shift
-  local t0=$SECONDS
-  "$tandem" train "${common[@]}" "$@" --metrics "$out/$name.jsonl" >"$out/log_$name" 2>&1 ||
-    { cat "$out/log_$name"; exit 1; }
-  echo "$name: $((SECONDS - t0)) s"
-}
+source "$(dirname "$0")/train_lib.sh"
 run fp32 --strategy zero1 --precision fp32
 run bf16 --strategy zero2 --precision bf16
 run fp16 --strategy zero3 --precision fp16

@@ -26,7 +26,7 @@ TEST(EngineConfig, NamesRoundTrip) {
   for (Strategy s : {Strategy::kSingle, Strategy::kDDP, Strategy::kZero1, Strategy::kZero2, Strategy::kZero3}) {
     EXPECT_EQ(parse_strategy(to_string(s)), s);
   }
-  for (Compression c : {Compression::kNone, Compression::kBF16, Compression::kFP16}) {
+  for (Compression c : {Compression::kNone, Compression::kBF16, Compression::kFP16, Compression::kPowerSGD}) {
     EXPECT_EQ(parse_compression(to_string(c)), c);
   }
   EXPECT_EQ(to_string(parse_partition("2,3,1", 3)), "2,3,1");
@@ -73,6 +73,21 @@ TEST(EngineConfig, RefusesConflictsNamingThem) {
   c.precision = Precision::kBF16;
   c.compress = Compression::kFP16;
   EXPECT_NE(refusal(c, 2).find("--compress fp16 compresses fp32 gradients"), std::string::npos);
+  c = ParallelConfig{};
+  c.compress = Compression::kPowerSGD;
+  c.powersgd.rank = 4;
+  EXPECT_EQ(refusal(c, 2), "");
+  for (int64_t bad : {0, -3}) {
+    c.powersgd.rank = bad;
+    EXPECT_NE(refusal(c, 2).find("--powersgd-rank must be at least 1 (got " + std::to_string(bad)), std::string::npos);
+  }
+  c.powersgd.rank = 4;
+  c.powersgd.start_step = -1;
+  EXPECT_NE(refusal(c, 2).find("--powersgd-start-step must be >= 0"), std::string::npos);
+  c = ParallelConfig{};
+  c.compress = Compression::kPowerSGD;
+  c.strategy = Strategy::kZero2;
+  EXPECT_NE(refusal(c, 2).find("--compress applies to --strategy ddp only"), std::string::npos);
   c = ParallelConfig{};
   c.strategy = Strategy::kSingle;
   EXPECT_NE(refusal(c, 2).find("strategy single runs one worker"), std::string::npos);

@@ -212,7 +212,16 @@ int cmd_train(int argc, char** argv) {
   app.add_flag("--find-unused", cfg.parallel.find_unused, "allow parameters that get no gradient (taken as zero)");
   add_word_option<Compression>(app, "--compress", cfg.parallel.compress, parse_compression,
                                to_string(cfg.parallel.compress),
-                               "DDP's gradients on the wire: none | bf16 | fp16 (with --precision fp32)");
+                               "DDP's gradients on the wire: none | bf16 | fp16 | powersgd (low-rank factors with "
+                               "error feedback; with --precision fp32)");
+  app.add_option("--powersgd-rank", cfg.parallel.powersgd.rank,
+                 "with --compress powersgd: the rank of each gradient matrix's approximation")
+      ->check(whole_between(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--powersgd-start-step", cfg.parallel.powersgd.start_step,
+                 "with --compress powersgd: steps averaged uncompressed before compression starts")
+      ->check(whole_between(0, 1 << 30))
+      ->capture_default_str();
   app.add_flag("--no-overlap", no_overlap, "all-reduce only after backward (to measure overlap)");
   app.add_option("--eval-limit", cfg.eval_limit, "evaluate on at most this many test samples")->capture_default_str();
   app.add_flag("--no-eval", no_eval, "skip the test-set evaluation");
@@ -299,6 +308,11 @@ int cmd_train(int argc, char** argv) {
   try {
     range = worker_range(workers);
     lr_mode = parse_elastic_lr(elastic_lr);
+    if ((app.count("--powersgd-rank") > 0 || app.count("--powersgd-start-step") > 0) &&
+        cfg.parallel.compress != Compression::kPowerSGD) {
+      throw std::invalid_argument("--powersgd-rank and --powersgd-start-step apply to --compress powersgd; add it "
+                                  "or drop them");
+    }
     cfg.batch_may_change = lr_mode == ElasticLr::kScale;
     if (cfg.batch_may_change && app.count("--elastic-batch") > 0) {
       throw std::invalid_argument("--elastic-batch " + elastic_batch +

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "strategy/autograd_hooks.h"
+#include "strategy/ddp/reducer.h"
 #include "strategy/model_sync.h"
 
 namespace tandem {
@@ -22,17 +23,25 @@ double DDPStats::hidden_fraction() const {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+void check(const PowerSGDOptions& o, bool with_dtype) {
+  if (o.rank < 1) {
+    throw std::invalid_argument("PowerSGD rank must be at least 1 (got " + std::to_string(o.rank) +
+                                "); e.g. --powersgd-rank 4");
+  }
+  if (o.start_step < 0) {
+    throw std::invalid_argument("PowerSGD start step must be >= 0 (got " + std::to_string(o.start_step) + ")");
+  }
+  if (!(o.min_compression_rate >= 0)) {
+    throw std::invalid_argument("PowerSGD min_compression_rate must be >= 0 (0: compress every matrix)");
+  }
+  if (with_dtype) {
+    throw std::invalid_argument("DDP compresses gradients either to bf16/fp16 (compress_dtype) or with PowerSGD, "
+                                "not both");
+  }
+}
 
-struct Bucket {
-  std::vector<size_t> params;    // indices into Impl::params, in launch order
-  std::vector<int64_t> offsets;  // element offset of each parameter in `flat`
-  at::Tensor flat;               // the parameters' dtype and device
-  at::Tensor wire;               // compressed copy sent on the wire (when compressing)
-  size_t pending = 0;            // parameters still waiting for their gradient this step
-  WorkPtr work;
-  std::chrono::steady_clock::time_point launched;
-};
+using Clock = detail::DDPClock;
+using detail::Bucket;
 
 }  // namespace
 
@@ -46,7 +55,8 @@ struct DistributedDataParallel::Impl {
   std::shared_ptr<Impl*> self;  // hooks hold a weak_ptr to this, so they outlive us safely
 
   std::vector<Bucket> buckets;
-  std::vector<std::pair<size_t, size_t>> where;  // param -> (bucket, slot)
+  std::unique_ptr<detail::BucketReducer> reducer;  // what goes on the wire (DDPOptions)
+  std::vector<std::pair<size_t, size_t>> where;    // param -> (bucket, slot)
   std::vector<char> ready;
   size_t next_bucket = 0;
   bool callback_queued = false;
@@ -141,6 +151,7 @@ struct DistributedDataParallel::Impl {
         params[i].mutable_grad() = v;
       }
     }
+    reducer->planned(buckets);
     ready.assign(params.size(), 0);
     next_bucket = 0;
     stats.buckets = static_cast<int64_t>(buckets.size());
@@ -192,17 +203,7 @@ struct DistributedDataParallel::Impl {
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) launch(next_bucket++);
   }
 
-  void launch(size_t b) {
-    auto& bk = buckets[b];
-    if (opts.compress_dtype && *opts.compress_dtype != bk.flat.scalar_type()) {
-      bk.wire = bk.flat.to(*opts.compress_dtype);
-    } else {
-      bk.wire = bk.flat;
-    }
-    stats.bytes += bk.wire.numel() * bk.wire.element_size();
-    bk.launched = Clock::now();
-    bk.work = comm->allreduce_async(bk.wire, ReduceOp::kAvg);
-  }
+  void launch(size_t b) { reducer->start(b, buckets[b]); }
 
   void finalize() {
     callback_queued = false;
@@ -219,22 +220,19 @@ struct DistributedDataParallel::Impl {
     // Exposed: from the launch of the buckets backward did not start (all of them without
     // overlap) to the last one done.
     auto t0 = Clock::now();
+    torch::NoGradGuard ng;
     launch_ready();
     std::exception_ptr err;
-    for (auto& bk : buckets) {
-      try {
-        bk.work->wait();
-      } catch (...) {
-        if (!err) err = std::current_exception();
-      }
+    try {
+      reducer->finish(buckets);
+    } catch (...) {
+      err = std::current_exception();
     }
     stats.exposed_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
     if (err) std::rethrow_exception(err);
-    torch::NoGradGuard ng;
     for (auto& bk : buckets) {
-      finished.emplace_back(bk.work, bk.launched);
-      if (!bk.wire.is_same(bk.flat)) bk.flat.copy_(bk.wire);
-      bk.work.reset();
+      finished.insert(finished.end(), bk.works.begin(), bk.works.end());
+      bk.works.clear();
       bk.pending = bk.params.size();
     }
     for (size_t i = 0; i < params.size(); ++i) {
@@ -293,6 +291,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   if (opts.compress_dtype && *opts.compress_dtype != at::kBFloat16 && *opts.compress_dtype != at::kHalf) {
     throw std::invalid_argument("DDP gradient compression supports bfloat16 and float16 only");
   }
+  if (opts.powersgd) check(*opts.powersgd, opts.compress_dtype.has_value());
   auto& I = *impl_;
   I.comm = std::move(comm);
   I.opts = opts;
@@ -309,6 +308,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     I.opts.first_bucket_bytes =
         cuda ? std::min<int64_t>(1024 * 1024, I.opts.bucket_cap_bytes) : I.opts.bucket_cap_bytes;
   }
+  I.reducer = detail::make_bucket_reducer(*I.comm, I.params, I.opts, I.stats.bytes);
   I.check_same_model();
   I.broadcast_state(/*include_params=*/true);
 
@@ -364,5 +364,7 @@ void DistributedDataParallel::reset_stats() {
   impl_->stats = DDPStats();
   impl_->stats.buckets = buckets;
 }
+
+std::vector<at::Tensor> DistributedDataParallel::powersgd_residuals() const { return impl_->reducer->residuals(); }
 
 }  // namespace tandem
