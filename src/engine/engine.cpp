@@ -330,14 +330,16 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     comms.insert(comms.end(), {L.grid->cp(), L.grid->dp_cp()});
     comm_names.insert(comm_names.end(), {"cp", "dp_cp"});
   }
-  if (L.shard) {
+  if (L.replicate) {
     comms.insert(comms.end(), {L.shard, L.replicate});
     comm_names.insert(comm_names.end(), {"shard", "replicate"});
   }
 }
 
 // hsdp, hsdp2: groups of G consecutive data-parallel ranks (L.shard) and the ranks holding the
-// same shard index in every group (L.replicate). G defaults to the ranks per host.
+// same shard index in every group (L.replicate; null for one group of them all, which is ZeRO
+// and splits nothing, so that it runs where splitting cannot: replicas of several processes).
+// G defaults to the ranks per host.
 void Engine::Impl::split_shard_groups() {
   auto& cfg = L.cfg;
   const int dp = L.dp->size();
@@ -347,6 +349,10 @@ void Engine::Impl::split_shard_groups() {
                                 std::to_string(dp) + " data-parallel ranks; give a divisor of " + std::to_string(dp));
   }
   const int g = cfg.shard_group, r = L.dp->rank();
+  if (g == dp) {  // one group: ZeRO over the data-parallel ranks, nothing to split
+    L.shard = L.dp;
+    return;
+  }
   L.shard = L.dp->split(/*color=*/r / g, /*key=*/r % g);
   L.replicate = L.dp->split(/*color=*/r % g, /*key=*/r / g);
 }
