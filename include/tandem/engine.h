@@ -72,7 +72,7 @@ struct ParallelConfig {
   // hsdp, hsdp2: data-parallel ranks per shard group (it must divide the data-parallel size);
   // 0: the ranks per host, when every host holds as many consecutive ranks (mpirun's by-slot
   // mapping), so that all-gathers and reduce-scatters stay inside a host and only the
-  // all-reduce of each shard crosses hosts.
+  // all-reduce of each shard crosses hosts. Engine::config() holds the group it resolved.
   int shard_group = 0;
   Precision precision = Precision::kFP32;  // compute precision; fp32 masters for bf16/fp16
   LossScalerOptions loss_scaler;           // fp16's dynamic loss scaling
