@@ -42,6 +42,7 @@ t2=$(date +%s.%N)
 after=$(if_bytes "${hosts[-1]}")
 echo "one host: $(python3 -c "print(f'{$t1 - $t0:.1f}')") s; ${nhosts} hosts x ${per_host}: $(python3 -c "print(f'{$t2 - $t1:.1f}')") s"
 grep "^hosts " "$out/multi.log" || true
+grep "^throughput " "$out/multi.log" | sed "s/^/${nhosts} hosts x ${per_host}: /" || true
 
 # `tandem launch` across the same hosts: ranks by slot, local ranks per host, output prefixed.
 mn_launch "$tandem" launch -n "$n" --hostfile "$out/hostfile" --net-if "$mn_net" -- \
