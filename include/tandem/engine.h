@@ -35,16 +35,21 @@ namespace tandem {
 class ProcessGrid;
 
 // How the data-parallel ranks share the work: one worker, replicas averaging gradients (DDP),
-// or ZeRO stage 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters).
-enum class Strategy { kSingle, kDDP, kZero1, kZero2, kZero3 };
-// "single" | "ddp" | "zero1" | "zero2" | "zero3"; anything else throws std::invalid_argument
-// listing the choices. The one place strategy names are read.
+// or ZeRO stage 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters). Hybrid
+// sharding (FSDP's HYBRID_SHARD and _HYBRID_SHARD_ZERO2, DeepSpeed's hpZ, torchtitan's
+// dp_replicate x dp_shard): ZeRO-3 (hsdp) or ZeRO-2 (hsdp2) within groups of
+// ParallelConfig::shard_group consecutive data-parallel ranks, the groups replicas of each other
+// whose gradient shards are averaged by an all-reduce between the ranks holding the same shard.
+enum class Strategy { kSingle, kDDP, kZero1, kZero2, kZero3, kHsdp, kHsdp2 };
+// "single" | "ddp" | "zero1" | "zero2" | "zero3" | "hsdp" | "hsdp2"; anything else throws
+// std::invalid_argument listing the choices. The one place strategy names are read.
 Strategy parse_strategy(const std::string& name);
 const char* to_string(Strategy s);
-// The ZeRO stage (1-3), 0 for single and ddp.
+// The ZeRO stage (1-3; hsdp 3, hsdp2 2), 0 for single and ddp.
 int zero_stage(Strategy s);
 inline bool is_single(Strategy s) { return s == Strategy::kSingle; }
 inline bool is_ddp(Strategy s) { return s == Strategy::kDDP; }
+inline bool is_hybrid(Strategy s) { return s == Strategy::kHsdp || s == Strategy::kHsdp2; }
 
 // DDP's gradients on the wire: as they are, rounded to bf16 / fp16, or PowerSGD's low-rank
 // factors (ParallelConfig::powersgd).
@@ -66,6 +71,11 @@ std::string to_string(const Partition& p);
 
 struct ParallelConfig {
   Strategy strategy = Strategy::kDDP;
+  // hsdp, hsdp2: data-parallel ranks per shard group (it must divide the data-parallel size);
+  // 0: the ranks per host, when every host holds as many consecutive ranks (mpirun's by-slot
+  // mapping), so that all-gathers and reduce-scatters stay inside a host and only the
+  // all-reduce of each shard crosses hosts. Engine::config() holds the group it resolved.
+  int shard_group = 0;
   Precision precision = Precision::kFP32;  // compute precision; fp32 masters for bf16/fp16
   LossScalerOptions loss_scaler;           // fp16's dynamic loss scaling
   // Layout: each replica spans tp x pp x cp ranks; the world size / (tp * pp * cp) replicas are
@@ -177,6 +187,10 @@ struct EngineStats {
     std::map<std::string, OpStats> ops;  // payload per operation, summed over the communicators
     double seconds = 0.0;                // seconds on the communication engine, all operations
     double wire_bytes = 0.0;             // bytes a ring algorithm puts on the wire for that payload
+    // The same payload per group: "world", and by layout "tp", "pp", "dp", "cp", "dp_cp", or for
+    // hsdp/hsdp2 "shard" (within a shard group) and "replicate" (across the groups). Groups and
+    // operations without a call are left out.
+    std::map<std::string, std::map<std::string, OpStats>> groups;
   } comm;
 
   // DDP only: its gradient all-reduces (zero under another strategy).

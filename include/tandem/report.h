@@ -54,6 +54,7 @@ struct Report {
   std::string command = "train";  // the title: "== tandem <command> report =="
   std::string model;              // name or description of the model
   std::string strategy = "single";
+  int shard_group = 0;  // hsdp, hsdp2: data-parallel ranks per shard group (0 otherwise)
   std::string precision = "fp32";
   int world_size = 1;
   int dp = 1, tp = 1, pp = 1, cp = 1;  // dp x cp x tp x pp = world_size
@@ -123,6 +124,10 @@ struct Report {
   // collective, and what a ring algorithm puts on the wire per rank (all-reduce 2(N-1)/N S,
   // reduce-scatter and all-gather (N-1)/N S of the full size S).
   std::map<std::string, double> comm_bytes_per_step;
+  // The same payload per group (EngineStats::Communication::groups): for hsdp/hsdp2 "shard"
+  // (all-gathers and reduce-scatters within a shard group) and "replicate" (the all-reduce of
+  // each shard across the groups).
+  std::map<std::string, std::map<std::string, double>> comm_group_bytes_per_step;
   double wire_bytes_per_step = 0.0;
   double comm_engine_seconds = 0.0;  // rank 0's seconds on the communication engine
   // DDP's own all-reduces (rank 0): time, bytes, the part not hidden behind backward.

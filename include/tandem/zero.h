@@ -151,6 +151,13 @@ class ZeroDataParallel {
   // parameters that require grad must share one dtype and device. Throws
   // std::invalid_argument for a stage, precision or optimizer that cannot work.
   ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, CommPtr comm, ZeroOptions opts = {});
+  // Hybrid sharding (FSDP's HYBRID_SHARD, DeepSpeed's hpZ): ZeRO over `shard` (every all-gather
+  // and reduce-scatter stays in it), replicated over `replicate`, the ranks of the other shard
+  // groups that hold the same shard index: step() first averages each owned gradient chunk over
+  // them (one all-reduce per bucket), so that every group steps the same values. Parameters
+  // and buffers start as rank 0's of shard group 0. Null `replicate`, or one of size 1: plain
+  // ZeRO over `shard`. Collective over both.
+  ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, CommPtr shard, CommPtr replicate, ZeroOptions opts);
   ~ZeroDataParallel();
   ZeroDataParallel(const ZeroDataParallel&) = delete;
   ZeroDataParallel& operator=(const ZeroDataParallel&) = delete;

@@ -299,7 +299,7 @@ Layout validate(const JobSpec& s) {
   try {
     single = is_single(parse_strategy(s.strategy));
   } catch (const std::invalid_argument&) {
-    bad("--strategy '" + s.strategy + "': unknown; use single, ddp, zero1, zero2 or zero3");
+    bad("--strategy '" + s.strategy + "': unknown; use single, ddp, zero1, zero2, zero3, hsdp or hsdp2");
   }
   if (single && l.ranks() != 1) {
     bad("--strategy single runs one rank, but the layout has " + std::to_string(l.ranks()) +

@@ -12,16 +12,16 @@
 namespace tandem {
 
 Strategy parse_strategy(const std::string& name) {
-  static const std::pair<const char*, Strategy> kNames[] = {{"single", Strategy::kSingle},
-                                                            {"ddp", Strategy::kDDP},
-                                                            {"zero1", Strategy::kZero1},
-                                                            {"zero2", Strategy::kZero2},
-                                                            {"zero3", Strategy::kZero3}};
+  static const std::pair<const char*, Strategy> kNames[] = {
+      {"single", Strategy::kSingle}, {"ddp", Strategy::kDDP},     {"zero1", Strategy::kZero1},
+      {"zero2", Strategy::kZero2},   {"zero3", Strategy::kZero3}, {"hsdp", Strategy::kHsdp},
+      {"hsdp2", Strategy::kHsdp2},
+  };
   for (const auto& [n, s] : kNames) {
     if (name == n) return s;
   }
   throw std::invalid_argument("unknown strategy '" + name +
-                              "' (this build supports: single, ddp, zero1, zero2, zero3)");
+                              "' (this build supports: single, ddp, zero1, zero2, zero3, hsdp, hsdp2)");
 }
 
 const char* to_string(Strategy s) {
@@ -31,6 +31,8 @@ const char* to_string(Strategy s) {
     case Strategy::kZero1: return "zero1";
     case Strategy::kZero2: return "zero2";
     case Strategy::kZero3: return "zero3";
+    case Strategy::kHsdp: return "hsdp";
+    case Strategy::kHsdp2: return "hsdp2";
   }
   return "?";
 }
@@ -38,8 +40,10 @@ const char* to_string(Strategy s) {
 int zero_stage(Strategy s) {
   switch (s) {
     case Strategy::kZero1: return 1;
-    case Strategy::kZero2: return 2;
-    case Strategy::kZero3: return 3;
+    case Strategy::kZero2:
+    case Strategy::kHsdp2: return 2;
+    case Strategy::kZero3:
+    case Strategy::kHsdp: return 3;
     default: return 0;
   }
 }
@@ -161,6 +165,31 @@ void validate_layout(const ParallelConfig& c, int world) {
   }
 }
 
+// Hybrid sharding: the shard group against the data-parallel size. The default (0, ranks per
+// host) is resolved and checked where the hosts are known (the Engine).
+void validate_shard_group(const ParallelConfig& c, int world) {
+  const std::string g = "--shard-group " + std::to_string(c.shard_group);
+  if (!is_hybrid(c.strategy)) {
+    if (c.shard_group != 0) {
+      throw std::invalid_argument(g + " applies to --strategy hsdp or hsdp2 only (" + to_string(c.strategy) +
+                                  " shards over all the data-parallel ranks or none); drop it or use --strategy hsdp");
+    }
+    return;
+  }
+  if (c.shard_group < 0) throw std::invalid_argument(g + ": give 1 or more ranks per shard group (0: ranks per host)");
+  if (c.tp * c.pp * c.cp > 1) {
+    throw std::invalid_argument(std::string("--strategy ") + to_string(c.strategy) +
+                                " shards over the data-parallel ranks alone; use it with --tp 1 --pp 1 --cp 1, or "
+                                "zero2/zero3 with the model-parallel layout");
+  }
+  const int dp = data_parallel_size(c, world);
+  if (c.shard_group > 0 && dp % c.shard_group != 0) {
+    throw std::invalid_argument(g + " does not divide the " + std::to_string(dp) +
+                                " data-parallel ranks; give a divisor of " + std::to_string(dp) +
+                                " (shard groups of G ranks, " + std::to_string(dp) + " / G replicas)");
+  }
+}
+
 void validate_batch(const ParallelConfig& c, int world, int64_t batch) {
   const int dp = data_parallel_size(c, world);
   if (c.tp * c.pp * c.cp > 1 && batch % dp != 0) {
@@ -193,6 +222,7 @@ void validate_powersgd(const PowerSGDOptions& o) {
 void validate(const ParallelConfig& c, int world, int64_t global_batch) {
   if (world < 1) throw std::invalid_argument("the world size must be at least 1");
   validate_layout(c, world);
+  validate_shard_group(c, world);
   // Without a batch, only the settings themselves are checked (a batch of grad_accum rows per replica).
   const int dp = data_parallel_size(c, world);
   validate_grad_accum(c.grad_accum, c.pp, c.micro_batches, global_batch > 0 ? global_batch : c.grad_accum * dp, dp);

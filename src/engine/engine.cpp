@@ -82,6 +82,25 @@ void use_context_parallel(const torch::nn::Sequential& net, const CommPtr& cp) {
   }
 }
 
+// The ranks every host holds, when every host holds as many and they are consecutive (the
+// launcher's by-slot mapping): hsdp's default shard group. Otherwise the group must be given.
+int ranks_per_host(const Runtime& rt, const std::string& strategy) {
+  const auto& hosts = rt.hosts();
+  const auto per_host = hosts.empty() ? rt.info().world_size : static_cast<int>(hosts[0].ranks.size());
+  bool even = per_host > 0;
+  for (const auto& h : hosts) {
+    even = even && static_cast<int>(h.ranks.size()) == per_host;
+    for (size_t i = 1; even && i < h.ranks.size(); ++i) even = h.ranks[i] == h.ranks[i - 1] + 1;
+  }
+  if (!even) {
+    throw std::invalid_argument("--strategy " + strategy + " without --shard-group shards within each host, but " +
+                                rt.layout() +
+                                " do not hold as many consecutive ranks each; give --shard-group G (a divisor of the "
+                                "data-parallel ranks)");
+  }
+  return per_host;
+}
+
 }  // namespace
 
 struct Engine::Impl {
@@ -93,6 +112,7 @@ struct Engine::Impl {
   double forward_s = 0.0;
   // Statistics since reset_stats().
   std::vector<CommPtr> comms;
+  std::vector<std::string> comm_names;  // each one's group name in EngineStats::Communication::groups
   std::vector<std::map<std::string, OpStats>> comm_before;
   int64_t steps = 0, pipe_steps = 0, peak_live = 0;
   int64_t peak_activation = -1;  // see EngineStats::Memory::peak_activation_bytes
@@ -154,6 +174,7 @@ struct Engine::Impl {
   void checkpoint_layers(std::vector<int64_t>& cut);
   void initialise(const ParameterSource& source);
   void place_parameters();
+  void split_shard_groups();
   // What checkpoints hold: the strategy's pieces (frozen parameters unless save_frozen is off)
   // and the buffers.
   std::vector<StatePiece> state() {
@@ -253,6 +274,7 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   L.dp = L.grid ? L.grid->dp_cp() : L.world;
   L.data = L.grid ? L.grid->dp() : L.world;
   L.cp = L.grid ? L.grid->cp() : nullptr;
+  if (is_hybrid(cfg.strategy)) split_shard_groups();
   // Where the stages are cut: measured on the dense model (the tensor-parallel one would run its
   // collectives on rank 0 alone), before any step.
   std::vector<int64_t> cut;
@@ -299,8 +321,40 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   if (L.opts.init_from) initialise(*L.opts.init_from);
   L.opts.init_from = nullptr;  // once: what it holds (mapped files) goes now
   comms = {L.world};
-  if (L.grid) comms.insert(comms.end(), {L.grid->tp(), L.grid->pp(), L.grid->dp()});
-  if (L.cp) comms.insert(comms.end(), {L.grid->cp(), L.grid->dp_cp()});
+  comm_names = {"world"};
+  if (L.grid) {
+    comms.insert(comms.end(), {L.grid->tp(), L.grid->pp(), L.grid->dp()});
+    comm_names.insert(comm_names.end(), {"tp", "pp", "dp"});
+  }
+  if (L.cp) {
+    comms.insert(comms.end(), {L.grid->cp(), L.grid->dp_cp()});
+    comm_names.insert(comm_names.end(), {"cp", "dp_cp"});
+  }
+  if (L.replicate) {
+    comms.insert(comms.end(), {L.shard, L.replicate});
+    comm_names.insert(comm_names.end(), {"shard", "replicate"});
+  }
+}
+
+// hsdp, hsdp2: groups of G consecutive data-parallel ranks (L.shard) and the ranks holding the
+// same shard index in every group (L.replicate; null for one group of them all, which is ZeRO
+// and splits nothing, so that it runs where splitting cannot: replicas of several processes).
+// G defaults to the ranks per host.
+void Engine::Impl::split_shard_groups() {
+  auto& cfg = L.cfg;
+  const int dp = L.dp->size();
+  if (cfg.shard_group == 0) cfg.shard_group = ranks_per_host(*L.rt, to_string(cfg.strategy));
+  if (dp % cfg.shard_group != 0) {
+    throw std::invalid_argument("--shard-group " + std::to_string(cfg.shard_group) + " does not divide the " +
+                                std::to_string(dp) + " data-parallel ranks; give a divisor of " + std::to_string(dp));
+  }
+  const int g = cfg.shard_group, r = L.dp->rank();
+  if (g == dp) {  // one group: ZeRO over the data-parallel ranks, nothing to split
+    L.shard = L.dp;
+    return;
+  }
+  L.shard = L.dp->split(/*color=*/r / g, /*key=*/r % g);
+  L.replicate = L.dp->split(/*color=*/r % g, /*key=*/r / g);
 }
 
 Engine::Engine(Runtime& rt, std::shared_ptr<torch::nn::Module> model, ForwardFn forward, OptimizerOptions optimizer,
@@ -643,6 +697,7 @@ EngineStats Engine::stats() const {
       }
       if (d.calls <= 0) continue;
       delta[op] = d;
+      s.comm.groups[I.comm_names[c]][op] = d;
       auto& sum = s.comm.ops[op];
       sum.calls += d.calls;
       sum.bytes += d.bytes;

@@ -103,7 +103,9 @@ void format_layout(std::ostringstream& os, const Report& r) {
        << 100.0 * static_cast<double>(r.trainable_parameters) / static_cast<double>(r.parameters) << " %";
     os.unsetf(std::ios::floatfield);
   }
-  os << "), strategy " << r.strategy << ", " << r.world_size << " worker(s), " << r.precision << "\n";
+  os << "), strategy " << r.strategy;
+  if (r.shard_group > 0) os << " (shard groups of " << r.shard_group << ")";
+  os << ", " << r.world_size << " worker(s), " << r.precision << "\n";
   if (r.cp > 1) {
     line(os, "layout") << "dp " << r.dp << " x cp " << r.cp << " x tp " << r.tp << " x pp " << r.pp
                        << " (data x context x tensor x pipeline parallel)\n";
@@ -249,6 +251,15 @@ void format_memory(std::ostringstream& os, const Report& r) {
   }
 }
 
+// A communicator group as the traffic line names it.
+std::string group_label(const std::string& group, const Report& r) {
+  if (group == "shard") return "within each shard group of " + std::to_string(r.shard_group);
+  if (group == "replicate") {
+    return "across the " + std::to_string(r.shard_group > 0 ? r.dp / r.shard_group : 0) + " groups";
+  }
+  return group;
+}
+
 void format_communication(std::ostringstream& os, const Report& r) {
   if (r.checkpoints_saved > 0) {
     line(os, "checkpoints") << r.checkpoints_saved << " saved ("
@@ -266,6 +277,22 @@ void format_communication(std::ostringstream& os, const Report& r) {
                                  << " MiB on the wire per rank (ring model); payload:";
     for (const auto& [op, b] : r.comm_bytes_per_step) os << " " << op << " " << b / kMiB << " MiB";
     os << "\n";
+  }
+  if (r.world_size > 1 && r.comm_group_bytes_per_step.size() > 1) {
+    auto& out = line(os, "traffic by group") << std::setprecision(2);
+    // Hybrid sharding's two groups first: within a shard group, then across the groups.
+    std::vector<std::string> order;
+    for (const char* g : {"shard", "replicate"})
+      if (r.comm_group_bytes_per_step.count(g)) order.emplace_back(g);
+    for (const auto& kv : r.comm_group_bytes_per_step)
+      if (kv.first != "shard" && kv.first != "replicate") order.push_back(kv.first);
+    const char* sep = "";
+    for (const auto& group : order) {
+      out << sep << group_label(group, r) << ":";
+      for (const auto& [op, b] : r.comm_group_bytes_per_step.at(group)) out << " " << op << " " << b / kMiB << " MiB";
+      sep = "; ";
+    }
+    out << "\n";
   }
   if (r.cp > 1 && r.ring_bytes > 0) {
     line(os, "ring attention") << std::setprecision(2) << r.ring_seconds << " s key/value transfers ("
@@ -286,6 +313,7 @@ void format_communication(std::ostringstream& os, const Report& r) {
 void describe_engine(const Engine& eng, Report& rep) {
   const ParallelConfig& pc = eng.config();
   rep.strategy = to_string(pc.strategy);
+  rep.shard_group = is_hybrid(pc.strategy) ? pc.shard_group : 0;
   rep.precision = precision_name(pc.precision);
   rep.world_size = eng.world_size();
   rep.dp = eng.dp_size();
@@ -346,6 +374,9 @@ void collect_engine_report(Engine& eng, const EngineStats& s, Report& rep) {
   const double steps = static_cast<double>(std::max<int64_t>(s.steps, 1));
   rep.comm_bytes_per_step.clear();
   for (const auto& [op, d] : s.comm.ops) rep.comm_bytes_per_step[op] = d.bytes / steps;
+  rep.comm_group_bytes_per_step.clear();
+  for (const auto& [group, ops] : s.comm.groups)
+    for (const auto& [op, d] : ops) rep.comm_group_bytes_per_step[group][op] = d.bytes / steps;
   rep.wire_bytes_per_step = s.comm.wire_bytes / steps;
   rep.comm_engine_seconds = s.comm.seconds;
   rep.loss_scale = s.scaler.scale;
@@ -425,6 +456,8 @@ std::string report_json(const Report& r) {
                       {"checkpoint_stall_seconds", r.checkpoint_stall_seconds},
                       {"checkpoint_async", r.checkpoint_async},
                       {"comm_bytes_per_step", r.comm_bytes_per_step},
+                      {"comm_group_bytes_per_step", r.comm_group_bytes_per_step},
+                      {"shard_group", r.shard_group},
                       {"wire_bytes_per_step", r.wire_bytes_per_step},
                       {"comm_engine_seconds", r.comm_engine_seconds},
                       {"comm_seconds", r.comm_seconds},

@@ -214,7 +214,8 @@ class Sharded final : public Updater {
     o.precision = L.cfg.precision;
     o.loss_scaler = L.cfg.loss_scaler;
     o.max_grad_norm = L.cfg.max_grad_norm;
-    zero_ = std::make_unique<ZeroDataParallel>(L.trained_module, L.dp, o);
+    zero_ = L.shard ? std::make_unique<ZeroDataParallel>(L.trained_module, L.shard, L.replicate, o)
+                    : std::make_unique<ZeroDataParallel>(L.trained_module, L.dp, o);
     if (model_parallel_norms(L, oo)) zero_->set_model_parallel(shard_flags(L), L.grid->tp(), L.grid->pp());
     if (L.pipe && o.stage == 3) run_pipeline_layers_unit_by_unit(*L.pipe);
   }
@@ -243,7 +244,8 @@ class Sharded final : public Updater {
   }
 
   // Each owned piece is a flat range of the parameter as this rank holds it (its
-  // tensor-parallel block, or the whole tensor); the data-parallel ranks hold disjoint ranges.
+  // tensor-parallel block, or the whole tensor); the data-parallel ranks hold disjoint ranges,
+  // but for hybrid sharding's groups, which hold the same ranges: group k's copy is replica k.
   std::vector<StatePiece> state() override {
     // Frozen parameters ZeRO shards (stage 3) come among its pieces, without optimizer slots;
     // those it leaves whole on every rank are the replicas'.
@@ -251,7 +253,8 @@ class Sharded final : public Updater {
     if (zero_->frozen_numel() == 0) out = L_.frozen_state();
     for (auto& z : zero_->owned_pieces()) {
       const auto& placed = L_.placed.at(z.name);
-      const auto p = placed.placement.flat_range(z.first, z.first + z.count);
+      auto p = placed.placement.flat_range(z.first, z.first + z.count);
+      if (L_.replicate) p.replica += static_cast<int64_t>(L_.cfg.tp) * L_.replicate->rank();
       out.push_back({"param/" + placed.dense_name, p, z.value});
       for (auto& [k, v] : z.slots) out.push_back({k + "/" + placed.dense_name, p, v});
     }

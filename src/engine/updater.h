@@ -38,6 +38,9 @@ struct Layout {
   // ranks of this rank's shard); data: the data-parallel replicas alone (different samples);
   // cp: the ranks sharing each sequence (null without context parallelism).
   CommPtr world, dp, data, cp;
+  // hsdp, hsdp2: the shard group (consecutive dp ranks) and the ranks holding the same shard
+  // index in every group (null when one group holds them all); null under the other strategies.
+  CommPtr shard, replicate;
   std::unique_ptr<ProcessGrid> grid;
   std::shared_ptr<torch::nn::Module> dense;  // the model as given (the checkpoints' names)
   std::shared_ptr<torch::nn::Module> net;    // what runs: `dense`, or its tensor-parallel form

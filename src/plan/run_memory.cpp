@@ -30,6 +30,12 @@ void add_planned_memory(const ModelSpec& model, const ParallelConfig& pc, int wo
   l.zero = zero_stage(pc.strategy);
   l.micro_batches = pc.pp > 1 ? pc.micro_batches : pc.grad_accum;
   l.micro_batch = std::max<int64_t>(1, global_batch / dp / l.micro_batches);
+  // hsdp, hsdp2: a rank holds what ZeRO over its shard group holds (the group the Engine
+  // resolved, which the report carries when the flag left it to the hosts).
+  if (is_hybrid(pc.strategy)) {
+    l.dp = pc.shard_group > 0 ? pc.shard_group : rep.shard_group;
+    if (l.dp < 1) return;
+  }
   ClusterSpec c = cluster_preset("local");
   c.groups.at(0).devices_per_node = std::max(c.groups.at(0).devices_per_node, world);
   if (pc.pp > 1 && pc.virtual_stages == 1 && static_cast<int>(partition.size()) == pc.pp) {

@@ -3,6 +3,7 @@
 // for checkpoints.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <stdlib.h>
 #include <torch/torch.h>
 
@@ -58,6 +59,18 @@ inline models::TransformerConfig small_lm() {
   c.seq = 6;
   c.mlp_ratio = 2;
   return c;
+}
+
+// Calls `build` (constructing what must be refused) and expects std::invalid_argument whose
+// message contains `needle`.
+template <typename Build>
+void expect_invalid_argument(Build&& build, const std::string& needle) {
+  try {
+    build();
+    ADD_FAILURE() << "accepted; expected an error containing '" << needle << "'";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
 }
 
 // A new directory /tmp/tandem_<tag>_XXXXXX that every rank of `comm` agrees on (rank 0 makes

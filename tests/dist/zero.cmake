@@ -11,3 +11,6 @@ set_tests_properties(e2e_train_zero PROPERTIES TIMEOUT 300 PROCESSORS 2)
 foreach(np 2 4)
   tandem_add_dist_test(dist_zero3_transformer_np${np} ${np} "Zero3Transformer.*:Zero3WrapPolicy.*" TIMEOUT 120)
 endforeach()
+# Hybrid sharding (hsdp, hsdp2) on 4 ranks: groups of 2 against DDP, groups of 4 against ZeRO and
+# of 1 against DDP, the traffic per group, bad groups refused, a checkpoint resumed elsewhere.
+tandem_add_dist_test(dist_hsdp_np4 4 "Stages/Hsdp.*:HsdpConfig.*:HsdpCheckpoint.*" TIMEOUT 120)

@@ -27,7 +27,7 @@ expect upper-name "--name 'Fmnist': must be lower-case" -- --name Fmnist --image
 expect digit-name "--name '1job': .*start with a letter" -- --name 1job --image "$img"
 expect long-name "too long: the pod host name" -- --name "$(printf 'a%.0s' {1..60})" --image "$img"
 expect bad-namespace "--namespace 'ML_team': not a valid namespace" -- --namespace ML_team --image "$img"
-expect unknown-strategy "--strategy 'fsdp': unknown; use single, ddp, zero1, zero2 or zero3" -- --strategy fsdp --image "$img"
+expect unknown-strategy "--strategy 'fsdp': unknown; use single, ddp, zero1, zero2, zero3, hsdp or hsdp2" -- --strategy fsdp --image "$img"
 expect single-many "--strategy single runs one rank, but the layout has 2" -- --strategy single --nodes 2 --image "$img"
 expect slots-not-dividing "--slots-per-worker 3 does not divide --gpus-per-node 8" -- \
   --gpus-per-node 8 --slots-per-worker 3 --image "$img"

@@ -7,7 +7,7 @@
 #   - rank 0 reports HOSTS hosts with their own addresses, and the ranks on each;
 #   - the hosts' network interfaces carried at least a quarter of the gradient bytes of every
 #     step (a fallback to shared memory, which the hosts share, would move only kilobytes).
-# usage: multinode_parity.sh TANDEM ddp|zero2 HOSTS RANKS_PER_HOST NET_ID   (exit 77: no netns here)
+# usage: multinode_parity.sh TANDEM ddp|zero2|hsdp HOSTS RANKS_PER_HOST NET_ID   (exit 77: no netns here)
 set -euo pipefail
 tandem=$1
 strategy=$2
@@ -42,6 +42,7 @@ t2=$(date +%s.%N)
 after=$(if_bytes "${hosts[-1]}")
 echo "one host: $(python3 -c "print(f'{$t1 - $t0:.1f}')") s; ${nhosts} hosts x ${per_host}: $(python3 -c "print(f'{$t2 - $t1:.1f}')") s"
 grep "^hosts " "$out/multi.log" || true
+grep "^throughput " "$out/multi.log" | sed "s/^/${nhosts} hosts x ${per_host}: /" || true
 
 # `tandem launch` across the same hosts: ranks by slot, local ranks per host, output prefixed.
 mn_launch "$tandem" launch -n "$n" --hostfile "$out/hostfile" --net-if "$mn_net" -- \
@@ -51,6 +52,15 @@ for ((r = 0; r < n; ++r)); do
   want="[rank $r] on tdm$id-h$((r / per_host)) local rank $((r % per_host))"
   grep -qxF "$want" "$out/launch.log" || { echo "FAIL: tandem launch: no line '$want'"; cat "$out/launch.log"; exit 1; }
 done
+
+# hsdp without --shard-group shards within each host: groups of the ranks per host across the
+# hosts, one group of all ranks on this one host.
+if [[ $strategy == hsdp* ]]; then
+  grep -q "strategy $strategy (shard groups of $per_host)" "$out/multi.log" ||
+    { echo "FAIL: across hosts $strategy's shard groups are not the $per_host ranks per host"; cat "$out/multi.log"; exit 1; }
+  grep -q "strategy $strategy (shard groups of $n)" "$out/one.log" ||
+    { echo "FAIL: on one host $strategy's shard group is not all $n ranks"; cat "$out/one.log"; exit 1; }
+fi
 
 # The layout rank 0 reports: every host with its own address and its ranks (by slot).
 expect="hosts +${nhosts} hosts: "

@@ -27,6 +27,10 @@ expect sp-mlp "--sequence-parallel needs a Llama model" -- "$tandem" train -n 2 
 expect unknown-model "unknown model .resnet9000. \\(known: mlp" -- "$tandem" train -n 1 --model resnet9000 --max-steps 1
 expect unknown-strategy "unknown strategy 'zero9'" -- "$tandem" train -n 1 --strategy zero9 --max-steps 1
 expect single-with-many "strategy single runs one worker" -- "$tandem" train -n 2 --strategy single
+expect hsdp-bad-group "--shard-group 3 does not divide the 4 data-parallel ranks" -- \
+  "$tandem" train -n 4 --strategy hsdp --shard-group 3 --max-steps 1 --no-baseline
+expect shard-group-without-hsdp "--shard-group 2 applies to --strategy hsdp or hsdp2 only" -- \
+  "$tandem" train -n 4 --strategy zero3 --shard-group 2 --max-steps 1 --no-baseline
 expect unknown-flag "--frobnicate|not expected|extras" -- "$tandem" train --frobnicate
 # Numbers out of range: the flag and the allowed range in plain words.
 expect nprocs-zero "nprocs: must be between 1 and 4096, got 0$" -- "$tandem" train -n 0

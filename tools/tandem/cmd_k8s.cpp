@@ -29,7 +29,10 @@ int cmd_k8s(int argc, char** argv) {
                  "ranks per worker pod (default: the GPUs per node, one rank per GPU; 1 for CPU jobs); with GPUs "
                  "it must divide the GPUs per node, and a node then holds GPUs/slots worker pods");
   app.add_option("--image", s.image, "container image built from deploy/Dockerfile (required)");
-  app.add_option("--strategy", s.strategy, "single | ddp | zero1 | zero2 | zero3")->capture_default_str();
+  app.add_option("--strategy", s.strategy,
+                 "single | ddp | zero1 | zero2 | zero3 | hsdp | hsdp2 (hsdp: ZeRO-3 within each pod's ranks, "
+                 "replicated across the pods)")
+      ->capture_default_str();
   app.add_option("--node-selector", node_selectors, "KEY=VALUE node label every pod needs (repeatable)");
   app.add_option("--toleration", tolerations, "KEY[=VALUE]:EFFECT taint every pod tolerates (repeatable)");
   app.add_option("--pool", pools,

@@ -12,7 +12,7 @@ measures one worker for a few steps (`--baseline-steps`) for the report's speedu
 The report gives the layout, throughput, speedup, loss, accuracy, memory per rank, traffic per
 step and the share of communication hidden behind backward.
 
-- **Strategies and layouts.** `--strategy single|ddp|zero1|zero2|zero3` (ZeRO: optimizer state,
+- **Strategies and layouts.** `--strategy single|ddp|zero1|zero2|zero3|hsdp|hsdp2` (ZeRO: optimizer state,
   then gradients, then parameters sharded). `--tp T --pp P` add Megatron tensor parallelism and
   pipeline stages (`--micro-batches M`, `--pipeline-schedule gpipe|1f1b|interleaved` with
   `--virtual-stages V`, `--pp-partition params|time|3,7`); the remaining ranks are data parallel
@@ -20,7 +20,12 @@ step and the share of communication hidden behind backward.
   micro-batch and ZeRO-3 gathers each layer per micro-batch). Refused, each with its reason:
   `--tp` or `--pp` with `single`; `--tp` x `--pp` that does not divide `-n`; `--grad-accum` with
   `--pp` (use more `--micro-batches`); `--compress` with a pipeline or a strategy other than
-  `ddp`. The report gives the cut and the measured pipeline bubble beside (P-1)/M. `tandem
+  `ddp`. `--strategy hsdp --shard-group G` is hybrid sharding (FSDP's HYBRID_SHARD, DeepSpeed's
+  hpZ): ZeRO-3 within groups of G consecutive ranks, the groups replicas that all-reduce each
+  gradient shard between them; `hsdp2` is its ZeRO-2 form. G defaults to the ranks per host
+  (mpirun places ranks by slot), must divide the data-parallel ranks, and hsdp takes no `--tp`,
+  `--pp` or `--cp`; the report splits the traffic into that within the shard groups and that
+  across them. The report gives the cut and the measured pipeline bubble beside (P-1)/M. `tandem
   train` defaults to 4 micro-batches, the text commands to 1. The layout flags are the same, with
   the same checks, on `pretrain`, `finetune` and `finetune --init-from`.
 - **Replicas in one process.** `--replicas K` runs K replicas as threads of one process (no MPI

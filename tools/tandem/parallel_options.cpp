@@ -12,8 +12,16 @@
 namespace tandem::cli {
 void add_parallel_options(CLI::App& app, ParallelConfig& pc) {
   add_word_option<Strategy>(app, "--strategy", pc.strategy, parse_strategy, to_string(pc.strategy),
-                            "single | ddp | zero1 | zero2 | zero3 (ZeRO: optimizer state, +gradients, +parameters "
-                            "sharded over the data-parallel ranks); every one but single composes with --tp and --pp");
+                            "single | ddp | zero1 | zero2 | zero3 | hsdp | hsdp2 (ZeRO: optimizer state, +gradients, "
+                            "+parameters sharded over the data-parallel ranks; hsdp: ZeRO-3 within each --shard-group, "
+                            "the groups replicas whose gradient shards are all-reduced between them, hsdp2 the same "
+                            "with ZeRO-2, as FSDP's HYBRID_SHARD and _HYBRID_SHARD_ZERO2); every one but single and "
+                            "hsdp/hsdp2 composes with --tp and --pp");
+  app.add_option("--shard-group", pc.shard_group,
+                 "hsdp, hsdp2: consecutive data-parallel ranks per shard group (all-gathers and reduce-scatters stay "
+                 "inside it; it must divide the data-parallel ranks); 0: the ranks per host, which needs every host "
+                 "to hold as many consecutive ranks (mpirun's by-slot mapping, as tandem launches)")
+      ->capture_default_str();
   add_word_option<Precision>(app, "--precision", pc.precision, parse_precision, precision_name(pc.precision),
                              "fp32 | bf16 | fp16 (compute precision; fp32 master weights; fp16 with dynamic loss "
                              "scaling)");

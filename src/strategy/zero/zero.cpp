@@ -17,6 +17,10 @@
 namespace tandem {
 
 ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, CommPtr comm, ZeroOptions opts)
+    : ZeroDataParallel(std::move(module), std::move(comm), nullptr, std::move(opts)) {}
+
+ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, CommPtr comm, CommPtr replicate,
+                                   ZeroOptions opts)
     : module_(std::move(module)), impl_(std::make_unique<Impl>()) {
   if (!module_) throw std::invalid_argument("ZeroDataParallel needs a module");
   if (!comm) throw std::invalid_argument("ZeroDataParallel needs a communicator");
@@ -34,6 +38,7 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
   if (opts.precision == Precision::kFP16) validate(opts.loss_scaler);
   auto& I = *impl_;
   I.comm = std::move(comm);
+  if (replicate && replicate->size() > 1) I.replicate = std::move(replicate);
   I.opts = opts;
   I.world = I.comm->size();
   I.rank = I.comm->rank();
@@ -68,9 +73,13 @@ ZeroDataParallel::ZeroDataParallel(std::shared_ptr<torch::nn::Module> module, Co
       I.mixed = true;
     }
   }
-  detail::check_same_model(*I.comm, I.names, I.params, I.buffers, "ZeroDataParallel");
-  detail::broadcast_from_rank0(*I.comm, I.params, I.buffers, /*include_params=*/true);
-  if (!I.frozen.empty()) detail::broadcast_from_rank0(*I.comm, I.frozen, {}, /*include_params=*/true);
+  // Within the shard group first, then from group 0 to the others: every rank ends with rank
+  // 0's values of group 0.
+  for (auto* c : I.groups()) {
+    detail::check_same_model(*c, I.names, I.params, I.buffers, "ZeroDataParallel");
+    detail::broadcast_from_rank0(*c, I.params, I.buffers, /*include_params=*/true);
+    if (!I.frozen.empty()) detail::broadcast_from_rank0(*c, I.frozen, {}, /*include_params=*/true);
+  }
   for (auto& p : I.params) I.psi += p.numel();
   if (I.opts.max_inflight_buckets < 0) {
     const bool cpu = I.params.empty() || I.params[0].device().is_cpu();
@@ -106,7 +115,7 @@ ZeroDataParallel::~ZeroDataParallel() = default;
 void ZeroDataParallel::prepare_forward() {
   auto& I = *impl_;
   if (I.opts.broadcast_buffers && !I.buffers.empty()) {
-    detail::broadcast_from_rank0(*I.comm, I.params, I.buffers, /*include_params=*/false);
+    for (auto* c : I.groups()) detail::broadcast_from_rank0(*c, I.params, I.buffers, /*include_params=*/false);
   }
   if (I.opts.stage == 3 && !I.sequential) {
     if (!I.wrapped_units) {

@@ -81,6 +81,7 @@ struct ZeroDataParallel::Impl {
   };
 
   CommPtr comm;
+  CommPtr replicate;  // hybrid sharding: the other groups' ranks with this shard index, or null
   ZeroOptions opts;
   int world = 1, rank = 0;
   std::vector<std::string> names;
@@ -136,6 +137,13 @@ struct ZeroDataParallel::Impl {
   double gather_wait_s = 0.0;                    // stage 3: seconds the caller blocked on parameter all-gathers
   detail::SymmetricPool pool;                    // stages 2, 3 on CPU: scratch and gathered units
 
+  // The groups parameters and buffers are synchronised over: the shard group, then (hybrid
+  // sharding) the replicas.
+  std::vector<Communicator*> groups() const {
+    std::vector<Communicator*> out{comm.get()};
+    if (replicate) out.push_back(replicate.get());
+    return out;
+  }
   std::string where() const { return "rank " + std::to_string(rank) + ": ZeRO-" + std::to_string(opts.stage); }
 
   at::Tensor param_view(const at::Tensor& bucket_buf, size_t i) const {
@@ -194,6 +202,8 @@ struct ZeroDataParallel::Impl {
 
   // ---- the optimizer step (zero_step.cpp)
   void link_master_grads();
+  void average_over_replicas();  // hybrid sharding: each owned gradient chunk over the groups
+  static void wait_all(std::vector<WorkPtr>& works);
   void drop_master_grads();
   bool step();
   void publish_shards();

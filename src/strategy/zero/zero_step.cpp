@@ -19,6 +19,7 @@ void ZeroDataParallel::Impl::link_master_grads() {
     for (auto& bk : buckets) grad_chunk(bk).div_(world);
     owned_summed = false;
   }
+  average_over_replicas();
   for (auto& bk : buckets) {
     auto v = grad_chunk(bk);
     if (mixed) {
@@ -27,6 +28,16 @@ void ZeroDataParallel::Impl::link_master_grads() {
       bk.master.mutable_grad() = v;
     }
   }
+}
+
+// The chunks hold their group's average; the replicas' average of those is the average over
+// every data-parallel rank (the groups are equal in size). Once per step, after any number of
+// backward passes, in the compute dtype as they were reduce-scattered.
+void ZeroDataParallel::Impl::average_over_replicas() {
+  if (!replicate) return;
+  std::vector<WorkPtr> works;
+  for (auto& bk : buckets) works.push_back(replicate->allreduce_async(grad_chunk(bk), ReduceOp::kAvg));
+  wait_all(works);
 }
 
 void ZeroDataParallel::Impl::drop_master_grads() {
@@ -98,6 +109,11 @@ void ZeroDataParallel::Impl::publish_shards() {
   std::vector<WorkPtr> works;
   // In place: the owned chunk is where the all-gather receives this rank's part.
   for (auto& bk : buckets) works.push_back(comm->allgather_async(bk.full, bk.shard));
+  wait_all(works);
+}
+
+// Waits for every one of `works`, then rethrows the first failure.
+void ZeroDataParallel::Impl::wait_all(std::vector<WorkPtr>& works) {
   std::exception_ptr err;
   for (auto& w : works) {
     try {
