@@ -108,19 +108,39 @@ void expect_same_as_plain(const Builder& build, int64_t vocab, const std::string
 }
 
 TEST(SelectiveRecompute, LlamaEqualsThePlainForward) {
-  expect_same_as_plain([] { torch::manual_seed(3); return llama::causal_lm_sequential(llama_config()); }, 300,
-                       "causal LM");
-  expect_same_as_plain([] { torch::manual_seed(3); return llama::causal_lm_sequential(llama_config(7)); }, 300,
-                       "packed documents");
+  expect_same_as_plain(
+      [] {
+        torch::manual_seed(3);
+        return llama::causal_lm_sequential(llama_config());
+      },
+      300, "causal LM");
+  expect_same_as_plain(
+      [] {
+        torch::manual_seed(3);
+        return llama::causal_lm_sequential(llama_config(7));
+      },
+      300, "packed documents");
 }
 
 TEST(SelectiveRecompute, TransformerEqualsThePlainForward) {
-  expect_same_as_plain([] { torch::manual_seed(4); return models::transformer(transformer_config()); }, 256,
-                       "causal");
-  expect_same_as_plain([] { torch::manual_seed(4); return models::transformer(transformer_config(0)); }, 256,
-                       "padded");
-  expect_same_as_plain([] { torch::manual_seed(4); return models::transformer(transformer_config(-1, 7)); }, 256,
-                       "packed documents");
+  expect_same_as_plain(
+      [] {
+        torch::manual_seed(4);
+        return models::transformer(transformer_config());
+      },
+      256, "causal");
+  expect_same_as_plain(
+      [] {
+        torch::manual_seed(4);
+        return models::transformer(transformer_config(0));
+      },
+      256, "padded");
+  expect_same_as_plain(
+      [] {
+        torch::manual_seed(4);
+        return models::transformer(transformer_config(-1, 7));
+      },
+      256, "packed documents");
 }
 
 // The module tree (LlamaForCausalLM, as transformers' and `finetune` without a Sequential cut):
@@ -160,9 +180,18 @@ void expect_between(const Builder& build, int64_t vocab, const std::string& what
 }
 
 TEST(SelectiveRecompute, HoldsLessThanThePlainForwardMoreThanEveryLayer) {
-  expect_between([] { torch::manual_seed(3); return llama::causal_lm_sequential(llama_config()); }, 300, "Llama");
-  expect_between([] { torch::manual_seed(4); return models::transformer(transformer_config()); }, 256,
-                 "transformer");
+  expect_between(
+      [] {
+        torch::manual_seed(3);
+        return llama::causal_lm_sequential(llama_config());
+      },
+      300, "Llama");
+  expect_between(
+      [] {
+        torch::manual_seed(4);
+        return models::transformer(transformer_config());
+      },
+      256, "transformer");
 }
 
 TEST(SelectiveRecompute, ParsesAndRefusesAModelWithoutTransformerLayers) {
