@@ -131,8 +131,8 @@ void format_layout(std::ostringstream& os, const Report& r) {
   if (r.activation_checkpointing != "none") {
     line(os, "recomputation") << (r.activation_checkpointing == "every" ? std::string("the activations of every layer")
                                   : r.activation_checkpointing == "selective"
-                                      ? std::string("selective: every layer's attention core, RMSNorms and SwiGLU "
-                                                    "activations (its projections' outputs kept)")
+                                      ? std::string("selective: every transformer layer's attention core, and a Llama "
+                                                    "layer's RMSNorms and SwiGLU (the projections' outputs kept)")
                                       : "the activations of the first " + r.activation_checkpointing + " layer(s)" +
                                             (r.pp > 1 ? " of each stage" : ""))
                               << ", recomputed in backward: " << std::setprecision(2) << r.recompute_seconds << " s";

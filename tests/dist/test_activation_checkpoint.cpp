@@ -2,7 +2,8 @@
 // same gradients and the same training with recomputation as without (the recomputation
 // replays the random draws, ZeRO-3 gathers the unit again, tensor-parallel layers repeat their
 // collectives, pipeline stages recompute their own layers); and selective recomputation of the
-// Llama decoder layers under ZeRO-3, tensor, sequence and context parallelism trains as without.
+// Llama decoder layers under ZeRO-3, tensor, sequence and context parallelism and a two-stage
+// pipeline trains as without.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -119,6 +120,7 @@ struct LlamaLayout {
   Strategy strategy;
   int tp = 1, cp = 1;
   bool sequence_parallel = false;
+  int pp = 1;
 };
 
 struct Trained {
@@ -138,6 +140,8 @@ Trained train_llama(const LlamaLayout& l, const std::string& recompute) {
   pc.strategy = l.strategy;
   pc.tp = l.tp;
   pc.cp = l.cp;
+  pc.pp = l.pp;
+  pc.micro_batches = l.pp > 1 ? 2 : 1;
   pc.sequence_parallel = l.sequence_parallel;
   pc.activation_checkpointing = parse_activation_checkpointing(recompute);
   EngineOptions eo;
@@ -159,8 +163,11 @@ Trained train_llama(const LlamaLayout& l, const std::string& recompute) {
     auto ids = torch::randint(0, kVocab, {kBatch, kSeq + 1}, g);
     auto x = slice_for_rank(ids.narrow(1, 0, kSeq).contiguous(), eng.dp_rank(), eng.dp_size());
     auto y = slice_for_rank(ids.narrow(1, 1, kSeq).contiguous(), eng.dp_rank(), eng.dp_size());
-    auto v = eng.step(x, y, loss).detach().reshape({1}).to(torch::kDouble).clone();
-    eng.world()->allreduce(v, ReduceOp::kAvg);
+    auto got = eng.step(x, y, loss);
+    // Summed over the ranks that hold a loss (a pipeline's last stage only).
+    auto v = got.defined() && eng.is_output_rank() ? got.detach().reshape({1}).to(torch::kDouble).clone()
+                                                   : torch::zeros({1}, torch::kDouble);
+    eng.world()->allreduce(v);
     t.losses.push_back(v.item<double>());
   }
   t.params = eng.full_parameters();
@@ -192,7 +199,8 @@ INSTANTIATE_TEST_SUITE_P(All, LlamaSelectiveActivationCheckpoint,
                          ::testing::Values(LlamaLayout{"zero3", Strategy::kZero3},
                                            LlamaLayout{"tp2", Strategy::kDDP, 2},
                                            LlamaLayout{"tp2_sequence_parallel", Strategy::kDDP, 2, 1, true},
-                                           LlamaLayout{"cp2", Strategy::kDDP, 1, 2}),
+                                           LlamaLayout{"cp2", Strategy::kDDP, 1, 2},
+                                           LlamaLayout{"pp2", Strategy::kDDP, 1, 1, false, 2}),
                          [](const auto& info) { return info.param.name; });
 
 }  // namespace

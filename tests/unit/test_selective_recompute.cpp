@@ -166,7 +166,10 @@ TEST(SelectiveRecompute, LlamaModuleTreeEqualsThePlainForward) {
   for (const auto& [name, g] : grads[0]) EXPECT_LE(rel_err(grads[1].at(name), g), 1e-6) << name;
 }
 
-// float32, as trained: none > selective > every in bytes the forward leaves for backward.
+// float32, as trained: none > selective > every in bytes the forward leaves for backward. On the
+// Llama selective frees about a quarter (norms' float copies, rotated and repeated q/k/v, the
+// attention output, silu(gate)); on Tandem's transformer only the softmax statistics (the CPU's
+// fused attention keeps no probabilities; LayerNorm and GELU keep nothing recomputation frees).
 void expect_between(const Builder& build, int64_t vocab, const std::string& what) {
   SCOPED_TRACE(what);
   const auto ids = ids_for(vocab);
