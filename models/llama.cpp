@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "tandem/activation_checkpoint.h"
 #include "tandem/lora.h"
 
 namespace tandem::llama {
@@ -128,6 +129,36 @@ torch::Tensor attend(const torch::Tensor& q_proj, const torch::Tensor& k_proj, c
   return y.transpose(1, 2).reshape({B, T, heads * head_dim});
 }
 
+// attend(), recomputed in backward from q, k and v when `selective` (Megatron's core-attention
+// recomputation): the rotated, repeated and attended tensors are not kept.
+torch::Tensor attend_maybe_recomputed(bool selective, const torch::Tensor& q, const torch::Tensor& k,
+                                      const torch::Tensor& v, const torch::Tensor& cos, const torch::Tensor& sin,
+                                      int64_t heads, int64_t kv_heads, int64_t head_dim, const CommPtr& cp,
+                                      const torch::Tensor& mask) {
+  if (!selective) return attend(q, k, v, cos, sin, heads, kv_heads, head_dim, cp, mask);
+  return checkpoint_many(
+      [=](const std::vector<torch::Tensor>& in) {
+        return attend(in[0], in[1], in[2], cos, sin, heads, kv_heads, head_dim, cp, mask);
+      },
+      {q, k, v}, {}, /*draws=*/false);
+}
+
+// SwiGLU's silu(gate) * up; when `selective`, recomputed in backward from gate and up, so that
+// silu(gate) is not kept.
+torch::Tensor swiglu(bool selective, const torch::Tensor& gate, const torch::Tensor& up) {
+  auto f = [](const std::vector<torch::Tensor>& in) { return torch::silu(in[0]) * in[1]; };
+  return selective ? checkpoint_many(f, {gate, up}, {}, /*draws=*/false) : f({gate, up});
+}
+
+// An RMSNorm; when `selective`, recomputed in backward from x (which the residual stream keeps
+// anyway), so that its normalised float copy is not kept.
+torch::Tensor normed(bool selective, const RMSNorm& norm, const torch::Tensor& x) {
+  const auto n = norm.ptr();
+  if (!selective) return n->forward(x);
+  return checkpoint_many([n](const std::vector<torch::Tensor>& in) { return n->forward(in[0]); }, {x}, {n->weight},
+                         /*draws=*/false);
+}
+
 // The parameters under their Hugging Face names: the module's own names, which mirror them.
 safetensors::TensorList hf_tensors(const torch::nn::Module& module,
                                    const std::function<std::string(const std::string&)>& to_hf) {
@@ -245,8 +276,9 @@ AttentionImpl::AttentionImpl(const LlamaConfig& c)
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                      const torch::Tensor& mask) {
-  return lora::linear(o_proj, attend(lora::linear(q_proj, x), lora::linear(k_proj, x), lora::linear(v_proj, x), cos,
-                                     sin, heads, kv_heads, head_dim, cp, mask));
+  return lora::linear(o_proj,
+                      attend_maybe_recomputed(selective, lora::linear(q_proj, x), lora::linear(k_proj, x),
+                                              lora::linear(v_proj, x), cos, sin, heads, kv_heads, head_dim, cp, mask));
 }
 
 MLPImpl::MLPImpl(const LlamaConfig& c) {
@@ -256,7 +288,7 @@ MLPImpl::MLPImpl(const LlamaConfig& c) {
 }
 
 torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
-  return lora::linear(down_proj, torch::silu(lora::linear(gate_proj, x)) * lora::linear(up_proj, x));
+  return lora::linear(down_proj, swiglu(selective, lora::linear(gate_proj, x), lora::linear(up_proj, x)));
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c) {
@@ -268,9 +300,11 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c) {
 
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                         const torch::Tensor& mask) {
-  auto h = x + self_attn(input_layernorm(x), cos, sin, mask);
-  return h + mlp(post_attention_layernorm(h));
+  auto h = x + self_attn(normed(selective, input_layernorm, x), cos, sin, mask);
+  return h + mlp(normed(selective, post_attention_layernorm, h));
 }
+
+void DecoderLayerImpl::set_selective(bool on) { selective = self_attn->selective = mlp->selective = on; }
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config(c) {
   validate(c, "LlamaConfig");
@@ -462,8 +496,9 @@ torch::Tensor ParallelAttentionImpl::forward(const torch::Tensor& x, const torch
                                              const torch::Tensor& mask) {
   // One input collective for the three projections (each ColumnParallelLinear would add its own).
   const auto in = tp::column_input(x, tp, sequence_parallel);
-  auto y = attend(q_proj->project(in.in, in.whole), k_proj->project(in.in, in.whole), v_proj->project(in.in, in.whole),
-                  cos, sin, local_heads, local_kv_heads, head_dim, cp, mask);
+  auto y = attend_maybe_recomputed(selective, q_proj->project(in.in, in.whole), k_proj->project(in.in, in.whole),
+                                   v_proj->project(in.in, in.whole), cos, sin, local_heads, local_kv_heads, head_dim,
+                                   cp, mask);
   return o_proj(y);
 }
 
@@ -475,7 +510,7 @@ ParallelMLPImpl::ParallelMLPImpl(const MLPImpl& d, const CommPtr& tp_) : tp(tp_)
 
 torch::Tensor ParallelMLPImpl::forward(const torch::Tensor& x) {
   const auto in = tp::column_input(x, tp, sequence_parallel);
-  return down_proj(torch::silu(gate_proj->project(in.in, in.whole)) * up_proj->project(in.in, in.whole));
+  return down_proj(swiglu(selective, gate_proj->project(in.in, in.whole), up_proj->project(in.in, in.whole)));
 }
 
 ParallelDecoderLayerImpl::ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& d, const CommPtr& tp)
@@ -484,9 +519,12 @@ ParallelDecoderLayerImpl::ParallelDecoderLayerImpl(const SequentialDecoderLayerI
   mlp = register_module("mlp", ParallelMLP(*d.mlp, tp));
   input_layernorm = register_module("input_layernorm", d.input_layernorm);
   post_attention_layernorm = register_module("post_attention_layernorm", d.post_attention_layernorm);
+  recompute_selectively(d.selective);
 }
 
 void ParallelDecoderLayerImpl::use_context_parallel(const CommPtr& cp) { self_attn->cp = cp; }
+
+void ParallelDecoderLayerImpl::recompute_selectively(bool on) { self_attn->selective = mlp->selective = on; }
 
 void ParallelDecoderLayerImpl::split_sequence() {
   const auto& tp = self_attn->tp;
@@ -502,8 +540,9 @@ torch::Tensor ParallelDecoderLayerImpl::forward(const torch::Tensor& x) {
   // part of the sequence, at its global positions).
   const auto T = self_attn->sequence_parallel ? x.size(1) * self_attn->tp->size() : x.size(1);
   const auto t = layer_tables(config, x, T, self_attn->cp, documents.get());
-  auto h = x + self_attn(input_layernorm(x), t.cos, t.sin, t.mask);
-  return h + mlp(post_attention_layernorm(h));
+  const bool selective = self_attn->selective;
+  auto h = x + self_attn(normed(selective, input_layernorm, x), t.cos, t.sin, t.mask);
+  return h + mlp(normed(selective, post_attention_layernorm, h));
 }
 
 namespace {

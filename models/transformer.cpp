@@ -76,25 +76,33 @@ TransformerBlockImpl::TransformerBlockImpl(int64_t d_model, int64_t heads_, int6
   fc2 = register_module("fc2", torch::nn::Linear(mlp_ratio * d_model, d_model));
 }
 
+torch::Tensor self_attention_core(const torch::Tensor& qkv, int64_t heads, const torch::Tensor& mask, bool selective) {
+  auto core = [heads, mask](const std::vector<torch::Tensor>& in) {
+    const int64_t b = in[0].size(0), t = in[0].size(1), d = in[0].size(2) / 3, hd = d / heads;
+    // [B, T, 3D] -> 3 x [B, H, T, hd]
+    auto q_k_v = in[0].view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4});
+    auto att = mask.defined() ? at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], mask,
+                                                                 /*dropout_p=*/0.0, /*is_causal=*/false)
+                              : at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], /*attn_mask=*/{},
+                                                                 /*dropout_p=*/0.0, /*is_causal=*/true);
+    return att.transpose(1, 2).reshape({b, t, d});
+  };
+  return selective ? checkpoint_many(core, {qkv}, {}, /*draws=*/false) : core({qkv});
+}
+
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 3, "tandem::models::TransformerBlock: expected [B, T, D], got ", x.sizes());
   if (padded) {
-    const int64_t b = x.size(0), t = x.size(1), d = x.size(2) - 1, hd = d / heads;
+    const int64_t d = x.size(2) - 1;
     auto h0 = x.narrow(2, 0, d);
     auto m = x.narrow(2, d, 1);  // [B, T, 1]: 1 real, 0 padding (or the position in the document)
-    auto q_k_v = qkv->forward(ln1->forward(h0)).view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4});
-    auto att = at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], channel_attention_mask(m, documents),
-                                                /*dropout_p=*/0.0, /*is_causal=*/false);
-    auto h = h0 + proj->forward(att.transpose(1, 2).reshape({b, t, d}));
+    auto att =
+        self_attention_core(qkv->forward(ln1->forward(h0)), heads, channel_attention_mask(m, documents), selective);
+    auto h = h0 + proj->forward(att);
     h = h + fc2->forward(torch::gelu(fc1->forward(ln2->forward(h))));
     return torch::cat({h, m}, 2);
   }
-  const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads;
-  // [B, T, 3D] -> 3 x [B, H, T, hd]
-  auto q_k_v = qkv->forward(ln1->forward(x)).view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4});
-  auto att = at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], /*attn_mask=*/{},
-                                              /*dropout_p=*/0.0, /*is_causal=*/true);
-  auto h = x + proj->forward(att.transpose(1, 2).reshape({b, t, d}));
+  auto h = x + proj->forward(self_attention_core(qkv->forward(ln1->forward(x)), heads, {}, selective));
   return h + fc2->forward(torch::gelu(fc1->forward(ln2->forward(h))));
 }
 

@@ -218,6 +218,10 @@ struct EngineStats {
     int64_t peak_activation_bytes = -1;
   } memory;
 
+  // Seconds of the forward-backward passes spent recomputing checkpointed segments in backward
+  // (--activation-checkpointing; this process's, all threads).
+  double recompute_seconds = 0.0;
+
   // Pipeline only: this stage's schedule, over the steps after the first.
   struct PipelineStage {
     double step_ms = 0.0;     // mean step milliseconds

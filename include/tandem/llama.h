@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/activation_checkpoint.h"
 #include "tandem/context_parallel.h"
 #include "tandem/lora.h"
 #include "tandem/safetensors.h"
@@ -108,6 +109,7 @@ class AttentionImpl : public torch::nn::Module, public lora::Adaptable {
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   int64_t heads, kv_heads, head_dim;
   CommPtr cp;
+  bool selective = false;  // the attention core (rotary to attention x values) recomputed in backward
 };
 TORCH_MODULE(Attention);
 
@@ -117,6 +119,7 @@ class MLPImpl : public torch::nn::Module, public lora::Adaptable {
   explicit MLPImpl(const LlamaConfig& config);
   torch::Tensor forward(const torch::Tensor& x);
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  bool selective = false;  // silu(gate) * up recomputed in backward from the projections' outputs
 };
 TORCH_MODULE(MLP);
 
@@ -133,9 +136,13 @@ class DecoderLayerImpl : public torch::nn::Module {
   explicit DecoderLayerImpl(const LlamaConfig& config);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask = {});
+  // Selective recomputation (tandem/activation_checkpoint.h): the norms, the attention core and
+  // the SwiGLU product recomputed in backward; the projections' outputs kept.
+  void set_selective(bool on);
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
   MLP mlp{nullptr};
+  bool selective = false;
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -185,7 +192,10 @@ TORCH_MODULE(LlamaForSequenceClassification);
 // length (the same values as LlamaModel's, which builds them once for all layers), or at the
 // global positions of a context-parallel rank's tokens. Its tensor-parallel form is
 // ParallelDecoderLayer (tp::tensor_parallel converts it).
-class SequentialDecoderLayerImpl : public DecoderLayerImpl, public tp::Parallelizable, public cp::ContextParallel {
+class SequentialDecoderLayerImpl : public DecoderLayerImpl,
+                                   public tp::Parallelizable,
+                                   public cp::ContextParallel,
+                                   public SelectiveRecompute {
  public:
   explicit SequentialDecoderLayerImpl(const LlamaConfig& config) : DecoderLayerImpl(config), config(config) {}
   torch::Tensor forward(const torch::Tensor& x);
@@ -194,6 +204,7 @@ class SequentialDecoderLayerImpl : public DecoderLayerImpl, public tp::Paralleli
   void check_tensor_parallel(int tp_size) const override;
   torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
   void use_context_parallel(const CommPtr& cp) override;
+  void recompute_selectively(bool on) override { set_selective(on); }
   LlamaConfig config;
   std::shared_ptr<DocumentState> documents;  // set when config.document_separator >= 0
 };
@@ -230,6 +241,7 @@ class ParallelAttentionImpl : public torch::nn::Module {
   CommPtr tp;
   CommPtr cp;                      // ring attention over this context-parallel group when set
   bool sequence_parallel = false;  // set with o_proj's by ParallelDecoderLayer::split_sequence
+  bool selective = false;          // as AttentionImpl's
 };
 TORCH_MODULE(ParallelAttention);
 
@@ -242,11 +254,12 @@ class ParallelMLPImpl : public torch::nn::Module {
   tp::RowParallelLinear down_proj{nullptr};
   CommPtr tp;
   bool sequence_parallel = false;
+  bool selective = false;  // as MLPImpl's
 };
 TORCH_MODULE(ParallelMLP);
 
 // The tensor-parallel SequentialDecoderLayer; its RMSNorms are the dense layer's (replicated).
-class ParallelDecoderLayerImpl : public torch::nn::Module, public cp::ContextParallel {
+class ParallelDecoderLayerImpl : public torch::nn::Module, public cp::ContextParallel, public SelectiveRecompute {
  public:
   ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& dense, const CommPtr& tp);
   // Sequence parallelism: the layer then maps this rank's sequence shard [B, T/tp, hidden] (the
@@ -255,6 +268,7 @@ class ParallelDecoderLayerImpl : public torch::nn::Module, public cp::ContextPar
   void split_sequence();
   torch::Tensor forward(const torch::Tensor& x);
   void use_context_parallel(const CommPtr& cp) override;
+  void recompute_selectively(bool on) override;  // as DecoderLayerImpl::set_selective
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   ParallelAttention self_attn{nullptr};
   ParallelMLP mlp{nullptr};

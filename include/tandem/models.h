@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/activation_checkpoint.h"
 #include "tandem/parallelizable.h"
 
 namespace tandem::models {
@@ -77,17 +78,20 @@ torch::Tensor with_positions(const torch::Tensor& tokens, const torch::Tensor& i
 // attention is causal and skips padded keys (a position always sees itself). documents = true
 // (with padded): the channel is the position in the document (TokenEmbedding with eos_id) and
 // attention is causal within each document only.
-class TransformerBlockImpl : public torch::nn::Module, public tp::Parallelizable {
+// Selective recomputation (tandem/activation_checkpoint.h) recomputes its attention core.
+class TransformerBlockImpl : public torch::nn::Module, public tp::Parallelizable, public SelectiveRecompute {
  public:
   TransformerBlockImpl(int64_t d_model, int64_t heads, int64_t mlp_ratio, bool padded = false, bool documents = false);
   torch::Tensor forward(const torch::Tensor& x);
   // Heads and the MLP's hidden units split (tp::ParallelTransformerBlock).
   void check_tensor_parallel(int tp_size) const override;
   torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
+  void recompute_selectively(bool on) override { selective = on; }
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
   int64_t heads;
   bool padded = false, documents = false;
+  bool selective = false;
 };
 TORCH_MODULE(TransformerBlock);
 
@@ -102,6 +106,12 @@ torch::Tensor document_attention_mask(const torch::Tensor& position_channel);
 inline torch::Tensor channel_attention_mask(const torch::Tensor& channel, bool documents) {
   return documents ? document_attention_mask(channel) : padded_attention_mask(channel);
 }
+
+// The attention core of a fused projection's output [B, T, 3 * heads * hd] (q | k | v, each head
+// by head): scaled_dot_product_attention, causal without a mask, else under the bool mask
+// [B, 1, T, T] -> [B, T, heads * hd]. `selective`: recomputed in backward from qkv (its
+// attention output and softmax statistics not kept).
+torch::Tensor self_attention_core(const torch::Tensor& qkv, int64_t heads, const torch::Tensor& mask, bool selective);
 
 // [B, T, D] -> [B, D]: the last position, the only one that sees the whole causal sequence.
 class LastTokenImpl : public torch::nn::Module, public tp::Parallelizable {

@@ -67,7 +67,8 @@ struct Report {
   std::string pipeline_schedule;                  // pp > 1
   int virtual_stages = 1;                         // model chunks per pipeline rank (interleaved)
   std::vector<int64_t> partition;                 // layers per (virtual) pipeline stage (pp > 1)
-  std::string activation_checkpointing = "none";  // none | every | N (tandem/activation_checkpoint.h)
+  std::string activation_checkpointing = "none";  // none | every | selective | N (tandem/activation_checkpoint.h)
+  double recompute_seconds = 0.0;                 // rank 0's seconds recomputing in backward (EngineStats)
   double baseline_samples_per_second = 0.0;       // one worker's, when known: gives the speedup
   // Lines the command adds after the layout, as (label, text): e.g. the data and where the
   // weights came from.

@@ -179,13 +179,14 @@ class ParallelSelfAttentionImpl : public torch::nn::Module {
   ColumnParallelLinear qkv{nullptr};
   RowParallelLinear proj{nullptr};
   int64_t heads, local_heads;
+  bool selective = false;  // the attention core recomputed in backward (models::self_attention_core)
 };
 TORCH_MODULE(ParallelSelfAttention);
 
 // models::TransformerBlock, tensor-parallel: x + attn(ln1(x)), then + mlp(ln2(x)); layer norms
 // replicated. Two all-reduces forward, two backward. A padded block ([B, T, D + 1], the mask in
 // the last channel) stays padded.
-class ParallelTransformerBlockImpl : public torch::nn::Module, public PlacedModule {
+class ParallelTransformerBlockImpl : public torch::nn::Module, public PlacedModule, public SelectiveRecompute {
  public:
   ParallelTransformerBlockImpl(const models::TransformerBlockImpl& dense, CommPtr tp);
   torch::Tensor forward(const torch::Tensor& x);
@@ -193,6 +194,7 @@ class ParallelTransformerBlockImpl : public torch::nn::Module, public PlacedModu
   ParallelSelfAttention attn{nullptr};
   ParallelMLP mlp{nullptr};
   bool padded = false, documents = false;  // as the dense block's
+  void recompute_selectively(bool on) override { attn->selective = on; }
   // Its projections' blocks under models::TransformerBlock's names (attn.qkv -> qkv, mlp.fc1 -> fc1).
   std::vector<ParameterPlacement> parameter_placements() const override;
 };

@@ -116,6 +116,7 @@ struct Engine::Impl {
   std::vector<std::map<std::string, OpStats>> comm_before;
   int64_t steps = 0, pipe_steps = 0, peak_live = 0;
   int64_t peak_activation = -1;  // see EngineStats::Memory::peak_activation_bytes
+  double recompute_s = 0.0;      // see EngineStats::recompute_seconds
   double pipe_step_s = 0.0, pipe_compute_s = 0.0;
   int uncounted_depth = 0;
   std::shared_ptr<AsyncCheckpoint> pending_save;  // an asynchronous save not yet committed
@@ -468,9 +469,11 @@ at::Tensor Engine::forward_backward(const at::Tensor& inputs, const at::Tensor& 
   const bool meter = MemoryMeter::installed();
   const int64_t base = meter ? MemoryMeter::current_bytes() : 0;
   if (meter) MemoryMeter::reset_peak();
+  const double recompute_before = recompute_seconds();
   auto loss =
       I.L.pipe ? I.pipeline_pass(p.x, p.y, p.loss_fn, options) : I.accumulate_pass(p.x, p.y, p.loss_fn, options);
   if (meter) I.peak_activation = std::max(I.peak_activation, MemoryMeter::peak_bytes() - base);
+  I.recompute_s += recompute_seconds() - recompute_before;
   // The replica's loss: the cp ranks' parts averaged (each a mean of as many tokens, or the
   // same value where the output was gathered).
   if (I.L.cp && loss.defined()) {
@@ -718,6 +721,7 @@ EngineStats Engine::stats() const {
   I.up->memory(s.memory);
   s.memory.peak_rss_bytes = peak_rss_bytes();
   s.memory.peak_activation_bytes = I.peak_activation;
+  s.recompute_seconds = I.recompute_s;
   if (I.L.pipe) {
     double step_s = I.pipe_step_s, compute_s = I.pipe_compute_s;
     int64_t n = I.pipe_steps;

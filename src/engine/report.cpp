@@ -131,11 +131,15 @@ void format_layout(std::ostringstream& os, const Report& r) {
     }
   }
   if (r.activation_checkpointing != "none") {
-    line(os, "recomputation") << (r.activation_checkpointing == "every"
-                                      ? std::string("the activations of every layer")
+    line(os, "recomputation") << (r.activation_checkpointing == "every" ? std::string("the activations of every layer")
+                                  : r.activation_checkpointing == "selective"
+                                      ? std::string("selective: every transformer layer's attention core, and a Llama "
+                                                    "layer's RMSNorms and SwiGLU (the projections' outputs kept)")
                                       : "the activations of the first " + r.activation_checkpointing + " layer(s)" +
                                             (r.pp > 1 ? " of each stage" : ""))
-                              << ", recomputed in backward\n";
+                              << ", recomputed in backward: " << std::setprecision(2) << r.recompute_seconds << " s";
+    if (r.wall_seconds > 0) os << " (" << std::setprecision(1) << 100.0 * r.recompute_seconds / r.wall_seconds << "%";
+    os << (r.wall_seconds > 0 ? " of the loop)\n" : "\n");
   }
   for (const auto& [label, text] : r.context) line(os, label) << text << "\n";
 }
@@ -379,6 +383,7 @@ void collect_engine_report(Engine& eng, const EngineStats& s, Report& rep) {
     for (const auto& [op, d] : ops) rep.comm_group_bytes_per_step[group][op] = d.bytes / steps;
   rep.wire_bytes_per_step = s.comm.wire_bytes / steps;
   rep.comm_engine_seconds = s.comm.seconds;
+  rep.recompute_seconds = s.recompute_seconds;
   rep.loss_scale = s.scaler.scale;
   rep.skipped_steps = s.scaler.skipped_steps;
   rep.checkpoints_saved = s.checkpoints.saved;
@@ -427,6 +432,7 @@ std::string report_json(const Report& r) {
                       {"global_batch", r.global_batch},
                       {"grad_accum", r.grad_accum},
                       {"activation_checkpointing", r.activation_checkpointing},
+                      {"recompute_seconds", r.recompute_seconds},
                       {"first_step", r.first_step},
                       {"steps", r.steps},
                       {"samples", r.samples},

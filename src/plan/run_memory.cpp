@@ -20,7 +20,10 @@ void add_planned_memory(const ModelSpec& model, const ParallelConfig& pc, int wo
   o.global_batch = global_batch;
   o.optimizer = optimizer;
   o.precision = pc.precision == Precision::kFP32 ? "fp32" : "mixed";
-  o.activation_checkpointing = pc.activation_checkpointing.enabled();
+  // The model counts whole-layer recomputation; selective keeps most of a layer's activations,
+  // so it is estimated as none (an upper bound).
+  o.activation_checkpointing = pc.activation_checkpointing.enabled() &&
+                               pc.activation_checkpointing.mode != ActivationCheckpointing::Mode::kSelective;
   o.sequence_parallel = pc.sequence_parallel;
   Layout l;
   l.dp = dp;

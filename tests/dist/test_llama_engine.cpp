@@ -22,6 +22,7 @@
 #include "tandem/llama.h"
 #include "tandem/text.h"
 #include "tests/dist/dist_env.h"
+#include "tests/dist/llama_test_util.h"
 #include "tests/dist/train_test_util.h"
 #include "tests/hf/export_check.h"
 
@@ -31,14 +32,7 @@ namespace {
 constexpr int64_t kVocab = 48, kSeq = 8, kBatch = 12;
 
 llama::LlamaForCausalLM make_llama(bool tied) {
-  llama::LlamaConfig c;
-  c.vocab_size = kVocab;
-  c.hidden_size = 32;
-  c.intermediate_size = 40;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.max_position_embeddings = kSeq;
+  auto c = tiny_llama_config(kVocab, kSeq);
   c.tie_word_embeddings = tied;
   torch::manual_seed(21);
   return llama::LlamaForCausalLM(c);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `tandem finetune --init-from` with context parallelism (--cp: each sequence split over ranks,
 # ring attention) on tiny random Llamas: the causal LM under cp2 (ddp, zero3, with recomputation),
-# cp4, tp2 x cp2 (also with --sequence-parallel under zero3) and pp2 x cp2, the tied LM under cp2
+# cp4, tp2 x cp2 (also with --sequence-parallel under zero3, and with it and selective
+# recomputation) and pp2 x cp2, the tied LM under cp2
 # (ddp, zero2), and the classifier under cp2 and tp2 x cp2 follow one worker's 20 losses within
 # 1e-4 (bf16 under cp2: within 5e-3 relative); a cp2 x zero3 checkpoint resumes on one worker as one
 # worker's steps 11-20; the report names the layout and the ring's transfers; the classifier
@@ -27,6 +28,10 @@ run pp2_cp2 -n 4 --pp 2 --micro-batches 2 --cp 2 "${lm[@]}" && same single pp2_c
 # bf16 (within bf16's resolution of fp32: e2e_hf_finetune's bound).
 run cp2_recompute -n 2 --cp 2 --activation-checkpointing every "${lm[@]}" && same single cp2_recompute
 run tp2_cp2_sp_zero3 -n 4 --tp 2 --cp 2 --sequence-parallel --strategy zero3 "${lm[@]}" && same single tp2_cp2_sp_zero3
+run tp2_cp2_sp_selective -n 4 --tp 2 --cp 2 --sequence-parallel --activation-checkpointing selective "${lm[@]}" &&
+  same single tp2_cp2_sp_selective
+grep -q "recomputation *selective: .* recomputed in backward: [0-9.]* s ([0-9.]*% of the loop)" \
+  "$tmp/tp2_cp2_sp_selective.log" || { echo "FAIL tp2_cp2_sp_selective: no selective recomputation line"; fails=$((fails + 1)); }
 run cp2_bf16 -n 2 --cp 2 --precision bf16 "${lm[@]}" && near single cp2_bf16 5e-3
 # In bf16 k and v travel in 2 bytes, the accumulated gradients in 4: cp2 sends 2 k/v blocks and
 # 2 gradients per layer, so 3/4 of fp32's bytes.

@@ -48,6 +48,7 @@ run zero3 -n 2 --strategy zero3 "${pk[@]}" --steps 20 && same single zero3
 run tp2 -n 2 --tp 2 "${pk[@]}" --steps 20 && same single tp2
 run tp2_sp -n 2 --tp 2 --sequence-parallel "${pk[@]}" --steps 20 && same single tp2_sp
 run recompute -n 2 --activation-checkpointing every "${pk[@]}" --steps 20 && same single recompute
+run selective -n 2 --activation-checkpointing selective "${pk[@]}" --steps 20 && same single selective
 tied=(--init-from "$tmp/fx/lm_tied" --data "$tmp/d" --seq 64 --batch 8 --lr 1e-3 --warmup-steps 2 --steps 20)
 run tied_single -n 1 --strategy single "${tied[@]}" && run tied_tp2 -n 2 --tp 2 "${tied[@]}" && same tied_single tied_tp2
 

@@ -50,10 +50,12 @@ expect unknown-optimizer "unknown optimizer 'lion' \\(use sgd, adam, adamw, lars
   "$tandem" train -n 1 --optimizer lion --max-steps 1
 expect lars-trust-coefficient "LARS trust coefficient must be a positive number" -- \
   "$tandem" train -n 1 --optimizer lars --trust-coefficient 0 --max-steps 1
-expect recompute-word "activation-checkpointing 'sometimes': use none, every, or N" -- \
+expect recompute-word "activation-checkpointing 'sometimes': use none, every, selective .*, or N" -- \
   "$tandem" train -n 1 --activation-checkpointing sometimes --max-steps 1
 expect recompute-too-many "activation-checkpointing 40: the model has [0-9]+ layers; use at most" -- \
   "$tandem" train -n 1 --model mlp --activation-checkpointing 40 --max-steps 1
+expect recompute-selective-mlp "selective recomputes .* this model \\(torch::nn::FlattenImpl, torch::nn::LinearImpl.*use --activation-checkpointing every or N" -- \
+  "$tandem" train -n 1 --model mlp --activation-checkpointing selective --max-steps 1
 expect async-without-every "checkpoint-async needs --checkpoint-every N" -- \
   "$tandem" train -n 1 --checkpoint-async --checkpoint-dir "$tmp/ck" --max-steps 1
 expect grad-accum-zero "grad-accum must be at least 1" -- "$tandem" train -n 1 --grad-accum 0 --max-steps 1

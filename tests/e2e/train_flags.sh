@@ -13,6 +13,9 @@
 #                       the same losses as without (recomputing gives the same values), the
 #                       report and the metrics name the recomputation; on a 4-layer transformer
 #                       (`tandem pretrain`) the measured activation memory falls below half
+#   --activation-checkpointing selective
+#                       `tandem pretrain`: the same losses, the metrics name it and its seconds
+#                       of recomputation
 #   --model cnn_bn      the report names it, 192 parameters more than cnn (2 x (32 + 64) for the
 #                       BatchNorm scales and shifts), the running statistics broadcast every step
 #                       (>= 768 bytes, cnn's broadcast stays under 100), and it trains
@@ -43,6 +46,7 @@ text=(pretrain -n 1 --strategy single --data /usr/share/games/fortunes --batch 3
       --no-progress --max-per-label 100 --vocab 200 --tokenizer-sentences 500 --d-model 64 --heads 4 --layers 4 --seq 64)
 run text "${text[@]}" --out "$out/text_model"
 run text_ckpt "${text[@]}" --out "$out/text_ckpt_model" --activation-checkpointing every
+run text_selective "${text[@]}" --out "$out/text_selective_model" --activation-checkpointing selective
 grep -q "^recomputation  *the activations of every layer, recomputed in backward" "$out/ckpt.log" ||
   { cat "$out/ckpt.log"; echo "FAIL: the report of --activation-checkpointing every names no recomputation"; exit 1; }
 grep -q "^model  *cnn_bn (421834 parameters)" "$out/cnn_bn.log" ||
@@ -53,7 +57,8 @@ sys.path.insert(0, sys.argv[1])
 import metrics
 out = sys.argv[2]
 runs = {n: metrics.load(f"{out}/{n}.jsonl") for n in
-        ("base", "scale_lr", "unscaled", "fp16", "no_overlap", "ckpt", "cnn", "cnn_bn", "text", "text_ckpt")}
+        ("base", "scale_lr", "unscaled", "fp16", "no_overlap", "ckpt", "cnn", "cnn_bn", "text", "text_ckpt",
+         "text_selective")}
 fails = []
 def check(ok, what):
     print(("ok   " if ok else "FAIL ") + what)
@@ -81,6 +86,11 @@ check(worst("text", "text_ckpt", 3) <= 1e-7, f"pretrain --activation-checkpointi
 peak = {n: runs[n][1]["peak_activation_bytes"][0] for n in ("text", "text_ckpt")}
 check(peak["text_ckpt"] < 0.5 * peak["text"], f"and less than half the activation memory ({peak['text_ckpt'] / 2**20:.1f} "
       f"MiB against {peak['text'] / 2**20:.1f})")
+sel = runs["text_selective"][1]
+check(worst("text", "text_selective", 3) <= 1e-6 and sel["activation_checkpointing"] == "selective" and
+      sel["recompute_seconds"] > 0, f"pretrain --activation-checkpointing selective: the same losses "
+      f"({worst('text', 'text_selective', 3):.2g}), {sel['recompute_seconds']:.3f} s recomputing, "
+      f"{sel['peak_activation_bytes'][0] / 2**20:.1f} MiB of activations")
 cnn, bn = runs["cnn"][1], runs["cnn_bn"][1]
 check(bn["parameters"] - cnn["parameters"] == 192, f"cnn_bn has 192 parameters more than cnn "
       f"({bn['parameters']} and {cnn['parameters']})")

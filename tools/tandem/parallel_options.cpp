@@ -83,8 +83,9 @@ void add_parallel_options(CLI::App& app, ParallelConfig& pc) {
   add_word_option<ActivationCheckpointing>(
       app, "--activation-checkpointing", pc.activation_checkpointing, parse_activation_checkpointing,
       to_string(pc.activation_checkpointing),
-      "recompute activations in backward instead of keeping them: none, every layer, or the first N layers (of each "
-      "pipeline stage)");
+      "recompute activations in backward instead of keeping them: none, every layer, the first N layers (of each "
+      "pipeline stage), or selective (every transformer layer keeps its projections' outputs and recomputes its "
+      "attention core, RMSNorms and SwiGLU activations)");
 }
 
 }  // namespace tandem::cli

@@ -415,14 +415,7 @@ ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(const torch::nn::Linear& dq
 
 torch::Tensor ParallelSelfAttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& attn_mask) {
   TORCH_CHECK(x.dim() == 3, "tandem::tp::ParallelSelfAttention: expected [B, T, D], got ", x.sizes());
-  const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads;
-  auto q_k_v = qkv->forward(x).view({b, t, 3, local_heads, hd}).permute({2, 0, 3, 1, 4});
-  auto att = attn_mask.defined()
-                 ? at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], attn_mask, /*dropout_p=*/0.0,
-                                                    /*is_causal=*/false)
-                 : at::scaled_dot_product_attention(q_k_v[0], q_k_v[1], q_k_v[2], /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                                    /*is_causal=*/true);
-  return proj->forward(att.transpose(1, 2).reshape({b, t, local_heads * hd}));
+  return proj->forward(models::self_attention_core(qkv->forward(x), local_heads, attn_mask, selective));
 }
 
 ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(const models::TransformerBlockImpl& dense, CommPtr tp)
@@ -431,6 +424,7 @@ ParallelTransformerBlockImpl::ParallelTransformerBlockImpl(const models::Transfo
   attn = register_module("attn", ParallelSelfAttention(dense.qkv, dense.proj, dense.heads, tp));
   ln2 = register_module("ln2", dense.ln2);
   mlp = register_module("mlp", ParallelMLP(dense.fc1, dense.fc2, tp));
+  recompute_selectively(dense.selective);
 }
 
 std::vector<ParameterPlacement> ParallelTransformerBlockImpl::parameter_placements() const {
