@@ -224,7 +224,7 @@ TEST(Pipeline, PartitionsAndSchedules) {
           for (const auto& op : ops) {
             const int64_t i = op.micro_batch;
             EXPECT_EQ(op.chunk, 0);
-            if (op.forward) {
+            if (op.forward()) {
               EXPECT_EQ(i, next_f++);
               EXPECT_EQ(state[i]++, 0);
               peak = std::max(peak, ++live);
