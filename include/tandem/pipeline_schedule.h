@@ -88,6 +88,23 @@ std::vector<PipelineOp> zb_h1_order(int stage, int stages, int64_t m);
 // unless stages >= 2.
 std::vector<PipelineOp> zb_v_order(int stage, int stages, int64_t m);
 
+// The idle over compute time of each of `stages` equal stages running `m` micro-batches (the
+// quantity of PipelineStats::bubble_ratio), for a schedule named as --pipeline-schedule, with a
+// whole stage's forward, input-gradient and weight-gradient times t_f, t_b, t_w (an unsplit
+// backward takes t_b + t_w; the zero-bubble paper's T_F = T_B = T_W by default):
+//   gpipe, 1f1b:  (p - 1) / m
+//   interleaved:  (p - 1) / (m v)                                (v = chunks)
+//   zb-h1:        (p - 1) (t_f + t_b - t_w) / (m (t_f + t_b + t_w))   = (p - 1) / (3 m), m >= p
+//   zb-v:         (p - 1) (t_f + t_b - t_w) / (2 m (t_f + t_b + t_w)) = (p - 1) / (6 m), m >= 2p
+// (zb-h1: the paper's (p - 1)(T_F + T_B - T_W) idle; zb-v: zb_v_order's p - 1 idle chunk
+// operations of half those times; both as the unit tests' simulations of the orders find; the
+// paper's own ZB-V order reaches zero with equal times). Throws std::invalid_argument for
+// another name.
+double pipeline_bubble_theory(const std::string& schedule, int stages, int64_t m, int chunks = 1, double t_f = 1.0,
+                              double t_b = 1.0, double t_w = 1.0);
+// The formula above as the report prints it: "(pp-1)/m", "(pp-1)/(m*v)", "(pp-1)/(3m)", "(pp-1)/(6m)".
+std::string pipeline_bubble_formula(const std::string& schedule);
+
 // The --pp-partition option of tandem train, pretrain and finetune: "params" and "time" give an
 // empty list (the caller cuts), otherwise one positive layer count per stage, comma-separated
 // ("3,7"). Throws std::invalid_argument naming the option otherwise. Whether the counts add up to

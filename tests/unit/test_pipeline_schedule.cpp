@@ -65,45 +65,71 @@ TEST(PipelineSchedule, InterleavedMatchesMegatronByHand) {
                                                 {'B', 0, 3}}));
 }
 
-// Runs every rank's order, one operation at a time per rank of `cost` (forward 1, backward 2),
-// on its own clock: an operation starts when the rank is free and its input has arrived (the
-// previous virtual stage's forward, the next one's backward; the ring wraps from rank p - 1 to
-// rank 0 between chunks). Sends never block (Tandem's are asynchronous). Returns each rank's
-// finishing time, or throws when no rank can move (a deadlock).
-using OrderFn = std::function<std::vector<PipelineOp>(int stage, int stages, int chunks, int64_t m)>;
+struct SimRun {
+  std::vector<double> end;  // each rank's finishing time
+  // Per (from rank, to rank, forward?): what was sent and what was received, (virtual stage, micro-batch).
+  std::map<std::tuple<int, int, bool>, std::vector<std::pair<int64_t, int64_t>>> sent, received;
+};
 
-std::vector<double> simulate(int p, int v, int64_t m, const OrderFn& order_of = interleaved_order) {
-  const int64_t V = static_cast<int64_t>(p) * v;
-  std::vector<std::vector<PipelineOp>> order(p);
-  for (int r = 0; r < p; ++r) order[r] = order_of(r, p, v, m);
-  std::vector<std::vector<double>> fwd_done(V, std::vector<double>(m, -1)), bwd_done = fwd_done;
+// Runs every rank's order, one operation at a time per rank, on its own clock: F takes 1, B
+// `backward` (2 for a whole backward, 1 for the input gradients of a split one), W 1. An
+// operation starts when the rank is free and its input has arrived: F needs the previous
+// virtual stage's F, B the next one's B (and its own F), W its own B; virtual stages lie on the
+// ranks as pipeline_virtual_stage says (the loop wraps from rank p - 1 to rank 0 between
+// chunks, the V turns on rank p - 1). Sends never block (Tandem's are asynchronous). Throws when
+// no rank can move (a deadlock) or an operation comes out of place.
+SimRun run_orders(const std::vector<std::vector<PipelineOp>>& order, int chunks, bool v_shape, int64_t m,
+                  double backward) {
+  const int p = static_cast<int>(order.size());
+  const int64_t V = static_cast<int64_t>(p) * chunks;
+  std::vector<std::vector<double>> f(V, std::vector<double>(m, -1)), b = f, w = f;
   std::vector<size_t> next(p, 0);
-  std::vector<double> clock(p, 0.0);
+  SimRun run;
+  run.end.assign(p, 0.0);
   for (;;) {
     bool moved = false, done = true;
     for (int r = 0; r < p; ++r) {
       if (next[r] == order[r].size()) continue;
       done = false;
       const PipelineOp& op = order[r][next[r]];
-      const int64_t s = static_cast<int64_t>(op.chunk) * p + r;
+      const int64_t s = pipeline_virtual_stage(op.chunk, r, p, v_shape), i = op.micro_batch;
       double ready = 0.0;
-      if (op.forward() && s > 0) ready = fwd_done[s - 1][op.micro_batch];
-      if (!op.forward()) {
-        if (fwd_done[s][op.micro_batch] < 0) throw std::logic_error("backward before its forward");
-        if (s < V - 1) ready = bwd_done[s + 1][op.micro_batch];
+      if (op.kind == PipelineOpKind::kForward) {
+        if (s > 0) ready = f[s - 1][i];
+      } else if (op.kind == PipelineOpKind::kBackward) {
+        if (f[s][i] < 0) throw std::logic_error("backward before its forward");
+        if (s < V - 1) ready = b[s + 1][i];
+      } else if (b[s][i] < 0) {
+        throw std::logic_error("W before its B");
       }
       if (ready < 0) continue;  // blocked in a receive
-      clock[r] = std::max(clock[r], ready) + (op.forward() ? 1.0 : 2.0);
-      (op.forward() ? fwd_done : bwd_done)[s][op.micro_batch] = clock[r];
+      const bool fwd = op.forward();
+      run.end[r] = std::max(run.end[r], ready) + (op.kind == PipelineOpKind::kBackward ? backward : 1.0);
+      auto& table = fwd ? f : op.kind == PipelineOpKind::kBackward ? b : w;
+      if (table[s][i] >= 0) throw std::logic_error("an operation runs twice");
+      table[s][i] = run.end[r];
+      if (op.kind != PipelineOpKind::kWeight) {
+        const int64_t to = fwd ? s + 1 : s - 1, from = fwd ? s - 1 : s + 1;
+        if (to >= 0 && to < V) run.sent[{r, pipeline_stage_owner(to, p, v_shape).first, fwd}].push_back({to, i});
+        if (from >= 0 && from < V)
+          run.received[{pipeline_stage_owner(from, p, v_shape).first, r, fwd}].push_back({s, i});
+      }
       ++next[r];
       moved = true;
     }
-    if (done) return clock;
-    if (!moved) {
-      throw std::runtime_error("deadlock with p " + std::to_string(p) + " v " + std::to_string(v) + " m " +
-                               std::to_string(m));
-    }
+    if (done) return run;
+    if (!moved) throw std::runtime_error("deadlock with p " + std::to_string(p) + " m " + std::to_string(m));
   }
+}
+
+// The interleaved order (or another with the same signature) of every rank, run by run_orders
+// with whole backwards: each rank's finishing time.
+using OrderFn = std::function<std::vector<PipelineOp>(int stage, int stages, int chunks, int64_t m)>;
+
+std::vector<double> simulate(int p, int v, int64_t m, const OrderFn& order_of = interleaved_order) {
+  std::vector<std::vector<PipelineOp>> order(p);
+  for (int r = 0; r < p; ++r) order[r] = order_of(r, p, v, m);
+  return run_orders(order, v, false, m, 2.0).end;
 }
 
 TEST(PipelineSchedule, InterleavedRunsEveryOperationOnceAndForwardFirst) {
@@ -219,57 +245,12 @@ TEST(PipelineSchedule, InterleavedRefusesWhatItCannotRun) {
 
 using SplitOrderFn = std::function<std::vector<PipelineOp>(int stage, int stages, int64_t m)>;
 
-struct SplitRun {
-  std::vector<double> end;  // each rank's finishing time
-  // Per (from rank, to rank, forward?): what was sent and what was received, (virtual stage, micro-batch).
-  std::map<std::tuple<int, int, bool>, std::vector<std::pair<int64_t, int64_t>>> sent, received;
-};
-
-// Every rank runs its order with F, B and W each taking one unit (the paper's T_F = T_B = T_W
-// for a chunk) and blocking receives: F needs the previous virtual stage's F, B the next one's
-// B (and its own F), W its own B. Throws on a deadlock or an operation out of place.
-SplitRun simulate_split(int p, int chunks, bool v_shape, int64_t m, const SplitOrderFn& order_of) {
-  const int64_t V = static_cast<int64_t>(p) * chunks;
+// Every rank's split order run by run_orders: F, B and W of a chunk each take one unit (the
+// paper's T_F = T_B = T_W).
+SimRun simulate_split(int p, int chunks, bool v_shape, int64_t m, const SplitOrderFn& order_of) {
   std::vector<std::vector<PipelineOp>> order(p);
   for (int r = 0; r < p; ++r) order[r] = order_of(r, p, m);
-  std::vector<std::vector<double>> f(V, std::vector<double>(m, -1)), b = f, w = f;
-  std::vector<size_t> next(p, 0);
-  SplitRun run;
-  run.end.assign(p, 0.0);
-  for (;;) {
-    bool moved = false, done = true;
-    for (int r = 0; r < p; ++r) {
-      if (next[r] == order[r].size()) continue;
-      done = false;
-      const PipelineOp& op = order[r][next[r]];
-      const int64_t s = pipeline_virtual_stage(op.chunk, r, p, v_shape), i = op.micro_batch;
-      double ready = 0.0;
-      if (op.kind == PipelineOpKind::kForward) {
-        if (s > 0) ready = f[s - 1][i];
-      } else if (op.kind == PipelineOpKind::kBackward) {
-        if (f[s][i] < 0) throw std::logic_error("B before its F");
-        if (s < V - 1) ready = b[s + 1][i];
-      } else {
-        if (b[s][i] < 0) throw std::logic_error("W before its B");
-      }
-      if (ready < 0) continue;  // blocked in a receive
-      run.end[r] = std::max(run.end[r], ready) + 1.0;
-      auto& table = op.kind == PipelineOpKind::kForward ? f : op.kind == PipelineOpKind::kBackward ? b : w;
-      if (table[s][i] >= 0) throw std::logic_error("an operation runs twice");
-      table[s][i] = run.end[r];
-      if (op.kind != PipelineOpKind::kWeight) {
-        const bool fwd = op.forward();
-        const int64_t to = fwd ? s + 1 : s - 1, from = fwd ? s - 1 : s + 1;
-        if (to >= 0 && to < V) run.sent[{r, pipeline_stage_owner(to, p, v_shape).first, fwd}].push_back({to, i});
-        if (from >= 0 && from < V)
-          run.received[{pipeline_stage_owner(from, p, v_shape).first, r, fwd}].push_back({s, i});
-      }
-      ++next[r];
-      moved = true;
-    }
-    if (done) return run;
-    if (!moved) throw std::runtime_error("deadlock with p " + std::to_string(p) + " m " + std::to_string(m));
-  }
+  return run_orders(order, chunks, v_shape, m, 1.0);
 }
 
 // Each (chunk, micro-batch) gets F, B and W once, in that order; F and B of a chunk go in
@@ -308,7 +289,7 @@ TEST(PipelineSchedule, ZbH1KeepsOneFOneBsMemoryAndAThirdOfItsBubble) {
         EXPECT_EQ(peak, std::min<int64_t>(p - r, m));  // 1F1B's
         EXPECT_LE(held, p);                            // 1F1B's stage 0
       }
-      SplitRun run;
+      SimRun run;
       ASSERT_NO_THROW(run = simulate_split(p, 1, false, m, zb_h1_order));
       EXPECT_EQ(run.sent, run.received);
       const double idle = *std::max_element(run.end.begin(), run.end.end()) - 3.0 * m;
@@ -336,7 +317,7 @@ TEST(PipelineSchedule, ZbVRunsAVWithNearZeroBubbleAtOneFOneBsMemory) {
         EXPECT_LE(held, 2 * p);
         if (m >= 2 * p) EXPECT_EQ(peak, 2 * p);
       }
-      SplitRun run;
+      SimRun run;
       ASSERT_NO_THROW(run = simulate_split(p, 2, true, m, zb_v_order));
       EXPECT_EQ(run.sent, run.received);
       // Work: 6 m chunk operations per rank; idle (p - 1) units, a sixth of 1F1B's 6 (p - 1).

@@ -205,6 +205,25 @@ std::vector<PipelineOp> zb_v_order(int stage, int stages, int64_t m) {
   return ops;
 }
 
+double pipeline_bubble_theory(const std::string& schedule, int stages, int64_t m, int chunks, double t_f, double t_b,
+                              double t_w) {
+  const double p1 = static_cast<double>(std::max(0, stages - 1)), mm = static_cast<double>(std::max<int64_t>(1, m));
+  const double split = std::max(0.0, t_f + t_b - t_w) / (t_f + t_b + t_w);
+  if (schedule == "gpipe" || schedule == "1f1b") return p1 / mm;
+  if (schedule == "interleaved") return p1 / (mm * std::max(1, chunks));
+  if (schedule == "zb-h1") return p1 * split / mm;
+  if (schedule == "zb-v") return p1 * split / (2.0 * mm);
+  throw std::invalid_argument("tandem: unknown pipeline schedule '" + schedule +
+                              "'; use gpipe, 1f1b, interleaved, zb-h1 or zb-v");
+}
+
+std::string pipeline_bubble_formula(const std::string& schedule) {
+  if (schedule == "interleaved") return "(pp-1)/(m*v)";
+  if (schedule == "zb-h1") return "(pp-1)/(3m)";
+  if (schedule == "zb-v") return "(pp-1)/(6m)";
+  return "(pp-1)/m";
+}
+
 std::vector<int64_t> parse_partition_option(const std::string& text, int pp) {
   if (text == "params" || text == "time") return {};
   const std::string use = "--pp-partition '" + text + "': use params, time, or the layers of each of the " +
