@@ -149,6 +149,8 @@ struct PipelineStats {
   // Peak bytes allocated above the step's start, measured by MemoryMeter (-1 when not installed).
   int64_t peak_activation_bytes = -1;
   int64_t bytes_sent = 0, bytes_received = 0;  // activations and gradients, last step
+  // W operations of the last step that computed deferred weight gradients (split schedules).
+  int64_t weight_passes = 0;
   // Idle share of the step on this stage: (step - compute) / step.
   double bubble_fraction() const;
   // Idle time over compute time: the quantity whose theory is (p - 1) / m for balanced stages.

@@ -577,6 +577,7 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
   stats_.compute_seconds = stats_.wait_seconds = 0.0;
   stats_.bytes_sent = stats_.bytes_received = 0;
   stats_.peak_live_micro_batches = 0;
+  stats_.weight_passes = 0;
 
   Transfer tr{*comm_, device_, stats_, chunks_};
   std::vector<Slot> slots(m * chunks_);
@@ -645,7 +646,7 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
     } else {
       if (opts_.before_backward) opts_.before_backward(i, --backwards_left == 0);
       auto t0 = std::chrono::steady_clock::now();
-      deferred[slot].flush();
+      if (deferred[slot].flush()) ++stats_.weight_passes;
       stats_.compute_seconds += since(t0);
     }
     tr.poll();
