@@ -541,6 +541,19 @@ TEST(PipelineZeroBubble, LinearDefersItsWeightGradientToFlush) {
   y.backward(g);
   EXPECT_LE(rel_err(lin->weight.grad(), want_w), 1e-12);
   EXPECT_FALSE(store.flush());
+  // Without a bias (a row-parallel layer's), deferred the same way.
+  lin->zero_grad();
+  {
+    WeightGradStore::Recording rec;
+    y = tandem::linear(x, lin->weight);
+  }
+  {
+    WeightGradStore::Capture cap(store);
+    y.backward(g);
+  }
+  EXPECT_FALSE(lin->weight.grad().defined());
+  EXPECT_TRUE(store.flush());
+  EXPECT_LE(rel_err(lin->weight.grad(), want_w), 1e-12);
 }
 
 // zb-h1 and zb-v after one step: every chunk's gradients and the loss as one process (1F1B's,

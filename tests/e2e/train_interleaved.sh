@@ -6,7 +6,7 @@
 # names the whole model's layers, so it resumes on one worker and as a plain 1F1B pipeline, and
 # both continue as the one-worker run does; so does tp 2 x 2 stages' checkpoint on one worker. The report names the virtual stages and the bubble
 # against (pp-1)/(m*v), and each stage holds as many micro-batches as Megatron's warm-up says. The zero-bubble
-# schedules zb-h1 and zb-v (2 stages; zb-v's V of two chunks per rank, and with ZeRO-2 over 2 replicas) match one
+# schedules zb-h1 and zb-v (2 stages; zb-v's V of two chunks per rank, with ZeRO-2 over 2 replicas and with tp 2) match one
 # worker the same way, and the report gives their bubble against (pp-1)/(3m) and (pp-1)/(6m). Bad combinations fail
 # at start, non-zero, naming the options.
 # usage: train_interleaved.sh TANDEM
@@ -35,6 +35,7 @@ run il_tp2 -n 4 --tp 2 --pp 2 --micro-batches 4 --pipeline-schedule interleaved 
 run zbh1 -n 2 --pp 2 --micro-batches 4 --pipeline-schedule zb-h1
 run zbv -n 2 --pp 2 --micro-batches 4 --pipeline-schedule zb-v
 run zbv_dp2_zero2 -n 4 --pp 2 --micro-batches 4 --pipeline-schedule zb-v --strategy zero2
+run zbv_tp2 -n 4 --tp 2 --pp 2 --micro-batches 4 --pipeline-schedule zb-v  # tensor-parallel linears defer too
 for re in '^pipeline +2 stages x 2 virtual stages \(a V: rank r holds r and 2pp-1-r\), .*, 4 micro-batches, zb-v' \
           '^bubble +[0-9.]+ idle/compute measured .*theory \(pp-1\)/\(6m\) = 0\.04'; do
   grep -qE -- "$re" "$out/zbv.log" || fail "zb-v report: no line matches /$re/"
@@ -61,7 +62,8 @@ def steps(name):
         return {}
 ref, ok = steps("single"), True
 for name, first in (("il", 1), ("il_dp2_zero1", 1), ("il_dp2_zero3", 1), ("il_tp2", 1), ("one", 9), ("pp", 9),
-                    ("tp_one", 9), ("zbh1", 1), ("zbv", 1), ("zbv_dp2_zero2", 1)):
+                    ("tp_one", 9), ("zbh1", 1), ("zbv", 1), ("zbv_dp2_zero2", 1),
+                    ("zbv_tp2", 1)):
     got = steps(name)
     want = list(range(first, 17))
     if sorted(got) != want or sorted(ref) != list(range(1, 17)):

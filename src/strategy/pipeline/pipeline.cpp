@@ -60,7 +60,27 @@ namespace {
 std::atomic<bool> g_recording{false};
 std::atomic<WeightGradStore*> g_capture{nullptr};
 
-// at::linear whose backward queues the weight and bias gradients in the capturing store.
+// at::linear whose backward queues the weight and bias gradients in the capturing store. The
+// bias is an input only when there is one (a custom function takes no undefined inputs).
+torch::autograd::variable_list deferred_linear_backward(torch::autograd::AutogradContext* ctx,
+                                                        const torch::autograd::variable_list& grads) {
+  auto saved = ctx->get_saved_variables();
+  const at::Tensor &x = saved[0], &w = saved[1];
+  const at::Tensor b = saved.size() > 2 ? saved[2] : at::Tensor();
+  const at::Tensor& go = grads[0];
+  at::Tensor gx, gw, gb;
+  if (ctx->needs_input_grad(0)) gx = at::matmul(go, w);
+  if (WeightGradStore* store = g_capture.load()) {
+    store->add(go, x, w, b);
+  } else {
+    const auto g2 = go.reshape({-1, go.size(-1)});
+    gw = g2.t().mm(x.reshape({-1, x.size(-1)}));
+    if (b.defined()) gb = g2.sum(0);
+  }
+  if (saved.size() > 2) return {gx, gw, gb};
+  return {gx, gw};
+}
+
 struct DeferredLinear : public torch::autograd::Function<DeferredLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const at::Tensor& b) {
@@ -69,19 +89,18 @@ struct DeferredLinear : public torch::autograd::Function<DeferredLinear> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w = saved[1], &b = saved[2];
-    const at::Tensor& go = grads[0];
-    at::Tensor gx, gw, gb;
-    if (ctx->needs_input_grad(0)) gx = at::matmul(go, w);
-    if (WeightGradStore* store = g_capture.load()) {
-      store->add(go, x, w, b);
-    } else {
-      const auto g2 = go.reshape({-1, go.size(-1)});
-      gw = g2.t().mm(x.reshape({-1, x.size(-1)}));
-      if (b.defined()) gb = g2.sum(0);
-    }
-    return {gx, gw, gb};
+    return deferred_linear_backward(ctx, grads);
+  }
+};
+
+struct DeferredLinearNoBias : public torch::autograd::Function<DeferredLinearNoBias> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w) {
+    ctx->save_for_backward({x, w});
+    return at::linear(x, w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return deferred_linear_backward(ctx, grads);
   }
 };
 
@@ -93,7 +112,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::T
       !deferrable(bias)) {
     return at::linear(input, weight, bias);
   }
-  return DeferredLinear::apply(input, weight, bias);
+  return bias.defined() ? DeferredLinear::apply(input, weight, bias) : DeferredLinearNoBias::apply(input, weight);
 }
 
 WeightGradStore::Recording::Recording() {
