@@ -140,8 +140,10 @@ void validate_layout(const ParallelConfig& c, int world) {
       static_cast<int64_t>(c.partition.layers.size()) != cuts) {
     throw std::invalid_argument("--pp-partition lists " + std::to_string(c.partition.layers.size()) +
                                 " stage(s) for --pp " + std::to_string(c.pp) +
-                                (chunks > 1 ? " x " + std::to_string(chunks) + " chunks per rank" : "") + "; give " +
-                                std::to_string(cuts) + " layer counts");
+                                (c.schedule == PipelineSchedule::kZBV ? std::string(" x 2 chunks per rank (zb-v)")
+                                 : chunks > 1                         ? " x --virtual-stages " + std::to_string(chunks)
+                                                                      : std::string()) +
+                                "; give " + std::to_string(cuts) + " layer counts");
   }
   if (is_single(c.strategy) && world != 1) {
     throw std::invalid_argument("--strategy single runs one worker, but " + std::to_string(world) +
