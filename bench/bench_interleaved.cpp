@@ -1,11 +1,11 @@
 // The pipeline bubble of plain 1F1B against Megatron-LM's interleaved 1F1B (v = 2 and 4 model
-// chunks per rank) on one model in one run on 2 ranks (scripts/mpirun-local.sh -n 2), for
-// m = 4 and 8 micro-batches. The bubble of a stage is what tandem::PipelineStats measures:
-// (step time - compute time) / compute time, where compute is the stage's forwards, losses and
-// backwards and the rest is time blocked in receives (waiting for a neighbour, the bubble) or
-// posting sends. Theory for equal stages: (p - 1) / m for 1F1B, (p - 1) / (m v) interleaved.
-// Repetitions alternate between the configurations, each starting at another one; rank 0 prints
-// medians (markdown).
+// chunks per rank) and the zero-bubble zb-h1 and zb-v on one model in one run on p = 2 or 4
+// ranks (scripts/mpirun-local.sh -n p), for m = 2p and 4p micro-batches. The bubble of a stage is what
+// tandem::PipelineStats measures: (step time - compute time) / compute time, where compute is the stage's forwards,
+// losses and backwards and the rest is time blocked in receives (waiting for a neighbour, the bubble) or posting sends.
+// Theory for equal stages (pipeline_bubble_theory, what tandem plan uses): (p - 1) / m for 1F1B, (p - 1) / (m v)
+// interleaved, (p - 1) / (3m) zb-h1, (p - 1) / (6m) zb-v. Repetitions alternate between the configurations, each
+// starting at another one; rank 0 prints medians (markdown).
 //   bench_interleaved [--reps 5] [--steps 4] [--width 512] [--blocks 8] [--batch 128]
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
@@ -25,7 +25,8 @@ using namespace tandem;
 namespace {
 
 struct Config {
-  int chunks;  // 1: plain 1F1B
+  PipelineSchedule schedule;
+  int chunks;
   int64_t m;
   std::unique_ptr<Pipeline> pipe;
   std::vector<double> step_ms;
@@ -61,7 +62,7 @@ std::vector<int64_t> equal_cut(int64_t blocks, int parts) {
 
 int main(int argc, char** argv) {
   int64_t reps = 5, steps = 4, width = 512, blocks = 8, batch = 128;
-  CLI::App app("bench_interleaved: the bubble of 1F1B against interleaved 1F1B on 2 ranks");
+  CLI::App app("bench_interleaved: the bubble of 1F1B against interleaved 1F1B, zb-h1 and zb-v on 2 or 4 ranks");
   app.add_option("--reps", reps, "alternating repetitions of every configuration")->capture_default_str();
   app.add_option("--steps", steps, "steps per repetition")->capture_default_str();
   app.add_option("--width", width, "width of the Linear layers")->capture_default_str();
@@ -74,9 +75,10 @@ int main(int argc, char** argv) {
   Runtime rt(ro);
   auto comm = rt.world();
   const int P = comm->size();
-  if (P != 2 || blocks % 4 != 0 || batch % 8 != 0) {
+  if ((P != 2 && P != 4) || blocks % 4 != 0 || batch % (4 * P) != 0) {
     if (comm->rank() == 0) {
-      std::cerr << "bench_interleaved: run on 2 ranks with --blocks a multiple of 4 and --batch a multiple of 8\n";
+      std::cerr << "bench_interleaved: run on 2 or 4 ranks with --blocks a multiple of 4 and --batch a multiple of "
+                   "4 x ranks\n";
     }
     return 2;
   }
@@ -86,14 +88,20 @@ int main(int argc, char** argv) {
   auto loss = [](const at::Tensor& out, const at::Tensor& t) { return torch::nn::functional::cross_entropy(out, t); };
 
   std::vector<Config> configs;
-  for (int64_t m : {4, 8}) {
-    for (int chunks : {1, 2, 4}) {
+  const std::vector<std::pair<PipelineSchedule, int>> schedules = {{PipelineSchedule::k1F1B, 1},
+                                                                   {PipelineSchedule::kInterleaved, 2},
+                                                                   {PipelineSchedule::kInterleaved, 4},
+                                                                   {PipelineSchedule::kZBH1, 1},
+                                                                   {PipelineSchedule::kZBV, 2}};
+  for (int64_t m : {2 * P, 4 * P}) {
+    for (auto [sched, chunks] : schedules) {
+      if ((2 * blocks) % (P * chunks) != 0) continue;  // equal virtual stages only
       PipelineOptions o;
-      o.schedule = chunks == 1 ? PipelineSchedule::k1F1B : PipelineSchedule::kInterleaved;
+      o.schedule = sched;
       o.virtual_stages = chunks;
       o.micro_batches = m;
       o.partition = equal_cut(blocks, P * chunks);
-      configs.push_back({chunks, m, std::make_unique<Pipeline>(blocks_model(width, blocks), comm, o), {}, {}});
+      configs.push_back({sched, chunks, m, std::make_unique<Pipeline>(blocks_model(width, blocks), comm, o), {}, {}});
     }
   }
   // One rep of a configuration: `steps` steps, each stage's bubble gathered on every rank.
@@ -123,22 +131,28 @@ int main(int argc, char** argv) {
   }
 
   if (comm->rank() == 0) {
-    std::printf("## Pipeline bubble: 1F1B vs interleaved 1F1B (2 ranks, 1 thread each, medians of %ld alternating "
-                "reps x %ld steps)\n\n",
-                static_cast<long>(reps), static_cast<long>(steps));
+    std::printf("## Pipeline bubble: 1F1B vs interleaved 1F1B, zb-h1 and zb-v (%d ranks, 1 thread each, medians of %ld "
+                "alternating reps x %ld steps)\n\n",
+                P, static_cast<long>(reps), static_cast<long>(steps));
     std::printf("Model: %ld x (Linear(%ld,%ld)+GELU) + Linear(%ld,10), float32, global batch %ld; equal blocks per "
                 "virtual stage. Bubble = (step - compute) / compute per stage.\n\n",
                 static_cast<long>(blocks), static_cast<long>(width), static_cast<long>(width), static_cast<long>(width),
                 static_cast<long>(batch));
-    std::printf("| schedule | m | v | step ms | bubble stage 0 | bubble stage 1 | mean | theory |\n");
-    std::printf("|---|---|---|---|---|---|---|---|\n");
+    std::printf("| schedule | m | v | step ms | bubble per stage | mean | theory |\n");
+    std::printf("|---|---|---|---|---|---|---|\n");
     for (auto& c : configs) {
       double mean = 0.0;
-      for (int r = 0; r < P; ++r) mean += middle(c.bubble[r]) / P;
-      const double theory = (P - 1.0) / static_cast<double>(c.m * c.chunks);
-      std::printf("| %s | %ld | %d | %.1f | %.3f | %.3f | %.3f | %.3f = (p-1)/%s |\n",
-                  c.chunks == 1 ? "1f1b" : "interleaved", static_cast<long>(c.m), c.chunks, middle(c.step_ms),
-                  middle(c.bubble[0]), middle(c.bubble[1]), mean, theory, c.chunks == 1 ? "m" : "(m*v)");
+      std::string stages;
+      for (int r = 0; r < P; ++r) {
+        mean += middle(c.bubble[r]) / P;
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%s%.3f", r ? " / " : "", middle(c.bubble[r]));
+        stages += buf;
+      }
+      const std::string name = to_string(c.schedule);
+      const double theory = pipeline_bubble_theory(name, P, c.m, c.chunks);
+      std::printf("| %s | %ld | %d | %.1f | %s | %.3f | %.3f = %s |\n", name.c_str(), static_cast<long>(c.m), c.chunks,
+                  middle(c.step_ms), stages.c_str(), mean, theory, pipeline_bubble_formula(name).c_str());
     }
     std::fflush(stdout);
   }

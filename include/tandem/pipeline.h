@@ -6,8 +6,11 @@
 // backward; stage s holds at most p - s micro-batches) and Megatron-LM's interleaved 1F1B (the
 // model cut into p * v virtual stages, rank r holding the v non-adjacent ones r, r + p, ...:
 // activations wrap from rank p - 1 to rank 0 between chunks, and the bubble shrinks from
-// (p - 1) / m to (p - 1) / (m v)). Gradients are summed over micro-batches with the loss scaled
-// by 1/m, so after train_step the stage's parameters hold exactly the gradient of the mean loss
+// (p - 1) / m to (p - 1) / (m v)), and the zero-bubble schedules of Qi et al. 2024 (zb-h1: 1F1B
+// with the backward split into B, the input gradients, and W, the weight gradients, W filling
+// the bubble; zb-v: two chunks per rank in a V, rank r holding virtual stages r and 2p - 1 - r,
+// near-zero bubble at 1F1B's activation memory; tandem/pipeline_schedule.h). Gradients are summed over micro-batches
+// with the loss scaled by 1/m, so after train_step the stage's parameters hold exactly the gradient of the mean loss
 // over the global batch, as single-process training would.
 #pragma once
 
@@ -25,10 +28,62 @@
 
 namespace tandem {
 
-enum class PipelineSchedule { kGPipe, k1F1B, kInterleaved };
+enum class PipelineSchedule { kGPipe, k1F1B, kInterleaved, kZBH1, kZBV };
 const char* to_string(PipelineSchedule s);
-// "gpipe", "1f1b" or "interleaved"; throws std::invalid_argument otherwise.
+// "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-v"; throws std::invalid_argument otherwise.
 PipelineSchedule parse_pipeline_schedule(const std::string& s);
+
+// Whether the schedule splits the backward into B and W operations (zb-h1, zb-v).
+bool splits_backward(PipelineSchedule s);
+// Model chunks per rank the schedule runs with `virtual_stages` asked: 2 for zb-v (which takes
+// 1 or 2), `virtual_stages` otherwise.
+int pipeline_chunks(PipelineSchedule s, int virtual_stages);
+
+// ---- the split backward (zb-h1, zb-v): deferred weight gradients ----
+
+// tandem::linear is at::linear whose backward can defer the weight (and bias) gradient, as
+// Megatron-LM's and the zero-bubble paper's WeightGradStore: while a WeightGradStore::Capture
+// lives, its backward computes only the input gradient and queues (grad_output, input) in the
+// store; WeightGradStore::flush() later computes weight.grad (and bias.grad) from them with one
+// matrix product each and accumulates them through autograd (the parameters' AccumulateGrad
+// nodes, so gradient hooks - ZeRO's reduce-scatter - fire as in any backward). It records only
+// while a WeightGradStore::Recording lives (the pipeline's forwards of a split schedule) and only
+// for leaf parameters; otherwise, and for backwards outside a Capture, it is at::linear. The
+// pipeline runs the torch::nn::Linear children of its chunks through it; tensor-parallel linear
+// layers and the built-in transformer blocks call it. Other layers (norms, embeddings) get their
+// parameters' gradients in B.
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias = {});
+
+class WeightGradStore {
+ public:
+  // While alive (one at a time per process): linear() records its inputs for deferral.
+  struct Recording {
+    Recording();
+    ~Recording();
+    Recording(const Recording&) = delete;
+    Recording& operator=(const Recording&) = delete;
+  };
+  // While alive (one at a time per process, around a backward): linear()'s backward queues its
+  // weight gradients in `store` instead of computing them.
+  struct Capture {
+    explicit Capture(WeightGradStore& store);
+    ~Capture();
+    Capture(const Capture&) = delete;
+    Capture& operator=(const Capture&) = delete;
+  };
+  // Computes the queued weight and bias gradients and accumulates them into the parameters'
+  // .grad through autograd; empties the store. Returns whether there was anything to compute.
+  bool flush();
+  bool empty() const { return entries_.empty(); }
+  // For linear()'s backward.
+  void add(at::Tensor grad_output, at::Tensor input, at::Tensor weight, at::Tensor bias);
+
+ private:
+  struct Entry {
+    at::Tensor grad_output, input, weight, bias;
+  };
+  std::vector<Entry> entries_;
+};
 
 // ---- partitions: layers (children of the Sequential) per stage, contiguous, in order ----
 
@@ -57,8 +112,9 @@ using PipelineLossFn = std::function<at::Tensor(const at::Tensor& output, const 
 struct PipelineOptions {
   int64_t micro_batches = 1;
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
-  // Model chunks per rank (kInterleaved only; the others take 1): the model is cut into
-  // stages * virtual_stages virtual stages and chunk c of rank r is virtual stage c * stages + r.
+  // Model chunks per rank (kInterleaved; kZBV runs two and takes 1 or 2; the others take 1): the
+  // model is cut into stages * chunks virtual stages, chunk c of rank r being virtual stage
+  // c * stages + r (kZBV: r and 2 * stages - 1 - r, pipeline_virtual_stage).
   int virtual_stages = 1;
   // Layers per virtual stage (stages * virtual_stages entries, adding up to model->size());
   // empty: partition_by_parameters.
@@ -68,7 +124,12 @@ struct PipelineOptions {
   // Where received activations are placed when the stage has no parameters to tell (else theirs).
   c10::Device device = c10::kCPU;
   // Called before each backward with (micro-batch, is it the step's last backward);
-  // e.g. to keep a DistributedDataParallel::NoSyncGuard alive until the last one.
+  // e.g. to keep a DistributedDataParallel::NoSyncGuard alive until the last one. With a split
+  // schedule (zb-h1, zb-v) it is called before each B and each W (each a backward through
+  // autograd), the last one being the step's final W: a parameter accumulates gradients in B
+  // (norms, embeddings) or in W (linear layers), so a strategy that needs every parameter's
+  // final gradient within one backward cannot use it; ZeRO's per-backward reduce-scatter and
+  // the engine's all-reduce after the step can.
   std::function<void(int64_t, bool)> before_backward;
   // Runs the model's children [first, end) (one of this rank's chunks) on an input; empty: the
   // chunk's own forward. ZeRO-3 sets it to gather each layer's parameters around its forward.
@@ -82,11 +143,14 @@ struct PipelineStats {
   double step_seconds = 0.0;     // wall time of the last train_step
   double compute_seconds = 0.0;  // forward + backward + loss in the last step on this stage
   double wait_seconds = 0.0;     // blocked in receives in the last step (includes the bubble)
-  // Largest number of micro-batches whose activations (autograd graphs) this stage held at once.
+  // Largest number of micro-batches whose activations (autograd graphs) this stage held at once
+  // (forward done, backward B not yet; per chunk with several chunks).
   int64_t peak_live_micro_batches = 0;
   // Peak bytes allocated above the step's start, measured by MemoryMeter (-1 when not installed).
   int64_t peak_activation_bytes = -1;
   int64_t bytes_sent = 0, bytes_received = 0;  // activations and gradients, last step
+  // W operations of the last step that computed deferred weight gradients (split schedules).
+  int64_t weight_passes = 0;
   // Idle share of the step on this stage: (step - compute) / step.
   double bubble_fraction() const;
   // Idle time over compute time: the quantity whose theory is (p - 1) / m for balanced stages.
@@ -116,8 +180,9 @@ class Pipeline {
   int stage() const { return stage_; }
   int stages() const { return stages_; }
   int virtual_stages() const { return chunks_; }
-  bool is_first() const { return stage_ == 0; }           // feeds the inputs (virtual stage 0)
-  bool is_last() const { return stage_ == stages_ - 1; }  // computes the loss (the last virtual stage)
+  bool is_first() const { return stage_ == 0; }  // feeds the inputs (virtual stage 0)
+  // Computes the loss (holds the last virtual stage: the last rank, rank 0 with zb-v's V).
+  bool is_last() const { return stage_ == pipeline_stage_owner(last_virtual(), stages_, v_shape_).first; }
   // The children [first, end) of the whole model that each of this rank's chunks holds, in chunk order.
   const std::vector<std::pair<int64_t, int64_t>>& layer_ranges() const { return ranges_; }
   // The one contiguous range of a rank with one chunk; std::logic_error with several.
@@ -152,12 +217,14 @@ class Pipeline {
   void reset_stats();
 
   // The operations a stage runs in one step, in order (for tests and docs); `chunks` is the
-  // virtual stages per rank (1 unless interleaved).
+  // virtual stages per rank (1 unless interleaved; zb-v runs 2 whatever it is).
   static std::vector<PipelineOp> schedule_for(PipelineSchedule s, int stage, int stages, int64_t micro_batches,
                                               int chunks = 1);
 
  private:
   at::Tensor run_chunk(int chunk, const at::Tensor& x);
+  int64_t last_virtual() const { return static_cast<int64_t>(stages_) * chunks_ - 1; }
+  int64_t virtual_stage(int chunk) const { return pipeline_virtual_stage(chunk, stage_, stages_, v_shape_); }
 
   torch::nn::Sequential stage_module_;
   std::vector<torch::nn::Sequential> chunk_modules_;
@@ -166,6 +233,7 @@ class Pipeline {
   PipelineOptions opts_;
   std::vector<int64_t> partition_;
   int stage_ = 0, stages_ = 1, chunks_ = 1;
+  bool v_shape_ = false, split_ = false;
   c10::Device device_{c10::kCPU};
   PipelineStats stats_;
 };

@@ -227,7 +227,9 @@ struct PlanOptions {
   // Megatron sequence parallelism in tp layouts: less activation memory, the same tp bytes (a
   // ring reduce-scatter plus all-gather costs what the all-reduce it replaces does).
   bool sequence_parallel = false;
-  std::string pipeline_schedule = "1f1b";  // 1f1b | gpipe (same makespan with equal stages)
+  // 1f1b | gpipe (same makespan with equal stages) | zb-h1 | zb-v (1F1B's bubble scaled by
+  // pipeline_bubble_theory's ratio: 1/3 and 1/6, tandem/pipeline_schedule.h).
+  std::string pipeline_schedule = "1f1b";
   // Where a model that lists its children is cut into stages, as `tandem train --pp-partition`:
   // "params" (balanced parameter counts), "time" (balanced per-child time at the micro-batch:
   // the calibration's fits on CPU, else FLOPs) or the children per stage, "3,7" (layouts with

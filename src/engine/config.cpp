@@ -109,9 +109,18 @@ void validate_virtual_stages(const ParallelConfig& c) {
   const std::string v = "--virtual-stages " + std::to_string(c.virtual_stages);
   if (c.virtual_stages < 1) throw std::invalid_argument(v + ": give 1 or more model chunks per pipeline rank");
   const bool interleaved = c.schedule == PipelineSchedule::kInterleaved;
+  if (c.schedule == PipelineSchedule::kZBV) {
+    if (c.virtual_stages > 2) {
+      throw std::invalid_argument(v + ": --pipeline-schedule zb-v runs two model chunks per rank in a V (rank r "
+                                      "holding virtual stages r and 2pp-1-r); use --virtual-stages 2 or leave it out");
+    }
+    if (c.pp < 2) throw std::invalid_argument("--pipeline-schedule zb-v needs --pp 2 or more");
+    return;
+  }
   if (c.virtual_stages > 1 && !interleaved) {
-    throw std::invalid_argument(v + " needs --pipeline-schedule interleaved (" + to_string(c.schedule) +
-                                " runs one chunk per rank); use --virtual-stages 1 or the interleaved schedule");
+    throw std::invalid_argument(
+        v + " needs --pipeline-schedule interleaved (" + to_string(c.schedule) +
+        " runs one chunk per rank); use --virtual-stages 1, the interleaved schedule, or zb-v with 2");
   }
   if (!interleaved) return;
   check_interleaved(c.pp, c.virtual_stages, c.micro_batches);  // --pp >= 2, --micro-batches a multiple of --pp
@@ -130,14 +139,17 @@ void validate_layout(const ParallelConfig& c, int world) {
                                 std::to_string(c.tp) + "); add --tp or drop it");
   }
   validate_virtual_stages(c);
-  const int64_t cuts = static_cast<int64_t>(c.pp) * c.virtual_stages;
+  const int chunks = pipeline_chunks(c.schedule, c.virtual_stages);
+  const int64_t cuts = static_cast<int64_t>(c.pp) * chunks;
   // Without a pipeline nothing is cut, and a partition goes unused.
   if (c.pp > 1 && c.partition.method == PartitionMethod::kLayers &&
       static_cast<int64_t>(c.partition.layers.size()) != cuts) {
-    throw std::invalid_argument(
-        "--pp-partition lists " + std::to_string(c.partition.layers.size()) + " stage(s) for --pp " +
-        std::to_string(c.pp) + (c.virtual_stages > 1 ? " x --virtual-stages " + std::to_string(c.virtual_stages) : "") +
-        "; give " + std::to_string(cuts) + " layer counts");
+    throw std::invalid_argument("--pp-partition lists " + std::to_string(c.partition.layers.size()) +
+                                " stage(s) for --pp " + std::to_string(c.pp) +
+                                (c.schedule == PipelineSchedule::kZBV ? std::string(" x 2 chunks per rank (zb-v)")
+                                 : chunks > 1                         ? " x --virtual-stages " + std::to_string(chunks)
+                                                                      : std::string()) +
+                                "; give " + std::to_string(cuts) + " layer counts");
   }
   if (is_single(c.strategy) && world != 1) {
     throw std::invalid_argument("--strategy single runs one worker, but " + std::to_string(world) +

@@ -218,7 +218,8 @@ void Engine::Impl::checkpoint_layers(std::vector<int64_t>& cut) {
                                 "its blocks in tandem::Checkpointed (tandem/activation_checkpoint.h) instead");
   }
   torch::nn::Sequential net(seq);
-  if (cfg.pp > 1 && cut.empty()) cut = partition_by_parameters(net, cfg.pp * cfg.virtual_stages);
+  if (cfg.pp > 1 && cut.empty())
+    cut = partition_by_parameters(net, cfg.pp * pipeline_chunks(cfg.schedule, cfg.virtual_stages));
   L.net = checkpoint_sequential(net, cfg.activation_checkpointing, cfg.pp > 1 ? cut : std::vector<int64_t>{}).ptr();
 }
 
@@ -286,7 +287,8 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
                                   "(EngineOptions::partition_sample)");
     }
     auto dense = L.dense_sequential();
-    cut = partition_by_time(dense, L.opts.partition_sample.to(L.rt->device()), cfg.pp * cfg.virtual_stages, *L.world);
+    cut = partition_by_time(dense, L.opts.partition_sample.to(L.rt->device()),
+                            cfg.pp * pipeline_chunks(cfg.schedule, cfg.virtual_stages), *L.world);
   }
   L.net = L.dense;
   if (cfg.tp > 1) {
@@ -306,7 +308,7 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     po.partition = cut;
     po.micro_batches = cfg.micro_batches;
     po.schedule = cfg.schedule;
-    po.virtual_stages = cfg.virtual_stages;
+    po.virtual_stages = pipeline_chunks(cfg.schedule, cfg.virtual_stages);
     po.device = L.rt->device();
     L.pipe = std::make_unique<Pipeline>(L.net_sequential(), L.grid->pp(), po);
   }
@@ -562,7 +564,8 @@ at::Tensor Engine::predict(const at::Tensor& inputs) {
 
 bool Engine::is_output_rank() const {
   const auto* g = impl_->L.grid.get();
-  return !g || (g->tp_rank() == 0 && g->cp_rank() == 0 && g->pp_rank() == g->pp_size() - 1);
+  const auto* pipe = impl_->L.pipe.get();
+  return !g || (g->tp_rank() == 0 && g->cp_rank() == 0 && (pipe ? pipe->is_last() : g->pp_rank() == g->pp_size() - 1));
 }
 
 void Engine::evaluate(const at::Tensor& inputs, int64_t n, int64_t rows, const ScoreFn& score) {

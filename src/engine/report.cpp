@@ -51,8 +51,9 @@ void gather_pipeline(Engine& eng, const EngineStats::PipelineStage& s, Report& r
     sum += rep.bubble_per_stage.back();
   }
   rep.bubble_measured = sum / pp;
-  rep.bubble_theory =
-      static_cast<double>(pp - 1) / static_cast<double>(eng.config().micro_batches * eng.config().virtual_stages);
+  const auto& cfg = eng.config();
+  rep.bubble_theory = pipeline_bubble_theory(to_string(cfg.schedule), pp, cfg.micro_batches,
+                                             pipeline_chunks(cfg.schedule, cfg.virtual_stages));
 }
 
 // Every rank's peaks, model state and pipeline stage; rank 0's model state alone as well.
@@ -120,13 +121,16 @@ void format_layout(std::ostringstream& os, const Report& r) {
   }
   if (r.pp > 1) {
     line(os, "pipeline") << r.pp << " stages";
-    if (r.virtual_stages > 1) os << " x " << r.virtual_stages << " virtual stages (chunk c of rank r: c*pp + r)";
+    if (r.virtual_stages > 1) {
+      os << " x " << r.virtual_stages << " virtual stages ("
+         << (r.pipeline_schedule == "zb-v" ? "a V: rank r holds r and 2pp-1-r" : "chunk c of rank r: c*pp + r") << ")";
+    }
     os << ", layers per " << (r.virtual_stages > 1 ? "virtual " : "") << "stage " << joined(r.partition, "/") << ", "
        << r.micro_batches << " micro-batches, " << r.pipeline_schedule << "\n";
     if (!r.bubble_per_stage.empty()) {
       line(os, "bubble") << std::setprecision(2) << r.bubble_measured << " idle/compute measured (mean over stages:";
       for (size_t s = 0; s < r.bubble_per_stage.size(); ++s) os << (s ? "," : "") << " " << r.bubble_per_stage[s];
-      os << "), theory (pp-1)/" << (r.virtual_stages > 1 ? "(m*v)" : "m") << " = " << r.bubble_theory
+      os << "), theory " << pipeline_bubble_formula(r.pipeline_schedule) << " = " << r.bubble_theory
          << "; most micro-batches alive per stage: " << joined(r.peak_live_micro_batches, ", ") << "\n";
     }
   }
@@ -330,7 +334,7 @@ void describe_engine(const Engine& eng, Report& rep) {
   rep.grad_accum = pc.grad_accum;
   rep.micro_batches = pc.micro_batches;
   rep.pipeline_schedule = to_string(pc.schedule);
-  rep.virtual_stages = pc.virtual_stages;
+  rep.virtual_stages = pipeline_chunks(pc.schedule, pc.virtual_stages);
   rep.partition = eng.partition();
   rep.activation_checkpointing = to_string(pc.activation_checkpointing);
 }

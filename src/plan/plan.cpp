@@ -208,6 +208,15 @@ struct StageTimes {
 // (a one-step timeline of the MLP's 2-stage pipeline showed the first activation arrive after
 // stage 0's second forward); the calibration measures that delay. On a GPU the send is queued
 // on a stream and leaves at once.
+// The bubble of the zero-bubble schedules relative to 1F1B's (pipeline_bubble_theory, with the
+// paper's T_F = T_B = T_W: the weight gradients are half a linear layer's backward): zb-h1 a
+// third, zb-v a sixth; 1 for gpipe and 1f1b. The simulation below runs 1F1B's order and the
+// bubble it finds (transfers, calibrated send delays included) is scaled by this.
+double zero_bubble_scale(const PlanOptions& o, int pp, int64_t m) {
+  if (pp < 2) return 1.0;
+  return pipeline_bubble_theory(o.pipeline_schedule, pp, m) / pipeline_bubble_theory("1f1b", pp, m);
+}
+
 double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpipe, const std::vector<double>& xfer,
                          const std::function<double(int)>& speed, const std::vector<double>& hold,
                          const std::vector<bool>& grad_back = {}) {
@@ -471,7 +480,9 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
     out.compute = std::max(out.compute, (t.fwd + t.bwd) / all_busy * mcount);
   }
   out.step = simulate_pipeline(st, mcount, o.pipeline_schedule == "gpipe", xfer, speed, hold, grad_back);
-  out.bubble = std::max(0.0, out.step - out.slot * mcount);
+  const double bubble_1f1b = std::max(0.0, out.step - out.slot * mcount);
+  out.bubble = bubble_1f1b * zero_bubble_scale(o, pp, mcount);
+  out.step += out.bubble - bubble_1f1b;
   return out;
 }
 
@@ -547,7 +558,10 @@ void fill_stage_memory(const ModelSpec& m, const std::vector<double>& stage_para
     for (int64_t k = 0; k < e.partition[s]; ++k, ++i) inputs += m.children[i].input_elems;
     MemoryBreakdown b = zero_model_states(stage_params[s], l.zero, l.dp * l.cp, sb);
     frozen_share(m, b);
-    const double flight = o.pipeline_schedule == "gpipe" ? mcount : std::min<double>(pp - s, mcount);
+    // zb-h1 holds 1F1B's; zb-v holds 2pp half-stage chunks on every stage, 1F1B stage 0's.
+    const double flight = o.pipeline_schedule == "gpipe"  ? mcount
+                          : o.pipeline_schedule == "zb-v" ? std::min<double>(pp, mcount)
+                                                          : std::min<double>(pp - s, mcount);
     const double share = all_inputs > 0 ? inputs / all_inputs : 1.0 / pp;
     b.activations = e.memory.activations * (share / even_share) * (flight / even_flight);
     e.stage_memory.push_back(b);
@@ -978,8 +992,8 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     }
     slot = t_mb + tp_mb + p2p_mb + ring_mb;
     e.compute_s = t_mb * mcount;
-    e.bubble_s = (pp - 1) * slot;
-    pipeline_s = (mcount + pp - 1) * slot;
+    e.bubble_s = (pp - 1) * slot * zero_bubble_scale(o, pp, mcount);
+    pipeline_s = mcount * slot + e.bubble_s;
   }
 
   // Data-parallel gradient and parameter collectives, overlapped with the last backward.

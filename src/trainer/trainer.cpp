@@ -82,9 +82,10 @@ void validate(const TrainConfig& cfg, int world) {
                                   std::to_string(layers) + " layers of --model " + cfg.model + "; use --pp " +
                                   std::to_string(layers) + " or fewer");
     }
-    if (static_cast<int64_t>(pc.pp) * pc.virtual_stages > layers) {
-      throw std::invalid_argument("--pp " + std::to_string(pc.pp) + " x --virtual-stages " +
-                                  std::to_string(pc.virtual_stages) + ": more virtual stages than the " +
+    const int chunks = pipeline_chunks(pc.schedule, pc.virtual_stages);
+    if (static_cast<int64_t>(pc.pp) * chunks > layers) {
+      throw std::invalid_argument("--pp " + std::to_string(pc.pp) + " x " + std::to_string(chunks) +
+                                  " chunks per rank (--virtual-stages, zb-v: 2): more virtual stages than the " +
                                   std::to_string(layers) + " layers of --model " + cfg.model +
                                   "; each needs a layer, use fewer virtual stages");
     }

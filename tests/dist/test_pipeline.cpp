@@ -4,7 +4,10 @@
 // forward-only output, partitions, bad input, and 1F1B's bounded activation memory on stage 0
 // measured by MemoryMeter against GPipe's. Run with 2 and 4 ranks: one stage per rank. The
 // interleaved schedule (PipelineInterleaved.*): several chunks per rank, the same gradients, and
-// through the Engine the same losses as one worker, with data parallelism on 4 ranks.
+// through the Engine the same losses as one worker, with data parallelism on 4 ranks. The
+// zero-bubble schedules (PipelineZeroBubble.*): zb-h1 and zb-v give the same gradients and
+// losses as one process (so as 1F1B), defer the linear layers' weight gradients to W, and
+// compose with ZeRO and data parallelism through the Engine.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -224,7 +227,7 @@ TEST(Pipeline, PartitionsAndSchedules) {
           for (const auto& op : ops) {
             const int64_t i = op.micro_batch;
             EXPECT_EQ(op.chunk, 0);
-            if (op.forward) {
+            if (op.forward()) {
               EXPECT_EQ(i, next_f++);
               EXPECT_EQ(state[i]++, 0);
               peak = std::max(peak, ++live);
@@ -438,29 +441,19 @@ TEST(PipelineInterleaved, RefusesWhatItCannotRun) {
   expect_invalid([&] { Pipeline(make_mlp(1), comm, o); }, {"virtual_stages (--virtual-stages) must be at least 1"});
 }
 
-// The Engine with pp 2 x 2 virtual stages (and dp 2 on 4 ranks) trains as one worker does:
-// Adam over 15 steps, losses within 1e-5 (float64: they differ by summation order only), then
+// Trains the MLP through the Engine with `pc` (pp 2, dp = the rest) as one worker does: Adam
+// over `steps` steps, losses within 1e-5 (float64: they differ by summation order only), then
 // the trained model's output and values. The bubble is measured on every stage.
-TEST(PipelineInterleaved, EngineLossesEqualOneWorker) {
-  auto comm = world();
-  const int W = comm->size();
-  if (W % 2 != 0) GTEST_SKIP() << "pp 2 needs an even number of ranks, not " << W;
-  constexpr int kSteps = 15;
+void expect_engine_trains_as_one_worker(const ParallelConfig& pc, int steps) {
   constexpr int64_t kBatch = 24;
   OptimizerOptions oo;
   oo.kind = "adam";
   oo.lr = 1e-2;
   auto ref = make_mlp(3);
   torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(1e-2));
-  ParallelConfig pc;
-  pc.strategy = Strategy::kDDP;
-  pc.pp = 2;
-  pc.schedule = PipelineSchedule::kInterleaved;
-  pc.virtual_stages = 2;
-  pc.micro_batches = 4;
   Engine eng(runtime(), make_mlp(3), oo, pc);
-  ASSERT_EQ(eng.dp_size(), W / 2);
-  for (int s = 0; s < kSteps; ++s) {
+  ASSERT_EQ(eng.dp_size(), world()->size() / pc.pp);
+  for (int s = 0; s < steps; ++s) {
     auto [x, y] = global_batch(kBatch, 40 + s, 5);
     x = x.to(torch::kDouble);
     ref_opt.zero_grad();
@@ -484,6 +477,162 @@ TEST(PipelineInterleaved, EngineLossesEqualOneWorker) {
   const auto st = eng.stats();
   EXPECT_GE(st.pipeline.bubble, 0.0);
   EXPECT_GT(st.pipeline.compute_ms, 0.0);
+}
+
+// The Engine with pp 2 x 2 virtual stages (and dp 2 on 4 ranks) trains as one worker does.
+TEST(PipelineInterleaved, EngineLossesEqualOneWorker) {
+  if (world()->size() % 2 != 0) GTEST_SKIP() << "pp 2 needs an even number of ranks, not " << world()->size();
+  ParallelConfig pc;
+  pc.strategy = Strategy::kDDP;
+  pc.pp = 2;
+  pc.schedule = PipelineSchedule::kInterleaved;
+  pc.virtual_stages = 2;
+  pc.micro_batches = 4;
+  expect_engine_trains_as_one_worker(pc, 15);
+}
+
+// ---- zero-bubble schedules ----
+
+// tandem::linear under a Recording and a Capture leaves the weight and bias gradients to
+// flush(), which accumulates them through autograd (a tensor hook on the weight sees them),
+// equal to at::linear's; outside a Capture its backward computes them at once.
+TEST(PipelineZeroBubble, LinearDefersItsWeightGradientToFlush) {
+  torch::manual_seed(5);
+  torch::nn::Linear lin(torch::nn::LinearOptions(6, 4));
+  lin->to(torch::kDouble);
+  auto x = torch::randn({3, 2, 6}, torch::kDouble).requires_grad_(true);
+  auto g = torch::randn({3, 2, 4}, torch::kDouble);
+  at::linear(x, lin->weight, lin->bias).backward(g);
+  const auto want_w = lin->weight.grad().clone(), want_b = lin->bias.grad().clone(), want_x = x.grad().clone();
+  lin->zero_grad();
+  x.mutable_grad() = at::Tensor();
+  // Autograd may call the hook with no gradient (B's undefined one); count the gradients it sees.
+  int hooked = 0;
+  lin->weight.register_hook([&](const at::Tensor& g) {
+    if (!g.defined()) return;
+    ++hooked;
+    EXPECT_LE(rel_err(g, want_w), 1e-12);
+  });
+  WeightGradStore store;
+  at::Tensor y;
+  {
+    WeightGradStore::Recording rec;
+    y = tandem::linear(x, lin->weight, lin->bias);
+  }
+  {
+    WeightGradStore::Capture cap(store);
+    y.backward(g);
+  }
+  EXPECT_LE(rel_err(x.grad(), want_x), 1e-12);
+  EXPECT_FALSE(lin->weight.grad().defined() && lin->weight.grad().abs().sum().item<double>() > 0);
+  EXPECT_FALSE(store.empty());
+  EXPECT_EQ(hooked, 0);
+  EXPECT_TRUE(store.flush());
+  EXPECT_TRUE(store.empty());
+  EXPECT_EQ(hooked, 1);
+  EXPECT_LE(rel_err(lin->weight.grad(), want_w), 1e-12);
+  EXPECT_LE(rel_err(lin->bias.grad(), want_b), 1e-12);
+  // Recorded, but backward outside a Capture: an ordinary linear.
+  lin->zero_grad();
+  {
+    WeightGradStore::Recording rec;
+    y = tandem::linear(x, lin->weight, lin->bias);
+  }
+  y.backward(g);
+  EXPECT_LE(rel_err(lin->weight.grad(), want_w), 1e-12);
+  EXPECT_FALSE(store.flush());
+  // Without a bias (a row-parallel layer's), deferred the same way.
+  lin->zero_grad();
+  {
+    WeightGradStore::Recording rec;
+    y = tandem::linear(x, lin->weight);
+  }
+  {
+    WeightGradStore::Capture cap(store);
+    y.backward(g);
+  }
+  EXPECT_FALSE(lin->weight.grad().defined());
+  EXPECT_TRUE(store.flush());
+  EXPECT_LE(rel_err(lin->weight.grad(), want_w), 1e-12);
+}
+
+// zb-h1 and zb-v after one step: every chunk's gradients and the loss as one process (1F1B's,
+// which MlpGradientsMatchSingleProcess checks the same way), the live micro-batches their
+// orders promise, and the forward-only output; zb-v's loss is on rank 0.
+TEST(PipelineZeroBubble, GradientsMatchSingleProcess) {
+  auto comm = world();
+  const int P = comm->size();
+  auto [x, y, ref, want, want_loss] = mlp_reference();
+  for (auto sched : {PipelineSchedule::kZBH1, PipelineSchedule::kZBV}) {
+    for (int64_t m : {int64_t{1}, int64_t{3}, int64_t{P}, int64_t{2 * P}, int64_t{3 * P}}) {
+      if (m == 3 && P == 3) continue;  // already run
+      SCOPED_TRACE(std::string(to_string(sched)) + ", " + std::to_string(m) + " micro-batches");
+      PipelineOptions o;
+      o.schedule = sched;
+      o.micro_batches = m;
+      Pipeline pipe(make_mlp(3), comm, o);
+      const bool v = sched == PipelineSchedule::kZBV;
+      ASSERT_EQ(static_cast<int>(pipe.layer_ranges().size()), v ? 2 : 1);
+      EXPECT_EQ(pipe.is_last(), pipe.stage() == (v ? 0 : P - 1));
+      for (auto& p : pipe.parameters()) p.mutable_grad() = at::Tensor();
+      auto loss = pipe.train_step(x, y, ce);
+      EXPECT_NEAR(loss.item<double>(), want_loss, 1e-12 * std::abs(want_loss));
+      expect_stage_grads(pipe, want, 1e-10);
+      // Each (chunk, micro-batch) of a chunk holding a Linear left its weight gradients to its W.
+      int64_t with_linear = 0;
+      for (auto [first, end] : pipe.layer_ranges()) {
+        for (int64_t i = first; i < end; ++i) {
+          if (ref->ptr(i)->as<torch::nn::LinearImpl>()) {
+            ++with_linear;
+            break;
+          }
+        }
+      }
+      EXPECT_EQ(pipe.stats().weight_passes, m * with_linear);
+      if (v) {
+        EXPECT_LE(pipe.stats().peak_live_micro_batches, 2 * P);
+      } else {
+        EXPECT_EQ(pipe.stats().peak_live_micro_batches, std::min<int64_t>(P - pipe.stage(), m));
+      }
+      auto out = pipe.forward(x);
+      EXPECT_EQ(out.defined(), pipe.is_last());
+      if (pipe.is_last()) {
+        torch::NoGradGuard ng;
+        EXPECT_LE(rel_err(out, ref->forward(x)), 1e-12);
+      }
+    }
+  }
+}
+
+// zb-v holds two chunks per rank in a V; it refuses more, and one stage.
+TEST(PipelineZeroBubble, ZbVRefusesOtherChunkCounts) {
+  auto comm = world();
+  PipelineOptions o;
+  o.schedule = PipelineSchedule::kZBV;
+  o.virtual_stages = 3;
+  expect_invalid([&] { Pipeline(make_mlp(1), comm, o); }, {"zb-v runs two chunks per rank", "--virtual-stages 2"});
+  o.schedule = PipelineSchedule::kZBH1;
+  o.virtual_stages = 2;
+  expect_invalid([&] { Pipeline(make_mlp(1), comm, o); }, {"interleaved schedule, not zb-h1"});
+}
+
+// Through the Engine with pp 2: zb-h1 with ZeRO-2 and zb-v with ZeRO-1 (dp 2 on 4 ranks: the
+// W pass's gradients reach ZeRO's reduce-scatter hooks), zb-h1 with ZeRO-3 (its per-layer
+// gather runs the layers, which then get all their gradients in B) and zb-v with DDP train as
+// one worker.
+TEST(PipelineZeroBubble, ComposesWithZeroAndDataParallel) {
+  if (world()->size() % 2 != 0) GTEST_SKIP() << "pp 2 needs an even number of ranks, not " << world()->size();
+  for (auto [strategy, sched] :
+       {std::pair{Strategy::kZero2, PipelineSchedule::kZBH1}, std::pair{Strategy::kZero1, PipelineSchedule::kZBV},
+        std::pair{Strategy::kDDP, PipelineSchedule::kZBV}}) {
+    SCOPED_TRACE(std::string(to_string(sched)) + " with strategy " + std::to_string(static_cast<int>(strategy)));
+    ParallelConfig pc;
+    pc.strategy = strategy;
+    pc.pp = 2;
+    pc.schedule = sched;
+    pc.micro_batches = 4;
+    expect_engine_trains_as_one_worker(pc, 6);
+  }
 }
 
 }  // namespace

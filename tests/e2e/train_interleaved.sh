@@ -5,7 +5,10 @@
 # 2 stages with ZeRO-1 or ZeRO-3 over the replicas, or tp 2 x 2 stages (4 workers). Its checkpoint at step 8
 # names the whole model's layers, so it resumes on one worker and as a plain 1F1B pipeline, and
 # both continue as the one-worker run does; so does tp 2 x 2 stages' checkpoint on one worker. The report names the virtual stages and the bubble
-# against (pp-1)/(m*v), and each stage holds as many micro-batches as Megatron's warm-up says. Bad combinations fail at start, non-zero, naming the options.
+# against (pp-1)/(m*v), and each stage holds as many micro-batches as Megatron's warm-up says. The zero-bubble
+# schedules zb-h1 and zb-v (2 stages; zb-v's V of two chunks per rank, with ZeRO-2 over 2 replicas and with tp 2) match one
+# worker the same way, and the report gives their bubble against (pp-1)/(3m) and (pp-1)/(6m). Bad combinations fail
+# at start, non-zero, naming the options.
 # usage: train_interleaved.sh TANDEM
 set -uo pipefail
 tandem=$1
@@ -29,6 +32,16 @@ run il_dp2_zero3 -n 4 --pp 2 --micro-batches 4 --pipeline-schedule interleaved -
 # checkpointed, and the checkpoint resumes on one worker.
 run il_tp2 -n 4 --tp 2 --pp 2 --micro-batches 4 --pipeline-schedule interleaved --virtual-stages 2 \
   --checkpoint-every 8 --checkpoint-dir "$out/il_tp2"
+run zbh1 -n 2 --pp 2 --micro-batches 4 --pipeline-schedule zb-h1
+run zbv -n 2 --pp 2 --micro-batches 4 --pipeline-schedule zb-v
+run zbv_dp2_zero2 -n 4 --pp 2 --micro-batches 4 --pipeline-schedule zb-v --strategy zero2
+run zbv_tp2 -n 4 --tp 2 --pp 2 --micro-batches 4 --pipeline-schedule zb-v  # tensor-parallel linears defer too
+for re in '^pipeline +2 stages x 2 virtual stages \(a V: rank r holds r and 2pp-1-r\), .*, 4 micro-batches, zb-v' \
+          '^bubble +[0-9.]+ idle/compute measured .*theory \(pp-1\)/\(6m\) = 0\.04'; do
+  grep -qE -- "$re" "$out/zbv.log" || fail "zb-v report: no line matches /$re/"
+done
+grep -qE -- '^bubble +[0-9.]+ idle/compute measured .*theory \(pp-1\)/\(3m\) = 0\.08' "$out/zbh1.log" ||
+  fail "zb-h1 report: no bubble line against (pp-1)/(3m)"
 for re in '^pipeline +2 stages x 2 virtual stages .*, layers per virtual stage [0-9]+/[0-9]+/[0-9]+/[0-9]+, 4 micro-batches, interleaved' \
           '^bubble +[0-9.]+ idle/compute measured .*theory \(pp-1\)/\(m\*v\) = 0\.1[23]'; do
   grep -qE -- "$re" "$out/il.log" || fail "report: no line matches /$re/"
@@ -49,7 +62,8 @@ def steps(name):
         return {}
 ref, ok = steps("single"), True
 for name, first in (("il", 1), ("il_dp2_zero1", 1), ("il_dp2_zero3", 1), ("il_tp2", 1), ("one", 9), ("pp", 9),
-                    ("tp_one", 9)):
+                    ("tp_one", 9), ("zbh1", 1), ("zbv", 1), ("zbv_dp2_zero2", 1),
+                    ("zbv_tp2", 1)):
     got = steps(name)
     want = list(range(first, 17))
     if sorted(got) != want or sorted(ref) != list(range(1, 17)):
@@ -81,4 +95,10 @@ refused m_odd "--micro-batches must be a multiple of --pp" -n 2 --pp 2 --pipelin
 refused v_zero "--virtual-stages 0: give 1 or more" -n 2 --pp 2 --micro-batches 4 --pipeline-schedule interleaved --virtual-stages 0
 refused v_many "more virtual stages than the" -n 2 --pp 2 --micro-batches 4 --pipeline-schedule interleaved --virtual-stages 40
 refused pp1 "needs --pp 2 or more" -n 1 --strategy single --pipeline-schedule interleaved --virtual-stages 2
+refused zbv_chunks "zb-v runs two model chunks per rank" -n 2 --pp 2 --micro-batches 4 --pipeline-schedule zb-v \
+  --virtual-stages 3
+refused zbh1_chunks "--virtual-stages 2 needs --pipeline-schedule interleaved" -n 2 --pp 2 --micro-batches 4 \
+  --pipeline-schedule zb-h1 --virtual-stages 2
+refused zbv_pp1 "--pipeline-schedule zb-v needs --pp 2 or more" -n 1 --strategy single --pipeline-schedule zb-v
+refused zb_unknown "use gpipe, 1f1b, interleaved, zb-h1 or zb-v" -n 2 --pp 2 --pipeline-schedule zb-h2
 [[ $fails -eq 0 ]] && echo "interleaved ok" || { echo "$fails failure(s)"; exit 1; }

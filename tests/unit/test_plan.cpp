@@ -189,6 +189,17 @@ TEST(Plan, PipelineTensorParallelAndInfeasibility) {
   l2.micro_batches = 64;
   auto e2 = tp::estimate(m, c, l2, o);
   EXPECT_LT(e2.bubble_s / e2.step_s, e.bubble_s / e.step_s);
+  // The zero-bubble schedules: a third (zb-h1) and a sixth (zb-v) of 1F1B's bubble, the step
+  // shorter by the difference, the same activations (zb-v's on stage 0).
+  for (auto [sched, share] : {std::pair{"zb-h1", 1.0 / 3}, std::pair{"zb-v", 1.0 / 6}}) {
+    tp::PlanOptions oz = o;
+    oz.pipeline_schedule = sched;
+    auto ez = tp::estimate(m, c, l, oz);
+    ASSERT_TRUE(ez.feasible) << ez.why;
+    EXPECT_NEAR(ez.bubble_s, e.bubble_s * share, 1e-9 * e.bubble_s) << sched;
+    EXPECT_NEAR(ez.step_s, e.step_s - (e.bubble_s - ez.bubble_s), 1e-9 * e.step_s) << sched;
+    EXPECT_NEAR(ez.memory.activations, e.memory.activations, 1e-9 * e.memory.activations) << sched;
+  }
   // 1F1B: at most p micro-batches of activations in flight (not m).
   tp::Layout l3 = l;
   l3.micro_batches = 2;

@@ -129,8 +129,10 @@ void add_plan_options(CLI::App& app, PlanFlags& f) {
                  "ring's exposed ms")
       ->delimiter(',')
       ->capture_default_str();
-  app.add_option("--pipeline-schedule", o.pipeline_schedule, "1f1b | gpipe (layouts with pp > 1)")
-      ->check(CLI::IsMember({"1f1b", "gpipe"}))
+  app.add_option("--pipeline-schedule", o.pipeline_schedule,
+                 "1f1b | gpipe | zb-h1 | zb-v (layouts with pp > 1; zb-h1 and zb-v: 1F1B's bubble times 1/3 and "
+                 "1/6, the zero-bubble paper's figures with forward, input-gradient and weight-gradient times equal)")
+      ->check(CLI::IsMember({"1f1b", "gpipe", "zb-h1", "zb-v"}))
       ->capture_default_str();
   o.pipeline_partition = "auto";
   app.add_option("--pp-partition", o.pipeline_partition,

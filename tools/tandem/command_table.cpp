@@ -14,8 +14,8 @@ step and the share of communication hidden behind backward.
 
 - **Strategies and layouts.** `--strategy single|ddp|zero1|zero2|zero3|hsdp|hsdp2` (ZeRO: optimizer state,
   then gradients, then parameters sharded). `--tp T --pp P` add Megatron tensor parallelism and
-  pipeline stages (`--micro-batches M`, `--pipeline-schedule gpipe|1f1b|interleaved` with
-  `--virtual-stages V`, `--pp-partition params|time|3,7`); the remaining ranks are data parallel
+  pipeline stages (`--micro-batches M`, `--pipeline-schedule gpipe|1f1b|interleaved|zb-h1|zb-v`,
+  interleaved with `--virtual-stages V`, `--pp-partition params|time|3,7`); the remaining ranks are data parallel
   under any strategy but `single` (under a pipeline ZeRO-2/3 reduce-scatter after every
   micro-batch and ZeRO-3 gathers each layer per micro-batch). Refused, each with its reason:
   `--tp` or `--pp` with `single`; `--tp` x `--pp` that does not divide `-n`; `--grad-accum` with

@@ -57,11 +57,14 @@ void add_parallel_options(CLI::App& app, ParallelConfig& pc) {
       ->capture_default_str();
   add_word_option<PipelineSchedule>(app, "--pipeline-schedule", pc.schedule, parse_pipeline_schedule,
                                     to_string(pc.schedule),
-                                    "gpipe | 1f1b | interleaved (with --pp; interleaved: --micro-batches a multiple "
-                                    "of --pp, and --tp 1)");
+                                    "gpipe | 1f1b | interleaved | zb-h1 | zb-v (with --pp; interleaved: "
+                                    "--micro-batches a multiple of --pp, and --tp 1; zb-h1 and zb-v split each "
+                                    "backward into input and weight gradients, the latter filling the bubble: zb-h1 "
+                                    "at 1F1B's memory, zb-v with two chunks per rank in a V, rank r holding virtual "
+                                    "stages r and 2pp-1-r)");
   app.add_option("--virtual-stages", pc.virtual_stages,
                  "model chunks per pipeline rank with --pipeline-schedule interleaved (chunk c of rank r is virtual "
-                 "stage c*pp + r; --pp-partition then lists pp x V layer counts)")
+                 "stage c*pp + r; --pp-partition then lists pp x V layer counts); zb-v always runs 2 (1 or 2)")
       ->capture_default_str();
   // Registered after --pp and --virtual-stages: CLI11 stores options in the order they were
   // added, so those two hold their values when this one reads its list's stage count.
@@ -70,7 +73,8 @@ void add_parallel_options(CLI::App& app, ParallelConfig& pc) {
       [&pc](const std::string& text) {
         // Without a pipeline the cut is unused; a list is still read, counted by its own items.
         const auto items = static_cast<int>(std::count(text.begin(), text.end(), ',')) + 1;
-        return parse_partition(text, pc.pp > 1 ? pc.pp * std::max(1, pc.virtual_stages) : items);
+        return parse_partition(text, pc.pp > 1 ? pc.pp * pipeline_chunks(pc.schedule, std::max(1, pc.virtual_stages))
+                                               : items);
       },
       to_string(pc.partition),
       "where the stages are cut: params (balanced parameter counts) | time (balanced forward+backward time of a "

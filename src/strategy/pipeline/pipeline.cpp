@@ -1,6 +1,6 @@
-// Pipeline parallelism: partitions, the GPipe, 1F1B and interleaved 1F1B schedules,
-// activation/gradient transfer between stages, and the CPU memory meter used to measure
-// activation memory.
+// Pipeline parallelism: partitions, the GPipe, 1F1B, interleaved 1F1B and zero-bubble schedules,
+// activation/gradient transfer between stages, the split backward's deferred weight gradients,
+// and the CPU memory meter used to measure activation memory.
 //
 // Transfers. Receives block (the data is needed); sends are asynchronous and kept in a pending
 // list until they complete, so that two neighbours each sending before receiving (1F1B's steady
@@ -8,9 +8,10 @@
 // micro-batch's activation is preceded by a small header (dtype, rank, sizes, whether it requires
 // a gradient); the others must have the same shape (equal micro-batches), which the sender
 // checks. Each virtual stage's messages have tags of their own (a rank with several chunks
-// receives from the same neighbour for each). Gradients go back only for activations that require one: a stage whose
-// output does not depend on any trainable parameter (a leading Flatten or a frozen embedding) gets no gradient, and the
-// next stage neither computes nor sends one for its input.
+// receives from the same neighbour for each); a link between two chunks of the same rank (zb-v's
+// turn on the last rank) hands the tensors over in process. Gradients go back only for activations that require one: a
+// stage whose output does not depend on any trainable parameter (a leading Flatten or a frozen embedding) gets no
+// gradient, and the next stage neither computes nor sends one for its input.
 #include "tandem/pipeline.h"
 
 #include <c10/core/CPUAllocator.h>
@@ -19,7 +20,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <limits>
+#include <map>
+#include <optional>
 #include <stdexcept>
 
 namespace tandem {
@@ -29,6 +33,8 @@ const char* to_string(PipelineSchedule s) {
     case PipelineSchedule::kGPipe: return "gpipe";
     case PipelineSchedule::k1F1B: return "1f1b";
     case PipelineSchedule::kInterleaved: return "interleaved";
+    case PipelineSchedule::kZBH1: return "zb-h1";
+    case PipelineSchedule::kZBV: return "zb-v";
   }
   return "?";
 }
@@ -37,7 +43,119 @@ PipelineSchedule parse_pipeline_schedule(const std::string& s) {
   if (s == "gpipe") return PipelineSchedule::kGPipe;
   if (s == "1f1b") return PipelineSchedule::k1F1B;
   if (s == "interleaved") return PipelineSchedule::kInterleaved;
-  throw std::invalid_argument("tandem: unknown pipeline schedule '" + s + "'; use gpipe, 1f1b or interleaved");
+  if (s == "zb-h1") return PipelineSchedule::kZBH1;
+  if (s == "zb-v") return PipelineSchedule::kZBV;
+  throw std::invalid_argument("tandem: unknown pipeline schedule '" + s +
+                              "'; use gpipe, 1f1b, interleaved, zb-h1 or zb-v");
+}
+
+bool splits_backward(PipelineSchedule s) { return s == PipelineSchedule::kZBH1 || s == PipelineSchedule::kZBV; }
+
+int pipeline_chunks(PipelineSchedule s, int virtual_stages) { return s == PipelineSchedule::kZBV ? 2 : virtual_stages; }
+
+// ---------------------------------------------------------------- deferred weight gradients
+
+namespace {
+// Process-wide rather than thread-local: autograd runs a CUDA backward on its device thread.
+std::atomic<bool> g_recording{false};
+std::atomic<WeightGradStore*> g_capture{nullptr};
+
+// at::linear whose backward queues the weight and bias gradients in the capturing store. The
+// bias is an input only when there is one (a custom function takes no undefined inputs).
+torch::autograd::variable_list deferred_linear_backward(torch::autograd::AutogradContext* ctx,
+                                                        const torch::autograd::variable_list& grads) {
+  auto saved = ctx->get_saved_variables();
+  const at::Tensor &x = saved[0], &w = saved[1];
+  const at::Tensor b = saved.size() > 2 ? saved[2] : at::Tensor();
+  const at::Tensor& go = grads[0];
+  at::Tensor gx, gw, gb;
+  if (ctx->needs_input_grad(0)) gx = at::matmul(go, w);
+  if (WeightGradStore* store = g_capture.load()) {
+    store->add(go, x, w, b);
+  } else {
+    const auto g2 = go.reshape({-1, go.size(-1)});
+    gw = g2.t().mm(x.reshape({-1, x.size(-1)}));
+    if (b.defined()) gb = g2.sum(0);
+  }
+  if (saved.size() > 2) return {gx, gw, gb};
+  return {gx, gw};
+}
+
+struct DeferredLinear : public torch::autograd::Function<DeferredLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& b) {
+    ctx->save_for_backward({x, w, b});
+    return at::linear(x, w, b);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return deferred_linear_backward(ctx, grads);
+  }
+};
+
+struct DeferredLinearNoBias : public torch::autograd::Function<DeferredLinearNoBias> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w) {
+    ctx->save_for_backward({x, w});
+    return at::linear(x, w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return deferred_linear_backward(ctx, grads);
+  }
+};
+
+bool deferrable(const at::Tensor& p) { return !p.defined() || (p.is_leaf() && p.requires_grad()); }
+}  // namespace
+
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) {
+  if (!g_recording.load() || !torch::GradMode::is_enabled() || !weight.requires_grad() || !deferrable(weight) ||
+      !deferrable(bias)) {
+    return at::linear(input, weight, bias);
+  }
+  return bias.defined() ? DeferredLinear::apply(input, weight, bias) : DeferredLinearNoBias::apply(input, weight);
+}
+
+WeightGradStore::Recording::Recording() {
+  if (g_recording.exchange(true)) throw std::logic_error("tandem::WeightGradStore: nested recordings");
+}
+WeightGradStore::Recording::~Recording() { g_recording = false; }
+
+WeightGradStore::Capture::Capture(WeightGradStore& store) {
+  WeightGradStore* none = nullptr;
+  if (!g_capture.compare_exchange_strong(none, &store))
+    throw std::logic_error("tandem::WeightGradStore: nested captures");
+}
+WeightGradStore::Capture::~Capture() { g_capture = nullptr; }
+
+void WeightGradStore::add(at::Tensor grad_output, at::Tensor input, at::Tensor weight, at::Tensor bias) {
+  entries_.push_back({std::move(grad_output), std::move(input), std::move(weight), std::move(bias)});
+}
+
+bool WeightGradStore::flush() {
+  if (entries_.empty()) return false;
+  // One gradient per parameter (a weight used twice sums its uses), accumulated in one backward.
+  std::vector<at::Tensor> params, grads;
+  auto add_grad = [&](const at::Tensor& p, const at::Tensor& g) {
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (params[k].is_same(p)) {
+        grads[k] = grads[k] + g;
+        return;
+      }
+    }
+    params.push_back(p);
+    grads.push_back(g);
+  };
+  {
+    torch::NoGradGuard ng;
+    for (const auto& e : entries_) {
+      const auto g2 = e.grad_output.reshape({-1, e.grad_output.size(-1)});
+      add_grad(e.weight, g2.t().mm(e.input.reshape({-1, e.input.size(-1)})));
+      if (e.bias.defined() && e.bias.requires_grad()) add_grad(e.bias, g2.sum(0));
+    }
+  }
+  entries_.clear();
+  torch::autograd::backward(params, grads);
+  return true;
 }
 
 // ---------------------------------------------------------------- partitions
@@ -223,22 +341,34 @@ Pipeline::Pipeline(torch::nn::Sequential model, CommPtr stage_comm, PipelineOpti
   if (!comm_) throw std::invalid_argument("tandem::Pipeline: no stage communicator given");
   stages_ = comm_->size();
   stage_ = comm_->rank();
-  chunks_ = opts_.virtual_stages;
   const int64_t layers = static_cast<int64_t>(model->size());
   if (opts_.micro_batches < 1) {
     throw std::invalid_argument("tandem::Pipeline: micro_batches must be >= 1, got " +
                                 std::to_string(opts_.micro_batches));
   }
-  if (chunks_ < 1) {
+  if (opts_.virtual_stages < 1) {
     throw std::invalid_argument("tandem::Pipeline: virtual_stages (--virtual-stages) must be at least 1, got " +
-                                std::to_string(chunks_));
+                                std::to_string(opts_.virtual_stages));
   }
-  if (chunks_ > 1 && opts_.schedule != PipelineSchedule::kInterleaved) {
-    throw std::invalid_argument(std::string("tandem::Pipeline: ") + std::to_string(chunks_) +
+  const bool zbv = opts_.schedule == PipelineSchedule::kZBV;
+  if (zbv && opts_.virtual_stages > 2) {
+    throw std::invalid_argument("tandem::Pipeline: zb-v runs two chunks per rank in a V, not " +
+                                std::to_string(opts_.virtual_stages) +
+                                "; use --virtual-stages 2 (or leave it out) with --pipeline-schedule zb-v");
+  }
+  if (zbv && stages_ < 2) {
+    throw std::invalid_argument("tandem::Pipeline: zb-v's V needs 2 or more pipeline stages (--pp), got " +
+                                std::to_string(stages_));
+  }
+  if (opts_.virtual_stages > 1 && opts_.schedule != PipelineSchedule::kInterleaved && !zbv) {
+    throw std::invalid_argument(std::string("tandem::Pipeline: ") + std::to_string(opts_.virtual_stages) +
                                 " virtual stages per rank need the interleaved schedule, not " +
                                 to_string(opts_.schedule) +
                                 "; use --pipeline-schedule interleaved or --virtual-stages 1");
   }
+  chunks_ = pipeline_chunks(opts_.schedule, opts_.virtual_stages);
+  v_shape_ = zbv;
+  split_ = splits_backward(opts_.schedule);
   const int virtual_stages = stages_ * chunks_;
   if (virtual_stages > layers) {
     if (chunks_ == 1) validate_partition({}, layers, stages_);  // names the problem
@@ -252,7 +382,7 @@ Pipeline::Pipeline(torch::nn::Sequential model, CommPtr stage_comm, PipelineOpti
   std::vector<int64_t> begin(virtual_stages + 1, 0);
   for (int v = 0; v < virtual_stages; ++v) begin[v + 1] = begin[v] + partition_[v];
   for (int c = 0; c < chunks_; ++c) {
-    const int v = c * stages_ + stage_;
+    const auto v = virtual_stage(c);
     ranges_.emplace_back(begin[v], begin[v + 1]);
     torch::nn::Sequential chunk;
     for (int64_t i = begin[v]; i < begin[v + 1]; ++i) {
@@ -265,9 +395,22 @@ Pipeline::Pipeline(torch::nn::Sequential model, CommPtr stage_comm, PipelineOpti
   device_ = params.empty() ? opts_.device : params.front().device();
 }
 
+// With a split schedule the chunk's Linear children run through tandem::linear, which defers
+// their weight gradients to W. Layers run by run_layers (ZeRO-3 gathers each layer around its
+// forward and backward and frees it after) are left to it and get all their gradients in B.
 at::Tensor Pipeline::run_chunk(int chunk, const at::Tensor& x) {
-  if (!opts_.run_layers) return chunk_modules_[chunk]->forward(x);
-  return opts_.run_layers(ranges_[chunk].first, ranges_[chunk].second, x);
+  if (opts_.run_layers) return opts_.run_layers(ranges_[chunk].first, ranges_[chunk].second, x);
+  if (!split_) return chunk_modules_[chunk]->forward(x);
+  WeightGradStore::Recording rec;
+  at::Tensor y = x;
+  for (auto& layer : *chunk_modules_[chunk]) {
+    if (auto* lin = layer.ptr()->as<torch::nn::LinearImpl>()) {
+      y = linear(y, lin->weight, lin->bias);
+    } else {
+      y = layer.forward(y);
+    }
+  }
+  return y;
 }
 
 int64_t Pipeline::first_layer() const {
@@ -286,7 +429,7 @@ int64_t Pipeline::end_layer() const {
 std::vector<int> Pipeline::layer_owners() const {
   std::vector<int> owner;
   for (size_t v = 0; v < partition_.size(); ++v)
-    owner.insert(owner.end(), partition_[v], static_cast<int>(v) % stages_);
+    owner.insert(owner.end(), partition_[v], pipeline_stage_owner(static_cast<int64_t>(v), stages_, v_shape_).first);
   return owner;
 }
 
@@ -296,9 +439,11 @@ void Pipeline::reset_stats() { stats_ = PipelineStats(); }
 
 std::vector<PipelineOp> Pipeline::schedule_for(PipelineSchedule s, int stage, int stages, int64_t m, int chunks) {
   if (s == PipelineSchedule::kInterleaved) return interleaved_order(stage, stages, chunks, m);
+  if (s == PipelineSchedule::kZBH1) return zb_h1_order(stage, stages, m);
+  if (s == PipelineSchedule::kZBV) return zb_v_order(stage, stages, m);
   std::vector<PipelineOp> ops;
   for (auto [forward, i] : pipeline_order(s == PipelineSchedule::kGPipe, stage, stages, m))
-    ops.push_back({forward, 0, i});
+    ops.push_back({forward ? PipelineOpKind::kForward : PipelineOpKind::kBackward, 0, i});
   return ops;
 }
 
@@ -335,12 +480,27 @@ struct Transfer {
     for (auto& p : pending) p.first->wait();
     pending.clear();
   }
+  // Messages between two chunks of this rank, per tag, in the order sent.
+  std::map<int, std::deque<at::Tensor>> local;
+
   void send(at::Tensor t, int dst, int tag) {
     t = t.contiguous();
+    if (dst == comm.rank()) {
+      local[tag].push_back(t);
+      return;
+    }
     stats.bytes_sent += static_cast<int64_t>(t.numel() * t.element_size());
     pending.emplace_back(comm.send_async(t, dst, tag), t);
   }
   void recv(const at::Tensor& buf, int src, int tag, bool host) {
+    if (src == comm.rank()) {
+      auto& q = local[tag];
+      if (q.empty()) throw std::logic_error("tandem::Pipeline: a chunk receives from this rank before it sent");
+      at::NoGradGuard ng;
+      buf.copy_(q.front());
+      q.pop_front();
+      return;
+    }
     auto t0 = std::chrono::steady_clock::now();
     auto w = comm.recv_async(buf, src, tag);
     if (host) {
@@ -436,6 +596,7 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
   stats_.compute_seconds = stats_.wait_seconds = 0.0;
   stats_.bytes_sent = stats_.bytes_received = 0;
   stats_.peak_live_micro_batches = 0;
+  stats_.weight_passes = 0;
 
   Transfer tr{*comm_, device_, stats_, chunks_};
   std::vector<Slot> slots(m * chunks_);
@@ -443,15 +604,19 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
   at::Tensor loss_sum;
   const int64_t mb_in = inputs.defined() ? inputs.size(0) / m : 0;
   const int64_t mb_tg = targets.defined() ? targets.size(0) / m : 0;
-  const int64_t last_virtual = static_cast<int64_t>(stages_) * chunks_ - 1;
-  const int prev = (stage_ + stages_ - 1) % stages_, next = (stage_ + 1) % stages_;
-  int64_t backwards_left = m * chunks_;
+  // Backwards through autograd in the step (B and W), for before_backward's "last".
+  int64_t backwards_left = 0;
+  for (const auto& op : ops) backwards_left += op.forward() ? 0 : 1;
+  std::vector<WeightGradStore> deferred(split_ ? m * chunks_ : 0);
+  auto owner = [&](int64_t v) { return pipeline_stage_owner(v, stages_, v_shape_).first; };
 
   for (const PipelineOp& op : ops) {
-    const int64_t i = op.micro_batch, v = static_cast<int64_t>(op.chunk) * stages_ + stage_;
-    const bool first = v == 0, last = v == last_virtual;
-    Slot& s = slots[op.chunk * m + i];
-    if (op.forward) {
+    const int64_t i = op.micro_batch, v = virtual_stage(op.chunk);
+    const bool first = v == 0, last = v == last_virtual();
+    const int prev = first ? -1 : owner(v - 1), next = last ? -1 : owner(v + 1);
+    const int64_t slot = op.chunk * m + i;
+    Slot& s = slots[slot];
+    if (op.kind == PipelineOpKind::kForward) {
       at::Tensor x = first ? inputs.narrow(0, i * mb_in, mb_in) : tr.recv_activation(prev, v, op.chunk);
       // Track the input only where the previous stage wants its gradient: a stage fed by one
       // without parameters (the MLP's leading Flatten on a stage of its own) skips computing it.
@@ -471,8 +636,11 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
       if (!last) tr.send_activation(y, next, v, op.chunk);
       s.input = x;
       stats_.peak_live_micro_batches = std::max(stats_.peak_live_micro_batches, ++live);
-    } else {
+    } else if (op.kind == PipelineOpKind::kBackward) {
       if (opts_.before_backward) opts_.before_backward(i, --backwards_left == 0);
+      // A split schedule's B leaves the deferrable weight gradients to this micro-batch's W.
+      std::optional<WeightGradStore::Capture> capture;
+      if (split_) capture.emplace(deferred[slot]);
       if (last) {
         auto t0 = std::chrono::steady_clock::now();
         auto scaled = s.loss / static_cast<double>(m);
@@ -487,12 +655,18 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
         s.output.backward(g);
         stats_.compute_seconds += since(t0);
       }
+      capture.reset();
       if (!first && tr.in[op.chunk].grad) {
         auto gx = s.input.grad();
         tr.send(gx.defined() ? gx : at::zeros_like(s.input), prev, tag_into(kTagGradient, v - 1));
       }
       s = Slot();
       --live;
+    } else {
+      if (opts_.before_backward) opts_.before_backward(i, --backwards_left == 0);
+      auto t0 = std::chrono::steady_clock::now();
+      if (deferred[slot].flush()) ++stats_.weight_passes;
+      stats_.compute_seconds += since(t0);
     }
     tr.poll();
   }
@@ -503,7 +677,7 @@ at::Tensor Pipeline::train_step(const at::Tensor& inputs, const at::Tensor& targ
   if (opts_.broadcast_loss && stages_ > 1) {
     auto buf = is_last() ? loss.reshape({1}).to(device_)
                          : at::empty({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
-    comm_->broadcast(buf, stages_ - 1);
+    comm_->broadcast(buf, pipeline_stage_owner(last_virtual(), stages_, v_shape_).first);
     loss = buf.reshape({});
   }
   stats_.step_seconds = since(t_step);
@@ -528,17 +702,16 @@ at::Tensor Pipeline::forward(const at::Tensor& inputs) {
   Transfer tr{*comm_, device_, scratch, chunks_};
   std::vector<at::Tensor> outs;
   const int64_t mb = inputs.defined() ? inputs.size(0) / m : 0;
-  const int64_t last_virtual = static_cast<int64_t>(stages_) * chunks_ - 1;
-  const int prev = (stage_ + stages_ - 1) % stages_, next = (stage_ + 1) % stages_;
   for (int64_t i = 0; i < m; ++i) {
     for (int c = 0; c < chunks_; ++c) {
-      const int64_t v = static_cast<int64_t>(c) * stages_ + stage_;
-      at::Tensor x = v == 0 ? inputs.narrow(0, i * mb, mb) : tr.recv_activation(prev, v, c);
+      const int64_t v = virtual_stage(c);
+      at::Tensor x = v == 0 ? inputs.narrow(0, i * mb, mb)
+                            : tr.recv_activation(pipeline_stage_owner(v - 1, stages_, v_shape_).first, v, c);
       at::Tensor y = run_chunk(c, x);
-      if (v == last_virtual) {
+      if (v == last_virtual()) {
         outs.push_back(y);
       } else {
-        tr.send_activation(y, next, v, c);
+        tr.send_activation(y, pipeline_stage_owner(v + 1, stages_, v_shape_).first, v, c);
       }
       tr.poll();
     }

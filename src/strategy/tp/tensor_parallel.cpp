@@ -2,6 +2,8 @@
 // vocabulary-parallel cross-entropy, the sharded layers and the dense -> tensor-parallel converter.
 #include "tandem/tensor_parallel.h"
 
+#include "tandem/pipeline.h"
+
 #include <torch/torch.h>
 
 #include <set>
@@ -291,7 +293,7 @@ std::vector<ParameterPlacement> ColumnParallelLinearImpl::parameter_placements()
 }
 
 torch::Tensor ColumnParallelLinearImpl::project(const torch::Tensor& in, const torch::Tensor& whole) {
-  auto y = at::linear(in, weight, bias);
+  auto y = tandem::linear(in, weight, bias);  // defers its weight gradient under a split pipeline schedule
   if (!lora_A) return y;
   // A's output is the same on every tp rank; the gradient reaching it is the sum of every rank's
   // rows' part, hence the all-reduce of copy_to_tp in backward.
@@ -332,7 +334,7 @@ std::vector<ParameterPlacement> RowParallelLinearImpl::parameter_placements() co
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
   auto in = input_is_parallel ? x : scatter_to_tp(x, tp);
   if (sequence_parallel) return forward_sequence_parallel(in);
-  auto y = reduce_from_tp(at::linear(in, weight), tp);
+  auto y = reduce_from_tp(tandem::linear(in, weight), tp);
   // The adapter's rank-r activations are summed over tp (few bytes), so that B's gradient is
   // whole on every rank.
   if (lora_A) y = y + lora_B->forward(reduce_from_tp(lora_A->forward(in), tp));
@@ -340,7 +342,7 @@ torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
 }
 
 torch::Tensor RowParallelLinearImpl::forward_sequence_parallel(const torch::Tensor& in) {
-  auto y = at::linear(in, weight);
+  auto y = tandem::linear(in, weight);
   // B (whole) maps this rank's partial A output: a partial sum of the update, reduced with the
   // layer's. B's gradient from it is partial too, hence copy_to_tp's all-reduce in backward.
   if (lora_A) y = y + at::linear(lora_A->forward(in), copy_to_tp(lora_B->weight, tp)) * lora_B->scaling;
