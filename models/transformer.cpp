@@ -1,6 +1,7 @@
 // The reference causal transformer: pre-LN blocks, fused qkv, scaled_dot_product_attention, GELU.
 #include "tandem/llama.h"
 #include "tandem/models.h"
+#include "tandem/pipeline.h"
 #include "tandem/tensor_parallel.h"
 
 #include <torch/torch.h>
@@ -90,6 +91,14 @@ torch::Tensor self_attention_core(const torch::Tensor& qkv, int64_t heads, const
   return selective ? checkpoint_many(core, {qkv}, {}, /*draws=*/false) : core({qkv});
 }
 
+namespace {
+// The block's projections through tandem::linear: the same as Linear::forward, and under a
+// zero-bubble pipeline schedule their weight gradients wait for the W pass.
+torch::Tensor dense(const torch::nn::Linear& l, const torch::Tensor& x) {
+  return tandem::linear(x, l->weight, l->bias);
+}
+}  // namespace
+
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 3, "tandem::models::TransformerBlock: expected [B, T, D], got ", x.sizes());
   if (padded) {
@@ -97,13 +106,13 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
     auto h0 = x.narrow(2, 0, d);
     auto m = x.narrow(2, d, 1);  // [B, T, 1]: 1 real, 0 padding (or the position in the document)
     auto att =
-        self_attention_core(qkv->forward(ln1->forward(h0)), heads, channel_attention_mask(m, documents), selective);
-    auto h = h0 + proj->forward(att);
-    h = h + fc2->forward(torch::gelu(fc1->forward(ln2->forward(h))));
+        self_attention_core(dense(qkv, ln1->forward(h0)), heads, channel_attention_mask(m, documents), selective);
+    auto h = h0 + dense(proj, att);
+    h = h + dense(fc2, torch::gelu(dense(fc1, ln2->forward(h))));
     return torch::cat({h, m}, 2);
   }
-  auto h = x + proj->forward(self_attention_core(qkv->forward(ln1->forward(x)), heads, {}, selective));
-  return h + fc2->forward(torch::gelu(fc1->forward(ln2->forward(h))));
+  auto h = x + dense(proj, self_attention_core(dense(qkv, ln1->forward(x)), heads, {}, selective));
+  return h + dense(fc2, torch::gelu(dense(fc1, ln2->forward(h))));
 }
 
 torch::Tensor LastTokenImpl::forward(const torch::Tensor& x) {

@@ -50,8 +50,8 @@ int pipeline_chunks(PipelineSchedule s, int virtual_stages);
 // while a WeightGradStore::Recording lives (the pipeline's forwards of a split schedule) and only
 // for leaf parameters; otherwise, and for backwards outside a Capture, it is at::linear. The
 // pipeline runs the torch::nn::Linear children of its chunks through it; tensor-parallel linear
-// layers and the built-in transformer blocks call it. Other layers (norms, embeddings) get their
-// parameters' gradients in B.
+// layers, the built-in transformer blocks and the Llama's projections (lora::linear) call it.
+// Other layers (norms, embeddings) get their parameters' gradients in B.
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias = {});
 
 class WeightGradStore {

@@ -13,6 +13,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "tandem/pipeline.h"
 #include "tandem/safetensors.h"
 
 namespace tandem::lora {
@@ -80,7 +81,9 @@ void add_adapter(torch::nn::Module& m, at::Tensor a, at::Tensor b, const LoraCon
 torch::Tensor linear(const torch::nn::Linear& base, const torch::Tensor& x) {
   auto& m = *base.ptr();
   const auto a = adapter_of(m);
-  return a ? m.forward(x) + a.delta(x) : m.forward(x);
+  // tandem::linear is Linear::forward, whose weight gradient a zero-bubble pipeline defers to W.
+  auto y = tandem::linear(x, m.weight, m.bias);
+  return a ? y + a.delta(x) : y;
 }
 
 namespace {

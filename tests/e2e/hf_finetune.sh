@@ -27,6 +27,8 @@ run zero2 -n 2 --strategy zero2 "${lm[@]}" && same single zero2
 run zero3 -n 2 --strategy zero3 "${lm[@]}" && same single zero3
 run pp2 -n 2 --strategy ddp --pp 2 --micro-batches 2 --checkpoint-dir "$tmp/ck" --checkpoint-every 10 "${lm[@]}" &&
   same single pp2
+# zb-v: the decoder layers' projections defer their weight gradients to W passes; the loss is on rank 0.
+run pp2_zbv -n 2 --strategy ddp --pp 2 --micro-batches 2 --pipeline-schedule zb-v "${lm[@]}" && same single pp2_zbv
 resume() {  # resume CK NAME ARGS...: CK's step-10 checkpoint resumed under ARGS gives one worker's steps 11-20
   local ck=$tmp/$1 name=$2 newest
   shift 2
