@@ -5,8 +5,10 @@
 //   gpu_bench check [--skip-timeout-test]
 //       Every Communicator operation of the NCCL backend on CUDA tensors, against references
 //       each rank computes locally, plus stream semantics, errors, split, timeout/abort and a
-//       DDP gradient check. World size from RANK / WORLD_SIZE / LOCAL_RANK (with
-//       TANDEM_STORE_DIR for the file bootstrap) or mpirun; 1 when none is set.
+//       DDP gradient check; then the trace, checkpoints, LoRA, context parallelism, PowerSGD,
+//       hsdp, the zero-bubble pipelines and selective recomputation on the GPU. World size
+//       from RANK / WORLD_SIZE / LOCAL_RANK (with TANDEM_STORE_DIR for the file bootstrap) or
+//       mpirun; 1 when none is set.
 //   gpu_bench bench --model cnn|transformer [--batch B] [--steps N] [--warmup W]
 //                   [--layers L] [--dmodel D] [--heads H] [--seq S] [--no-oom-retry]
 //       Step time of Tandem DDP on NCCL for one model (mirrored exactly by
@@ -20,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -28,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/activation_checkpoint.h"
 #include "tandem/checkpoint.h"
 #include "tandem/comm.h"
 #include "tandem/context_parallel.h"
@@ -35,6 +39,7 @@
 #include "tandem/engine.h"
 #include "tandem/llama.h"
 #include "tandem/lora.h"
+#include "tandem/pipeline.h"
 #include "tandem/runtime.h"
 #include "tandem/trace.h"
 
@@ -756,6 +761,255 @@ bool check_context_parallel(tandem::Runtime& rt, int rank) {
   return ok;
 }
 
+// fp32 matrix products and convolutions in full precision while alive: TF32 (LibTorch's default
+// for cuDNN convolutions, 10 mantissa bits) would put the exactness checks below near 1e-3.
+class NoTf32 {
+ public:
+  NoTf32() : cublas_(at::globalContext().allowTF32CuBLAS()), cudnn_(at::globalContext().allowTF32CuDNN()) {
+    at::globalContext().setAllowTF32CuBLAS(false);
+    at::globalContext().setAllowTF32CuDNN(false);
+  }
+  ~NoTf32() {
+    at::globalContext().setAllowTF32CuBLAS(cublas_);
+    at::globalContext().setAllowTF32CuDNN(cudnn_);
+  }
+  NoTf32(const NoTf32&) = delete;
+  NoTf32& operator=(const NoTf32&) = delete;
+
+ private:
+  bool cublas_, cudnn_;
+};
+
+double rel_err(const at::Tensor& a, const at::Tensor& b) {
+  const auto x = a.detach().cpu().to(torch::kDouble), y = b.detach().cpu().to(torch::kDouble);
+  return (x - y).norm().item<double>() / std::max(y.norm().item<double>(), 1e-30);
+}
+
+double rel_diff(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+
+bool verdict(bool ok, int rank, const std::string& text) {
+  std::cout << "check " << (ok ? "ok     " : "FAILED ") << "rank " << rank << ": " << text << std::endl;
+  return ok;
+}
+
+at::Tensor cross_entropy(const at::Tensor& out, const at::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
+}
+
+// PowerSGD on NCCL: with the full rank of every matrix (r = min(n, m)) from step 0 the
+// projection is onto the whole column space, so DDP's gradients must be one process's average
+// over the whole batch, step after step (warm start and residuals included); the bytes counted
+// are the factors' (n + m) r per matrix, not the dense gradient's. 1e-4 relative: fp32 sums in
+// another order plus the GPU's QR and products (1e-5 on the CPU in tests/dist/test_powersgd.cpp).
+bool check_powersgd(tandem::Runtime& rt, int rank) {
+  NoTf32 exact;
+  const int R = rt.world()->size();
+  const auto dev = rt.device();
+  auto net = [&](uint64_t seed) {
+    torch::manual_seed(seed);
+    torch::nn::Sequential m(torch::nn::Conv2d(2, 3, 3), torch::nn::Flatten(), torch::nn::Linear(27, 6),
+                            torch::nn::Tanh(), torch::nn::Linear(6, 27), torch::nn::Tanh(), torch::nn::Linear(27, 5));
+    m->to(dev);
+    return m;
+  };
+  auto model = net(20 + rank), ref = net(20);  // DDP broadcasts rank 0's weights
+  tandem::DDPOptions o;
+  o.powersgd = tandem::PowerSGDOptions{};
+  o.powersgd->rank = 64;  // clipped to each matrix's min(n, m)
+  o.powersgd->start_step = 0;
+  o.powersgd->min_compression_rate = 0;  // compress every matrix, though full rank saves nothing
+  o.bucket_cap_bytes = 1000;             // several buckets
+  tandem::DistributedDataParallel ddp(model.ptr(), rt.world(), o);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  const int64_t steps = 3;
+  double worst = 0;
+  for (int64_t s = 0; s < steps; ++s) {
+    auto g = at::detail::createCPUGenerator(40 + static_cast<uint64_t>(s));
+    auto x = torch::randn({6 * R, 2, 5, 5}, g).to(dev), y = torch::randint(0, 5, {6 * R}, g).to(dev);
+    ref->zero_grad();
+    cross_entropy(ref->forward(x), y).backward();
+    ddp.prepare_forward();
+    ddp.zero_grad();
+    cross_entropy(model->forward(slice_rows(x, rank, R)), slice_rows(y, rank, R)).backward();
+    const auto got = model->parameters(), want = ref->parameters();
+    for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, rel_err(got[i].grad(), want[i].grad()));
+    opt.step();
+    ref_opt.step();
+  }
+  int64_t factors = 0, dense = 0;
+  for (const auto& p : model->parameters()) {
+    dense += p.numel();
+    const int64_t rows = p.dim() < 2 ? 0 : p.size(0), cols = rows ? p.numel() / rows : 0;
+    factors += rows ? (rows + cols) * std::min(rows, cols) : p.numel();
+  }
+  const int64_t bytes = ddp.stats().bytes;
+  std::ostringstream text;
+  text << "powersgd: full rank on " << dev.str() << ", gradients vs one process rel " << worst << ", bytes " << bytes
+       << " (the factors' " << steps * 4 * factors << ", dense " << steps * 4 * dense << ")";
+  return verdict(worst <= 1e-4 && bytes == steps * 4 * factors, rank, text.str());
+}
+
+// Hybrid sharding on NCCL: hsdp with shard groups of 1 (every rank a replica: an all-reduce of
+// every gradient) and of the whole world (zero3) trains 3 AdamW steps as DDP does.
+bool check_hsdp(tandem::Runtime& rt, int rank) {
+  NoTf32 exact;
+  const int world = rt.world()->size();
+  const auto dev = rt.device();
+  auto run = [&](tandem::Strategy strategy, int group) {
+    torch::manual_seed(7);
+    torch::nn::Sequential mlp(torch::nn::Linear(13, 32), torch::nn::ReLU(), torch::nn::Linear(32, 32),
+                              torch::nn::ReLU(), torch::nn::Linear(32, 5));
+    tandem::OptimizerOptions adamw;
+    adamw.kind = "adamw";
+    adamw.lr = 1e-2;
+    tandem::ParallelConfig c;
+    c.strategy = strategy;
+    c.shard_group = group;
+    tandem::Engine eng(rt, mlp, adamw, c);
+    std::vector<double> losses;
+    for (int64_t s = 0; s < 3; ++s) {
+      auto g = at::detail::createCPUGenerator(500 + static_cast<uint64_t>(s));
+      auto x = torch::randn({8 * world, 13}, g), y = torch::randint(0, 5, {8 * world}, g);
+      auto l = eng.step(slice_rows(x, rank, world).to(dev), slice_rows(y, rank, world).to(dev), cross_entropy)
+                   .detach()
+                   .reshape({1})
+                   .clone();
+      rt.world()->allreduce(l, ReduceOp::kAvg);
+      losses.push_back(l.cpu().item<double>());
+    }
+    return losses;
+  };
+  const auto want = run(world > 1 ? tandem::Strategy::kDDP : tandem::Strategy::kSingle, 0);
+  std::ostringstream text;
+  text << "hsdp on " << dev.str() << ", losses vs " << (world > 1 ? "ddp" : "single") << " rel:";
+  bool ok = true;
+  for (int group : world > 1 ? std::vector<int>{1, world} : std::vector<int>{1}) {
+    const auto got = run(tandem::Strategy::kHsdp, group);
+    double worst = 0;
+    for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, rel_diff(got[i], want[i]));
+    ok = ok && worst <= 1e-5;
+    text << " shard_group " << group << " " << worst;
+  }
+  return verdict(ok, rank, text.str());
+}
+
+// Zero-bubble pipelines on NCCL with pp = the world's ranks: one step of zb-h1 and of zb-v
+// (two chunks per rank in a V, so other layers per rank than 1F1B: the gradients are compared
+// whole, each stage's summed over the ranks into zeros) against 1F1B, and 1F1B against one
+// process over the whole batch on this GPU.
+bool check_zero_bubble(tandem::Runtime& rt, int rank) {
+  const int P = rt.world()->size();
+  if (P < 2) {
+    std::cout << "check SKIPPED rank " << rank << ": zero-bubble pipeline (needs 2 ranks)" << std::endl;
+    return true;
+  }
+  NoTf32 exact;
+  const auto dev = rt.device();
+  auto mlp = [&] {
+    torch::manual_seed(3);
+    torch::nn::Sequential net(torch::nn::Linear(13, 11), torch::nn::Tanh(), torch::nn::Linear(11, 11),
+                              torch::nn::Tanh(), torch::nn::Linear(11, 11), torch::nn::Tanh(), torch::nn::Linear(11, 7),
+                              torch::nn::Linear(7, 5));
+    net->to(dev);
+    return net;
+  };
+  auto g = at::detail::createCPUGenerator(5);
+  const auto x = torch::randn({24, 13}, g).to(dev), y = torch::randint(0, 5, {24}, g).to(dev);
+  using Grads = std::map<std::string, at::Tensor>;
+  auto run = [&](tandem::PipelineSchedule s) {
+    tandem::PipelineOptions o;
+    o.schedule = s;
+    o.micro_batches = 2 * P;
+    o.device = dev;
+    tandem::Pipeline pipe(mlp(), rt.world(), o);
+    const double loss = pipe.train_step(x, y, cross_entropy).cpu().item<double>();
+    Grads grads;
+    for (const auto& np : mlp()->named_parameters()) grads[np.key()] = torch::zeros_like(np.value());
+    for (const auto& np : pipe.stage_module()->named_parameters())
+      if (np.value().grad().defined()) grads.at(np.key()).copy_(np.value().grad());
+    for (auto& [name, t] : grads) rt.world()->allreduce(t, ReduceOp::kSum);
+    return std::make_pair(loss, grads);
+  };
+  auto differ = [](const std::pair<double, Grads>& a, const std::pair<double, Grads>& b) {
+    double worst = rel_diff(a.first, b.first);
+    for (const auto& [name, t] : b.second) worst = std::max(worst, rel_err(a.second.at(name), t));
+    return worst;
+  };
+  auto ref = mlp();
+  const auto ref_l = cross_entropy(ref->forward(x), y);
+  ref_l.backward();
+  const double ref_loss = ref_l.item<double>();
+  Grads ref_grads;
+  for (const auto& np : ref->named_parameters()) ref_grads[np.key()] = np.value().grad();
+  const auto f1b = run(tandem::PipelineSchedule::k1F1B);
+  const double e1f1b = differ(f1b, {ref_loss, ref_grads});
+  const double eh1 = differ(run(tandem::PipelineSchedule::kZBH1), f1b);
+  const double ev = differ(run(tandem::PipelineSchedule::kZBV), f1b);
+  std::ostringstream text;
+  text << "zero-bubble pipeline, pp " << P << " on " << dev.str() << ", loss and gradients rel: zb-h1 vs 1f1b " << eh1
+       << ", zb-v vs 1f1b " << ev << ", 1f1b vs one process " << e1f1b;
+  return verdict(eh1 <= 1e-5 && ev <= 1e-5 && e1f1b <= 1e-5, rank, text.str());
+}
+
+// Selective recomputation of a small Llama on the GPU (fp32): the loss and gradients of the
+// plain forward, something recomputed in backward, and less activation memory: both what the
+// forward leaves allocated for backward and the allocator's peak during the forward and loss
+// (above what was allocated before; the same logits and loss transients on both sides).
+bool check_selective_recompute(tandem::Runtime& rt, int rank) {
+  NoTf32 exact;
+  const auto dev = rt.device();
+  const auto idx = dev.index();
+  auto mc = small_llama(64);
+  mc.vocab_size = 300;
+  mc.intermediate_size = 176;
+  auto g = at::detail::createCPUGenerator(5);
+  const auto ids = torch::randint(1, mc.vocab_size, {4, 48}, g).to(dev);
+  struct Pass {
+    double loss = 0, recomputed = 0;
+    int64_t held = 0, peak = 0;
+    std::map<std::string, at::Tensor> grads;
+  };
+  auto run = [&](const std::string& policy) {
+    torch::manual_seed(3);
+    auto base = tandem::llama::causal_lm_sequential(mc);
+    base->to(dev);
+    auto net = tandem::checkpoint_sequential(base, tandem::parse_activation_checkpointing(policy));
+    Pass p;
+    torch::cuda::synchronize();
+    const int64_t before = tandem::compat::cuda_allocated_bytes(idx);
+    tandem::compat::reset_cuda_peak_stats(idx);
+    const double recomputed = tandem::recompute_seconds();
+    auto logits = net->forward(ids);
+    auto loss = cross_entropy(logits, ids);
+    logits = at::Tensor();
+    torch::cuda::synchronize();
+    p.held = tandem::compat::cuda_allocated_bytes(idx) - before;
+    p.peak = tandem::compat::cuda_peak_allocated_bytes(idx) - before;
+    loss.backward();
+    p.recomputed = tandem::recompute_seconds() - recomputed;
+    p.loss = loss.item<double>();
+    for (const auto& item : net->named_parameters())
+      if (item.value().grad().defined()) p.grads[item.key()] = item.value().grad().clone();
+    return p;
+  };
+  const auto none = run("none");
+  const auto selective = run("selective");
+  double worst = rel_diff(selective.loss, none.loss);
+  bool same_params = none.grads.size() == selective.grads.size() && !none.grads.empty();
+  for (const auto& [name, t] : none.grads) {
+    same_params = same_params && selective.grads.count(name);
+    if (selective.grads.count(name)) worst = std::max(worst, rel_err(selective.grads.at(name), t));
+  }
+  const bool ok = same_params && worst <= 1e-5 && none.recomputed == 0 && selective.recomputed > 0 &&
+                  selective.held < none.held && selective.peak < none.peak;
+  std::ostringstream text;
+  text << "selective recompute: Llama on " << dev.str() << ", loss and gradients vs none rel " << worst
+       << ", activations held after the forward " << selective.held << " / " << none.held << " bytes, peak "
+       << selective.peak << " / " << none.peak << " bytes (selective / none)";
+  return verdict(ok, rank, text.str());
+}
+
 int run_check(const Args& a) {
   if (!torch::cuda::is_available()) {
     std::cerr << "gpu_bench check: no CUDA device visible\n";
@@ -788,29 +1042,23 @@ int run_check(const Args& a) {
   Checker c(comm, rt->device(), !a.flag("--skip-timeout-test"));
   int rc = c.run();
   torch::cuda::synchronize();
-  try {
-    if (!check_trace(*rt, comm, comm->rank())) rc = 1;
-  } catch (const std::exception& e) {
-    std::cout << "check FAILED rank " << comm->rank() << ": trace (threw) -- " << e.what() << std::endl;
-    rc = 1;
-  }
-  try {
-    if (!check_checkpoint(*rt, comm->rank())) rc = 1;
-  } catch (const std::exception& e) {
-    std::cout << "check FAILED rank " << comm->rank() << ": checkpoint (threw) -- " << e.what() << std::endl;
-    rc = 1;
-  }
-  try {
-    if (!check_lora(*rt, comm->rank())) rc = 1;
-  } catch (const std::exception& e) {
-    std::cout << "check FAILED rank " << comm->rank() << ": lora (threw) -- " << e.what() << std::endl;
-    rc = 1;
-  }
-  try {
-    if (!check_context_parallel(*rt, comm->rank())) rc = 1;
-  } catch (const std::exception& e) {
-    std::cout << "check FAILED rank " << comm->rank() << ": context parallel (threw) -- " << e.what() << std::endl;
-    rc = 1;
+  const std::vector<std::pair<std::string, std::function<bool()>>> checks = {
+      {"trace", [&] { return check_trace(*rt, comm, comm->rank()); }},
+      {"checkpoint", [&] { return check_checkpoint(*rt, comm->rank()); }},
+      {"lora", [&] { return check_lora(*rt, comm->rank()); }},
+      {"context parallel", [&] { return check_context_parallel(*rt, comm->rank()); }},
+      {"powersgd", [&] { return check_powersgd(*rt, comm->rank()); }},
+      {"hsdp", [&] { return check_hsdp(*rt, comm->rank()); }},
+      {"zero-bubble pipeline", [&] { return check_zero_bubble(*rt, comm->rank()); }},
+      {"selective recompute", [&] { return check_selective_recompute(*rt, comm->rank()); }},
+  };
+  for (const auto& [name, check] : checks) {
+    try {
+      if (!check()) rc = 1;
+    } catch (const std::exception& e) {
+      std::cout << "check FAILED rank " << comm->rank() << ": " << name << " (threw) -- " << e.what() << std::endl;
+      rc = 1;
+    }
   }
   return rc;
 }

@@ -6,8 +6,10 @@
 #   (a) versions and nvidia-smi           -> OUTDIR/01-env.log
 #   (b) configure + build (build-gpu/)     -> OUTDIR/02-configure.log, 03-build.log
 #   (c) NCCL correctness (and a ZeRO-3 checkpoint on the GPU loaded back, LoRA under ZeRO-3,
-#       ring attention and a Llama under context parallelism over the ranks): world size 1
-#       (non-blocking and blocking NCCL), and 2 processes
+#       ring attention and a Llama under context parallelism over the ranks, PowerSGD at full
+#       rank against the exact average, hsdp against DDP, zb-h1 and zb-v pipelines against
+#       1F1B with 2 ranks, selective recomputation of a Llama against none with less memory):
+#       world size 1 (non-blocking and blocking NCCL), and 2 processes
 #       sharing the GPU through the file bootstrap (skipped if NCCL refuses)  -> 1x-check-*.log
 #   (d) benchmarks: bf16 matmul rate; CNN and transformer, Tandem DDP vs torch DDP -> 2x-*.log
 #   (e) a table, printed last (also OUTDIR/table.txt)
@@ -21,7 +23,7 @@
 set -u -o pipefail
 
 if [ $# -ne 1 ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 mkdir -p "$1" || exit 2

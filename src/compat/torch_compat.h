@@ -87,6 +87,10 @@ inline int64_t cuda_peak_allocated_bytes(c10::DeviceIndex device) {
   return stats.allocated_bytes[0].peak;  // index 0: StatType::AGGREGATE
 }
 inline void reset_cuda_peak_stats(c10::DeviceIndex device) { c10::cuda::CUDACachingAllocator::resetPeakStats(device); }
+// Bytes held by tensors on `device` now (Python: torch.cuda.memory_allocated).
+inline int64_t cuda_allocated_bytes(c10::DeviceIndex device) {
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(device).allocated_bytes[0].current;
+}
 #endif
 
 // ---- storage that outlives its memory (ZeRO-3 / FSDP's "free the unsharded parameter") ----
