@@ -298,7 +298,7 @@ expect batch-not-micro-batched "not divisible into 4 micro-batches; use a --batc
 expect batch-not-over-replicas "does not split evenly over 2 data-parallel replicas" -- \
   "$tandem" train -n 4 --tp 2 --batch 63 "${bad[@]}"
 expect single-with-tp "strategy single runs one worker" -- "$tandem" train -n 2 --tp 2 --strategy single "${bad[@]}"
-expect bad-schedule "unknown pipeline schedule 'zigzag'; use gpipe, 1f1b or interleaved" -- \
+expect bad-schedule "unknown pipeline schedule 'zigzag'; use gpipe, 1f1b, interleaved, zb-h1 or zb-v" -- \
   "$tandem" train -n 2 --pp 2 --pipeline-schedule zigzag "${bad[@]}"
 expect bad-partition-word "--pp-partition 'layers': use params, time, or the layers of each of the 2 stages" -- \
   "$tandem" train -n 2 --pp 2 --pp-partition layers "${bad[@]}"
