@@ -150,9 +150,9 @@ int main(int argc, char** argv) {
         stages += buf;
       }
       const std::string name = to_string(c.schedule);
-      const double theory = pipeline_bubble_theory(name, P, c.m, c.chunks);
+      const double theory = pipeline_bubble_theory(c.schedule, P, c.m, c.chunks);
       std::printf("| %s | %ld | %d | %.1f | %s | %.3f | %.3f = %s |\n", name.c_str(), static_cast<long>(c.m), c.chunks,
-                  middle(c.step_ms), stages.c_str(), mean, theory, pipeline_bubble_formula(name).c_str());
+                  middle(c.step_ms), stages.c_str(), mean, theory, pipeline_bubble_formula(c.schedule).c_str());
     }
     std::fflush(stdout);
   }

@@ -28,11 +28,6 @@
 
 namespace tandem {
 
-enum class PipelineSchedule { kGPipe, k1F1B, kInterleaved, kZBH1, kZBV };
-const char* to_string(PipelineSchedule s);
-// "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-v"; throws std::invalid_argument otherwise.
-PipelineSchedule parse_pipeline_schedule(const std::string& s);
-
 // Whether the schedule splits the backward into B and W operations (zb-h1, zb-v).
 bool splits_backward(PipelineSchedule s);
 // Model chunks per rank the schedule runs with `virtual_stages` asked: 2 for zb-v (which takes

@@ -10,6 +10,11 @@
 
 namespace tandem {
 
+enum class PipelineSchedule { kGPipe, k1F1B, kInterleaved, kZBH1, kZBV };
+const char* to_string(PipelineSchedule s);
+// "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-v"; throws std::invalid_argument otherwise.
+PipelineSchedule parse_pipeline_schedule(const std::string& s);
+
 // Contiguous split of `costs` into `stages` non-empty parts minimising the largest part's cost
 // (exact, dynamic programming). Throws std::invalid_argument when stages > costs.size().
 std::vector<int64_t> balance_partition(const std::vector<double>& costs, int stages);
@@ -98,12 +103,11 @@ std::vector<PipelineOp> zb_v_order(int stage, int stages, int64_t m);
 //   zb-v:         (p - 1) (t_f + t_b - t_w) / (2 m (t_f + t_b + t_w)) = (p - 1) / (6 m), m >= 2p
 // (zb-h1: the paper's (p - 1)(T_F + T_B - T_W) idle; zb-v: zb_v_order's p - 1 idle chunk
 // operations of half those times; both as the unit tests' simulations of the orders find; the
-// paper's own ZB-V order reaches zero with equal times). Throws std::invalid_argument for
-// another name.
-double pipeline_bubble_theory(const std::string& schedule, int stages, int64_t m, int chunks = 1, double t_f = 1.0,
+// paper's own ZB-V order reaches zero with equal times).
+double pipeline_bubble_theory(PipelineSchedule schedule, int stages, int64_t m, int chunks = 1, double t_f = 1.0,
                               double t_b = 1.0, double t_w = 1.0);
 // The formula above as the report prints it: "(pp-1)/m", "(pp-1)/(m*v)", "(pp-1)/(3m)", "(pp-1)/(6m)".
-std::string pipeline_bubble_formula(const std::string& schedule);
+std::string pipeline_bubble_formula(PipelineSchedule schedule);
 
 // The --pp-partition option of tandem train, pretrain and finetune: "params" and "time" give an
 // empty list (the caller cuts), otherwise one positive layer count per stage, comma-separated

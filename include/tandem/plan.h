@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "tandem/pipeline_schedule.h"
+
 namespace tandem {
 class Runtime;
 struct ParallelConfig;
@@ -229,7 +231,7 @@ struct PlanOptions {
   bool sequence_parallel = false;
   // 1f1b | gpipe (same makespan with equal stages) | zb-h1 | zb-v (1F1B's bubble scaled by
   // pipeline_bubble_theory's ratio: 1/3 and 1/6, tandem/pipeline_schedule.h).
-  std::string pipeline_schedule = "1f1b";
+  PipelineSchedule pipeline_schedule = PipelineSchedule::k1F1B;
   // Where a model that lists its children is cut into stages, as `tandem train --pp-partition`:
   // "params" (balanced parameter counts), "time" (balanced per-child time at the micro-batch:
   // the calibration's fits on CPU, else FLOPs) or the children per stage, "3,7" (layouts with

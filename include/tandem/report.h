@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "tandem/pipeline_schedule.h"
+
 namespace tandem {
 
 class Engine;
@@ -63,10 +65,10 @@ struct Report {
   int64_t trainable_parameters = 0;  // those that require gradients (fewer with LoRA adapters)
   int64_t global_batch = 0;
   int64_t grad_accum = 1;
-  int64_t micro_batches = 1;                      // pipeline micro-batches per replica and step (pp > 1)
-  std::string pipeline_schedule;                  // pp > 1
-  int virtual_stages = 1;                         // model chunks per pipeline rank (interleaved)
-  std::vector<int64_t> partition;                 // layers per (virtual) pipeline stage (pp > 1)
+  int64_t micro_batches = 1;                                     // pipeline micro-batches per replica and step (pp > 1)
+  PipelineSchedule pipeline_schedule = PipelineSchedule::k1F1B;  // pp > 1
+  int virtual_stages = 1;                                        // model chunks per pipeline rank (interleaved)
+  std::vector<int64_t> partition;                                // layers per (virtual) pipeline stage (pp > 1)
   std::string activation_checkpointing = "none";  // none | every | selective | N (tandem/activation_checkpoint.h)
   double recompute_seconds = 0.0;                 // rank 0's seconds recomputing in backward (EngineStats)
   double baseline_samples_per_second = 0.0;       // one worker's, when known: gives the speedup

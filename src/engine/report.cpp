@@ -52,8 +52,8 @@ void gather_pipeline(Engine& eng, const EngineStats::PipelineStage& s, Report& r
   }
   rep.bubble_measured = sum / pp;
   const auto& cfg = eng.config();
-  rep.bubble_theory = pipeline_bubble_theory(to_string(cfg.schedule), pp, cfg.micro_batches,
-                                             pipeline_chunks(cfg.schedule, cfg.virtual_stages));
+  rep.bubble_theory =
+      pipeline_bubble_theory(cfg.schedule, pp, cfg.micro_batches, pipeline_chunks(cfg.schedule, cfg.virtual_stages));
 }
 
 // Every rank's peaks, model state and pipeline stage; rank 0's model state alone as well.
@@ -123,10 +123,12 @@ void format_layout(std::ostringstream& os, const Report& r) {
     line(os, "pipeline") << r.pp << " stages";
     if (r.virtual_stages > 1) {
       os << " x " << r.virtual_stages << " virtual stages ("
-         << (r.pipeline_schedule == "zb-v" ? "a V: rank r holds r and 2pp-1-r" : "chunk c of rank r: c*pp + r") << ")";
+         << (r.pipeline_schedule == PipelineSchedule::kZBV ? "a V: rank r holds r and 2pp-1-r"
+                                                           : "chunk c of rank r: c*pp + r")
+         << ")";
     }
     os << ", layers per " << (r.virtual_stages > 1 ? "virtual " : "") << "stage " << joined(r.partition, "/") << ", "
-       << r.micro_batches << " micro-batches, " << r.pipeline_schedule << "\n";
+       << r.micro_batches << " micro-batches, " << to_string(r.pipeline_schedule) << "\n";
     if (!r.bubble_per_stage.empty()) {
       line(os, "bubble") << std::setprecision(2) << r.bubble_measured << " idle/compute measured (mean over stages:";
       for (size_t s = 0; s < r.bubble_per_stage.size(); ++s) os << (s ? "," : "") << " " << r.bubble_per_stage[s];
@@ -333,7 +335,7 @@ void describe_engine(const Engine& eng, Report& rep) {
   rep.trainable_parameters = eng.trainable_parameters();
   rep.grad_accum = pc.grad_accum;
   rep.micro_batches = pc.micro_batches;
-  rep.pipeline_schedule = to_string(pc.schedule);
+  rep.pipeline_schedule = pc.schedule;
   rep.virtual_stages = pipeline_chunks(pc.schedule, pc.virtual_stages);
   rep.partition = eng.partition();
   rep.activation_checkpointing = to_string(pc.activation_checkpointing);
@@ -480,7 +482,7 @@ std::string report_json(const Report& r) {
                       {"comm_bytes", r.comm_bytes}};
   if (r.pp > 1) {
     j["micro_batches"] = r.micro_batches;
-    j["pipeline_schedule"] = r.pipeline_schedule;
+    j["pipeline_schedule"] = to_string(r.pipeline_schedule);
     j["virtual_stages"] = r.virtual_stages;
     j["partition"] = r.partition;
     j["bubble_per_stage"] = r.bubble_per_stage;

@@ -214,7 +214,7 @@ struct StageTimes {
 // bubble it finds (transfers, calibrated send delays included) is scaled by this.
 double zero_bubble_scale(const PlanOptions& o, int pp, int64_t m) {
   if (pp < 2) return 1.0;
-  return pipeline_bubble_theory(o.pipeline_schedule, pp, m) / pipeline_bubble_theory("1f1b", pp, m);
+  return pipeline_bubble_theory(o.pipeline_schedule, pp, m) / pipeline_bubble_theory(PipelineSchedule::k1F1B, pp, m);
 }
 
 double simulate_pipeline(const std::vector<StageTimes>& st, int64_t m, bool gpipe, const std::vector<double>& xfer,
@@ -479,7 +479,8 @@ PipelineTimes layered_times(const ModelSpec& m, const ClusterSpec& c, const Plan
     out.slot = std::max(out.slot, (t.fwd + t.bwd + t.tp_fwd + t.tp_bwd) / all_busy);
     out.compute = std::max(out.compute, (t.fwd + t.bwd) / all_busy * mcount);
   }
-  out.step = simulate_pipeline(st, mcount, o.pipeline_schedule == "gpipe", xfer, speed, hold, grad_back);
+  out.step =
+      simulate_pipeline(st, mcount, o.pipeline_schedule == PipelineSchedule::kGPipe, xfer, speed, hold, grad_back);
   const double bubble_1f1b = std::max(0.0, out.step - out.slot * mcount);
   out.bubble = bubble_1f1b * zero_bubble_scale(o, pp, mcount);
   out.step += out.bubble - bubble_1f1b;
@@ -559,9 +560,9 @@ void fill_stage_memory(const ModelSpec& m, const std::vector<double>& stage_para
     MemoryBreakdown b = zero_model_states(stage_params[s], l.zero, l.dp * l.cp, sb);
     frozen_share(m, b);
     // zb-h1 holds 1F1B's; zb-v holds 2pp half-stage chunks on every stage, 1F1B stage 0's.
-    const double flight = o.pipeline_schedule == "gpipe"  ? mcount
-                          : o.pipeline_schedule == "zb-v" ? std::min<double>(pp, mcount)
-                                                          : std::min<double>(pp - s, mcount);
+    const double flight = o.pipeline_schedule == PipelineSchedule::kGPipe ? mcount
+                          : o.pipeline_schedule == PipelineSchedule::kZBV ? std::min<double>(pp, mcount)
+                                                                          : std::min<double>(pp - s, mcount);
     const double share = all_inputs > 0 ? inputs / all_inputs : 1.0 / pp;
     b.activations = e.memory.activations * (share / even_share) * (flight / even_flight);
     e.stage_memory.push_back(b);

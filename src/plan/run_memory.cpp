@@ -44,7 +44,7 @@ void add_planned_memory(const ModelSpec& model, const ParallelConfig& pc, int wo
   if (pc.pp > 1 && pc.virtual_stages == 1 && static_cast<int>(partition.size()) == pc.pp) {
     o.pipeline_partition.clear();
     for (int64_t k : partition) o.pipeline_partition += (o.pipeline_partition.empty() ? "" : ",") + std::to_string(k);
-    o.pipeline_schedule = to_string(pc.schedule);
+    o.pipeline_schedule = pc.schedule;
   }
   Estimate e;
   try {

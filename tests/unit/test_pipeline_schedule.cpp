@@ -297,8 +297,9 @@ TEST(PipelineSchedule, ZbH1KeepsOneFOneBsMemoryAndAThirdOfItsBubble) {
       if (m >= p) {
         EXPECT_DOUBLE_EQ(idle, p - 1.0);
         // The figure the report and tandem plan use: idle over the 3m units of compute.
-        EXPECT_DOUBLE_EQ(pipeline_bubble_theory("zb-h1", p, m), idle / (3.0 * m));
-        EXPECT_DOUBLE_EQ(pipeline_bubble_theory("zb-h1", p, m), pipeline_bubble_theory("1f1b", p, m) / 3.0);
+        EXPECT_DOUBLE_EQ(pipeline_bubble_theory(PipelineSchedule::kZBH1, p, m), idle / (3.0 * m));
+        EXPECT_DOUBLE_EQ(pipeline_bubble_theory(PipelineSchedule::kZBH1, p, m),
+                         pipeline_bubble_theory(PipelineSchedule::k1F1B, p, m) / 3.0);
       }
       const std::vector<double> f1b = simulate(p, 1, m, [](int s, int stages, int, int64_t mm) {
         std::vector<PipelineOp> o;
@@ -307,7 +308,7 @@ TEST(PipelineSchedule, ZbH1KeepsOneFOneBsMemoryAndAThirdOfItsBubble) {
         return o;
       });
       EXPECT_DOUBLE_EQ(*std::max_element(f1b.begin(), f1b.end()) - 3.0 * m, 3.0 * (p - 1));
-      EXPECT_DOUBLE_EQ(pipeline_bubble_theory("1f1b", p, m), (p - 1.0) / m);
+      EXPECT_DOUBLE_EQ(pipeline_bubble_theory(PipelineSchedule::k1F1B, p, m), (p - 1.0) / m);
     }
   }
 }
@@ -330,7 +331,7 @@ TEST(PipelineSchedule, ZbVRunsAVWithNearZeroBubbleAtOneFOneBsMemory) {
       const double idle = *std::max_element(run.end.begin(), run.end.end()) - 6.0 * m;
       if (m >= 2 * p) {
         EXPECT_DOUBLE_EQ(idle, p - 1.0);
-        EXPECT_DOUBLE_EQ(pipeline_bubble_theory("zb-v", p, m), idle / (6.0 * m));
+        EXPECT_DOUBLE_EQ(pipeline_bubble_theory(PipelineSchedule::kZBV, p, m), idle / (6.0 * m));
       }
       EXPECT_LE(idle, 6.0 * (p - 1));
     }
@@ -356,9 +357,9 @@ TEST(PipelineSchedule, VLayoutTurnsOnTheLastRank) {
   });
   EXPECT_THROW(zb_v_order(0, 1, 4), std::invalid_argument);
   EXPECT_THROW(zb_h1_order(2, 2, 4), std::invalid_argument);
-  EXPECT_THROW(pipeline_bubble_theory("zb-h2", 2, 4), std::invalid_argument);
+  EXPECT_THROW(parse_pipeline_schedule("zb-h2"), std::invalid_argument);
   // Unequal times: zb-h1's idle is (p - 1)(T_F + T_B - T_W) over m (T_F + T_B + T_W).
-  EXPECT_DOUBLE_EQ(pipeline_bubble_theory("zb-h1", 4, 8, 1, 1.0, 2.0, 1.0), 3.0 * 2.0 / (8 * 4.0));
+  EXPECT_DOUBLE_EQ(pipeline_bubble_theory(PipelineSchedule::kZBH1, 4, 8, 1, 1.0, 2.0, 1.0), 3.0 * 2.0 / (8 * 4.0));
 }
 
 }  // namespace

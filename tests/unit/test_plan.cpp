@@ -191,14 +191,15 @@ TEST(Plan, PipelineTensorParallelAndInfeasibility) {
   EXPECT_LT(e2.bubble_s / e2.step_s, e.bubble_s / e.step_s);
   // The zero-bubble schedules: a third (zb-h1) and a sixth (zb-v) of 1F1B's bubble, the step
   // shorter by the difference, the same activations (zb-v's on stage 0).
-  for (auto [sched, share] : {std::pair{"zb-h1", 1.0 / 3}, std::pair{"zb-v", 1.0 / 6}}) {
+  for (auto [sched, share] :
+       {std::pair{tandem::PipelineSchedule::kZBH1, 1.0 / 3}, std::pair{tandem::PipelineSchedule::kZBV, 1.0 / 6}}) {
     tp::PlanOptions oz = o;
     oz.pipeline_schedule = sched;
     auto ez = tp::estimate(m, c, l, oz);
     ASSERT_TRUE(ez.feasible) << ez.why;
-    EXPECT_NEAR(ez.bubble_s, e.bubble_s * share, 1e-9 * e.bubble_s) << sched;
-    EXPECT_NEAR(ez.step_s, e.step_s - (e.bubble_s - ez.bubble_s), 1e-9 * e.step_s) << sched;
-    EXPECT_NEAR(ez.memory.activations, e.memory.activations, 1e-9 * e.memory.activations) << sched;
+    EXPECT_NEAR(ez.bubble_s, e.bubble_s * share, 1e-9 * e.bubble_s) << tandem::to_string(sched);
+    EXPECT_NEAR(ez.step_s, e.step_s - (e.bubble_s - ez.bubble_s), 1e-9 * e.step_s) << tandem::to_string(sched);
+    EXPECT_NEAR(ez.memory.activations, e.memory.activations, 1e-9 * e.memory.activations) << tandem::to_string(sched);
   }
   // 1F1B: at most p micro-batches of activations in flight (not m).
   tp::Layout l3 = l;
@@ -555,7 +556,7 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   tp::PlanOptions o;
   o.global_batch = 64;
   const double rate = c.groups[0].device.flops * c.groups[0].device.mfu;
-  for (const std::string sched : {"gpipe", "1f1b"}) {
+  for (auto sched : {tandem::PipelineSchedule::kGPipe, tandem::PipelineSchedule::k1F1B}) {
     o.pipeline_schedule = sched;
     tp::Layout l;
     l.pp = 4;
@@ -565,7 +566,7 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
     ASSERT_TRUE(e.feasible) << e.why;
     // Stage 0's first layer computes no input gradient: 2 passes, the others 3.
     const double t0 = 2 * 2e6 * 8 / rate, t = 3 * 2e6 * 8 / rate;
-    EXPECT_NEAR(e.step_s - e.optimizer_s, t0 + 3 * t + 7 * t, 1e-6 * e.step_s) << sched;
+    EXPECT_NEAR(e.step_s - e.optimizer_s, t0 + 3 * t + 7 * t, 1e-6 * e.step_s) << tandem::to_string(sched);
     EXPECT_EQ(e.partition, (std::vector<int64_t>{1, 1, 1, 1}));
   }
   // The CPU model with per-layer fits (one thread) and the tensor-parallel split of a pair.
@@ -628,7 +629,7 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   m.children[1].tp.clear();
   cal.p2p[2] = {0.0, 1e30};
   cal.send_delay[2] = {{4096.0, 1.0}};
-  lo.pipeline_schedule = "gpipe";
+  lo.pipeline_schedule = tandem::PipelineSchedule::kGPipe;
   tp::Layout pl;
   pl.pp = 2;
   pl.micro_batch = 32;
@@ -685,9 +686,9 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   pl4.micro_batch = 16;
   pl4.micro_batches = 4;
   const double T = (2e-4 + 16 * 3 * 8e6 / 1.2e12) / 4;
-  lo.pipeline_schedule = "gpipe";
+  lo.pipeline_schedule = tandem::PipelineSchedule::kGPipe;
   auto g = tp::estimate(m, local, pl4, lo);
-  lo.pipeline_schedule = "1f1b";
+  lo.pipeline_schedule = tandem::PipelineSchedule::k1F1B;
   auto f = tp::estimate(m, local, pl4, lo);
   ASSERT_TRUE(g.feasible && f.feasible) << g.why << f.why;
   EXPECT_NEAR(g.step_s - g.optimizer_s, 14.8 * T, 1e-9);
@@ -695,7 +696,7 @@ TEST(Plan, LayeredPipelineAndTensorParallelTimes) {
   // Without the measured shares (FLOP split: the first child half forward, the others a third)
   // the two schedules are priced closer together.
   cal.models["four"].layer_forward_share.clear();
-  lo.pipeline_schedule = "gpipe";
+  lo.pipeline_schedule = tandem::PipelineSchedule::kGPipe;
   auto g0 = tp::estimate(m, local, pl4, lo);
   EXPECT_LT(g0.step_s - g0.optimizer_s, 13.0 * T);
   // The shares travel in the calibration file; a share outside [0, 1] or a list of the wrong
@@ -860,7 +861,7 @@ TEST(Plan, StageMemoryFollowsThePartitionAndSchedule) {
   // 1F1B: 2 micro-batches alive on stage 0, 1 on stage 1.
   const double per_input = e.stage_memory[0].activations / (2 * inputs_first);
   EXPECT_NEAR(e.stage_memory[1].activations, per_input * (inputs_all - inputs_first), 1e-6 * per_input);
-  o.pipeline_schedule = "gpipe";  // every micro-batch alive on every stage
+  o.pipeline_schedule = tandem::PipelineSchedule::kGPipe;  // every micro-batch alive on every stage
   const tp::Estimate g = tp::estimate(m, gpu, l, o);
   EXPECT_NEAR(g.stage_memory[0].activations, 2 * e.stage_memory[0].activations, 1e-6);
   EXPECT_NEAR(g.stage_memory[1].activations, 4 * e.stage_memory[1].activations, 1e-6);

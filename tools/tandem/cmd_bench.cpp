@@ -208,7 +208,7 @@ void predict_rows(const BenchOptions& o, const plan::Calibration& cal, std::vect
     l.zero = zero_stage(parse_strategy(r.layout.base));
     l.micro_batches = l.pp > 1 ? o.micro_batches : o.grad_accum;
     l.micro_batch = o.batch / l.dp / l.micro_batches;
-    po.pipeline_schedule = r.layout.schedule;
+    po.pipeline_schedule = parse_pipeline_schedule(r.layout.schedule);
     po.pipeline_partition = o.pp_partition;
     plan::Estimate e = plan::estimate(m, c, l, po);
     r.predicted_ms = e.feasible ? e.step_s * 1e3 : 0.0;

@@ -11,6 +11,7 @@
 
 #include "cli_app.h"
 #include "commands.h"
+#include "parallel_options.h"
 #include "plan_internal.h"
 #include "tandem/plan.h"
 
@@ -129,11 +130,18 @@ void add_plan_options(CLI::App& app, PlanFlags& f) {
                  "ring's exposed ms")
       ->delimiter(',')
       ->capture_default_str();
-  app.add_option("--pipeline-schedule", o.pipeline_schedule,
-                 "1f1b | gpipe | zb-h1 | zb-v (layouts with pp > 1; zb-h1 and zb-v: 1F1B's bubble times 1/3 and "
-                 "1/6, the zero-bubble paper's figures with forward, input-gradient and weight-gradient times equal)")
-      ->check(CLI::IsMember({"1f1b", "gpipe", "zb-h1", "zb-v"}))
-      ->capture_default_str();
+  add_word_option<PipelineSchedule>(
+      app, "--pipeline-schedule", o.pipeline_schedule,
+      [](const std::string& word) {
+        for (auto s :
+             {PipelineSchedule::k1F1B, PipelineSchedule::kGPipe, PipelineSchedule::kZBH1, PipelineSchedule::kZBV}) {
+          if (word == to_string(s)) return s;
+        }
+        throw std::invalid_argument("'" + word + "': tandem plan models 1f1b, gpipe, zb-h1 and zb-v");
+      },
+      to_string(o.pipeline_schedule),
+      "1f1b | gpipe | zb-h1 | zb-v (layouts with pp > 1; zb-h1 and zb-v: 1F1B's bubble times 1/3 and "
+      "1/6, the zero-bubble paper's figures with forward, input-gradient and weight-gradient times equal)");
   o.pipeline_partition = "auto";
   app.add_option("--pp-partition", o.pipeline_partition,
                  "where pipelines are cut: auto (the faster of params and time; the table names the cut) | params "

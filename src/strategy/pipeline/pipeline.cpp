@@ -28,27 +28,6 @@
 
 namespace tandem {
 
-const char* to_string(PipelineSchedule s) {
-  switch (s) {
-    case PipelineSchedule::kGPipe: return "gpipe";
-    case PipelineSchedule::k1F1B: return "1f1b";
-    case PipelineSchedule::kInterleaved: return "interleaved";
-    case PipelineSchedule::kZBH1: return "zb-h1";
-    case PipelineSchedule::kZBV: return "zb-v";
-  }
-  return "?";
-}
-
-PipelineSchedule parse_pipeline_schedule(const std::string& s) {
-  if (s == "gpipe") return PipelineSchedule::kGPipe;
-  if (s == "1f1b") return PipelineSchedule::k1F1B;
-  if (s == "interleaved") return PipelineSchedule::kInterleaved;
-  if (s == "zb-h1") return PipelineSchedule::kZBH1;
-  if (s == "zb-v") return PipelineSchedule::kZBV;
-  throw std::invalid_argument("tandem: unknown pipeline schedule '" + s +
-                              "'; use gpipe, 1f1b, interleaved, zb-h1 or zb-v");
-}
-
 bool splits_backward(PipelineSchedule s) { return s == PipelineSchedule::kZBH1 || s == PipelineSchedule::kZBV; }
 
 int pipeline_chunks(PipelineSchedule s, int virtual_stages) { return s == PipelineSchedule::kZBV ? 2 : virtual_stages; }

@@ -10,6 +10,27 @@
 
 namespace tandem {
 
+const char* to_string(PipelineSchedule s) {
+  switch (s) {
+    case PipelineSchedule::kGPipe: return "gpipe";
+    case PipelineSchedule::k1F1B: return "1f1b";
+    case PipelineSchedule::kInterleaved: return "interleaved";
+    case PipelineSchedule::kZBH1: return "zb-h1";
+    case PipelineSchedule::kZBV: return "zb-v";
+  }
+  return "?";
+}
+
+PipelineSchedule parse_pipeline_schedule(const std::string& s) {
+  if (s == "gpipe") return PipelineSchedule::kGPipe;
+  if (s == "1f1b") return PipelineSchedule::k1F1B;
+  if (s == "interleaved") return PipelineSchedule::kInterleaved;
+  if (s == "zb-h1") return PipelineSchedule::kZBH1;
+  if (s == "zb-v") return PipelineSchedule::kZBV;
+  throw std::invalid_argument("tandem: unknown pipeline schedule '" + s +
+                              "'; use gpipe, 1f1b, interleaved, zb-h1 or zb-v");
+}
+
 std::vector<int64_t> balance_partition(const std::vector<double>& costs, int stages) {
   const int64_t n = static_cast<int64_t>(costs.size());
   if (stages < 1 || stages > n) {
@@ -205,23 +226,27 @@ std::vector<PipelineOp> zb_v_order(int stage, int stages, int64_t m) {
   return ops;
 }
 
-double pipeline_bubble_theory(const std::string& schedule, int stages, int64_t m, int chunks, double t_f, double t_b,
+double pipeline_bubble_theory(PipelineSchedule schedule, int stages, int64_t m, int chunks, double t_f, double t_b,
                               double t_w) {
   const double p1 = static_cast<double>(std::max(0, stages - 1)), mm = static_cast<double>(std::max<int64_t>(1, m));
   const double split = std::max(0.0, t_f + t_b - t_w) / (t_f + t_b + t_w);
-  if (schedule == "gpipe" || schedule == "1f1b") return p1 / mm;
-  if (schedule == "interleaved") return p1 / (mm * std::max(1, chunks));
-  if (schedule == "zb-h1") return p1 * split / mm;
-  if (schedule == "zb-v") return p1 * split / (2.0 * mm);
-  throw std::invalid_argument("tandem: unknown pipeline schedule '" + schedule +
-                              "'; use gpipe, 1f1b, interleaved, zb-h1 or zb-v");
+  switch (schedule) {
+    case PipelineSchedule::kGPipe:
+    case PipelineSchedule::k1F1B: return p1 / mm;
+    case PipelineSchedule::kInterleaved: return p1 / (mm * std::max(1, chunks));
+    case PipelineSchedule::kZBH1: return p1 * split / mm;
+    case PipelineSchedule::kZBV: return p1 * split / (2.0 * mm);
+  }
+  return p1 / mm;
 }
 
-std::string pipeline_bubble_formula(const std::string& schedule) {
-  if (schedule == "interleaved") return "(pp-1)/(m*v)";
-  if (schedule == "zb-h1") return "(pp-1)/(3m)";
-  if (schedule == "zb-v") return "(pp-1)/(6m)";
-  return "(pp-1)/m";
+std::string pipeline_bubble_formula(PipelineSchedule schedule) {
+  switch (schedule) {
+    case PipelineSchedule::kInterleaved: return "(pp-1)/(m*v)";
+    case PipelineSchedule::kZBH1: return "(pp-1)/(3m)";
+    case PipelineSchedule::kZBV: return "(pp-1)/(6m)";
+    default: return "(pp-1)/m";
+  }
 }
 
 std::vector<int64_t> parse_partition_option(const std::string& text, int pp) {
