@@ -94,6 +94,15 @@ struct ParallelConfig {
   // same way and the loss taken per token on each rank; other targets (one per sample) see the
   // output gathered over the cp ranks. The cp ranks' gradients are reduced with dp's.
   int cp = 1;
+  // Expert parallelism (tandem/moe.h): the experts of every MoE layer (moe::ExpertParallel) spread
+  // over groups of ep consecutive data-parallel ranks, each rank's tokens dispatched to their
+  // experts' owners and combined back by all-to-all. The dense weights stay data-parallel over
+  // the dp ranks, the experts over the dp / ep ranks holding the same ones (their gradients
+  // averaged there, without overlap, and their optimizer state kept whole on each of them). ep
+  // must divide the data-parallel ranks and every MoE layer's experts. Not with --tp or --cp
+  // (MoE layers are not tensor- or context-parallel), hsdp, fp16 or gradient clipping (the dense
+  // and expert updates do not share one norm or loss scale).
+  int ep = 1;
   int64_t micro_batches = 1;  // per replica and step, when pp > 1
   PipelineSchedule schedule = PipelineSchedule::k1F1B;
   // Model chunks per pipeline rank (interleaved schedule only): pp * virtual_stages virtual
@@ -247,6 +256,19 @@ struct EngineStats {
     int64_t bytes = 0;              // sent
   } cp;
 
+  // Mixture-of-experts layers (tandem/moe.h) on this rank's thread: their routing and
+  // auxiliary losses, and the all-to-all of expert parallelism.
+  struct MixtureOfExperts {
+    std::vector<int64_t> tokens_per_expert;  // token slots routed from this rank's tokens, by expert
+    int64_t routed = 0, dropped = 0;         // token slots, and those over capacity
+    double aux_loss = 0.0, z_loss = 0.0;     // mean load-balancing and router z-loss (no coefficients)
+    double aux_loss_sum = 0.0, z_loss_sum = 0.0;
+    int64_t aux_loss_terms = 0, z_loss_terms = 0;
+    int64_t all_to_alls = 0;
+    double all_to_all_seconds = 0.0;
+    int64_t all_to_all_bytes = 0;
+  } moe;
+
   // Checkpoints saved with save().
   struct Checkpointing {
     int64_t saved = 0;  // checkpoints saved
@@ -354,6 +376,7 @@ class Engine {
   c10::Device device() const;  // this rank's (the Runtime's)
   CommPtr world() const;
   CommPtr dp_group() const;                            // the data-parallel replicas' group (size dp_size())
+  CommPtr ep_group() const;                            // expert parallelism's group (null when ep == 1)
   const ProcessGrid* grid() const;                     // null when tp * pp * cp == 1
   const Pipeline* pipeline() const;                    // null when pp == 1
   std::vector<int64_t> partition() const;              // layers per stage (pp > 1)

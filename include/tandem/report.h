@@ -140,6 +140,14 @@ struct Report {
   // the attention blocks' compute.
   double ring_seconds = 0.0, ring_exposed_seconds = 0.0, ring_hidden_fraction = 0.0;
   int64_t ring_bytes = 0;
+  // Mixture of experts (moe_experts > 0 when the model has MoE layers), over every rank, layer
+  // and step: token slots routed to each expert (the least and most loaded expert), those
+  // dropped over capacity, the mean load-balancing and router z-losses (no coefficients), and
+  // expert parallelism's all-to-all (the slowest rank's seconds, bytes sent per rank per step).
+  int ep = 1;
+  int64_t moe_experts = 0, moe_tokens_min = 0, moe_tokens_max = 0, moe_routed = 0, moe_dropped = 0;
+  double moe_aux_loss = 0.0, moe_z_loss = 0.0;
+  double all_to_all_seconds = 0.0, all_to_all_bytes_per_step = 0.0;
   // Pipeline (pp > 1), the stages of rank 0's replica over the steps after the first: idle over
   // compute time of each stage (theory for balanced stages: (pp - 1) / micro-batches), mean
   // step and compute milliseconds, and the most micro-batches whose activations a stage held.

@@ -202,6 +202,31 @@ void validate_shard_group(const ParallelConfig& c, int world) {
   }
 }
 
+// Expert parallelism: its group against the data-parallel size, and what it does not compose with.
+void validate_expert_parallel(const ParallelConfig& c, int world) {
+  const std::string e = "--ep " + std::to_string(c.ep);
+  if (c.ep < 1) throw std::invalid_argument(e + ": give 1 or more ranks per expert-parallel group");
+  if (c.ep == 1) return;
+  const int dp = data_parallel_size(c, world);
+  if (dp % c.ep != 0) {
+    throw std::invalid_argument(e + " does not divide the " + std::to_string(dp) +
+                                " data-parallel ranks; give a divisor of " + std::to_string(dp) +
+                                " (the experts spread over groups of ep data-parallel ranks)");
+  }
+  auto refuse = [&](const std::string& what, const std::string& why) {
+    throw std::invalid_argument(e + " does not compose with " + what + ": " + why);
+  };
+  if (c.tp > 1) refuse("--tp " + std::to_string(c.tp), "mixture-of-experts layers are not tensor-parallel; use --tp 1");
+  if (c.cp > 1) refuse("--cp " + std::to_string(c.cp), "the experts' tokens would be parts of sequences; use --cp 1");
+  if (is_hybrid(c.strategy)) refuse(std::string("--strategy ") + to_string(c.strategy), "use ddp or zero1-3");
+  if (c.precision == Precision::kFP16) {
+    refuse("--precision fp16", "the experts and the dense weights would need one loss scale; use bf16 or fp32");
+  }
+  if (c.max_grad_norm > 0) {
+    refuse("--max-grad-norm", "the experts and the dense weights are updated apart, without one global norm; drop it");
+  }
+}
+
 void validate_batch(const ParallelConfig& c, int world, int64_t batch) {
   const int dp = data_parallel_size(c, world);
   if (c.tp * c.pp * c.cp > 1 && batch % dp != 0) {
@@ -235,6 +260,7 @@ void validate(const ParallelConfig& c, int world, int64_t global_batch) {
   if (world < 1) throw std::invalid_argument("the world size must be at least 1");
   validate_layout(c, world);
   validate_shard_group(c, world);
+  validate_expert_parallel(c, world);
   // Without a batch, only the settings themselves are checked (a batch of grad_accum rows per replica).
   const int dp = data_parallel_size(c, world);
   validate_grad_accum(c.grad_accum, c.pp, c.micro_batches, global_batch > 0 ? global_batch : c.grad_accum * dp, dp);

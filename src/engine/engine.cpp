@@ -12,12 +12,14 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "engine/experts.h"
 #include "engine/updater.h"
 #include "tandem/accumulate.h"
 #include "tandem/context_parallel.h"
 #include "tandem/ddp.h"
 #include "tandem/grid.h"
 #include "tandem/models.h"
+#include "tandem/moe.h"
 #include "tandem/pipeline.h"
 #include "tandem/tensor_parallel.h"
 #include "tandem/trace.h"
@@ -174,7 +176,19 @@ struct Engine::Impl {
   at::Tensor accumulate_pass(const at::Tensor& x, const at::Tensor& y, const LossFn& loss_fn, const StepOptions& so);
   void checkpoint_layers(std::vector<int64_t>& cut);
   void initialise(const ParameterSource& source);
+  // The trained module's first name component -> the dense model's (a cut or converted
+  // Sequential names its children otherwise), and a parameter's dense name through it.
+  // The weight of MoE layers' auxiliary-loss gradients for a micro-batch whose mean loss the
+  // step multiplies by `weight` (times the fp16 loss scale, as scale_loss applies to the loss).
+  double aux_grad_scale(double weight) const {
+    const LossScaler& sc = up->scaler();
+    return sc.dynamic() ? weight * sc.scale() : weight;
+  }
+  void map_child_names();
+  std::string dense_name(const std::string& name) const;
+  std::map<std::string, std::string> child_name;
   void place_parameters();
+  std::unique_ptr<engine::ExpertShards> experts;  // ep > 1
   void split_shard_groups();
   // What checkpoints hold: the strategy's pieces (frozen parameters unless save_frozen is off)
   // and the buffers.
@@ -227,19 +241,25 @@ void Engine::Impl::checkpoint_layers(std::vector<int64_t>& cut) {
 // converted Sequential names its children otherwise (a pipeline stage by their index, the
 // tensor-parallel form as it builds them): the first component of a name is the child's
 // position, and the dense model's name at that position replaces it.
+void Engine::Impl::map_child_names() {
+  if (!L.grid) return;
+  std::vector<std::string> dense_names, net_names;
+  for (auto& c : L.dense_sequential()->named_children()) dense_names.push_back(c.key());
+  for (auto& c : L.net_sequential()->named_children()) net_names.push_back(c.key());
+  for (size_t i = 0; i < dense_names.size() && i < net_names.size(); ++i)
+    child_name[L.pipe ? std::to_string(i) : net_names[i]] = dense_names[i];
+}
+
+std::string Engine::Impl::dense_name(const std::string& name) const {
+  const auto dot = name.find('.');
+  auto it = child_name.find(name.substr(0, dot));
+  if (it == child_name.end()) return name;
+  return dot == std::string::npos ? it->second : it->second + name.substr(dot);
+}
+
 void Engine::Impl::place_parameters() {
-  std::map<std::string, std::string> child_name;
-  if (L.grid) {
-    std::vector<std::string> dense_names, net_names;
-    for (auto& c : L.dense_sequential()->named_children()) dense_names.push_back(c.key());
-    for (auto& c : L.net_sequential()->named_children()) net_names.push_back(c.key());
-    for (size_t i = 0; i < dense_names.size() && i < net_names.size(); ++i)
-      child_name[L.pipe ? std::to_string(i) : net_names[i]] = dense_names[i];
-  }
   for (auto& p : parameter_placements(*L.trained_module, L.grid ? L.grid->tp()->rank() : 0)) {
-    const auto dot = p.dense_name.find('.');
-    auto it = child_name.find(p.dense_name.substr(0, dot));
-    if (it != child_name.end()) p.dense_name = it->second + p.dense_name.substr(dot);
+    p.dense_name = dense_name(p.dense_name);
     L.placed[p.name] = p;
   }
 }
@@ -313,6 +333,8 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     L.pipe = std::make_unique<Pipeline>(L.net_sequential(), L.grid->pp(), po);
   }
   L.trained_module = L.pipe ? L.pipe->stage_module().ptr() : L.net;
+  map_child_names();
+  if (cfg.ep > 1) experts = engine::split_experts(L, [this](const std::string& n) { return dense_name(n); });
   place_parameters();
   for (auto& p : L.trained_module->parameters())
     if (p.requires_grad()) L.trained.push_back(p);
@@ -321,6 +343,7 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     L.run = [seq](const at::Tensor& x) -> at::Tensor { return seq->forward(x); };
   }
   up = engine::make_updater(L, oo);
+  if (experts) up = engine::with_experts(std::move(up), L, *experts, oo);
   if (L.opts.init_from) initialise(*L.opts.init_from);
   L.opts.init_from = nullptr;  // once: what it holds (mapped files) goes now
   comms = {L.world};
@@ -336,6 +359,10 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   if (L.replicate) {
     comms.insert(comms.end(), {L.shard, L.replicate});
     comm_names.insert(comm_names.end(), {"shard", "replicate"});
+  }
+  if (experts) {
+    comms.insert(comms.end(), {experts->ep, experts->edp});
+    comm_names.insert(comm_names.end(), {"ep", "edp"});
   }
 }
 
@@ -495,6 +522,7 @@ at::Tensor Engine::Impl::pipeline_pass(const at::Tensor& x, const at::Tensor& y,
   const double m = static_cast<double>(L.cfg.micro_batches);
   const auto t0 = Clock::now();
   trace::Span span("pipeline forward and backward", "compute");
+  moe::set_aux_grad_scale(aux_grad_scale((so.reduction == LossReduction::kSum ? 1.0 : so.loss_weight) / m));
   auto loss = L.pipe->train_step(x, y, [&](const at::Tensor& out, const at::Tensor& target) {
     at::Tensor l = loss_fn(out, target);
     if (so.reduction == LossReduction::kSum) {
@@ -529,6 +557,7 @@ at::Tensor Engine::Impl::accumulate_pass(const at::Tensor& x, const at::Tensor& 
     at::Tensor part;
     {
       trace::Span span("forward", "compute");
+      moe::set_aux_grad_scale(aux_grad_scale(so.reduction == LossReduction::kSum ? w : w * so.loss_weight));
       part = loss_fn(up->forward(xp), yp);
     }
     // Time spent waiting for other ranks' parameters is theirs.
@@ -685,6 +714,24 @@ std::map<std::string, at::Tensor> Engine::full_parameters() {
 
 // ---- statistics
 
+namespace {
+void fill_moe(EngineStats::MixtureOfExperts& m) {
+  const auto s = moe::moe_stats();
+  m.tokens_per_expert = s.tokens_per_expert;
+  m.routed = s.routed;
+  m.dropped = s.dropped;
+  m.aux_loss_sum = s.aux_loss_sum;
+  m.aux_loss_terms = s.aux_loss_terms;
+  m.z_loss_sum = s.z_loss_sum;
+  m.z_loss_terms = s.z_loss_terms;
+  m.aux_loss = s.aux_loss_terms > 0 ? s.aux_loss_sum / static_cast<double>(s.aux_loss_terms) : 0.0;
+  m.z_loss = s.z_loss_terms > 0 ? s.z_loss_sum / static_cast<double>(s.z_loss_terms) : 0.0;
+  m.all_to_alls = s.all_to_alls;
+  m.all_to_all_seconds = s.all_to_all_seconds;
+  m.all_to_all_bytes = s.all_to_all_bytes;
+}
+}  // namespace
+
 EngineStats Engine::stats() const {
   const auto& I = *impl_;
   EngineStats s;
@@ -721,6 +768,7 @@ EngineStats Engine::stats() const {
     s.cp.hidden_fraction =
         ring.transfer_seconds > 0 ? std::clamp(1.0 - ring.exposed_seconds / ring.transfer_seconds, 0.0, 1.0) : 0.0;
   }
+  fill_moe(s.moe);
   I.up->memory(s.memory);
   s.memory.peak_rss_bytes = peak_rss_bytes();
   s.memory.peak_activation_bytes = I.peak_activation;
@@ -754,6 +802,7 @@ void Engine::reset_stats() {
   I.saves = 0;
   I.save_stall_s = 0.0;
   cp::reset_ring_stats();
+  moe::reset_moe_stats();
   I.up->reset_stats();
 }
 
@@ -766,6 +815,7 @@ int Engine::dp_rank() const { return impl_->L.data->rank(); }
 c10::Device Engine::device() const { return impl_->L.rt->device(); }
 CommPtr Engine::world() const { return impl_->L.world; }
 CommPtr Engine::dp_group() const { return impl_->L.data; }
+CommPtr Engine::ep_group() const { return impl_->experts ? impl_->experts->ep : nullptr; }
 const ProcessGrid* Engine::grid() const { return impl_->L.grid.get(); }
 const Pipeline* Engine::pipeline() const { return impl_->L.pipe.get(); }
 std::vector<int64_t> Engine::partition() const {

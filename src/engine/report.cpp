@@ -57,6 +57,41 @@ void gather_pipeline(Engine& eng, const EngineStats::PipelineStage& s, Report& r
 }
 
 // Every rank's peaks, model state and pipeline stage; rank 0's model state alone as well.
+// Collective over the world: the MoE figures summed (tokens), averaged (losses) or the slowest
+// (seconds) over the ranks; a rank whose stage has no MoE layer adds nothing.
+void gather_moe(Engine& eng, const EngineStats::MixtureOfExperts& s, Report& rep) {
+  auto world = eng.world();
+  auto experts = torch::tensor({static_cast<int64_t>(s.tokens_per_expert.size())}, torch::kLong).to(eng.device());
+  world->allreduce(experts, ReduceOp::kMax);
+  rep.moe_experts = experts.cpu().item<int64_t>();
+  if (rep.moe_experts == 0) return;
+  std::vector<double> v(static_cast<size_t>(rep.moe_experts) + 6, 0.0);
+  for (size_t e = 0; e < s.tokens_per_expert.size(); ++e) v[e] = static_cast<double>(s.tokens_per_expert[e]);
+  const size_t k = static_cast<size_t>(rep.moe_experts);
+  v[k] = static_cast<double>(s.routed);
+  v[k + 1] = static_cast<double>(s.dropped);
+  v[k + 2] = s.aux_loss_sum;
+  v[k + 3] = static_cast<double>(s.aux_loss_terms);
+  v[k + 4] = s.z_loss_sum;
+  v[k + 5] = static_cast<double>(s.z_loss_terms);
+  auto sums = torch::tensor(v, torch::kDouble).to(eng.device());
+  world->allreduce(sums);
+  auto h = sums.cpu();
+  auto at = [&](size_t i) { return h[static_cast<int64_t>(i)].item<double>(); };
+  auto tokens = h.narrow(0, 0, rep.moe_experts);
+  rep.moe_tokens_min = static_cast<int64_t>(tokens.min().item<double>());
+  rep.moe_tokens_max = static_cast<int64_t>(tokens.max().item<double>());
+  rep.moe_routed = static_cast<int64_t>(at(k));
+  rep.moe_dropped = static_cast<int64_t>(at(k + 1));
+  rep.moe_aux_loss = at(k + 3) > 0 ? at(k + 2) / at(k + 3) : 0.0;
+  rep.moe_z_loss = at(k + 5) > 0 ? at(k + 4) / at(k + 5) : 0.0;
+  auto seconds = torch::tensor({s.all_to_all_seconds}, torch::kDouble).to(eng.device());
+  world->allreduce(seconds, ReduceOp::kMax);
+  rep.all_to_all_seconds = seconds.cpu().item<double>();
+  rep.all_to_all_bytes_per_step =
+      static_cast<double>(s.all_to_all_bytes) / static_cast<double>(std::max<int64_t>(eng.stats().steps, 1));
+}
+
 void gather_memory(Engine& eng, const EngineStats::Memory& s, Report& rep) {
   const int world = eng.world_size();
   const int64_t stage = eng.grid() ? eng.grid()->pp_rank() : 0;
@@ -304,6 +339,20 @@ void format_communication(std::ostringstream& os, const Report& r) {
     }
     out << "\n";
   }
+  if (r.moe_experts > 0) {
+    line(os, "experts") << r.moe_experts << (r.ep > 1 ? " per MoE layer over --ep " + std::to_string(r.ep) : std::string(" per MoE layer"))
+                        << ": " << r.moe_tokens_min << " to " << r.moe_tokens_max
+                        << " token slots per expert (least and most loaded), " << r.moe_dropped << " of "
+                        << r.moe_routed << " dropped over capacity; aux loss " << std::setprecision(4)
+                        << r.moe_aux_loss;
+    if (r.moe_z_loss > 0) os << ", z-loss " << r.moe_z_loss;
+    os << "\n";
+    if (r.ep > 1) {
+      line(os, "all-to-all") << std::setprecision(2) << r.all_to_all_seconds << " s dispatching and combining tokens ("
+                             << std::setprecision(2) << r.all_to_all_bytes_per_step / kMiB
+                             << " MiB sent per rank and step; the slowest rank's seconds)\n";
+    }
+  }
   if (r.cp > 1 && r.ring_bytes > 0) {
     line(os, "ring attention") << std::setprecision(2) << r.ring_seconds << " s key/value transfers ("
                                << std::setprecision(1) << r.ring_bytes / kMiB << " MiB sent), " << std::setprecision(2)
@@ -330,6 +379,7 @@ void describe_engine(const Engine& eng, Report& rep) {
   rep.tp = pc.tp;
   rep.pp = pc.pp;
   rep.cp = pc.cp;
+  rep.ep = pc.ep;
   rep.sequence_parallel = pc.sequence_parallel;
   rep.parameters = eng.parameters();
   rep.trainable_parameters = eng.trainable_parameters();
@@ -404,6 +454,7 @@ void collect_engine_report(Engine& eng, const EngineStats& s, Report& rep) {
   rep.ring_bytes = s.cp.bytes;
   if (eng.config().pp > 1) gather_pipeline(eng, s.pipeline, rep);
   gather_memory(eng, eng.stats().memory, rep);
+  gather_moe(eng, s.moe, rep);
 }
 
 std::string format_report(const Report& r) {
@@ -480,6 +531,18 @@ std::string report_json(const Report& r) {
                       {"ring_hidden_fraction", r.ring_hidden_fraction},
                       {"ring_bytes", r.ring_bytes},
                       {"comm_bytes", r.comm_bytes}};
+  if (r.moe_experts > 0) {
+    j["ep"] = r.ep;
+    j["moe"] = {{"experts", r.moe_experts},
+                {"tokens_per_expert_min", r.moe_tokens_min},
+                {"tokens_per_expert_max", r.moe_tokens_max},
+                {"routed", r.moe_routed},
+                {"dropped", r.moe_dropped},
+                {"aux_loss", r.moe_aux_loss},
+                {"z_loss", r.moe_z_loss},
+                {"all_to_all_seconds", r.all_to_all_seconds},
+                {"all_to_all_bytes_per_step", r.all_to_all_bytes_per_step}};
+  }
   if (r.pp > 1) {
     j["micro_batches"] = r.micro_batches;
     j["pipeline_schedule"] = to_string(r.pipeline_schedule);

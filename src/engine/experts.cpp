@@ -1,0 +1,157 @@
+// Expert parallelism in the Engine (experts.h).
+#include "engine/experts.h"
+
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+#include "tandem/moe.h"
+#include "tandem/optim.h"
+#include "tandem/precision.h"
+
+namespace tandem::engine {
+
+std::unique_ptr<ExpertShards> split_experts(Layout& L,
+                                            const std::function<std::string(const std::string&)>& dense_name) {
+  const int ep = L.cfg.ep, r = L.data->rank();
+  auto X = std::make_unique<ExpertShards>();
+  X->ep = L.data->split(/*color=*/r / ep, /*key=*/r % ep);
+  X->edp = L.data->split(/*color=*/r % ep, /*key=*/r / ep);
+  X->bank = std::make_shared<torch::nn::Module>("ExpertBank");
+  // A snapshot: the layers unregister their experts while we go.
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> modules;
+  for (auto& m : L.trained_module->named_modules("", /*include_self=*/true)) modules.emplace_back(m.key(), m.value());
+  int64_t layers = 0, index = 0;
+  for (auto& [path, module] : modules) {
+    auto* layer = dynamic_cast<moe::ExpertParallel*>(module.get());
+    if (!layer) continue;
+    ++layers;
+    const std::string prefix = path.empty() ? "" : path + ".";
+    for (auto& local : layer->use_expert_parallel(X->ep)) {
+      const std::string child = std::to_string(index++);
+      X->bank->register_module(child, local.module);
+      for (auto& p : local.module->named_parameters(/*recurse=*/true)) {
+        auto placement = Placement::whole(p.value().sizes().vec());
+        placement.replica = X->edp->rank();
+        const std::string name = child + "." + p.key();
+        X->placed[name] = {name, dense_name(prefix + local.name + "." + p.key()), placement};
+        if (p.value().requires_grad()) X->trained.emplace_back(name, p.value());
+      }
+    }
+  }
+  if (layers == 0) {
+    throw std::invalid_argument("--ep " + std::to_string(ep) +
+                                " spreads the experts of mixture-of-experts layers, and this model has none; use --ep 1");
+  }
+  return X;
+}
+
+namespace {
+
+std::vector<at::Tensor> tensors(const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  std::vector<at::Tensor> out;
+  for (auto& kv : named) out.push_back(kv.second);
+  return out;
+}
+
+// The dense weights through the strategy's updater, the experts through their own optimizer.
+class WithExperts final : public Updater {
+ public:
+  WithExperts(std::unique_ptr<Updater> dense, Layout& L, ExpertShards& X, const OptimizerOptions& oo)
+      : dense_(std::move(dense)), X_(X), params_(tensors(X.trained)) {
+    // The masters are taken while the experts are still fp32, as the dense weights' are.
+    opt_ = std::make_unique<MixedPrecisionOptimizer>(params_, L.cfg.precision, oo, L.cfg.loss_scaler,
+                                                     X.edp->size() > 1 ? X.edp : nullptr);
+    if (L.cfg.precision != Precision::kFP32) X.bank->to(compute_dtype(L.cfg.precision));
+    if (X.edp->size() > 1) averager_ = std::make_unique<GradientAverager>(params_, X.edp);
+  }
+
+  void begin_step() override {
+    dense_->begin_step();
+    opt_->zero_grad();
+  }
+  void prepare_forward() override { dense_->prepare_forward(); }
+  void prepare_predict() override { dense_->prepare_predict(); }
+  at::Tensor forward(const at::Tensor& x) override { return dense_->forward(x); }
+  at::Tensor scale_loss(const at::Tensor& loss) const override { return dense_->scale_loss(loss); }
+  void after_pipeline_backward() override { dense_->after_pipeline_backward(); }
+  bool step() override {
+    reduce_expert_gradients();
+    const bool stepped = dense_->step();
+    opt_->step();
+    return stepped;
+  }
+  void set_lr(double lr) override {
+    dense_->set_lr(lr);
+    opt_->set_lr(lr);
+  }
+  double lr() const override { return dense_->lr(); }
+  double last_grad_norm() const override { return dense_->last_grad_norm(); }
+  const LossScaler& scaler() const override { return dense_->scaler(); }
+  double gather_wait_seconds() const override { return dense_->gather_wait_seconds(); }
+  // The experts' gradients accumulate over the micro-batches and are reduced once, in step().
+  at::Tensor accumulate(const at::Tensor& x, const at::Tensor& y, int64_t k, const MicroBatchPass& pass) override {
+    return dense_->accumulate(x, y, k, pass);
+  }
+  void communication(EngineStats::DataParallel& s) const override { dense_->communication(s); }
+  void reset_stats() override { dense_->reset_stats(); }
+
+  std::vector<StatePiece> state() override {
+    auto out = dense_->state();
+    const auto masters = optimizer_tensors();
+    for (size_t i = 0; i < X_.trained.size(); ++i) {
+      const auto& placed = X_.placed.at(X_.trained[i].first);
+      append_optimizer_pieces(out, placed.dense_name, placed.placement, masters.at(i), opt_->optimizer());
+    }
+    return out;
+  }
+  std::string optimizer_kind() const override { return dense_->optimizer_kind(); }
+  int64_t optimizer_step() const override { return dense_->optimizer_step(); }
+  void prepare_load(const std::vector<std::string>& slots, int64_t step) override {
+    dense_->prepare_load(slots, step);
+    for (auto& m : optimizer_tensors()) reset_param_state(opt_->optimizer(), m, slots, step);
+  }
+  void finish_load() override {
+    dense_->finish_load();
+    torch::NoGradGuard ng;
+    const auto masters = optimizer_tensors();
+    for (size_t i = 0; i < masters.size(); ++i)
+      if (!masters[i].is_same(params_[i])) params_[i].detach().copy_(masters[i]);
+  }
+  void restore_loss_scaler(const CheckpointMeta& m) override { dense_->restore_loss_scaler(m); }
+  void memory(EngineStats::Memory& s) const override {
+    dense_->memory(s);
+    for (auto& p : X_.bank->parameters()) {
+      s.parameter_bytes += p.numel() * p.element_size();
+      if (p.grad().defined()) s.gradient_bytes += p.grad().numel() * p.grad().element_size();
+    }
+    s.optimizer_state_bytes += opt_->optimizer_state_bytes() + opt_->master_bytes();
+  }
+
+ private:
+  // An expert no token reached has no gradient: zero, so that every rank reduces the same tensors.
+  void reduce_expert_gradients() {
+    torch::NoGradGuard ng;
+    for (auto& p : params_)
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    if (averager_) averager_->average();
+    const double ep = static_cast<double>(X_.ep->size());
+    for (auto& p : params_) p.mutable_grad().div_(ep);
+  }
+  std::vector<at::Tensor> optimizer_tensors() const { return opt_->optimizer().param_groups().at(0).params(); }
+
+  std::unique_ptr<Updater> dense_;
+  ExpertShards& X_;
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<MixedPrecisionOptimizer> opt_;
+  std::unique_ptr<GradientAverager> averager_;
+};
+
+}  // namespace
+
+std::unique_ptr<Updater> with_experts(std::unique_ptr<Updater> dense, Layout& L, ExpertShards& X,
+                                      const OptimizerOptions& optimizer) {
+  return std::make_unique<WithExperts>(std::move(dense), L, X, optimizer);
+}
+
+}  // namespace tandem::engine

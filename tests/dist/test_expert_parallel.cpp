@@ -1,0 +1,221 @@
+// Expert parallelism through the Engine: a model with two MoE layers trained for 5 steps with
+// --ep 2 alone, with dp (ep 2 x dp 2), under ZeRO-3 and with a pipeline (ep 2 x pp 2) follows
+// one worker that runs the same micro-batches (the auxiliary losses are per micro-batch and
+// rank, as transformers computes them per forward): losses and parameters. A checkpoint saved
+// under ep 2 loads whole on one worker; experts not divisible by ep, and --ep on a model
+// without MoE layers, are refused.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tandem/engine.h"
+#include "tandem/moe.h"
+#include "tests/dist/dist_env.h"
+#include "tests/dist/train_test_util.h"
+
+namespace tandem::test {
+namespace {
+
+constexpr int64_t kHidden = 8, kClasses = 5, kTokens = 3, kRows = 16;
+
+moe::MoeConfig moe_config(moe::AuxLossForm form, int64_t experts = 4) {
+  moe::MoeConfig c;
+  c.hidden_size = kHidden;
+  c.intermediate_size = 12;
+  c.num_experts = experts;
+  c.top_k = 2;
+  c.aux_loss_coef = 0.05;
+  c.z_loss_coef = 0.01;
+  c.aux_form = form;
+  return c;
+}
+
+// Linear, MoE, Linear, MoE, Linear on [B, T, hidden]: the same values on every rank.
+torch::nn::Sequential make_model(moe::AuxLossForm form, int64_t experts = 4) {
+  torch::manual_seed(11);
+  auto log = moe::make_router_log(2);
+  return torch::nn::Sequential(torch::nn::Linear(kHidden, kHidden),
+                               moe::SparseMoeBlock(moe_config(form, experts), log, 0),
+                               torch::nn::Linear(kHidden, kHidden),
+                               moe::SparseMoeBlock(moe_config(form, experts), log, 1),
+                               torch::nn::Linear(kHidden, kClasses));
+}
+
+const LossFn kTokenCrossEntropy = [](const at::Tensor& out, const at::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out.reshape({-1, kClasses}), y.reshape({-1}));
+};
+
+std::pair<at::Tensor, at::Tensor> batch(int step) {
+  auto g = at::detail::createCPUGenerator(900 + step);
+  return {torch::randn({kRows, kTokens, kHidden}, g), torch::randint(0, kClasses, {kRows, kTokens}, g)};
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::map<std::string, at::Tensor> params;
+};
+
+// 5 steps of the global batch, each data-parallel replica its contiguous slice; the loss of
+// the global batch from the replicas' output ranks.
+Run train(Engine& eng, int steps = 5) {
+  Run r;
+  const int dp = eng.dp_size(), rank = eng.dp_rank();
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = batch(s);
+    auto loss = eng.step(slice_for_rank(x, rank, dp), slice_for_rank(y, rank, dp), kTokenCrossEntropy);
+    const bool out = eng.is_output_rank();
+    auto sum = torch::tensor({out ? loss.item<double>() : 0.0, out ? 1.0 : 0.0}, torch::kDouble);
+    eng.world()->allreduce(sum);
+    r.losses.push_back(sum[0].item<double>() / sum[1].item<double>());
+  }
+  r.params = eng.full_parameters();
+  return r;
+}
+
+// One worker running the global batch as `micro_batches` micro-batches: the slices the
+// data-parallel replicas (and their pipeline micro-batches) run, in order.
+Run reference(moe::AuxLossForm form, int64_t micro_batches) {
+  Run r;
+  if (auto one = world()->split(world()->rank() == 0 ? 0 : -1, world()->rank())) {
+    Runtime rt = runtime_over(one);
+    ParallelConfig c;
+    c.strategy = Strategy::kSingle;
+    c.grad_accum = micro_batches;
+    Engine eng(rt, make_model(form), adamw(), c);
+    r = train(eng);
+  }
+  // Every rank gets rank 0's figures.
+  auto n = torch::tensor({static_cast<int64_t>(r.losses.size())});
+  world()->broadcast(n, 0);
+  std::vector<double> losses(static_cast<size_t>(n.item<int64_t>()));
+  auto l = world()->rank() == 0 ? torch::tensor(r.losses, torch::kDouble) : torch::zeros({n.item<int64_t>()}, torch::kDouble);
+  world()->broadcast(l, 0);
+  for (size_t i = 0; i < losses.size(); ++i) losses[i] = l[static_cast<int64_t>(i)].item<double>();
+  r.losses = losses;
+  auto shapes = make_model(form)->named_parameters();
+  std::map<std::string, at::Tensor> params;
+  for (auto& p : shapes) {
+    auto t = world()->rank() == 0 ? r.params.at(p.key()).clone() : torch::zeros_like(p.value());
+    world()->broadcast(t, 0);
+    params[p.key()] = t;
+  }
+  r.params = params;
+  return r;
+}
+
+void expect_same(const Run& got, const Run& want, const std::string& what) {
+  ASSERT_EQ(got.losses.size(), want.losses.size()) << what;
+  for (size_t i = 0; i < want.losses.size(); ++i)
+    EXPECT_LE(std::abs(got.losses[i] - want.losses[i]), 1e-5 * std::abs(want.losses[i])) << what << " step " << i;
+  ASSERT_EQ(got.params.size(), want.params.size()) << what;
+  for (const auto& [name, t] : want.params) {
+    ASSERT_TRUE(got.params.count(name)) << what << " misses " << name;
+    EXPECT_LE(rel_err(got.params.at(name), t), 1e-5) << what << " " << name;
+  }
+}
+
+ParallelConfig ep_config(Strategy s, int ep, int pp = 1) {
+  ParallelConfig c;
+  c.strategy = s;
+  c.ep = ep;
+  c.pp = pp;
+  if (pp > 1) {
+    c.micro_batches = 2;
+    c.partition.method = PartitionMethod::kLayers;
+    c.partition.layers = {2, 3};
+  }
+  return c;
+}
+
+// ep 2 on the first two ranks, and on all four (ep 2 x dp 2).
+TEST(ExpertParallel, FollowsOneWorkerWithDdp) {
+  const int world_size = world()->size();
+  auto want = reference(moe::AuxLossForm::kPooled, world_size);
+  Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 2));
+  ASSERT_TRUE(eng.ep_group());
+  EXPECT_EQ(eng.ep_group()->size(), 2);
+  auto got = train(eng);
+  expect_same(got, want, "ep 2 x dp " + std::to_string(world_size / 2));
+  // The experts moved: this rank holds two of the four experts of each layer.
+  int64_t experts_held = 0;
+  for (auto& p : eng.module().named_parameters())
+    if (p.key().find("experts") != std::string::npos) ++experts_held;
+  EXPECT_EQ(experts_held, 0) << "the experts leave the module the strategy wraps";
+  const auto s = eng.stats();
+  EXPECT_GT(s.moe.all_to_alls, 0);
+  EXPECT_GT(s.moe.all_to_all_bytes, 0);
+  EXPECT_EQ(s.moe.tokens_per_expert.size(), 4u);
+  EXPECT_GT(s.moe.aux_loss, 0.0);
+}
+
+TEST(ExpertParallel, FollowsOneWorkerUnderZero3) {
+  auto want = reference(moe::AuxLossForm::kPooled, world()->size());
+  Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kZero3, 2));
+  expect_same(train(eng), want, "ep 2 x zero3");
+}
+
+TEST(ExpertParallel, FollowsOneWorkerWithZero1) {
+  auto want = reference(moe::AuxLossForm::kPooled, world()->size());
+  Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kZero1, 2));
+  expect_same(train(eng), want, "ep 2 x zero1");
+}
+
+// ep 2 x pp 2 on four ranks: per-layer auxiliary losses (pooling needs every layer in one
+// process); one worker runs the 2 replicas x 2 micro-batches as 4 micro-batches.
+TEST(ExpertParallel, FollowsOneWorkerWithPipeline) {
+  if (world()->size() != 4) GTEST_SKIP() << "ep 2 x pp 2 needs 4 ranks (registered at 4)";
+  auto want = reference(moe::AuxLossForm::kPerLayer, 4);
+  Engine eng(runtime(), make_model(moe::AuxLossForm::kPerLayer), adamw(),
+             ep_config(Strategy::kDDP, 2, /*pp=*/2));
+  expect_same(train(eng), want, "ep 2 x pp 2");
+}
+
+TEST(ExpertParallel, CheckpointLoadsWholeOnOneWorker) {
+  Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 2));
+  auto trained = train(eng, 2);
+  const auto dir = shared_dir(*world(), "ep_ckpt");
+  eng.save(dir);
+  eng.wait_checkpoint();
+  world()->barrier();
+  if (auto one = world()->split(world()->rank() == 0 ? 0 : -1, world()->rank())) {
+    Runtime rt = runtime_over(one);
+    ParallelConfig c;
+    c.strategy = Strategy::kSingle;
+    Engine whole(rt, make_model(moe::AuxLossForm::kPooled), adamw(), c);
+    whole.load(dir);
+    auto got = whole.full_parameters();
+    for (const auto& [name, t] : trained.params) EXPECT_LE(rel_err(got.at(name), t), 1e-7) << name;
+  }
+  world()->barrier();
+}
+
+TEST(ExpertParallel, RefusesWhatItCannotSplit) {
+  expect_invalid_argument(
+      [&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled, 3), adamw(), ep_config(Strategy::kDDP, 2)); },
+      "3");
+  try {
+    Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled, 3), adamw(), ep_config(Strategy::kDDP, 2));
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--ep 2"), std::string::npos) << e.what();
+  }
+  torch::manual_seed(1);
+  expect_invalid_argument(
+      [&] {
+        Engine eng(runtime(), torch::nn::Sequential(torch::nn::Linear(4, 4)), adamw(), ep_config(Strategy::kDDP, 2));
+      },
+      "has none");
+  auto c = ep_config(Strategy::kDDP, 2);
+  c.max_grad_norm = 1.0;
+  expect_invalid_argument(
+      [&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c); }, "--max-grad-norm");
+  expect_invalid_argument(
+      [&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 3)); },
+      "--ep 3 does not divide");
+}
+
+}  // namespace
+}  // namespace tandem::test
