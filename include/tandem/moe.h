@@ -94,7 +94,8 @@ struct MoeStats {
   int64_t z_loss_terms = 0;
   double aux_loss_coef = 0.0;  // the coefficients the layers ran with
   double z_loss_coef = 0.0;
-  // all_to_all(): calls, seconds on the communication engine, bytes sent (forward and backward).
+  // all_to_all(): calls, seconds on the communication engine, bytes sent to the other ranks
+  // (forward and backward).
   int64_t all_to_alls = 0;
   double all_to_all_seconds = 0.0;
   int64_t all_to_all_bytes = 0;
