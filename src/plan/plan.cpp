@@ -715,6 +715,7 @@ void validate(const ModelSpec& m) {
     bad("parameters must be a positive number, got " + fmt("%g", m.parameters));
   if (m.layers < 1) bad("layers must be at least 1, got " + std::to_string(m.layers));
   if (m.seq < 1) bad("sequence length must be at least 1, got " + std::to_string(m.seq));
+  validate_moe(m);  // before the shape's checks: a MoE block's width decides its parameters
   if (m.kind == "transformer") {
     if (m.hidden < 1) bad("hidden size must be at least 1, got " + std::to_string(m.hidden));
     if (m.heads < 1) bad("attention heads must be at least 1, got " + std::to_string(m.heads));
@@ -734,7 +735,6 @@ void validate(const ModelSpec& m) {
   }
   if (m.forward_flops_per_sample < 0 || m.activation_bytes_per_sample < 0)
     bad("FLOPs and activation bytes must be >= 0");
-  validate_moe(m);
 }
 
 // ---------------------------------------------------------------- cluster helpers
