@@ -151,8 +151,9 @@ TEST(PlanMoe, ExpertGradientsReduceOverTheRanksHoldingThem) {
   ASSERT_TRUE(e.feasible) << e.why;
   const double by_hand = 30e-6 + 1.5 * 185600 / 450e9 + 10e-6 + 393216 / 450e9;
   EXPECT_NEAR(e.comm_parts.at("dp allreduce"), by_hand, 1e-15);
-  EXPECT_NEAR(by_hand, tp::collective_seconds(c, none, "allreduce", 4, 185600, 1) +
-                           tp::collective_seconds(c, none, "allreduce", 2, 393216, 2),
+  EXPECT_NEAR(by_hand,
+              tp::collective_seconds(c, none, "allreduce", 4, 185600, 1) +
+                  tp::collective_seconds(c, none, "allreduce", 2, 393216, 2),
               1e-15);
   // ep 1: everything over the 4 ranks, 243008 * 4 = 972032 bytes.
   auto e1 = tp::estimate(m, c, layout(4, 1, 0, 2), fp32_adam(8));
