@@ -125,6 +125,11 @@ ModelSpec llama_model(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_
 // without the dense MLP (the MoE blocks' are counted from ModelSpec::moe).
 ModelSpec mixtral_model(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t intermediate,
                         int64_t experts, int64_t top_k, int64_t seq, int64_t vocab);
+// A Hugging Face config.json's model: model_type "llama" (llama_model) or "mixtral" (mixtral_model,
+// from num_local_experts and num_experts_per_tok), parameters counted from the shape (tied
+// embeddings once), at `seq` tokens per sample (0: 4096, or max_position_embeddings if smaller).
+// Throws std::invalid_argument naming a missing field or another model_type.
+ModelSpec hf_config_model(const std::string& config_json, int64_t seq = 0);
 // Forward FLOPs per sample; MoE blocks count the experts' token slots, not every expert.
 double forward_flops_per_sample(const ModelSpec& m);
 // Per sample, all layers. With sequence_parallel (and tp > 1) the parts outside the

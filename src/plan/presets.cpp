@@ -2,6 +2,8 @@
 // models, devices, links and whole clusters. Figures and their sources: docs/drafts/plan.md.
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <stdexcept>
 #include <thread>
@@ -100,6 +102,45 @@ ModelSpec mixtral_model(int64_t layers, int64_t hidden, int64_t heads, int64_t k
   m.moe.experts = experts;
   m.moe.top_k = top_k;
   m.moe.intermediate = intermediate;
+  return m;
+}
+
+ModelSpec hf_config_model(const std::string& config_json, int64_t seq) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(config_json);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(std::string("config.json is not valid JSON: ") + e.what());
+  }
+  auto need = [&](const char* key) {
+    if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<int64_t>() < 1)
+      throw std::invalid_argument(std::string("config.json: '") + key + "' missing or not a positive integer");
+    return j[key].get<int64_t>();
+  };
+  const std::string type = j.value("model_type", std::string());
+  if (type != "llama" && type != "mixtral")
+    throw std::invalid_argument("config.json: model_type '" + type +
+                                "' is not one tandem plan reads (llama, mixtral); describe it with --params/--layers/"
+                                "--hidden/--heads/--seq");
+  const int64_t layers = need("num_hidden_layers"), hidden = need("hidden_size"), heads = need("num_attention_heads");
+  const int64_t kv = j.contains("num_key_value_heads") ? need("num_key_value_heads") : heads;
+  const int64_t inter = need("intermediate_size"), vocab = need("vocab_size");
+  const int64_t positions = j.contains("max_position_embeddings") ? need("max_position_embeddings") : 4096;
+  if (seq <= 0) seq = std::min<int64_t>(4096, positions);
+  const bool tied = j.value("tie_word_embeddings", false);
+  ModelSpec m;
+  if (type == "mixtral") {
+    m = mixtral_model(layers, hidden, heads, kv, inter, need("num_local_experts"), need("num_experts_per_tok"), seq,
+                      vocab);
+  } else {
+    // Per block q, o (h x h), k, v (h x h_kv), SwiGLU (3 h i), two norms; embedding, LM head, final norm.
+    const double h = static_cast<double>(hidden), kvw = h * static_cast<double>(kv) / static_cast<double>(heads);
+    const double block = 2 * h * h + 2 * h * kvw + 3 * h * static_cast<double>(inter) + 2 * h;
+    const double params = static_cast<double>(layers) * block + 2.0 * static_cast<double>(vocab) * h + h;
+    m = llama_model(layers, hidden, heads, kv, inter, seq, vocab, params);
+  }
+  if (tied) m.parameters -= static_cast<double>(vocab) * static_cast<double>(hidden);
+  m.name = j.value("_name_or_path", std::string()).empty() ? type : j["_name_or_path"].get<std::string>();
   return m;
 }
 

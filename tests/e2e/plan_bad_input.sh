@@ -52,6 +52,10 @@ expect moe-flag-dense "--top-k and --capacity-factor describe MoE blocks; 'gpt2'
   "$tandem" plan --model gpt2 --cluster h100x8 --capacity-factor 1.25
 expect expert-width-missing "expert intermediate size must be at least 1, got 0" -- \
   "$tandem" plan --layers 4 --hidden 512 --heads 8 --seq 128 --experts 8 --cluster h100x8
+mkdir -p qwen && printf '{"model_type": "qwen2_moe", "hidden_size": 64}\n' >qwen/config.json
+expect hf-model-type "config.json: model_type 'qwen2_moe' is not one tandem plan reads" -- \
+  "$tandem" plan --model qwen --cluster h100x8
+expect hf-no-config "cannot read nonexistent.json" -- "$tandem" plan --model nonexistent.json --cluster h100x8
 expect bad-workers "worker counts must be at least 1" -- "$tandem" plan --model cnn --cluster local --workers 0
 expect calibrate-remote "--calibrate measures this machine" -- "$tandem" plan --model gpt2 --cluster h100x8 --calibrate
 expect bench-uneven "does not split evenly over every worker count" -- "$tandem" bench --workers 2,3 --batch 128

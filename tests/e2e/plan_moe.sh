@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `tandem plan` on mixture-of-experts models: Mixtral 8x7B with expert parallelism fixed and
-# searched, the table's ep and all-to-all columns, and JSON whose expert memory and all-to-all
+# `tandem plan` on mixture-of-experts models: Mixtral 8x7B (the preset, and its config.json) with
+# expert parallelism fixed and searched, the table's ep and all-to-all columns, and JSON whose expert memory and all-to-all
 # figures obey the model's rules (ep halves the experts' state, all-to-alls only with ep > 1).
 # usage: plan_moe.sh TANDEM
 set -euo pipefail
@@ -14,6 +14,16 @@ grep -qE '^rank +layout +ep .*a2a ms' fixed.txt || { echo "no ep / a2a columns";
 grep -qE '^1 +dp[0-9]+ ep8 tp1 pp[0-9]+.* +8 +' fixed.txt || { echo "rank 1 is not an ep 8 layout"; exit 1; }
 grep -qE '^a2a ms: the MoE layers. all-to-alls' fixed.txt || { echo "no all-to-all note"; exit 1; }
 grep -qE '\(experts [0-9.]+ [GMk]B / [0-9.]+ [GMk]B\)' fixed.txt || { echo "no expert memory"; exit 1; }
+# A Hugging Face checkpoint's config.json (Mixtral 8x7B's fields) plans as the preset does.
+mkdir hf
+cat >hf/config.json <<'JSON'
+{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+ "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+ "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
+ "tie_word_embeddings": false}
+JSON
+"$tandem" plan --model hf --cluster h100-ib --batch 64 --ep 8 --top 3 >hf.txt
+diff <(sed 1d fixed.txt) <(sed 1d hf.txt) || { echo "config.json plans otherwise than the preset"; exit 1; }
 "$tandem" plan --model mixtral-8x7b --cluster h100-ib --batch 64 --top 100 --json search.json >/dev/null
 "$tandem" plan --model moe_tiny --cluster h100x8 --batch 64 --zero 0 --top 100 --json tiny.json >/dev/null
 python3 - search.json tiny.json <<'PY'

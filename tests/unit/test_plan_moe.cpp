@@ -255,3 +255,46 @@ TEST(PlanMoe, BadExpertParallelismIsRefused) {
   bad.moe.capacity_factor = -1;
   EXPECT_THROW(tp::validate(bad), std::invalid_argument);
 }
+
+// Hugging Face configs: Mixtral 8x7B's own config.json (its published fields) gives the preset's
+// model; a Llama config counts llama-7b's 6.74 B; other model types and missing fields are refused.
+TEST(PlanMoe, HuggingFaceConfigsOfMixtralAndLlama) {
+  const std::string mixtral = R"({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+    "max_position_embeddings": 32768, "tie_word_embeddings": false, "router_aux_loss_coef": 0.02})";
+  auto m = tp::hf_config_model(mixtral);
+  auto preset = tp::builtin_model("mixtral-8x7b");
+  EXPECT_DOUBLE_EQ(m.parameters, preset.parameters);
+  EXPECT_EQ(m.seq, 4096);  // 4096, under its 32768 positions
+  EXPECT_EQ(m.moe.experts, 8);
+  EXPECT_EQ(m.moe.top_k, 2);
+  EXPECT_EQ(m.moe.intermediate, 14336);
+  EXPECT_DOUBLE_EQ(tp::forward_flops_per_sample(m), tp::forward_flops_per_sample(preset));
+  EXPECT_EQ(tp::hf_config_model(mixtral, 512).seq, 512);
+  const std::string llama = R"({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "vocab_size": 32000, "max_position_embeddings": 2048})";
+  auto l = tp::hf_config_model(llama);
+  EXPECT_FALSE(tp::is_moe(l));
+  EXPECT_NEAR(l.parameters / 1e9, 6.74, 0.005);
+  EXPECT_EQ(l.seq, 2048);
+  // Tied embeddings: the LM head is the embedding, counted once (32000 * 4096 fewer).
+  std::string tied = llama;
+  tied.insert(tied.size() - 1, R"(, "tie_word_embeddings": true)");
+  EXPECT_DOUBLE_EQ(tp::hf_config_model(tied).parameters, l.parameters - 32000.0 * 4096);
+  try {
+    tp::hf_config_model(R"({"model_type": "qwen2_moe", "hidden_size": 8})");
+    FAIL() << "qwen2_moe accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("model_type 'qwen2_moe'"), std::string::npos) << e.what();
+  }
+  std::string no_experts = mixtral;
+  no_experts.replace(no_experts.find("\"num_local_experts\""), 23, "\"local_experts_typo\": 8,");
+  try {
+    tp::hf_config_model(no_experts);
+    FAIL() << "a Mixtral config without num_local_experts accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'num_local_experts' missing"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(tp::hf_config_model("{not json"), std::invalid_argument);
+}

@@ -6,6 +6,8 @@
 // measures, plan_output.cpp prints the result.
 #include <CLI/CLI.hpp>
 
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 
@@ -51,7 +53,10 @@ std::vector<NodeGroup> parse_groups(const std::string& text, int default_per_nod
 }
 
 void add_model_options(CLI::App& app, PlanFlags& f) {
-  app.add_option("--model", f.model_name, "built-in model (mlp, cnn, transformer_tiny, resnet50, gpt2, llama-7b, ...)");
+  app.add_option("--model", f.model_name,
+                 "built-in model (mlp, cnn, transformer_tiny, resnet50, gpt2, llama-7b, mixtral-8x7b, moe_tiny, ...), "
+                 "or a Hugging Face checkpoint directory or config.json (model_type llama or mixtral; --seq, default "
+                 "4096 or its max_position_embeddings if smaller)");
   app.add_option("--params", f.params, "custom model: parameters (e.g. 7.5e9)");
   app.add_option("--layers", f.layers, "custom model: layers (blocks)");
   app.add_option("--hidden", f.hidden, "custom model: hidden size");
@@ -235,6 +240,21 @@ void apply_moe_flags(const PlanFlags& f, ModelSpec& m) {
   if (f.capacity_factor != -1) m.moe.capacity_factor = f.capacity_factor;
 }
 
+// --model: a built-in name, or a Hugging Face checkpoint directory (its config.json: Llama or
+// Mixtral) or such a config.json itself, at --seq tokens.
+ModelSpec named_model(const PlanFlags& f) {
+  std::filesystem::path p(f.model_name);
+  if (std::filesystem::is_directory(p)) p /= "config.json";
+  else if (p.extension() != ".json") return builtin_model(f.model_name);
+  std::ifstream in(p);
+  if (!in)
+    throw std::invalid_argument("--model '" + f.model_name + "': cannot read " + p.string() +
+                                " (a Hugging Face checkpoint directory holds its config.json)");
+  std::stringstream text;
+  text << in.rdbuf();
+  return hf_config_model(text.str(), f.seq);
+}
+
 // The --model preset with the shape flags applied over it, or a custom model from them alone.
 ModelSpec model_from_flags(const PlanFlags& f) {
   ModelSpec m;
@@ -243,7 +263,7 @@ ModelSpec model_from_flags(const PlanFlags& f) {
   const int64_t layers = f.layers, hidden = f.hidden, heads = f.heads, seq = f.seq;
   const bool custom = params != 0 || layers != 0 || hidden != 0 || heads != 0 || seq != 0 || f.experts != 0;
   if (!f.model_name.empty() && custom) {
-    m = builtin_model(f.model_name);
+    m = named_model(f);
     if (params != 0) m.parameters = params;
     if (layers != 0) m.layers = layers;
     if (hidden != 0) m.hidden = hidden;
@@ -251,7 +271,7 @@ ModelSpec model_from_flags(const PlanFlags& f) {
     if (seq != 0) m.seq = seq;
     if (heads != 0 && f.kv_heads == 0) m.kv_heads = 0;  // the preset's grouping was for its heads
   } else if (!f.model_name.empty()) {
-    m = builtin_model(f.model_name);
+    m = named_model(f);
   } else if (custom) {
     if (f.experts != 0) {
       m = mixtral_model(layers != 0 ? layers : 1, hidden, heads, f.kv_heads != 0 ? f.kv_heads : heads,
