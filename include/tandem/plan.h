@@ -35,6 +35,34 @@ struct LayerSpec {
   std::string tp;            // "" (replicated), "column" or "row"
 };
 
+// Mixture-of-experts blocks (Mixtral's block_sparse_moe, tandem/moe.h): in every `every`-th
+// block the MLP is a router (hidden -> experts, counted with the dense parameters) over
+// `experts` SwiGLU experts of width `intermediate` (3 * hidden * intermediate parameters each),
+// of which each token takes `top_k`. ModelSpec::parameters counts every expert.
+//
+// The model behind the estimate (balanced routing: every expert gets top_k * T / experts of the
+// T tokens a rank holds, as the load-balancing loss aims for):
+//  - compute: top_k * T token slots per MoE layer, 3 matmuls of hidden x intermediate each,
+//    whatever the ep; with a capacity factor c < 1, c of them (the rest dropped);
+//  - activations: per token slot the dispatched input and the expert's output (2 hidden) and
+//    SwiGLU's four intermediate-wide tensors, per token the router's logits and probabilities
+//    (2 experts). Dropless: top_k * T slots (balanced); with a capacity factor c: c * top_k * T,
+//    the most a rank's experts may receive whatever the routing (each of its experts takes at
+//    most ceil(c * top_k * T / experts) slots from each of the ep ranks);
+//  - expert parallelism (Layout::ep): experts / ep experts per rank, their state sharded by ZeRO
+//    over the dp * cp / ep ranks holding the same experts (the dense part over dp * cp); per MoE
+//    layer and micro-batch 4 all-to-alls (dispatch and combine in forward, their gradients in
+//    backward), each sending (ep - 1) / ep of the rank's kept slots, hidden values each, in the
+//    training precision; on the critical path (nothing to hide behind: the experts wait for
+//    their tokens).
+struct MoeSpec {
+  int64_t experts = 0;  // 0: no MoE blocks
+  int64_t top_k = 2;
+  int64_t intermediate = 0;      // each expert's SwiGLU width
+  int64_t every = 1;             // every `every`-th block is MoE (1: all, Mixtral; 2: alternating, Switch)
+  double capacity_factor = 0.0;  // 0: dropless
+};
+
 struct ModelSpec {
   std::string name = "custom";
   std::string kind = "transformer";  // transformer | dense (mlp/cnn: no heads, no sequence)
@@ -66,11 +94,22 @@ struct ModelSpec {
   // Children of the Sequential, in order (the dense built-ins mlp, cnn, cnn_bn); empty for
   // descriptions by shape. With them, pipeline and tensor-parallel layouts are modelled layer by layer.
   std::vector<LayerSpec> children;
+  MoeSpec moe;  // transformers described by shape only
 };
+
+bool is_moe(const ModelSpec& m);
+int64_t moe_layers(const ModelSpec& m);               // blocks with a MoE MLP: layers / every
+double expert_parameters(const ModelSpec& m);         // every expert of every MoE block
+double moe_slots_per_token(const ModelSpec& m);       // slots computed: top_k * min(1, c) (dropless: top_k)
+double moe_slots_held_per_token(const ModelSpec& m);  // slots held for backward: top_k * c (dropless: top_k)
+// Bytes one rank sends in one all-to-all of one MoE layer for `tokens` of its tokens over an ep
+// group: (ep - 1) / ep * slots * hidden * elem_bytes.
+double all_to_all_bytes(const ModelSpec& m, int ep, double tokens, double elem_bytes);
 
 // Built-in descriptions: Tandem's reference models (mlp, cnn, cnn_bn, transformer_tiny), counted
 // analytically with the same shapes as models/, and published ones (resnet50, resnet101, gpt2,
-// gpt3-1.3b, zero-7.5b, llama-7b, llama-13b, llama-70b).
+// gpt3-1.3b, zero-7.5b, llama-7b, llama-13b, llama-70b, mixtral-8x7b) and moe_tiny, a small
+// Mixtral-shaped model.
 ModelSpec builtin_model(const std::string& name);
 std::vector<std::string> builtin_model_names();
 // A transformer from its shape: parameters 12*L*h^2 + (vocab+seq)*h unless `parameters` > 0.
@@ -81,6 +120,17 @@ ModelSpec transformer_model(int64_t layers, int64_t hidden, int64_t heads, int64
 // halved in 16-bit) rather than Megatron's GPT estimate, which undercounts SwiGLU and RoPE.
 ModelSpec llama_model(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t intermediate,
                       int64_t seq, int64_t vocab, double parameters);
+// A Mixtral-family model (Llama's attention, every block's MLP a MoE block of `experts` SwiGLU
+// experts, untied embeddings): parameters counted from the shape, activations as llama_model's
+// without the dense MLP (the MoE blocks' are counted from ModelSpec::moe).
+ModelSpec mixtral_model(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t intermediate,
+                        int64_t experts, int64_t top_k, int64_t seq, int64_t vocab);
+// A Hugging Face config.json's model: model_type "llama" (llama_model) or "mixtral" (mixtral_model,
+// from num_local_experts and num_experts_per_tok), parameters counted from the shape (tied
+// embeddings once), at `seq` tokens per sample (0: 4096, or max_position_embeddings if smaller).
+// Throws std::invalid_argument naming a missing field or another model_type.
+ModelSpec hf_config_model(const std::string& config_json, int64_t seq = 0);
+// Forward FLOPs per sample; MoE blocks count the experts' token slots, not every expert.
 double forward_flops_per_sample(const ModelSpec& m);
 // Per sample, all layers. With sequence_parallel (and tp > 1) the parts outside the
 // tensor-parallel layers (norms, residual, dropout masks) are split over tp too.
@@ -221,6 +271,9 @@ struct PlanOptions {
   std::vector<int> dp_only_workers;  // non-empty: only dp layouts with these worker counts
   int devices = 0;                   // 0: every device of the cluster
   int max_tp = 8, max_pp = 64;
+  // Expert parallelism (MoE models): 0 searches every power of two up to max_ep that divides
+  // both dp and the experts; a positive ep fixes it (tandem finetune --ep).
+  int ep = 0, max_ep = 8;
   // Context-parallel degrees to consider (tandem train --cp): each divides the devices (or
   // every worker count it is used with). Only {1} unless asked: context parallelism pays ring
   // transfers to split activations, and the search does not weigh it against the others.
@@ -248,12 +301,16 @@ struct PlanOptions {
 // shards over dp * cp, and gradients are reduced over dp * cp.
 struct Layout {
   int dp = 1, tp = 1, pp = 1;
-  int cp = 1;                 // context-parallel ranks per replica
+  int cp = 1;  // context-parallel ranks per replica
+  // Expert-parallel ranks (MoE models): groups of ep consecutive dp ranks split the experts;
+  // divides dp and the experts. Does not change devices().
+  int ep = 1;
   int zero = 0;               // 0: replicated (DDP); 1, 2, 3: ZeRO stages
   int64_t micro_batch = 1;    // samples per micro-batch per dp replica
   int64_t micro_batches = 1;  // per step (pipeline depth or gradient accumulation)
   double bucket_bytes = 25.0 * 1024 * 1024;
-  // "single", "ddp", "zero1", ..., "dp2 tp2 pp2 zero1"; with cp > 1 "dp2 cp2 tp1 pp1 zero1".
+  // "single", "ddp", "zero1", ..., "dp2 tp2 pp2 zero1"; with cp > 1 "dp2 cp2 tp1 pp1 zero1";
+  // with ep > 1 "dp4 ep2 tp1 pp1 zero1".
   std::string strategy_name() const;
   int devices() const { return dp * cp * tp * pp; }
 };
@@ -267,6 +324,9 @@ struct MemoryBreakdown {
   // count in full.
   bool gradients_after_forward = false;
   double layer_activations = 0;
+  // MoE models: the experts' share of parameters, gradients and optimizer (counted in those
+  // three too) and of the activations (the routed token slots and the router's output).
+  double expert_states = 0, expert_activations = 0;
   double total() const {
     const double step =
         gradients_after_forward ? std::max(activations, gradients + layer_activations) : gradients + activations;
@@ -310,6 +370,9 @@ struct Estimate {
   // k/v blocks and their gradients, every micro-batch), the transfer time if run alone, and the
   // part not hidden behind the attention blocks' compute (in step_s through the pipeline slot).
   double ring_bytes = 0, ring_s = 0, ring_exposed_s = 0;
+  // Expert parallelism (ep > 1): bytes this rank sends in the MoE layers' all-to-alls per step
+  // and their seconds (in step_s whole, through the pipeline slot; comm_parts "ep all-to-all").
+  double all_to_all_bytes = 0, all_to_all_s = 0;
 };
 
 Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, const PlanOptions& o);
@@ -332,6 +395,12 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
 inline bool is_shm_op(const std::string& op) { return op.size() > 4 && op.compare(op.size() - 4, 4, "_shm") == 0; }
 double collective_seconds(const ClusterSpec& c, const PlanOptions& o, const std::string& op, int n, double bytes,
                           int stride = 1);
+// One all-to-all of an ep group whose ranks lie `stride` devices apart, this rank sending `bytes`
+// spread evenly over the ep - 1 others: (ep - 1) alpha + bytes / B on the intra-node link while
+// the group fits in a node. Across nodes the share bound for other nodes goes over the node's
+// link, which every device of the node shares (all exchange at once), beside the intra-node
+// share: the slower of the two. On a calibrated CPU cluster, its point-to-point fit at `world`.
+double all_to_all_seconds(const ClusterSpec& c, const PlanOptions& o, int ep, int stride, int world, double bytes);
 
 // ---------------------------------------------------------------- calibration (needs LibTorch)
 // Compute rates of a built-in model (forward+backward at two batch sizes, one and all threads)

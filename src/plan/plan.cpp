@@ -568,18 +568,106 @@ void fill_stage_memory(const ModelSpec& m, const std::vector<double>& stage_para
     e.stage_memory.push_back(b);
   }
 }
+
+// One rank's model state: `dense` parameters sharded by ZeRO over the dp * cp ranks, `experts`
+// (the rank's experts / ep of the model's) over the dp * cp / ep ranks that hold the same experts.
+MemoryBreakdown rank_model_states(const ModelSpec& m, const Layout& l, double dense, double experts, StateBytes sb) {
+  const int group = l.dp * l.cp;
+  MemoryBreakdown b = zero_model_states(dense, l.zero, group, sb);
+  frozen_share(m, b);
+  if (experts > 0) {
+    MemoryBreakdown x = zero_model_states(experts, l.zero, group / l.ep, sb);
+    frozen_share(m, x);
+    b.parameters += x.parameters;
+    b.gradients += x.gradients;
+    b.optimizer += x.optimizer;
+    b.expert_states = x.parameters + x.gradients + x.optimizer;
+  }
+  return b;
+}
+
+// Refuses an ep the model cannot take (std::invalid_argument): ep > 1 on a dense model, an ep
+// that does not divide the experts or the data-parallel ranks its groups are made of.
+void check_expert_parallel(const ModelSpec& m, int ep, int dp) {
+  if (ep < 1) throw std::invalid_argument("expert-parallel degree must be at least 1, got " + std::to_string(ep));
+  if (ep == 1) return;
+  if (!is_moe(m))
+    throw std::invalid_argument("expert parallelism (ep " + std::to_string(ep) + ") needs a MoE model; '" + m.name +
+                                "' has no experts (--experts, or --model mixtral-8x7b)");
+  if (m.moe.experts % ep != 0)
+    throw std::invalid_argument("expert-parallel degree " + std::to_string(ep) + " does not divide the " +
+                                std::to_string(m.moe.experts) + " experts: each ep rank holds experts / ep of them");
+  if (dp % ep != 0)
+    throw std::invalid_argument("expert-parallel degree " + std::to_string(ep) + " does not divide the " +
+                                std::to_string(dp) + " data-parallel replicas its groups are made of");
+}
 }  // namespace
 
+double all_to_all_seconds(const ClusterSpec& c, const PlanOptions& o, int ep, int stride, int world, double bytes) {
+  if (ep <= 1 || bytes <= 0) return 0.0;
+  // On this machine: the calibrated point-to-point exchange (every pair of ranks at once).
+  if (const AlphaBeta* cal = c.cpu && o.calibration ? nearest_world(o.calibration->p2p, world) : nullptr;
+      cal && cal->bandwidth > 0)
+    return (ep - 1) * cal->alpha + bytes / cal->bandwidth;
+  const int dpn = devices_per_node(c);
+  if (c.cpu || ep * stride <= dpn) return (ep - 1) * c.intra.latency + bytes / c.intra.bandwidth;
+  // Across nodes: d of the group's ranks per node; the (ep - d) / (ep - 1) of the bytes bound
+  // for other nodes share the node's link with every device of the node (all exchange at once),
+  // the rest go over the intra-node link beside them.
+  const int d = std::max(1, std::min(ep, dpn / std::max(1, stride)));
+  const double remote = bytes * (ep - d) / (ep - 1), local = bytes - remote;
+  return (ep - 1) * c.inter.latency + std::max(local / c.intra.bandwidth, remote / (c.inter.bandwidth / dpn));
+}
+
 // ---------------------------------------------------------------- model helpers
+
+bool is_moe(const ModelSpec& m) { return m.moe.experts > 0; }
+
+int64_t moe_layers(const ModelSpec& m) { return is_moe(m) ? m.layers / std::max<int64_t>(1, m.moe.every) : 0; }
+
+double expert_parameters(const ModelSpec& m) {
+  return static_cast<double>(moe_layers(m)) * static_cast<double>(m.moe.experts) * 3.0 * static_cast<double>(m.hidden) *
+         static_cast<double>(m.moe.intermediate);
+}
+
+double moe_slots_per_token(const ModelSpec& m) {
+  const double k = static_cast<double>(m.moe.top_k), c = m.moe.capacity_factor;
+  return c > 0 ? k * std::min(1.0, c) : k;
+}
+
+double moe_slots_held_per_token(const ModelSpec& m) {
+  const double k = static_cast<double>(m.moe.top_k), c = m.moe.capacity_factor;
+  return c > 0 ? k * c : k;
+}
+
+double all_to_all_bytes(const ModelSpec& m, int ep, double tokens, double elem_bytes) {
+  if (ep <= 1 || !is_moe(m)) return 0.0;
+  return static_cast<double>(ep - 1) / ep * moe_slots_per_token(m) * tokens * static_cast<double>(m.hidden) *
+         elem_bytes;
+}
 
 double forward_flops_per_sample(const ModelSpec& m) {
   if (m.forward_flops_per_sample > 0) return m.forward_flops_per_sample;
   // 2 FLOPs per parameter per token, plus attention scores and values: 4 * seq^2 * hidden per layer.
+  // A MoE block's experts: 2 * 3 * hidden * intermediate per token slot computed.
   const double s = static_cast<double>(m.seq);
-  return 2.0 * m.parameters * s + 4.0 * m.layers * s * s * m.hidden;
+  const double active_experts = static_cast<double>(moe_layers(m)) * moe_slots_per_token(m) * 3.0 *
+                                static_cast<double>(m.hidden) * static_cast<double>(m.moe.intermediate);
+  const double per_token = m.parameters - expert_parameters(m) + active_experts;
+  return 2.0 * per_token * s + 4.0 * m.layers * s * s * m.hidden;
 }
 
-double activation_bytes_per_sample(const ModelSpec& m, int tp, bool sequence_parallel) {
+namespace {
+// In the units of the description: float32 bytes where it carries its own figure, else 16-bit.
+double moe_activation_bytes_per_sample(const ModelSpec& m, int tp) {
+  if (!is_moe(m)) return 0.0;
+  const double h = static_cast<double>(m.hidden), i = static_cast<double>(m.moe.intermediate);
+  const double per_token = moe_slots_held_per_token(m) * (2.0 * h + 4.0 * i) + 2.0 * static_cast<double>(m.moe.experts);
+  const double elem = m.activation_bytes_per_sample > 0 ? 4.0 : 2.0;
+  return static_cast<double>(moe_layers(m)) * static_cast<double>(m.seq) * per_token * elem / std::max(1, tp);
+}
+
+double dense_activation_bytes_per_sample(const ModelSpec& m, int tp, bool sequence_parallel) {
   if (m.activation_bytes_per_sample > 0) return m.activation_bytes_per_sample / std::max(1, tp);
   // Korthikanti et al. 2022, eq. 1-2 (16-bit, no recomputation), per layer and sample:
   // s*h*(10 + 24/t + 5*a*s/(h*t)), with sequence parallelism (eq. 4) s*h*(10/t + 24/t + ...): the
@@ -593,6 +681,33 @@ double activation_bytes_per_sample(const ModelSpec& m, int tp, bool sequence_par
   const double outside = (m.dropout ? 10.0 : 8.0) / (sequence_parallel ? t : 1.0);
   return m.layers * s * h * (outside + 24.0 / t + scores);
 }
+}  // namespace
+
+double activation_bytes_per_sample(const ModelSpec& m, int tp, bool sequence_parallel) {
+  return dense_activation_bytes_per_sample(m, tp, sequence_parallel) + moe_activation_bytes_per_sample(m, tp);
+}
+
+namespace {
+void validate_moe(const ModelSpec& m) {
+  auto bad = [&](const std::string& what) { throw std::invalid_argument("model '" + m.name + "': " + what); };
+  const MoeSpec& x = m.moe;
+  if (x.experts < 0) bad("experts must be >= 0 (0: no MoE blocks), got " + std::to_string(x.experts));
+  if (!is_moe(m)) return;
+  if (m.kind != "transformer" || !m.children.empty())
+    bad("MoE blocks need a transformer described by its shape (--hidden, --heads, --experts)");
+  if (x.top_k < 1 || x.top_k > x.experts)
+    bad("top-k must be between 1 and the " + std::to_string(x.experts) + " experts, got " + std::to_string(x.top_k));
+  if (x.intermediate < 1) bad("expert intermediate size must be at least 1, got " + std::to_string(x.intermediate));
+  if (x.every < 1 || x.every > m.layers)
+    bad("every " + std::to_string(x.every) + "-th block a MoE block: must be between 1 and the " +
+        std::to_string(m.layers) + " layers");
+  if (x.capacity_factor < 0 || !std::isfinite(x.capacity_factor))
+    bad("capacity factor must be >= 0 (0: dropless), got " + fmt("%g", x.capacity_factor));
+  if (expert_parameters(m) >= m.parameters)
+    bad("the experts alone hold " + fmt("%.4g", expert_parameters(m)) + " parameters, more than the model's " +
+        fmt("%.4g", m.parameters) + "; check --params, --experts and --expert-intermediate");
+}
+}  // namespace
 
 void validate(const ModelSpec& m) {
   auto bad = [&](const std::string& what) { throw std::invalid_argument("model '" + m.name + "': " + what); };
@@ -600,6 +715,7 @@ void validate(const ModelSpec& m) {
     bad("parameters must be a positive number, got " + fmt("%g", m.parameters));
   if (m.layers < 1) bad("layers must be at least 1, got " + std::to_string(m.layers));
   if (m.seq < 1) bad("sequence length must be at least 1, got " + std::to_string(m.seq));
+  validate_moe(m);  // before the shape's checks: a MoE block's width decides its parameters
   if (m.kind == "transformer") {
     if (m.hidden < 1) bad("hidden size must be at least 1, got " + std::to_string(m.hidden));
     if (m.heads < 1) bad("attention heads must be at least 1, got " + std::to_string(m.heads));
@@ -787,12 +903,13 @@ MemoryBreakdown zero_model_states(double psi, int stage, int dp, StateBytes b) {
 // ---------------------------------------------------------------- layouts
 
 std::string Layout::strategy_name() const {
-  if (tp == 1 && pp == 1 && cp == 1) {
+  if (tp == 1 && pp == 1 && cp == 1 && ep == 1) {
     if (zero == 0) return dp == 1 ? "single" : "ddp";
     return "zero" + std::to_string(zero);
   }
-  std::string s = "dp" + std::to_string(dp) + (cp > 1 ? " cp" + std::to_string(cp) : std::string()) + " tp" +
-                  std::to_string(tp) + " pp" + std::to_string(pp);
+  std::string s = "dp" + std::to_string(dp) + (ep > 1 ? " ep" + std::to_string(ep) : std::string()) +
+                  (cp > 1 ? " cp" + std::to_string(cp) : std::string()) + " tp" + std::to_string(tp) + " pp" +
+                  std::to_string(pp);
   if (zero > 0) s += " zero" + std::to_string(zero);
   return s;
 }
@@ -807,6 +924,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   };
   const int dp = l.dp, tp = l.tp, pp = l.pp, cp = l.cp;
   if (dp < 1 || tp < 1 || pp < 1 || cp < 1) throw std::invalid_argument("dp, cp, tp and pp must be at least 1");
+  check_expert_parallel(m, l.ep, dp);
   if (o.pipeline_partition == "auto") {  // both cuts, the faster (parameters on a tie)
     PlanOptions by = o;
     by.pipeline_partition = "params";
@@ -871,8 +989,10 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   // Memory first: it is meaningful even for layouts that are infeasible for other reasons.
   const double psi_dev = stage_params.empty() ? m.parameters / (static_cast<double>(tp) * pp)
                                               : *std::max_element(stage_params.begin(), stage_params.end());
-  e.memory = zero_model_states(psi_dev, l.zero, dp_group, sb);
-  frozen_share(m, e.memory);
+  // Of them, this rank's experts (MoE models: described by shape, so no stage_params) and the rest.
+  const double experts_dev = expert_parameters(m) / (static_cast<double>(tp) * pp * l.ep);
+  const double dense_dev = psi_dev - experts_dev * l.ep;
+  e.memory = rank_model_states(m, l, dense_dev, experts_dev, sb);
   const int64_t per_replica = batch / dp;
   const int64_t mb = std::max<int64_t>(1, l.micro_batch);
   const int64_t mcount = std::max<int64_t>(1, l.micro_batches);
@@ -891,6 +1011,10 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   }
   e.memory.gradients_after_forward = l.zero >= 2 && mcount == 1;
   e.memory.layer_activations = act_layer * mb;
+  if (is_moe(m)) {
+    e.memory.expert_activations = e.memory.activations * moe_activation_bytes_per_sample(m, tp) /
+                                  activation_bytes_per_sample(m, tp, o.sequence_parallel);
+  }
 
   fill_stage_memory(m, stage_params, l, sb, o, e);
 
@@ -932,6 +1056,8 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
       return infeasible("hidden size " + std::to_string(m.hidden) + " does not split over tensor-parallel " +
                         std::to_string(tp));
   }
+  if (l.ep > 1 && tp > 1)
+    return infeasible("expert parallelism beside tensor parallelism is not modelled (nor run by tandem finetune)");
   if (tp > 1 && !c.cpu) {
     if (tp > dpn)
       return infeasible("tensor-parallel group of " + std::to_string(tp) + " spans nodes (" + std::to_string(dpn) +
@@ -991,7 +1117,17 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
       e.ring_exposed_s = ring_mb * mcount;
       e.comm_parts["cp ring"] = e.ring_s;
     }
-    slot = t_mb + tp_mb + p2p_mb + ring_mb;
+    // Expert parallelism: the MoE layers' all-to-alls, on the critical path.
+    double a2a_mb = 0.0;
+    if (l.ep > 1) {
+      const double moe_here = std::ceil(static_cast<double>(moe_layers(m)) / pp);
+      const double bytes = all_to_all_bytes(m, l.ep, static_cast<double>(mb) * m.seq / cp, act_elem);
+      a2a_mb = 4.0 * moe_here * all_to_all_seconds(c, o, l.ep, cp * tp * pp, used, bytes);
+      e.all_to_all_bytes = 4.0 * moe_here * bytes * mcount;
+      e.all_to_all_s = a2a_mb * mcount;
+      e.comm_parts["ep all-to-all"] = e.all_to_all_s;
+    }
+    slot = t_mb + tp_mb + p2p_mb + ring_mb + a2a_mb;
     e.compute_s = t_mb * mcount;
     e.bubble_s = (pp - 1) * slot * zero_bubble_scale(o, pp, mcount);
     pipeline_s = mcount * slot + e.bubble_s;
@@ -1001,15 +1137,20 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   double exposed = 0.0;
   if (dp_group > 1) {
     const int stride = tp * pp;
-    const double grad_bytes = psi_dev * (is_16bit(o.precision) ? 2.0 : 4.0);
-    const double param_bytes = psi_dev * sb.param;
+    const double grad_elem = is_16bit(o.precision) ? 2.0 : 4.0;
     // Backward of the last micro-batch; with a pipeline, Tandem averages the stage's gradients
     // after the whole step (nothing to hide behind).
     const double window = pp > 1 ? 0.0 : slot * 2.0 / 3.0;
-    auto per_bucket = [&](const std::string& op, double bytes) {
+    // The buckets of what every rank holds over the dp * cp ranks, then under expert parallelism
+    // the experts' over the dp * cp / ep ranks holding the same experts (ep apart in the
+    // data-parallel order). Without it the experts are buckets like the rest.
+    const double everyone = l.ep > 1 ? dense_dev : psi_dev, experts_apart = l.ep > 1 ? experts_dev : 0.0;
+    auto per_bucket = [&](const std::string& op, double elem) {
       std::vector<double> t;
-      for (double b : split_buckets(bytes, l.bucket_bytes))
+      for (double b : split_buckets(everyone * elem, l.bucket_bytes))
         t.push_back(collective_seconds(c, o, op, dp_group, b, stride));
+      for (double b : split_buckets(experts_apart * elem, l.bucket_bytes))
+        t.push_back(collective_seconds(c, o, op, dp_group / l.ep, b, stride * l.ep));
       return t;
     };
     auto sum = [](const std::vector<double>& v) {
@@ -1030,7 +1171,7 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     // ZeRO-1/2 gather in place into their flat parameters; ZeRO-3 from each unit's shard into a
     // slot of its block, which copies this rank's part too.
     const char* gather_op = l.zero == 3 ? "allgather_copy_shm" : "allgather_shm";
-    std::vector<double> grads = per_bucket(grad_op, grad_bytes);
+    std::vector<double> grads = per_bucket(grad_op, grad_elem);
     // ZeRO-2 and 3 reduce-scatter in their backward hooks after every micro-batch's backward
     // (gradient accumulation, or a pipeline's micro-batches), as DeepSpeed's do; so does ZeRO-1
     // in a pipeline. DDP, and ZeRO-1 accumulating without a pipeline, communicate once per
@@ -1041,12 +1182,12 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     exposed += grad_rounds * overlapped(grads, window);
     if (l.zero == 1 || l.zero == 2) {
       // After the step every rank gathers the updated parameters (not overlapped).
-      std::vector<double> ag = per_bucket(gather_op, param_bytes);
+      std::vector<double> ag = per_bucket(gather_op, sb.param);
       e.comm_parts["dp allgather"] = sum(ag);
       exposed += sum(ag);
     } else if (l.zero == 3) {
       // Parameters gathered just in time in forward and again in backward, prefetched beside compute.
-      std::vector<double> ag = per_bucket(gather_op, param_bytes);
+      std::vector<double> ag = per_bucket(gather_op, sb.param);
       const double fwd = slot / 3.0;
       e.comm_parts["dp allgather (fwd+bwd)"] = 2.0 * sum(ag) * mcount;
       exposed += mcount * (overlapped(ag, fwd) + overlapped(ag, window));
@@ -1074,7 +1215,8 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
   e.exposed_comm_s = exposed;
 
   // Optimizer step on what this device owns.
-  const double params_updated = l.zero >= 1 ? psi_dev / dp_group : psi_dev;
+  const double params_updated =
+      l.zero >= 1 ? dense_dev / dp_group + experts_dev / (dp_group / l.ep) : dense_dev + experts_dev;
   if (r.opt_per_param > 0) {
     e.optimizer_s = params_updated * r.opt_per_param;
   } else {
@@ -1150,6 +1292,67 @@ std::vector<std::tuple<int, int, int, int>> layout_shapes(const PlanOptions& o, 
   }
   return shapes;
 }
+
+// The expert-parallel degrees plan() prices with `dp` replicas of `tp` ranks: o.ep where it
+// divides dp, else every power of two up to o.max_ep dividing dp and the experts (1 for dense
+// models); ep > 1 only without tensor parallelism, which Tandem does not combine with it.
+std::vector<int> expert_degrees(const ModelSpec& m, const PlanOptions& o, int dp, int tp) {
+  if (o.ep > 0) return dp % o.ep == 0 && (o.ep == 1 || tp == 1) ? std::vector<int>{o.ep} : std::vector<int>{};
+  std::vector<int> eps = {1};
+  if (!is_moe(m) || tp > 1) return eps;
+  for (int ep = 2; ep <= std::min(o.max_ep, dp); ep *= 2)
+    if (dp % ep == 0 && m.moe.experts % ep == 0) eps.push_back(ep);
+  return eps;
+}
+
+// The micro-batch sizes plan() tries for a layout with `dp` replicas and `pp` stages: the
+// power-of-two divisors of a replica's samples and the whole of them, largest first.
+std::vector<int64_t> micro_batch_sizes(const ClusterSpec& c, const PlanOptions& o, int64_t batch, int dp, int pp) {
+  const int64_t per_replica = batch / dp;
+  std::vector<int64_t> mbs;
+  if (batch % dp != 0 || per_replica < 1) {
+    mbs.push_back(1);
+  } else if (pp == 1 && (!o.dp_only_workers.empty() || c.cpu)) {
+    // No gradient accumulation searched on the local CPU cluster or in the data-parallel
+    // listing: memory does not ask for it there, and the calibration's fits (batches B/4
+    // and B) do not reach tiny micro-batches. Searched, the CNN's tp2 came out best at 96
+    // micro-batches of 2 (priced 110 ms against 118 for one batch of 192), which tandem
+    // train --grad-accum 96 measured at 297-352 ms against 144-159 (docs/BENCHMARKS.md,
+    // "Planning"). tandem bench --grad-accum K prices a chosen K.
+    mbs.push_back(per_replica);
+  } else {
+    for (int64_t d : divisors(per_replica))
+      if ((d & (d - 1)) == 0 || d == per_replica) mbs.push_back(d);
+    std::reverse(mbs.begin(), mbs.end());  // largest first: it wins ties
+  }
+  return mbs;
+}
+
+// Layout `l` (its shape and ZeRO stage) at each micro-batch size and bucket size into `best`:
+// the fastest feasible one (on a tie within 0.1 % the larger micro-batch), else the infeasible
+// one of the smallest memory need (the most informative "why"). False when none was priced.
+bool best_of(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o, Layout l, int64_t batch, Estimate& best) {
+  bool have = false, have_feasible = false;
+  const int64_t per_replica = batch / l.dp;
+  for (int64_t mb : micro_batch_sizes(c, o, batch, l.dp, l.pp)) {
+    for (double bucket : o.bucket_bytes) {
+      l.micro_batch = mb;
+      l.micro_batches = std::max<int64_t>(1, per_replica / mb);
+      l.bucket_bytes = bucket;
+      Estimate e = estimate(m, c, l, o);
+      if (e.feasible) {
+        if (!have_feasible || e.step_s < best.step_s * 0.999) {
+          best = e;
+          have_feasible = have = true;
+        }
+      } else if (!have_feasible) {
+        if (!have || e.memory.total() < best.memory.total()) best = e;
+        have = true;
+      }
+    }
+  }
+  return have;
+}
 }  // namespace
 
 std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& o) {
@@ -1167,56 +1370,32 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
                                 std::to_string(total_devices(c)));
 
   const std::vector<std::tuple<int, int, int, int>> shapes = layout_shapes(o, n_total);
+  if (o.ep < 0) throw std::invalid_argument("expert-parallel degree must be at least 1, got " + std::to_string(o.ep));
+  if (o.ep > 0) {
+    bool any = false;
+    for (auto [dp, cp, tp, pp] : shapes) any = any || (dp % o.ep == 0 && tp == 1);
+    check_expert_parallel(m, o.ep, o.ep);  // a dense model, or an ep that does not divide the experts
+    if (!any)
+      throw std::invalid_argument("expert-parallel degree " + std::to_string(o.ep) +
+                                  " divides no tensor-parallel-free layout's data-parallel replicas (its groups "
+                                  "are made of them): use more devices or a smaller ep");
+  }
   std::vector<Estimate> best_feasible, best_infeasible;
   for (auto [dp, cp, tp, pp] : shapes) {
-    for (int z : o.zero_stages) {
-      if (z > 0 && dp * cp == 1) continue;  // nothing to shard
-      Estimate best;
-      bool have = false, have_feasible = false;
-      const int64_t per_replica = batch / dp;
-      std::vector<int64_t> mbs;
-      if (batch % dp != 0 || per_replica < 1) {
-        mbs.push_back(1);
-      } else if (pp == 1 && (!o.dp_only_workers.empty() || c.cpu)) {
-        // No gradient accumulation searched on the local CPU cluster or in the data-parallel
-        // listing: memory does not ask for it there, and the calibration's fits (batches B/4
-        // and B) do not reach tiny micro-batches. Searched, the CNN's tp2 came out best at 96
-        // micro-batches of 2 (priced 110 ms against 118 for one batch of 192), which tandem
-        // train --grad-accum 96 measured at 297-352 ms against 144-159 (docs/BENCHMARKS.md,
-        // "Planning"). tandem bench --grad-accum K prices a chosen K.
-        mbs.push_back(per_replica);
-      } else {
-        for (int64_t d : divisors(per_replica))
-          if ((d & (d - 1)) == 0 || d == per_replica) mbs.push_back(d);
-        std::reverse(mbs.begin(), mbs.end());  // largest first: it wins ties
+    for (int ep : expert_degrees(m, o, dp, tp)) {
+      for (int z : o.zero_stages) {
+        if (z > 0 && dp * cp == 1) continue;  // nothing to shard
+        Layout l;
+        l.dp = dp;
+        l.cp = cp;
+        l.tp = tp;
+        l.pp = pp;
+        l.ep = ep;
+        l.zero = z;
+        Estimate best;
+        if (!best_of(m, c, o, l, batch, best)) continue;
+        (best.feasible ? best_feasible : best_infeasible).push_back(best);
       }
-      for (int64_t mb : mbs) {
-        for (double bucket : o.bucket_bytes) {
-          Layout l;
-          l.dp = dp;
-          l.cp = cp;
-          l.tp = tp;
-          l.pp = pp;
-          l.zero = z;
-          l.micro_batch = mb;
-          l.micro_batches = std::max<int64_t>(1, per_replica / mb);
-          l.bucket_bytes = bucket;
-          Estimate e = estimate(m, c, l, o);
-          if (e.feasible) {
-            // Fastest; on a tie (within 0.1 %) the larger micro-batch.
-            if (!have_feasible || e.step_s < best.step_s * 0.999) {
-              best = e;
-              have_feasible = have = true;
-            }
-          } else if (!have_feasible) {
-            // Keep the reason of the smallest memory need (the most informative "why").
-            if (!have || e.memory.total() < best.memory.total()) best = e;
-            have = true;
-          }
-        }
-      }
-      if (!have) continue;
-      (best.feasible ? best_feasible : best_infeasible).push_back(best);
     }
   }
   std::stable_sort(best_feasible.begin(), best_feasible.end(),
@@ -1226,8 +1405,8 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
   if (!o.dp_only_workers.empty()) {
     // Keep the requested order of worker counts for tables.
     std::stable_sort(best_feasible.begin(), best_feasible.end(), [](const Estimate& a, const Estimate& b) {
-      return std::make_tuple(a.layout.devices(), a.layout.cp, a.layout.zero) <
-             std::make_tuple(b.layout.devices(), b.layout.cp, b.layout.zero);
+      return std::make_tuple(a.layout.devices(), a.layout.cp, a.layout.ep, a.layout.zero) <
+             std::make_tuple(b.layout.devices(), b.layout.cp, b.layout.ep, b.layout.zero);
     });
   }
   best_feasible.insert(best_feasible.end(), best_infeasible.begin(), best_infeasible.end());

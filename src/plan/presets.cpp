@@ -2,6 +2,8 @@
 // models, devices, links and whole clusters. Figures and their sources: docs/drafts/plan.md.
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <stdexcept>
 #include <thread>
@@ -82,9 +84,69 @@ ModelSpec llama_model(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_
   return m;
 }
 
+ModelSpec mixtral_model(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t intermediate,
+                        int64_t experts, int64_t top_k, int64_t seq, int64_t vocab) {
+  if (heads < 1 || kv_heads < 1)
+    throw std::invalid_argument("a Mixtral model needs attention and key/value heads, got " + std::to_string(heads) +
+                                " and " + std::to_string(kv_heads));
+  // Per block: q and o (h x h), k and v (h x h_kv), the router (h x experts), the experts (w1,
+  // w3: h x i; w2: i x h) and two RMSNorms; then untied embedding and LM head and the final norm.
+  const double h = static_cast<double>(hidden), kv = h * static_cast<double>(kv_heads) / static_cast<double>(heads);
+  const double e = static_cast<double>(experts), i = static_cast<double>(intermediate);
+  const double block = 2 * h * h + 2 * h * kv + h * e + e * 3 * h * i + 2 * h;
+  const double params = static_cast<double>(layers) * block + 2.0 * static_cast<double>(vocab) * h + h;
+  // Llama's attention and norms; the MoE blocks' activations are counted from `moe`
+  // (activation_bytes_per_sample), so that the capacity factor can change them.
+  ModelSpec m = llama_model(layers, hidden, heads, kv_heads, 0, seq, vocab, params);
+  m.name = "mixtral";
+  m.moe.experts = experts;
+  m.moe.top_k = top_k;
+  m.moe.intermediate = intermediate;
+  return m;
+}
+
+ModelSpec hf_config_model(const std::string& config_json, int64_t seq) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(config_json);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(std::string("config.json is not valid JSON: ") + e.what());
+  }
+  auto need = [&](const char* key) {
+    if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<int64_t>() < 1)
+      throw std::invalid_argument(std::string("config.json: '") + key + "' missing or not a positive integer");
+    return j[key].get<int64_t>();
+  };
+  const std::string type = j.value("model_type", std::string());
+  if (type != "llama" && type != "mixtral")
+    throw std::invalid_argument("config.json: model_type '" + type +
+                                "' is not one tandem plan reads (llama, mixtral); describe it with --params/--layers/"
+                                "--hidden/--heads/--seq");
+  const int64_t layers = need("num_hidden_layers"), hidden = need("hidden_size"), heads = need("num_attention_heads");
+  const int64_t kv = j.contains("num_key_value_heads") ? need("num_key_value_heads") : heads;
+  const int64_t inter = need("intermediate_size"), vocab = need("vocab_size");
+  const int64_t positions = j.contains("max_position_embeddings") ? need("max_position_embeddings") : 4096;
+  if (seq <= 0) seq = std::min<int64_t>(4096, positions);
+  const bool tied = j.value("tie_word_embeddings", false);
+  ModelSpec m;
+  if (type == "mixtral") {
+    m = mixtral_model(layers, hidden, heads, kv, inter, need("num_local_experts"), need("num_experts_per_tok"), seq,
+                      vocab);
+  } else {
+    // Per block q, o (h x h), k, v (h x h_kv), SwiGLU (3 h i), two norms; embedding, LM head, final norm.
+    const double h = static_cast<double>(hidden), kvw = h * static_cast<double>(kv) / static_cast<double>(heads);
+    const double block = 2 * h * h + 2 * h * kvw + 3 * h * static_cast<double>(inter) + 2 * h;
+    const double params = static_cast<double>(layers) * block + 2.0 * static_cast<double>(vocab) * h + h;
+    m = llama_model(layers, hidden, heads, kv, inter, seq, vocab, params);
+  }
+  if (tied) m.parameters -= static_cast<double>(vocab) * static_cast<double>(hidden);
+  m.name = j.value("_name_or_path", std::string()).empty() ? type : j["_name_or_path"].get<std::string>();
+  return m;
+}
+
 std::vector<std::string> builtin_model_names() {
-  return {"mlp",  "cnn",       "cnn_bn",    "transformer_tiny", "resnet50",  "resnet101", "vgg16",
-          "gpt2", "gpt3-1.3b", "zero-7.5b", "llama-7b",         "llama-13b", "llama-70b"};
+  return {"mlp",       "cnn",       "cnn_bn",   "transformer_tiny", "resnet50",  "resnet101",    "vgg16",   "gpt2",
+          "gpt3-1.3b", "zero-7.5b", "llama-7b", "llama-13b",        "llama-70b", "mixtral-8x7b", "moe_tiny"};
 }
 
 ModelSpec builtin_model(const std::string& name) {
@@ -168,6 +230,12 @@ ModelSpec builtin_model(const std::string& name) {
   } else if (name == "llama-70b") {
     m = transformer_model(80, 8192, 64, 4096, 32000, 69.0e9);
     m.kv_heads = 8;  // grouped-query attention
+  } else if (name == "mixtral-8x7b") {
+    // Mixtral 8x7B (Jiang et al. 2024; its config.json): 46.7 B parameters, 12.9 B active per token.
+    m = mixtral_model(32, 4096, 32, 8, 14336, 8, 2, 4096, 32000);
+  } else if (name == "moe_tiny") {
+    // The Mixtral-shaped model bench/moe.sh trains: 13.9 M parameters.
+    m = mixtral_model(4, 256, 8, 4, 512, 8, 2, 128, 1000);
   } else {
     throw std::invalid_argument("unknown model '" + name + "'; built-in models: " + join(builtin_model_names()) +
                                 " (or describe one with --params/--layers/--hidden/--heads/--seq)");

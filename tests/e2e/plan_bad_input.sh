@@ -37,6 +37,25 @@ expect nothing-fits-why "out of memory: .* per device" -- "$tandem" plan --model
 expect bad-zero "ZeRO stages must be 0-3" -- "$tandem" plan --model gpt2 --cluster h100x8 --zero 4
 expect cp-indivisible "context-parallel degree 3 does not divide the 8 devices" -- \
   "$tandem" plan --model gpt2 --cluster h100x8 --cp 3
+expect ep-indivisible "expert-parallel degree 3 does not divide the 8 experts" -- \
+  "$tandem" plan --model mixtral-8x7b --cluster h100-ib --ep 3
+expect ep-dense "expert parallelism \\(ep 2\\) needs a MoE model; 'gpt2' has no experts" -- \
+  "$tandem" plan --model gpt2 --cluster h100x8 --ep 2
+expect ep-no-dp "expert-parallel degree 16 divides no .*data-parallel replicas" -- \
+  "$tandem" plan --params 2e8 --layers 4 --hidden 512 --heads 8 --seq 128 --experts 16 --expert-intermediate 1024 \
+  --cluster h100x8 --ep 16
+expect top-k-beyond "top-k must be between 1 and the 8 experts, got 9" -- \
+  "$tandem" plan --model mixtral-8x7b --cluster h100-ib --top-k 9
+expect experts-on-preset "--experts and --expert-intermediate describe a custom MoE model" -- \
+  "$tandem" plan --model llama-7b --cluster h100x8 --experts 8
+expect moe-flag-dense "--top-k and --capacity-factor describe MoE blocks; 'gpt2' has none" -- \
+  "$tandem" plan --model gpt2 --cluster h100x8 --capacity-factor 1.25
+expect expert-width-missing "expert intermediate size must be at least 1, got 0" -- \
+  "$tandem" plan --layers 4 --hidden 512 --heads 8 --seq 128 --experts 8 --cluster h100x8
+mkdir -p qwen && printf '{"model_type": "qwen2_moe", "hidden_size": 64}\n' >qwen/config.json
+expect hf-model-type "config.json: model_type 'qwen2_moe' is not one tandem plan reads" -- \
+  "$tandem" plan --model qwen --cluster h100x8
+expect hf-no-config "cannot read nonexistent.json" -- "$tandem" plan --model nonexistent.json --cluster h100x8
 expect bad-workers "worker counts must be at least 1" -- "$tandem" plan --model cnn --cluster local --workers 0
 expect calibrate-remote "--calibrate measures this machine" -- "$tandem" plan --model gpt2 --cluster h100x8 --calibrate
 expect bench-uneven "does not split evenly over every worker count" -- "$tandem" bench --workers 2,3 --batch 128

@@ -6,6 +6,8 @@
 // measures, plan_output.cpp prints the result.
 #include <CLI/CLI.hpp>
 
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 
@@ -51,7 +53,10 @@ std::vector<NodeGroup> parse_groups(const std::string& text, int default_per_nod
 }
 
 void add_model_options(CLI::App& app, PlanFlags& f) {
-  app.add_option("--model", f.model_name, "built-in model (mlp, cnn, transformer_tiny, resnet50, gpt2, llama-7b, ...)");
+  app.add_option("--model", f.model_name,
+                 "built-in model (mlp, cnn, transformer_tiny, resnet50, gpt2, llama-7b, mixtral-8x7b, moe_tiny, ...), "
+                 "or a Hugging Face checkpoint directory or config.json (model_type llama or mixtral; --seq, default "
+                 "4096 or its max_position_embeddings if smaller)");
   app.add_option("--params", f.params, "custom model: parameters (e.g. 7.5e9)");
   app.add_option("--layers", f.layers, "custom model: layers (blocks)");
   app.add_option("--hidden", f.hidden, "custom model: hidden size");
@@ -62,6 +67,14 @@ void add_model_options(CLI::App& app, PlanFlags& f) {
   app.add_option("--vocab", f.vocab, "custom model: vocabulary size");
   app.add_option("--flops-per-sample", f.flops_per_sample, "forward FLOPs per sample (default: from the shape)");
   app.add_option("--activation-bytes", f.act_bytes, "activation bytes per sample kept for backward (float32)");
+  app.add_option("--experts", f.experts,
+                 "custom model: MoE experts per block (Mixtral style: every block's MLP a top-k router over SwiGLU "
+                 "experts; needs --expert-intermediate)");
+  app.add_option("--expert-intermediate", f.expert_intermediate, "custom MoE model: each expert's SwiGLU width");
+  app.add_option("--top-k", f.top_k, "MoE: experts per token (default 2, or the preset's)");
+  app.add_option("--capacity-factor", f.capacity_factor,
+                 "MoE: each expert takes at most c x top-k x tokens / experts token slots (0: dropless, the default); "
+                 "activations held for c x top-k slots per token");
   app.add_option("--lora-rank", f.lora_rank,
                  "LoRA fine-tuning: adapters of this rank on q, k, v, o of every layer train, the rest is frozen "
                  "(no gradients, no optimizer state)");
@@ -121,6 +134,11 @@ void add_plan_options(CLI::App& app, PlanFlags& f) {
   app.add_option("--devices", o.devices, "use this many devices (default: all)");
   app.add_option("--max-tp", o.max_tp, "largest tensor-parallel degree")->capture_default_str();
   app.add_option("--max-pp", o.max_pp, "largest pipeline depth")->capture_default_str();
+  app.add_option("--ep", o.ep,
+                 "MoE models: expert-parallel degree (tandem finetune --ep): experts / ep experts per rank, their "
+                 "state sharded over dp / ep ranks, tokens exchanged by 4 all-to-alls per MoE layer and micro-batch; "
+                 "divides dp and the experts (default: every power of two up to --max-ep that does)");
+  app.add_option("--max-ep", o.max_ep, "largest expert-parallel degree searched")->capture_default_str();
   app.add_option("--cp", o.cp,
                  "context-parallel degrees to evaluate, e.g. 2 or 1,2 (tandem train --cp; transformers described "
                  "by shape, sequence a multiple of 2 x cp): each sequence split over cp ranks of a replica, "
@@ -206,15 +224,46 @@ ClusterSpec cluster_from_flags(const PlanFlags& f) {
   return c;
 }
 
+// --top-k and --capacity-factor over a MoE model; --experts and --expert-intermediate describe a
+// custom one (model_from_flags), not a preset.
+void apply_moe_flags(const PlanFlags& f, ModelSpec& m) {
+  if ((f.experts != 0 || f.expert_intermediate != 0) && !f.model_name.empty())
+    throw std::invalid_argument("--experts and --expert-intermediate describe a custom MoE model by its shape "
+                                "(--layers --hidden --heads --seq --vocab), not --model " +
+                                f.model_name);
+  if (f.expert_intermediate != 0 && f.experts == 0)
+    throw std::invalid_argument("--expert-intermediate needs --experts (the experts per MoE block)");
+  if ((f.top_k != -1 || f.capacity_factor != -1) && !is_moe(m))
+    throw std::invalid_argument("--top-k and --capacity-factor describe MoE blocks; '" + m.name +
+                                "' has none (--model mixtral-8x7b or moe_tiny, or --experts)");
+  if (f.top_k != -1) m.moe.top_k = f.top_k;
+  if (f.capacity_factor != -1) m.moe.capacity_factor = f.capacity_factor;
+}
+
+// --model: a built-in name, or a Hugging Face checkpoint directory (its config.json: Llama or
+// Mixtral) or such a config.json itself, at --seq tokens.
+ModelSpec named_model(const PlanFlags& f) {
+  std::filesystem::path p(f.model_name);
+  if (std::filesystem::is_directory(p)) p /= "config.json";
+  else if (p.extension() != ".json") return builtin_model(f.model_name);
+  std::ifstream in(p);
+  if (!in)
+    throw std::invalid_argument("--model '" + f.model_name + "': cannot read " + p.string() +
+                                " (a Hugging Face checkpoint directory holds its config.json)");
+  std::stringstream text;
+  text << in.rdbuf();
+  return hf_config_model(text.str(), f.seq);
+}
+
 // The --model preset with the shape flags applied over it, or a custom model from them alone.
 ModelSpec model_from_flags(const PlanFlags& f) {
   ModelSpec m;
   double flops_per_sample = f.flops_per_sample;
   const double params = f.params, act_bytes = f.act_bytes;
   const int64_t layers = f.layers, hidden = f.hidden, heads = f.heads, seq = f.seq;
-  const bool custom = params != 0 || layers != 0 || hidden != 0 || heads != 0 || seq != 0;
+  const bool custom = params != 0 || layers != 0 || hidden != 0 || heads != 0 || seq != 0 || f.experts != 0;
   if (!f.model_name.empty() && custom) {
-    m = builtin_model(f.model_name);
+    m = named_model(f);
     if (params != 0) m.parameters = params;
     if (layers != 0) m.layers = layers;
     if (hidden != 0) m.hidden = hidden;
@@ -222,9 +271,14 @@ ModelSpec model_from_flags(const PlanFlags& f) {
     if (seq != 0) m.seq = seq;
     if (heads != 0 && f.kv_heads == 0) m.kv_heads = 0;  // the preset's grouping was for its heads
   } else if (!f.model_name.empty()) {
-    m = builtin_model(f.model_name);
+    m = named_model(f);
   } else if (custom) {
-    if (heads != 0 || hidden != 0) {
+    if (f.experts != 0) {
+      m = mixtral_model(layers != 0 ? layers : 1, hidden, heads, f.kv_heads != 0 ? f.kv_heads : heads,
+                        f.expert_intermediate, f.experts, f.top_k > 0 ? f.top_k : 2, seq != 0 ? seq : 1, f.vocab);
+      if (params != 0) m.parameters = params;
+      m.name = "custom mixtral";
+    } else if (heads != 0 || hidden != 0) {
       m = transformer_model(layers != 0 ? layers : 1, hidden, heads, seq != 0 ? seq : 1, f.vocab, params);
       if (params != 0) m.parameters = params;  // validate() rejects a negative count
       m.name = "custom transformer";
@@ -245,6 +299,7 @@ ModelSpec model_from_flags(const PlanFlags& f) {
                                 " built in, e.g. cnn, gpt2, llama-7b) or --params/--layers/--hidden/--heads/--seq");
   }
   if (f.kv_heads != 0) m.kv_heads = f.kv_heads;
+  apply_moe_flags(f, m);
   if (flops_per_sample != 0) m.forward_flops_per_sample = flops_per_sample;
   if (act_bytes != 0) m.activation_bytes_per_sample = act_bytes;
   m.attention_scores = m.attention_scores || f.attention_scores;
@@ -296,6 +351,8 @@ int cmd_plan(int argc, char** argv) {
       {"a model described by its shape, with context parallelism",
        {"tandem plan --params 7e9 --layers 32 --hidden 4096 --heads 32 --seq 8192 --cluster h100-ib --cp 1,2"}},
       {"this machine, measured first", {"tandem plan --model cnn --calibrate"}},
+      {"Mixtral 8x7B with expert parallelism fixed at 8",
+       {"tandem plan --model mixtral-8x7b --cluster h100-ib --batch 64 --ep 8 --top 3"}},
   }));
   if (auto rc = parse_command_line(app, argc, argv)) return *rc;
 

@@ -18,6 +18,10 @@ struct PlanFlags {
   int64_t lora_rank = 0;  // LoRA adapters of this rank on q, k, v, o of every layer (transformers)
   bool attention_scores = false, dropout = false;
   int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, seq = 0, vocab = 0;
+  // MoE: experts and their width describe a custom model; top-k and the capacity factor apply
+  // to a MoE preset too (-1: the preset's).
+  int64_t experts = 0, expert_intermediate = 0, top_k = -1;
+  double capacity_factor = -1;
   int nodes = -1, per_node = -1;
   double memory_gb = -1, tflops = 0, tflops_fp32 = 0, mfu = 0, mem_bw_gbps = 0;
   double intra_gbps = 0, intra_lat_us = -1, inter_gbps = 0, inter_lat_us = -1, overlap = -1, overhead_ms = -1;

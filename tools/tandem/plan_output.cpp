@@ -39,6 +39,7 @@ nlohmann::json to_json(const Estimate& e) {
                       {"cp", e.layout.cp},
                       {"tp", e.layout.tp},
                       {"pp", e.layout.pp},
+                      {"ep", e.layout.ep},
                       {"zero", e.layout.zero},
                       {"micro_batch", e.layout.micro_batch},
                       {"micro_batches", e.layout.micro_batches},
@@ -50,6 +51,10 @@ nlohmann::json to_json(const Estimate& e) {
                         {"optimizer", e.memory.optimizer},
                         {"activations", e.memory.activations},
                         {"total", e.memory.total()}}}};
+  if (e.memory.expert_states > 0) {
+    // Parts of the four above: the experts' parameters, gradients and optimizer state, and activations.
+    j["memory_bytes"]["experts"] = {{"states", e.memory.expert_states}, {"activations", e.memory.expert_activations}};
+  }
   if (e.feasible) {
     j["step_seconds"] = e.step_s;
     j["samples_per_second"] = e.samples_per_s;
@@ -64,6 +69,10 @@ nlohmann::json to_json(const Estimate& e) {
       j["ring_bytes"] = e.ring_bytes;
       j["ring_seconds"] = e.ring_s;
       j["ring_exposed_seconds"] = e.ring_exposed_s;
+    }
+    if (e.layout.ep > 1) {
+      j["all_to_all_bytes"] = e.all_to_all_bytes;
+      j["all_to_all_seconds"] = e.all_to_all_s;
     }
     if (!e.caveat.empty()) j["caveat"] = e.caveat;
   } else {
@@ -86,6 +95,14 @@ void write_plan_json(const std::string& path, const ModelSpec& m, const ClusterS
                 {"kv_heads", m.kv_heads > 0 ? m.kv_heads : m.heads},
                 {"seq", m.seq},
                 {"forward_flops_per_sample", forward_flops_per_sample(m)}};
+  if (is_moe(m)) {
+    j["model"]["moe"] = {{"experts", m.moe.experts},
+                         {"top_k", m.moe.top_k},
+                         {"intermediate", m.moe.intermediate},
+                         {"moe_layers", moe_layers(m)},
+                         {"capacity_factor", m.moe.capacity_factor},
+                         {"expert_parameters", expert_parameters(m)}};
+  }
   j["cluster"] = {{"name", c.name},
                   {"devices", total_devices(c)},
                   {"devices_per_node", devices_per_node(c)},
@@ -93,7 +110,8 @@ void write_plan_json(const std::string& path, const ModelSpec& m, const ClusterS
   j["options"] = {{"global_batch", o.global_batch},
                   {"optimizer", o.optimizer},
                   {"precision", o.precision},
-                  {"cp", o.cp}};
+                  {"cp", o.cp},
+                  {"ep", o.ep}};
   j["layouts"] = nlohmann::json::array();
   for (const auto& e : results) j["layouts"].push_back(to_json(e));
   if (path == "-") {
@@ -111,6 +129,12 @@ void print_setting(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& 
   std::cout << "model    " << m.name << ": " << fixed(m.parameters / 1e6, m.parameters < 1e7 ? 3 : 1)
             << " M parameters, " << m.layers << " layers, " << fixed(forward_flops_per_sample(m) / 1e9, 4)
             << " GFLOP forward per sample\n";
+  if (is_moe(m)) {
+    std::cout << "experts  " << m.moe.experts << " of width " << m.moe.intermediate << " in " << moe_layers(m)
+              << " MoE blocks, top " << m.moe.top_k << ", "
+              << (m.moe.capacity_factor > 0 ? "capacity factor " + fixed(m.moe.capacity_factor, 2) : "dropless") << ": "
+              << fixed(expert_parameters(m) / 1e6, 1) << " M expert parameters\n";
+  }
   std::cout << "cluster  " << c.name << ": ";
   for (size_t i = 0; i < c.groups.size(); ++i)
     std::cout << (i ? " + " : "") << c.groups[i].nodes << " x " << c.groups[i].devices_per_node << " "
@@ -139,37 +163,62 @@ void print_setting(const ModelSpec& m, const ClusterSpec& c, const PlanOptions& 
             << (o.sequence_parallel ? ", sequence-parallel" : "") << "\n\n";
 }
 
-void print_ranking(const std::vector<Estimate>& results, int top, int show_infeasible) {
-  int feasible = 0;
-  // The cp and ring columns only where a layout has context parallelism: without it the table
-  // keeps its columns.
-  bool with_cp = false;
-  for (const auto& e : results) {
-    feasible += e.feasible;
-    with_cp = with_cp || e.layout.cp > 1;
-  }
+namespace {
+// Which optional columns the table carries: cp and the ring where a layout has context
+// parallelism, ep and the all-to-alls where one has expert parallelism, the experts' memory for
+// MoE models. Without them the table keeps its columns.
+struct Columns {
+  bool cp = false, ep = false, experts = false;
+};
+
+void print_header(const Columns& col) {
   std::cout << std::left << std::setw(5) << "rank" << std::setw(30) << "layout" << std::right;
-  if (with_cp) std::cout << std::setw(4) << "cp";
+  if (col.cp) std::cout << std::setw(4) << "cp";
+  if (col.ep) std::cout << std::setw(4) << "ep";
   std::cout << std::setw(9) << "micro-b" << std::setw(8) << "bucket" << std::setw(11) << "step ms" << std::setw(12)
             << "samples/s" << std::setw(8) << "eff." << std::setw(11) << "memory" << std::setw(11) << "comm ms"
             << std::setw(10) << "exposed";
-  if (with_cp) std::cout << std::setw(9) << "ring ms";
-  std::cout << "   memory: params/grads/optimizer/activations\n";
+  if (col.cp) std::cout << std::setw(9) << "ring ms";
+  if (col.ep) std::cout << std::setw(9) << "a2a ms";
+  std::cout << "   memory: params/grads/optimizer/activations" << (col.experts ? " (experts: states/activations)" : "")
+            << "\n";
+}
+
+void print_row(int rank, const Estimate& e, const Columns& col) {
+  const auto& l = e.layout;
+  std::cout << std::left << std::setw(5) << rank << std::setw(30) << layout_label(e) << std::right;
+  if (col.cp) std::cout << std::setw(4) << l.cp;
+  if (col.ep) std::cout << std::setw(4) << l.ep;
+  std::cout << std::setw(9) << (std::to_string(l.micro_batch) + "x" + std::to_string(l.micro_batches)) << std::setw(8)
+            << fixed(l.bucket_bytes / 1048576.0, 0) << std::setw(11) << fixed(e.step_s * 1e3, e.step_s < 1 ? 1 : 0)
+            << std::setw(12) << fixed(e.samples_per_s, e.samples_per_s < 100 ? 1 : 0) << std::setw(7)
+            << fixed(e.efficiency * 100, 0) << "%" << std::setw(11) << human_bytes(e.memory.total()) << std::setw(11)
+            << fixed(e.comm_s * 1e3, 1) << std::setw(10) << fixed(e.exposed_comm_s * 1e3, 1);
+  if (col.cp) std::cout << std::setw(9) << fixed(e.ring_exposed_s * 1e3, 1);
+  if (col.ep) std::cout << std::setw(9) << fixed(e.all_to_all_s * 1e3, 1);
+  std::cout << "   " << human_bytes(e.memory.parameters) << " / " << human_bytes(e.memory.gradients) << " / "
+            << human_bytes(e.memory.optimizer) << " / " << human_bytes(e.memory.activations);
+  if (col.experts)
+    std::cout << " (experts " << human_bytes(e.memory.expert_states) << " / "
+              << human_bytes(e.memory.expert_activations) << ")";
+  std::cout << "\n";
+}
+}  // namespace
+
+void print_ranking(const std::vector<Estimate>& results, int top, int show_infeasible) {
+  int feasible = 0;
+  Columns col;
+  for (const auto& e : results) {
+    feasible += e.feasible;
+    col.cp = col.cp || e.layout.cp > 1;
+    col.ep = col.ep || e.layout.ep > 1;
+    col.experts = col.experts || e.memory.expert_states > 0;
+  }
+  print_header(col);
   int shown = 0;
   for (const auto& e : results) {
     if (!e.feasible || shown >= top) continue;
-    ++shown;
-    const auto& l = e.layout;
-    std::cout << std::left << std::setw(5) << shown << std::setw(30) << layout_label(e) << std::right;
-    if (with_cp) std::cout << std::setw(4) << l.cp;
-    std::cout << std::setw(9) << (std::to_string(l.micro_batch) + "x" + std::to_string(l.micro_batches)) << std::setw(8)
-              << fixed(l.bucket_bytes / 1048576.0, 0) << std::setw(11) << fixed(e.step_s * 1e3, e.step_s < 1 ? 1 : 0)
-              << std::setw(12) << fixed(e.samples_per_s, e.samples_per_s < 100 ? 1 : 0) << std::setw(7)
-              << fixed(e.efficiency * 100, 0) << "%" << std::setw(11) << human_bytes(e.memory.total()) << std::setw(11)
-              << fixed(e.comm_s * 1e3, 1) << std::setw(10) << fixed(e.exposed_comm_s * 1e3, 1);
-    if (with_cp) std::cout << std::setw(9) << fixed(e.ring_exposed_s * 1e3, 1);
-    std::cout << "   " << human_bytes(e.memory.parameters) << " / " << human_bytes(e.memory.gradients) << " / "
-              << human_bytes(e.memory.optimizer) << " / " << human_bytes(e.memory.activations) << "\n";
+    print_row(++shown, e, col);
   }
   {
     int k = 0;
@@ -179,9 +228,12 @@ void print_ranking(const std::vector<Estimate>& results, int top, int show_infea
       if (!e.caveat.empty()) std::cout << "note: " << k << " (" << layout_label(e) << ") has " << e.caveat << "\n";
     }
   }
-  if (with_cp)
+  if (col.cp)
     std::cout << "ring ms: ring attention's transfers not hidden behind its blocks' compute (in step ms; comm ms "
                  "counts them whole)\n";
+  if (col.ep)
+    std::cout << "a2a ms: the MoE layers' all-to-alls (dispatch and combine, forward and backward; in step ms and "
+                 "comm ms)\n";
   if (feasible > shown) std::cout << "(" << feasible - shown << " more feasible layouts; --top N shows them)\n";
   int infeasible = static_cast<int>(results.size()) - feasible;
   if (infeasible > 0 && show_infeasible > 0) {
