@@ -30,6 +30,7 @@ void add_planned_memory(const ModelSpec& model, const ParallelConfig& pc, int wo
   l.tp = pc.tp;
   l.pp = pc.pp;
   l.cp = pc.cp;
+  l.ep = pc.ep;
   l.zero = zero_stage(pc.strategy);
   l.micro_batches = pc.pp > 1 ? pc.micro_batches : pc.grad_accum;
   l.micro_batch = std::max<int64_t>(1, global_batch / dp / l.micro_batches);

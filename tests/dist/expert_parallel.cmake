@@ -1,6 +1,6 @@
 # Expert parallelism through the Engine: ep 2 (with dp on 4 ranks), under ZeRO-1 and ZeRO-3 and
 # with a pipeline (4 ranks) against one worker running the same micro-batches; a checkpoint
 # saved under ep 2 loaded whole; the splits it cannot make refused.
-foreach(np 2 4)
-  tandem_add_dist_test(dist_expert_parallel_np${np} ${np} "ExpertParallel.*" TIMEOUT 150)
-endforeach()
+tandem_add_dist_test(dist_expert_parallel_np2 2 "ExpertParallel.*:-ExpertParallel.FollowsOneWorkerWithPipeline"
+                     TIMEOUT 150)
+tandem_add_dist_test(dist_expert_parallel_np4 4 "ExpertParallel.*" TIMEOUT 200)
