@@ -147,6 +147,12 @@ TEST(AllToAll, BadSplitsAreRejectedNamingTheSizes) {
   expect_refused([&] { comm->alltoall(out.to(at::kDouble), in, plus_one, plus_one); }, {rank, "dtype", "Double"});
   expect_refused([&] { comm->alltoall(at::zeros({3, R + 1}).t(), in, plus_one, plus_one); }, {rank, "contiguous"});
   expect_refused([&] { comm->alltoall(in, in, plus_one, plus_one); }, {rank, "shares memory"});
+  auto self_in = ones, self_out = ones;  // two rows to itself, one expected from itself
+  self_in[me] += 1;
+  self_out[(me + 1) % R] += 1;
+  const auto m = std::to_string(me);
+  expect_refused([&] { comm->alltoall(out, in, self_out, self_in); },
+                 {rank, "input_splits[" + m + "] = 2 rows to itself", "output_splits[" + m + "] = 1"});
   expect_refused([&] { moe::all_to_all(in, ones, ones, comm); },
                  {"rank " + std::to_string(me), "send_counts " + c10::str(at::IntArrayRef(ones)),
                   "[" + std::to_string(R + 1) + ", 3]"});
@@ -155,6 +161,22 @@ TEST(AllToAll, BadSplitsAreRejectedNamingTheSizes) {
   auto good = at::empty_like(a2a::received_by(me, c, {}, at::kFloat));
   EXPECT_NO_THROW(comm->alltoall(good, a2a::sent_by(me, c, {}, at::kFloat), c.recvs(me), c.sends(me)));
   EXPECT_TRUE(good.equal(a2a::received_by(me, c, {}, at::kFloat)));
+}
+
+// MPI's counts and displacements are ints: a side of 2^31 elements is refused, naming its size.
+TEST(AllToAll, MoreElementsThanMpiCountsHoldAreRefused) {
+  auto comm = world();
+  const int R = comm->size(), me = comm->rank();
+  const int64_t big = int64_t{1} << 31;
+  auto in = at::empty({big}, at::kByte);  // never written or read: its pages stay untouched
+  std::vector<int64_t> in_splits(R, 0), out_splits(R, 0);
+  in_splits[(me + 1) % R] = big;
+  try {
+    comm->alltoall(at::empty({0}, at::kByte), in, out_splits, in_splits);
+    ADD_FAILURE() << "2^31 elements were accepted";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("2147483648 elements"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
