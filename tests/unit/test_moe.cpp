@@ -14,6 +14,7 @@
 
 #include "tandem/activation_checkpoint.h"
 #include "tandem/moe.h"
+#include "tests/unit/moe_test_util.h"
 
 namespace tandem::test {
 namespace {
@@ -23,30 +24,21 @@ using moe::SparseMoeBlock;
 
 constexpr double kTol = 1e-10;
 
-// Relative to the larger of |b| and 1e-6: with top-1 routing the router's gradient is zero up
-// to rounding (the renormalised score is p / p).
-double rel(const at::Tensor& a, const at::Tensor& b) {
-  return (a - b).abs().max().item<double>() / std::max(1e-6, b.abs().max().item<double>());
-}
+double rel(const at::Tensor& a, const at::Tensor& b) { return moe_rel(a, b); }
 
 MoeConfig config(int64_t experts, int64_t k, int64_t hidden = 6, int64_t inter = 5) {
   return MoeConfig{hidden, inter, experts, k};
 }
 
 SparseMoeBlock block(const MoeConfig& c, const std::shared_ptr<moe::RouterLog>& log, int64_t layer, uint64_t seed) {
-  torch::manual_seed(seed);
-  SparseMoeBlock b(c, log, layer);
-  b->to(torch::kDouble);
-  return b;
+  return moe_block(c, log, layer, seed);
 }
 
 // A copy of `from`'s parameters in a block of config `c` (fresh, so its gradients are its own).
 SparseMoeBlock copy_of(SparseMoeBlock from, const MoeConfig& c, const std::shared_ptr<moe::RouterLog>& log,
                        int64_t layer) {
   auto b = block(c, log, layer, 0);
-  torch::NoGradGuard no_grad;
-  auto src = from->named_parameters();
-  for (auto& p : b->named_parameters()) p.value().copy_(src[p.key()]);
+  copy_moe_weights(from, b);
   return b;
 }
 
