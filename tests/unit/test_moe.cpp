@@ -6,15 +6,21 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <map>
 #include <numeric>
 #include <string>
 #include <vector>
 
 #include "tandem/activation_checkpoint.h"
 #include "tandem/moe.h"
+#include "tandem/safetensors.h"
 #include "tests/unit/moe_test_util.h"
+#include "tests/unit/temp_dir.h"
 
 namespace tandem::test {
 namespace {
@@ -384,6 +390,47 @@ TEST(MoeAuxLoss, PooledNeedsEveryLayer) {
     FAIL() << "expected an error";
   } catch (const std::logic_error& e) {
     EXPECT_NE(std::string(e.what()).find("MoE layer 0 of 3"), std::string::npos) << e.what();
+  }
+}
+
+// transformers' MixtralSparseMoeBlock (tests/hf/moe_reference.py, float32): two stacked blocks
+// with the pooled load-balancing loss; outputs, the loss value and every gradient.
+TEST(MoeBlock, MatchesTransformersMixtralInFloat32) {
+  const char* src = std::getenv("TANDEM_SOURCE_DIR");
+  ASSERT_NE(src, nullptr) << "TANDEM_SOURCE_DIR unset (ctest sets it)";
+  const std::string python = std::string(src) + "/.venv-hf/bin/python";
+  ASSERT_EQ(::access(python.c_str(), X_OK), 0) << python << " missing: run scripts/setup-hf-venv.sh";
+  TempDir d;
+  const std::string file = d.file("moe.safetensors");
+  ASSERT_EQ(std::system(("HF_HUB_OFFLINE=1 " + python + " " + src + "/tests/hf/moe_reference.py make " + file).c_str()),
+            0);
+  std::map<std::string, at::Tensor> ref;
+  for (auto& [name, t] : safetensors::load_file(file)) ref[name] = t;
+
+  auto c = config(4, 2, 16, 24);
+  c.aux_loss_coef = 0.3;
+  auto log = moe::make_router_log(2);
+  std::vector<SparseMoeBlock> blocks{SparseMoeBlock(c, log, 0), SparseMoeBlock(c, log, 1)};
+  for (int l = 0; l < 2; ++l) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : blocks[l]->named_parameters())
+      p.value().copy_(ref.at("layers." + std::to_string(l) + "." + p.key()));
+  }
+  auto x = ref.at("x").clone().requires_grad_(true);
+  moe::reset_moe_stats();
+  const auto h = x + blocks[0]->forward(x);
+  const auto y = h + blocks[1]->forward(h);
+  (y * ref.at("gy")).sum().backward();
+
+  constexpr double kF32 = 1e-5;
+  EXPECT_LE(rel(y, ref.at("y")), kF32);
+  EXPECT_NEAR(moe::moe_stats().aux_loss_sum, ref.at("aux").item<double>(), 1e-5);
+  EXPECT_LE(rel(x.grad(), ref.at("grad.x")), kF32);
+  for (int l = 0; l < 2; ++l) {
+    for (const auto& p : blocks[l]->named_parameters()) {
+      EXPECT_LE(rel(p.value().grad(), ref.at("grad.layers." + std::to_string(l) + "." + p.key())), kF32)
+          << "layer " << l << " " << p.key();
+    }
   }
 }
 
