@@ -155,6 +155,10 @@ class SparseMoeBlockImpl : public torch::nn::Module, public ExpertParallel {
   torch::Tensor forward(const torch::Tensor& x);
   std::vector<LocalExpert> use_expert_parallel(const CommPtr& ep) override;
   int64_t num_experts() const override { return config.num_experts; }
+  // Also the local experts once they are no longer children (expert parallelism).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
 
   MoeConfig config;
   torch::nn::Linear gate{nullptr};

@@ -320,6 +320,22 @@ std::vector<ExpertParallel::LocalExpert> SparseMoeBlockImpl::use_expert_parallel
   return out;
 }
 
+void SparseMoeBlockImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  Module::to(device, dtype, non_blocking);
+  if (ep)
+    for (auto& e : local) e->to(device, dtype, non_blocking);
+}
+void SparseMoeBlockImpl::to(torch::Dtype dtype, bool non_blocking) {
+  Module::to(dtype, non_blocking);
+  if (ep)
+    for (auto& e : local) e->to(dtype, non_blocking);
+}
+void SparseMoeBlockImpl::to(torch::Device device, bool non_blocking) {
+  Module::to(device, non_blocking);
+  if (ep)
+    for (auto& e : local) e->to(device, non_blocking);
+}
+
 namespace sparse_block {
 namespace {
 

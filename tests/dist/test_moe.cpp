@@ -119,6 +119,15 @@ TEST(ExpertParallel, RankSentNothingAndRankWithoutTokens) {
   check_against_full(c, ref, x, 9);
 }
 
+TEST(ExpertParallel, LocalExpertsFollowTheBlocksTo) {
+  MoeConfig c{6, 5, 2 * world()->size(), 2};
+  auto b = full_block(c, 2);
+  b->use_expert_parallel(world());
+  b->to(torch::kFloat);
+  EXPECT_EQ(b->gate->weight.scalar_type(), torch::kFloat);
+  for (auto& e : b->local) EXPECT_EQ(e->w2->weight.scalar_type(), torch::kFloat);
+}
+
 TEST(ExpertParallel, RefusesExpertsThatEpDoesNotDivide) {
   const int ranks = world()->size();
   MoeConfig c{6, 5, ranks + 1, 1};
