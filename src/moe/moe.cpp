@@ -15,13 +15,25 @@
 
 namespace tandem::moe {
 
+namespace sparse_block {
+// E * sum_e (C_e / R) * (P_e / R): C the slots routed to each expert, P the sums of its
+// probabilities, over R tokens. NaN when R is 0.
+double balance_loss(const std::vector<int64_t>& counts, const at::Tensor& prob_sums, int64_t rows) {
+  if (rows == 0) return std::nan("");
+  const auto c = torch::tensor(counts, torch::TensorOptions().dtype(at::kLong)).to(at::kDouble);
+  const double s = (c * prob_sums.to(at::kCPU, at::kDouble)).sum().item<double>();
+  const double r = static_cast<double>(rows);
+  return static_cast<double>(counts.size()) * s / (r * r);
+}
+}  // namespace sparse_block
+
 // What every MoE layer of a model recorded in its last forward that was not a recomputation
 // (a recomputation records the same routing again and keeps the first forward's scale).
 class RouterLog {
  public:
   struct Entry {
     std::vector<int64_t> counts;  // token slots routed to each expert, before drops
-    at::Tensor prob_sums;         // [E] float32, detached; defined where the pooled aux needs it
+    at::Tensor prob_sums;         // [E] detached; defined where the aux loss is on
     int64_t rows = -1;            // tokens; -1: the layer has not run
     double scale = 1.0;           // aux_grad_scale() when the layer ran
   };
@@ -59,7 +71,7 @@ class RouterLog {
     return {c, rows};
   }
 
-  // E * sum_e (C_e / R) * (P_e / R), C and P summed over the layers. NaN when no rows.
+  // The balance loss with C, P and R summed over the layers.
   double pooled_aux(int64_t experts) const {
     const auto [c, rows] = pooled_counts(experts);
     at::Tensor p;
@@ -67,11 +79,7 @@ class RouterLog {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& e : entries_) p = p.defined() ? p + e.prob_sums.cpu() : e.prob_sums.cpu();
     }
-    if (rows == 0) return std::nan("");
-    const auto pd = p.to(at::kDouble);
-    double s = 0;
-    for (int64_t i = 0; i < experts; ++i) s += static_cast<double>(c[static_cast<size_t>(i)]) * pd[i].item<double>();
-    return static_cast<double>(experts) * s / (static_cast<double>(rows) * static_cast<double>(rows));
+    return sparse_block::balance_loss(c, p, rows);
   }
 
  private:
@@ -133,7 +141,7 @@ Routing route(torch::nn::Linear& gate, const at::Tensor& x2, int64_t k) {
 // with an expert's slots beyond its capacity left out.
 struct Dispatch {
   at::Tensor tokens;            // [M] token of each kept slot, grouped by expert
-  at::Tensor weights;           // [M] float32 score of each kept slot
+  at::Tensor weights;           // [M] score of each kept slot (the probabilities' dtype)
   std::vector<int64_t> counts;  // [E] slots routed to each expert (before drops)
   std::vector<int64_t> kept;    // [E] of them kept
 };
@@ -179,12 +187,6 @@ at::Tensor combine(const at::Tensor& out, const Dispatch& d, int64_t n) {
   const auto weighted = (out.to(d.weights.scalar_type()) * d.weights.unsqueeze(1)).to(out.scalar_type());
   return torch::zeros({n, out.size(1)}, out.options()).index_add(0, d.tokens, weighted);
 }
-
-}  // namespace
-}  // namespace sparse_block
-
-namespace sparse_block {
-namespace {
 
 // Expert parallelism: the kept slots' rows (grouped by expert, so by owner) go to the ranks that
 // own their experts, run there grouped by local expert, and come back in the order they left.
@@ -339,16 +341,6 @@ void SparseMoeBlockImpl::to(torch::Device device, bool non_blocking) {
 namespace sparse_block {
 namespace {
 
-// E * sum_e (C_e / R) * (P_e / R) of one layer.
-double layer_aux(const std::vector<int64_t>& counts, const at::Tensor& prob_sums, int64_t rows) {
-  const auto p = prob_sums.to(at::kCPU, at::kDouble);
-  double s = 0;
-  for (size_t e = 0; e < counts.size(); ++e)
-    s += static_cast<double>(counts[e]) * p[static_cast<int64_t>(e)].item<double>();
-  const double r = static_cast<double>(rows);
-  return static_cast<double>(counts.size()) * s / (r * r);
-}
-
 // The layer's routing into the RouterLog (every forward), and, in a training forward that is not
 // a recomputation, into this thread's statistics.
 void note_routing(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d, const at::Tensor& lse,
@@ -376,7 +368,7 @@ void note_routing(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d, co
     s.aux_loss_coef = c.aux_loss_coef;
     double v = std::nan("");
     if (c.aux_form == AuxLossForm::kPooled && b.layer == b.log->layers() - 1) v = b.log->pooled_aux(c.num_experts);
-    if (c.aux_form == AuxLossForm::kPerLayer && rows > 0) v = layer_aux(d.counts, e.prob_sums, rows);
+    if (c.aux_form == AuxLossForm::kPerLayer && rows > 0) v = balance_loss(d.counts, e.prob_sums, rows);
     if (!std::isnan(v)) {
       s.aux_loss_sum += v;
       s.aux_loss_terms += 1;
