@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/activation_checkpoint.h"
 #include "tandem/moe.h"
 #include "tests/dist/dist_env.h"
 #include "tests/unit/moe_test_util.h"
@@ -31,7 +32,10 @@ at::Tensor rank_randn(std::vector<int64_t> shape, uint64_t seed) {
 
 // Runs `x` through an expert-parallel copy of `ref`'s weights and through `ref` itself, and
 // checks outputs, gradients and statistics.
-void check_against_full(const MoeConfig& c, const SparseMoeBlock& ref_in, const at::Tensor& x0, uint64_t seed) {
+// checkpointed: the expert-parallel block under activation checkpointing (its collectives run
+// again in backward).
+void check_against_full(const MoeConfig& c, const SparseMoeBlock& ref_in, const at::Tensor& x0, uint64_t seed,
+                        bool checkpointed = false) {
   auto comm = world();
   const int ranks = comm->size(), me = comm->rank();
   SparseMoeBlock ref = ref_in;
@@ -47,7 +51,11 @@ void check_against_full(const MoeConfig& c, const SparseMoeBlock& ref_in, const 
   const auto gy = rank_randn(x0.sizes().vec(), 500 + me);
   auto x = x0.clone().requires_grad_(true), xr = x0.clone().requires_grad_(true);
   moe::reset_moe_stats();
-  const auto y = ep->forward(x);
+  std::vector<at::Tensor> params = ep->parameters();
+  for (auto& e : ep->local)
+    for (auto& p : e->parameters()) params.push_back(p);
+  const auto y =
+      checkpointed ? checkpoint([&](const at::Tensor& in) { return ep->forward(in); }, x, params) : ep->forward(x);
   (y * gy).sum().backward();
   const auto got = moe::moe_stats();
   moe::reset_moe_stats();
@@ -88,6 +96,14 @@ TEST(ExpertParallel, MatchesTheFullBlockOnEveryRank) {
   // Unequal token counts per rank.
   const auto x = rank_randn({2, 3 + me, 6}, 100 + me);
   check_against_full(c, full_block(c, 7), x, 7);
+}
+
+TEST(ExpertParallel, CheckpointedAsTheFullBlock) {
+  const int ranks = world()->size(), me = world()->rank();
+  MoeConfig c{6, 5, 2 * ranks, 2};
+  c.aux_loss_coef = 0.1;
+  const auto x = rank_randn({7 - me, 6}, 400 + me);
+  check_against_full(c, full_block(c, 11), x, 11, /*checkpointed=*/true);
 }
 
 TEST(ExpertParallel, CapacityAndAuxiliaryLossesAsTheFullBlock) {
