@@ -230,7 +230,7 @@ struct AuxState : torch::CustomClassHolder {
   int64_t layer = 0, layers = 1, experts = 0, rows = 0;
   double aux_coef = 0, z_coef = 0, scale = 1;
   std::vector<int64_t> counts;  // this layer's, before drops
-  at::Tensor probs;             // [N, E] float32, detached
+  at::Tensor probs;             // [N, E] detached
   at::Tensor lse;               // [N] logsumexp of the logits, detached (z-loss)
 };
 
