@@ -77,8 +77,9 @@ at::Tensor all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_
                       const std::vector<int64_t>& recv_counts, const CommPtr& comm);
 
 // ---- statistics (this thread's, since reset_moe_stats) ---------------------------------------
-// A layer adds to them in each forward in training mode (Module::is_training()) that is not the
-// recomputation of an activation-checkpointed layer in backward, so once per micro-batch.
+// A layer adds to them in each forward in training mode (Module::is_training()) with grad mode
+// on, so once per micro-batch also when activation checkpointing runs its first forward without
+// grad mode and recomputes it in backward (counted for the thread that ran the first forward).
 
 struct MoeStats {
   // Token slots routed to each expert (global index) from this rank's tokens, summed over layers

@@ -27,8 +27,9 @@ double balance_loss(const std::vector<int64_t>& counts, const at::Tensor& prob_s
 }
 }  // namespace sparse_block
 
-// What every MoE layer of a model recorded in its last forward that was not a recomputation
-// (a recomputation records the same routing again and keeps the first forward's scale).
+// What every MoE layer of a model recorded in its last forward (a recomputation records the same
+// routing again and keeps the first forward's scale and statistics: on a GPU it runs on
+// autograd's device thread).
 class RouterLog {
  public:
   struct Entry {
@@ -36,6 +37,7 @@ class RouterLog {
     at::Tensor prob_sums;         // [E] detached; defined where the aux loss is on
     int64_t rows = -1;            // tokens; -1: the layer has not run
     double scale = 1.0;           // aux_grad_scale() when the layer ran
+    MoeStats* stats = nullptr;    // the statistics of the thread that ran it
   };
 
   explicit RouterLog(int64_t layers) : entries_(static_cast<size_t>(layers)) {}
@@ -44,12 +46,19 @@ class RouterLog {
   void record(int64_t layer, Entry e, bool recomputation) {
     std::lock_guard<std::mutex> lock(mu_);
     auto& slot = entries_[static_cast<size_t>(layer)];
-    if (recomputation) e.scale = slot.scale;
+    if (recomputation) {
+      e.scale = slot.scale;
+      e.stats = slot.stats;
+    }
     slot = std::move(e);
   }
   double scale(int64_t layer) const {
     std::lock_guard<std::mutex> lock(mu_);
     return entries_[static_cast<size_t>(layer)].scale;
+  }
+  MoeStats* stats(int64_t layer) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return entries_[static_cast<size_t>(layer)].stats;
   }
 
   // Counts and rows summed over the layers (transformers' load_balancing_loss_func pools them).
@@ -341,8 +350,9 @@ void SparseMoeBlockImpl::to(torch::Device device, bool non_blocking) {
 namespace sparse_block {
 namespace {
 
-// The layer's routing into the RouterLog (every forward), and, in a training forward that is not
-// a recomputation, into this thread's statistics.
+// The layer's routing into the RouterLog (every forward), and, in a training forward with grad
+// mode on, into the statistics of the thread that runs the micro-batch. An activation-checkpointed
+// layer counts once: its first forward runs without grad mode, its recomputation with it.
 void note_routing(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d, const at::Tensor& lse,
                   bool recomputation) {
   const auto& c = b.config;
@@ -351,11 +361,12 @@ void note_routing(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d, co
   e.counts = d.counts;
   e.rows = rows;
   e.scale = aux_grad_scale();
+  e.stats = &mutable_moe_stats();
   if (c.aux_loss_coef > 0) e.prob_sums = r.probs.detach().sum(0);
   b.log->record(b.layer, e, recomputation);
-  if (!b.is_training() || recomputation) return;
+  if (!b.is_training() || !at::GradMode::is_enabled()) return;
 
-  auto& s = mutable_moe_stats();
+  auto& s = *b.log->stats(b.layer);
   if (static_cast<int64_t>(s.tokens_per_expert.size()) < c.num_experts) s.tokens_per_expert.resize(c.num_experts, 0);
   int64_t kept = 0;
   for (int64_t i = 0; i < c.num_experts; ++i) {

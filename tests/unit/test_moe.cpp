@@ -230,12 +230,17 @@ TEST(MoeBlock, StatisticsCountTrainingForwardsOnceAlsoWhenRecomputed) {
   EXPECT_EQ(moe::moe_stats().routed, 0) << "evaluation is not counted";
   EXPECT_TRUE(moe::moe_stats().tokens_per_expert.empty());
   b->train();
+  {
+    torch::NoGradGuard no_grad;
+    b->forward(x);
+  }
+  EXPECT_EQ(moe::moe_stats().routed, 0) << "a forward without grad mode is not counted";
   b->forward(x);
   EXPECT_EQ(moe::moe_stats().routed, 10);
   const auto once = moe::moe_stats().tokens_per_expert;
   EXPECT_EQ(std::accumulate(once.begin(), once.end(), int64_t{0}), 10);
 
-  // Checkpointed: the first forward (without grad) counts, the recomputation in backward not.
+  // Checkpointed: the first forward runs without grad mode, the recomputation in backward counts.
   moe::reset_moe_stats();
   auto xc = x.clone().requires_grad_(true);
   auto y = checkpoint([&](const at::Tensor& in) { return b->forward(in); }, xc, b->parameters());
