@@ -192,9 +192,9 @@ at::Tensor run_experts(const std::vector<Expert>& local, const at::Tensor& rows,
 }
 
 // The experts' outputs back on the tokens: y[t] = sum of score * output over t's kept slots.
-at::Tensor combine(const at::Tensor& out, const Dispatch& d, int64_t n) {
-  const auto weighted = (out.to(d.weights.scalar_type()) * d.weights.unsqueeze(1)).to(out.scalar_type());
-  return torch::zeros({n, out.size(1)}, out.options()).index_add(0, d.tokens, weighted);
+at::Tensor combine(const at::Tensor& out, const at::Tensor& tokens, const at::Tensor& weights, int64_t n) {
+  const auto weighted = (out.to(weights.scalar_type()) * weights.unsqueeze(1)).to(out.scalar_type());
+  return torch::zeros({n, out.size(1)}, out.options()).index_add(0, tokens, weighted);
 }
 
 // Expert parallelism: the kept slots' rows (grouped by expert, so by owner) go to the ranks that
@@ -259,13 +259,14 @@ at::Tensor aux_prob_grad(const AuxState& s) {
   return long_tensor(c, s.probs.device()).to(s.probs.scalar_type()) * factor;
 }
 
-// The block's output unchanged; in backward the auxiliary losses' gradients join the router
-// logits' gradient.
+// The kept slots' scores unchanged; in backward the auxiliary losses' gradients join the router
+// logits' gradient. The scores (not the block's output, which the caller may modify in place)
+// are what passes through: every output gradient reaches them, also when no slot was kept.
 struct InjectAuxGrad : torch::autograd::Function<InjectAuxGrad> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y, const at::Tensor& logits,
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& scores, const at::Tensor& logits,
                             const c10::intrusive_ptr<AuxState>& state) {
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    return y;
+    return scores;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -394,13 +395,12 @@ void note_routing(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d, co
   }
 }
 
-// The block's output through InjectAuxGrad where a training backward will follow.
-at::Tensor inject_aux(SparseMoeBlockImpl& b, const at::Tensor& y, const Routing& r, const Dispatch& d,
-                      const at::Tensor& lse) {
+// The kept slots' scores through InjectAuxGrad where a training backward will follow.
+at::Tensor inject_aux(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d, const at::Tensor& lse) {
   const auto& c = b.config;
   if ((c.aux_loss_coef <= 0 && c.z_loss_coef <= 0) || !b.is_training() || !at::GradMode::is_enabled() ||
       !r.logits.requires_grad()) {
-    return y;
+    return d.weights;
   }
   auto s = c10::make_intrusive<AuxState>();
   s->log = b.log;
@@ -415,7 +415,7 @@ at::Tensor inject_aux(SparseMoeBlockImpl& b, const at::Tensor& y, const Routing&
   s->counts = d.counts;
   s->probs = r.probs.detach();
   s->lse = lse;
-  return InjectAuxGrad::apply(y, r.logits, s);
+  return InjectAuxGrad::apply(d.weights, r.logits, s);
 }
 
 }  // namespace
@@ -438,9 +438,8 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x) {
   const auto rows = x2.index_select(0, d.tokens);
   const auto out =
       ep ? sparse_block::exchange_and_run(rows, d.kept, local, ep) : sparse_block::run_experts(local, rows, d.kept);
-  auto y = sparse_block::combine(out, d, x2.size(0));
-  y = sparse_block::inject_aux(*this, y, r, d, lse);
-  return y.reshape(x.sizes());
+  const auto weights = sparse_block::inject_aux(*this, r, d, lse);
+  return sparse_block::combine(out, d.tokens, weights, x2.size(0)).reshape(x.sizes());
 }
 
 }  // namespace tandem::moe

@@ -363,6 +363,21 @@ TEST(MoeAuxLoss, InjectionChangesTheRouterGradient) {
             kTol);
 }
 
+TEST(MoeAuxLoss, OutputMayBeModifiedInPlace) {
+  // A residual added in place (h += moe(h)) keeps the injected gradient.
+  auto c = config(4, 2);
+  c.aux_loss_coef = 0.4;
+  c.z_loss_coef = 0.1;
+  auto b = block(c, moe::make_router_log(1), 0, 6);
+  auto ref = copy_of(b, c, moe::make_router_log(1), 0);
+  const auto x = torch::randn({5, 6}, torch::kDouble);
+  auto y = b->forward(x);
+  y.add_(x);
+  y.square().sum().backward();
+  (ref->forward(x) + x).square().sum().backward();
+  expect_same_grads(b, ref);
+}
+
 TEST(MoeAuxLoss, CheckpointedLayersInjectTheSameGradient) {
   auto c = config(4, 2);
   c.aux_loss_coef = 0.3;
