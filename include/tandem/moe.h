@@ -4,9 +4,9 @@
 //
 // Routing (Mixtral): probabilities softmax(x W_gate^T) in float32 (float64 input: float64), the
 // top k of them per token, renormalised to sum to 1; the token's output is the weighted sum of
-// its k experts' down(silu(w1 x) * w3 x). Tokens are sorted by expert and every expert runs one matrix product
-// per projection over its contiguous block of tokens (grouped computation, never a loop over
-// tokens). Dropless by default; a capacity factor c > 0 lets each expert take at most
+// its k experts' down(silu(w1 x) * w3 x). Tokens are sorted by expert and every expert runs one
+// matrix product per projection over its contiguous block of tokens (grouped computation, never
+// a loop over tokens). Dropless by default; a capacity factor c > 0 lets each expert take at most
 // ceil(c * tokens * k / experts) of a micro-batch's token slots (this rank's tokens, in token
 // order), the rest dropped (their slot adds nothing: the residual stream carries the token) and
 // counted.
@@ -148,7 +148,10 @@ class ExpertParallel {
 };
 
 // Mixtral's block_sparse_moe: gate (Linear hidden -> experts, no bias) and experts (a ModuleList
-// of Expert). x [..., hidden] -> [..., hidden].
+// of Expert). x [..., hidden] -> [..., hidden]. Under expert parallelism the router, the scores
+// and the weighted sum stay on the token's rank (the router's gradient is local); each forward
+// makes one all-gather of the per-expert counts and two all_to_all() (the rows out, the outputs
+// back; their reverse in backward) on every rank of the ep group, whatever it routes or holds.
 class SparseMoeBlockImpl : public torch::nn::Module, public ExpertParallel {
  public:
   // `layer`: this layer's index among the model's MoE layers (0-based); `log` shared by them all.
