@@ -42,6 +42,7 @@
 #include "tandem/pipeline.h"
 #include "tandem/runtime.h"
 #include "tandem/trace.h"
+#include "tests/dist/all_to_all_cases.h"
 
 #ifdef TANDEM_WITH_CUDA
 #include <ATen/cuda/Sleep.h>
@@ -288,6 +289,17 @@ class Checker {
           ws->wait();
           wr->wait();
           report(tag("send/recv ring", t, n), same(got, input_d(prev, n, t)));
+        }
+        // alltoall of rows with uneven and zero counts (values up to a few thousand: exact in
+        // these dtypes), once per dtype.
+        if (n == 1000 && (t == at::kFloat || t == at::kDouble || t == at::kLong || t == at::kInt)) {
+          namespace a2a = tandem::test::a2a;
+          for (const auto& c : a2a::cases(R_)) {
+            auto want = a2a::received_by(me_, c, {3}, at::kDouble);
+            auto got = at::empty(want.sizes(), opts(t));
+            comm_->alltoall(got, a2a::sent_by(me_, c, {3}, t).to(dev_), c.recvs(me_), c.sends(me_));
+            report(tag("alltoall (" + c.name + ")", t, want.size(0)), same(got, want));
+          }
         }
       }
     }

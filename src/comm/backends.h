@@ -18,9 +18,9 @@ std::string describe(int rank, const std::string& op, const at::Tensor& t);
 // A Work that is already complete (or already failed).
 WorkPtr completed_work(std::exception_ptr error = nullptr);
 
-// Checks alltoall_async's arguments (tandem/comm.h) on rank `rank` of `size`, throwing
-// std::invalid_argument that names the rank, the splits and the tensors' sizes; returns the
-// elements per row.
+// Checks alltoall_async's arguments (tandem/comm.h) on rank `rank` of `size`, and that the rows
+// it sends itself are the rows it expects from itself, throwing std::invalid_argument that names
+// the rank, the splits and the tensors' sizes; returns the elements per row.
 int64_t check_alltoall(int rank, int size, const at::Tensor& out, const at::Tensor& in,
                        const std::vector<int64_t>& out_splits, const std::vector<int64_t>& in_splits);
 // offsets[j] = splits[0] + ... + splits[j - 1]: the first row of rank j's block.

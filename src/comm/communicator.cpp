@@ -164,10 +164,6 @@ class SelfCommunicator : public Communicator {
   WorkPtr alltoall_async(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits,
                          std::vector<int64_t> in_splits) override {
     check_alltoall(0, 1, out, in, out_splits, in_splits);
-    if (out_splits[0] != in_splits[0]) {
-      throw std::invalid_argument(describe(0, "alltoall", in) + ": sends " + std::to_string(in_splits[0]) +
-                                  " rows to itself but expects " + std::to_string(out_splits[0]));
-    }
     record("alltoall", in.numel() * in.element_size());
     out.copy_(in);
     return completed_work();
@@ -216,6 +212,11 @@ int64_t check_alltoall(int rank, int size, const at::Tensor& out, const at::Tens
   }
   check_splits(what, size, "input_splits", in_splits, "input", in.size(0));
   check_splits(what, size, "output_splits", out_splits, "output", out.size(0));
+  if (in_splits[rank] != out_splits[rank]) {
+    throw std::invalid_argument(what + ": input_splits[" + std::to_string(rank) +
+                                "] = " + std::to_string(in_splits[rank]) + " rows to itself but output_splits[" +
+                                std::to_string(rank) + "] = " + std::to_string(out_splits[rank]));
+  }
   int64_t row = 1;
   for (auto d : in.sizes().slice(1)) row *= d;
   return row;

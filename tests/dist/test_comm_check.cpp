@@ -52,5 +52,27 @@ TEST(CollectiveCheck, MismatchesNameTheRanksAndTheirCalls) {
   c->barrier();
 }
 
+// alltoall: the ranks' row counts differ by design and pass; rows of another shape do not.
+TEST(CollectiveCheck, AlltoallComparesTheRowsNotTheirCount) {
+  auto c = checked_comm();
+  const int R = c->size(), me = c->rank(), last = R - 1;
+  std::vector<int64_t> sends(R, me), recvs;  // rank s sends s rows to every rank
+  for (int s = 0; s < R; ++s) recvs.push_back(s);
+  auto in = torch::full({R * me, 3}, static_cast<float>(me));
+  auto out = torch::empty({R * (R - 1) / 2, 3});
+  c->alltoall(out, in, recvs, sends);
+  std::vector<float> want;
+  for (int s = 0; s < R; ++s)
+    for (int k = 0; k < s * 3; ++k) want.push_back(static_cast<float>(s));
+  EXPECT_TRUE(torch::equal(out.reshape({-1}), torch::tensor(want))) << "different row counts pass";
+
+  const int64_t cols = me == last ? 4 : 3;
+  auto in2 = torch::zeros({R, cols}), out2 = torch::zeros({R, cols});
+  std::vector<int64_t> ones(R, 1);
+  expect_mismatch([&] { c->alltoall(out2, in2, ones, ones); },
+                  {"alltoall of Float rows of 4 elements", "of 3 elements"});
+  c->barrier();
+}
+
 }  // namespace
 }  // namespace tandem::test

@@ -38,6 +38,15 @@ set_tests_properties(dist_comm_nonblocking_np3 PROPERTIES
 # The collective-mismatch guard (TANDEM_CHECK_COLLECTIVES=1).
 tandem_add_dist_test(dist_comm_check_np3 3 "CollectiveCheck.*" TIMEOUT 120)
 
+# All-to-all of rows with uneven and zero counts (expert parallelism's dispatch), in both modes of
+# the MPI backend, and moe::all_to_all's backward (the reverse all-to-all) and statistics.
+foreach(np 2 3 4)
+  tandem_add_dist_test(dist_all_to_all_np${np} ${np} "AllToAll.*" TIMEOUT 120)
+endforeach()
+tandem_add_dist_test(dist_all_to_all_nonblocking_np3 3 "AllToAll.*" TIMEOUT 120)
+set_tests_properties(dist_all_to_all_nonblocking_np3 PROPERTIES
+                     ENVIRONMENT "TANDEM_SOURCE_DIR=${CMAKE_SOURCE_DIR};TANDEM_MPI_COLLECTIVES=nonblocking")
+
 # The shared-memory all-reduce of symmetric tensors (DDP's buckets) against the MPI path.
 foreach(np 2 3 4)
   tandem_add_dist_test(dist_comm_shm_np${np} ${np} "SharedMemory*" TIMEOUT 120)

@@ -10,12 +10,15 @@
 #include <thread>
 
 #include "tandem/backends.h"
+#include "tandem/moe.h"
 #include "tandem/replicas.h"
+#include "tests/dist/all_to_all_cases.h"
 
 namespace {
 
 using tandem::CommPtr;
 using tandem::ReduceOp;
+namespace a2a = tandem::test::a2a;
 
 // Runs fn(comm, rank) on one thread per communicator; rethrows the first failure.
 void on_threads(const std::vector<CommPtr>& comms, const std::function<void(tandem::Communicator&, int)>& fn) {
@@ -363,6 +366,69 @@ TEST(HierarchicalComm, SendRecvWithinAndAcrossProcesses) {
 TEST(HierarchicalComm, SplitIsRefusedWithAReason) {
   auto comms = hierarchy(1, 2);
   EXPECT_THROW(comms[0]->split(0, 0), tandem::CommError);
+}
+
+// All-to-all against the rows of tests/dist/all_to_all_cases.h, whose values name their sender
+// and receiver: every case (uneven, zero counts, a rank without rows) with 1-D and 3-D rows.
+void expect_alltoall_cases(const std::vector<CommPtr>& comms) {
+  const int n = static_cast<int>(comms.size());
+  for (const auto& c : a2a::cases(n)) {
+    for (const std::vector<int64_t>& row : {std::vector<int64_t>{}, std::vector<int64_t>{2, 3}}) {
+      std::vector<at::Tensor> got(n);
+      on_threads(comms, [&](tandem::Communicator& comm, int r) {
+        got[r] = at::full(a2a::received_by(r, c, row, at::kFloat).sizes(), -1.0f);
+        comm.alltoall(got[r], a2a::sent_by(r, c, row, at::kFloat), c.recvs(r), c.sends(r));
+      });
+      for (int r = 0; r < n; ++r) {
+        EXPECT_TRUE(got[r].equal(a2a::received_by(r, c, row, at::kFloat)))
+            << c.name << ", rows of " << at::IntArrayRef(row) << ", rank " << r << " of " << n << ": " << got[r];
+      }
+    }
+  }
+}
+
+TEST(ThreadComm, AllToAllOfEveryCase) { expect_alltoall_cases(group(3)); }
+TEST(HierarchicalComm, AllToAllWithinAndAcrossProcesses) { expect_alltoall_cases(hierarchy(2, 2)); }
+TEST(SelfComm, AllToAllKeepsItsRows) { expect_alltoall_cases({tandem::make_self_communicator({})}); }
+
+TEST(ThreadComm, AllToAllWhoseCountsDisagreeFailsOnEveryRankNamingBoth) {
+  // Rank 0 sends rank 1 two rows; rank 1 expects one.
+  const std::vector<std::vector<int64_t>> sends = {{1, 2}, {1, 1}}, recvs = {{1, 1}, {1, 1}};
+  std::vector<std::string> msgs(2);
+  on_threads(group(2), [&](tandem::Communicator& c, int r) {
+    try {
+      c.alltoall(at::zeros({2, 4}), at::zeros({r == 0 ? 3 : 2, 4}), recvs[r], sends[r]);
+    } catch (const tandem::CommError& e) {
+      msgs[r] = e.what();
+    }
+  });
+  for (const auto& m : msgs)
+    EXPECT_NE(m.find("rank 0 sends 2 rows to rank 1, which expects 1"), std::string::npos) << m;
+}
+
+// moe::all_to_all on replicas of one process: the gradient of sum(w * all_to_all(x)) is w by
+// the reverse all-to-all, and each replica's statistics count its own calls and bytes.
+TEST(ThreadComm, MoeAllToAllBackwardAndEachThreadsStatistics) {
+  const int n = 3;
+  auto comms = group(n);
+  const auto c = a2a::cases(n)[0];
+  std::vector<at::Tensor> y(n), grad(n);
+  std::vector<tandem::moe::MoeStats> stats(n);
+  on_threads(comms, [&](tandem::Communicator&, int r) {
+    tandem::moe::reset_moe_stats();
+    auto x = a2a::sent_by(r, c, {2}, at::kDouble).requires_grad_(true);
+    y[r] = tandem::moe::all_to_all(x, c.sends(r), c.recvs(r), comms[r]);
+    (a2a::received_by(r, c, {2}, at::kDouble, a2a::weight) * y[r]).sum().backward();
+    grad[r] = x.grad();
+    stats[r] = tandem::moe::moe_stats();
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_TRUE(y[r].equal(a2a::received_by(r, c, {2}, at::kDouble))) << "rank " << r;
+    EXPECT_TRUE(grad[r].defined() && grad[r].equal(a2a::sent_by(r, c, {2}, at::kDouble, a2a::weight))) << "rank " << r;
+    EXPECT_EQ(stats[r].all_to_alls, 2) << "rank " << r;
+    EXPECT_EQ(stats[r].all_to_all_bytes, (a2a::rows_sent_to_others(r, c) + a2a::rows_received_from_others(r, c)) * 16)
+        << "rank " << r;
+  }
 }
 
 TEST(Replicas, EachReplicaHasItsRankWorldAndComputeThreads) {

@@ -314,14 +314,13 @@ WorkPtr MpiCommunicator::alltoall_async(at::Tensor out, at::Tensor in, std::vect
   auto what = describe(rank_, "alltoall", in);
   check_cpu(in, what);
   check_cpu(out, what);
+  // Checked before the collective guard: a rank's bad call then fails at once on that rank.
+  const int64_t row = check_alltoall(rank_, size_, out, in, out_splits, in_splits);
   // The fingerprint of a row: the ranks' row counts differ, the row's dtype and shape must not.
   std::vector<int64_t> row_shape = in.sizes().vec();
-  int64_t row_elems = 1;
-  for (size_t d = 1; d < row_shape.size(); ++d) row_elems *= row_shape[d];
-  if (!row_shape.empty()) row_shape[0] = 0;
+  row_shape[0] = 0;
   at::Tensor rows = at::empty(row_shape, in.options());
-  verify(kOpAlltoall, row_elems, &rows, what);
-  const int64_t row = check_alltoall(rank_, size_, out, in, out_splits, in_splits);
+  verify(kOpAlltoall, row, &rows, what);
   auto type = mpi_type(in.scalar_type(), what);
   // MPI counts and displacements are ints, in elements: they fit when both totals do.
   checked_count(in.numel(), what);
