@@ -295,7 +295,8 @@ struct AuxCase {
 };
 
 // Blocks with the auxiliary losses (injected) against copies without them whose test loss adds
-// the explicit losses; every gradient and the recorded values.
+// the explicit losses; every gradient and the recorded values. Two micro-batches of different
+// sizes accumulate, the second with half the first's scale.
 void check_aux(const AuxCase& a) {
   auto c = config(4, 2);
   c.aux_form = a.form;
@@ -306,36 +307,40 @@ void check_aux(const AuxCase& a) {
   const auto plain = config(4, 2);
   auto r0 = copy_of(b0, plain, moe::make_router_log(2), 0);
   auto r1 = copy_of(b1, plain, r0->log, 1);
-  const auto x0 = torch::randn({2, 5, 6}, torch::kDouble);
-  const auto gy = torch::randn({2, 5, 6}, torch::kDouble);
-  auto x = x0.clone().requires_grad_(true), xr = x0.clone().requires_grad_(true);
-
   moe::reset_moe_stats();
-  moe::set_aux_grad_scale(a.scale);
-  (run_two(b0, b1, x).y * gy).sum().backward();
-  moe::set_aux_grad_scale(1.0);
-  const auto stats = moe::moe_stats();
+  double aux_sum = 0, z_sum = 0;
+  for (int mb = 0; mb < 2; ++mb) {
+    const double scale = mb == 0 ? a.scale : a.scale / 2;
+    const auto x0 = torch::randn({2 + mb, 5 - mb, 6}, torch::kDouble);
+    const auto gy = torch::randn_like(x0);
+    auto x = x0.clone().requires_grad_(true), xr = x0.clone().requires_grad_(true);
+    moe::set_aux_grad_scale(scale);
+    (run_two(b0, b1, x).y * gy).sum().backward();
+    moe::set_aux_grad_scale(1.0);
 
-  const auto t = run_two(r0, r1, xr);
-  const auto aux = a.form == moe::AuxLossForm::kPooled
-                       ? pooled_aux({t.logits0, t.logits1}, 2, 4)
-                       : (pooled_aux({t.logits0}, 2, 4) + pooled_aux({t.logits1}, 2, 4)) / 2;
-  const auto z = (z_term(t.logits0) + z_term(t.logits1)) / 2;
-  ((t.y * gy).sum() + a.scale * (a.aux_coef * aux + a.z_coef * z)).backward();
-
-  EXPECT_LE(rel(x.grad(), xr.grad()), kTol);
+    const auto t = run_two(r0, r1, xr);
+    const auto aux = a.form == moe::AuxLossForm::kPooled
+                         ? pooled_aux({t.logits0, t.logits1}, 2, 4)
+                         : (pooled_aux({t.logits0}, 2, 4) + pooled_aux({t.logits1}, 2, 4)) / 2;
+    const auto z = (z_term(t.logits0) + z_term(t.logits1)) / 2;
+    ((t.y * gy).sum() + scale * (a.aux_coef * aux + a.z_coef * z)).backward();
+    EXPECT_LE(rel(x.grad(), xr.grad()), kTol) << "micro-batch " << mb;
+    aux_sum += aux.item<double>() * (a.form == moe::AuxLossForm::kPooled ? 1 : 2);
+    z_sum += z.item<double>() * 2;
+  }
   expect_same_grads(b0, r0);
   expect_same_grads(b1, r1);
 
+  const auto stats = moe::moe_stats();
   EXPECT_DOUBLE_EQ(stats.aux_loss_coef, a.aux_coef);
   EXPECT_DOUBLE_EQ(stats.z_loss_coef, a.z_coef);
   if (a.aux_coef > 0) {
-    EXPECT_EQ(stats.aux_loss_terms, a.form == moe::AuxLossForm::kPooled ? 1 : 2);
-    EXPECT_NEAR(stats.aux_loss_sum / static_cast<double>(stats.aux_loss_terms), aux.item<double>(), 1e-12);
+    EXPECT_EQ(stats.aux_loss_terms, a.form == moe::AuxLossForm::kPooled ? 2 : 4);
+    EXPECT_NEAR(stats.aux_loss_sum, aux_sum, 1e-12);
   }
   if (a.z_coef > 0) {
-    EXPECT_EQ(stats.z_loss_terms, 2);
-    EXPECT_NEAR(stats.z_loss_sum / 2, z.item<double>(), 1e-12);
+    EXPECT_EQ(stats.z_loss_terms, 4);
+    EXPECT_NEAR(stats.z_loss_sum, z_sum, 1e-12);
   }
 }
 
