@@ -101,7 +101,8 @@ struct ParallelConfig {
   // averaged there, without overlap, and their optimizer state kept whole on each of them). ep
   // must divide the data-parallel ranks and every MoE layer's experts. Not with --tp or --cp
   // (MoE layers are not tensor- or context-parallel), hsdp, fp16 or gradient clipping (the dense
-  // and expert updates do not share one norm or loss scale).
+  // and expert updates do not share one norm or loss scale), nor whole-layer activation
+  // checkpointing (selective recomputation works).
   int ep = 1;
   int64_t micro_batches = 1;  // per replica and step, when pp > 1
   PipelineSchedule schedule = PipelineSchedule::k1F1B;

@@ -4,9 +4,9 @@
 //
 // Routing (Mixtral): probabilities softmax(x W_gate^T) in float32 (float64 input: float64), the
 // top k of them per token, renormalised to sum to 1; the token's output is the weighted sum of
-// its k experts' down(silu(w1 x) * w3 x). Tokens are sorted by expert and every expert runs one matrix product
-// per projection over its contiguous block of tokens (grouped computation, never a loop over
-// tokens). Dropless by default; a capacity factor c > 0 lets each expert take at most
+// its k experts' down(silu(w1 x) * w3 x). Tokens are sorted by expert and every expert runs one
+// matrix product per projection over its contiguous block of tokens (grouped computation, never
+// a loop over tokens). Dropless by default; a capacity factor c > 0 lets each expert take at most
 // ceil(c * tokens * k / experts) of a micro-batch's token slots (this rank's tokens, in token
 // order), the rest dropped (their slot adds nothing: the residual stream carries the token) and
 // counted.
@@ -77,8 +77,9 @@ at::Tensor all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_
                       const std::vector<int64_t>& recv_counts, const CommPtr& comm);
 
 // ---- statistics (this thread's, since reset_moe_stats) ---------------------------------------
-// A layer adds to them in each forward in training mode (Module::is_training()) that is not the
-// recomputation of an activation-checkpointed layer in backward, so once per micro-batch.
+// A layer adds to them in each forward in training mode (Module::is_training()) with grad mode
+// on, so once per micro-batch also when activation checkpointing runs its first forward without
+// grad mode and recomputes it in backward (counted for the thread that ran the first forward).
 
 struct MoeStats {
   // Token slots routed to each expert (global index) from this rank's tokens, summed over layers
@@ -147,7 +148,10 @@ class ExpertParallel {
 };
 
 // Mixtral's block_sparse_moe: gate (Linear hidden -> experts, no bias) and experts (a ModuleList
-// of Expert). x [..., hidden] -> [..., hidden].
+// of Expert). x [..., hidden] -> [..., hidden]. Under expert parallelism the router, the scores
+// and the weighted sum stay on the token's rank (the router's gradient is local); each forward
+// makes one all-gather of the per-expert counts and two all_to_all() (the rows out, the outputs
+// back; their reverse in backward) on every rank of the ep group, whatever it routes or holds.
 class SparseMoeBlockImpl : public torch::nn::Module, public ExpertParallel {
  public:
   // `layer`: this layer's index among the model's MoE layers (0-based); `log` shared by them all.
@@ -155,10 +159,14 @@ class SparseMoeBlockImpl : public torch::nn::Module, public ExpertParallel {
   torch::Tensor forward(const torch::Tensor& x);
   std::vector<LocalExpert> use_expert_parallel(const CommPtr& ep) override;
   int64_t num_experts() const override { return config.num_experts; }
+  // Also the local experts once they are no longer children (expert parallelism).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
 
   MoeConfig config;
   torch::nn::Linear gate{nullptr};
-  torch::nn::ModuleList experts{nullptr};  // all of them; under expert parallelism unregistered
+  torch::nn::ModuleList experts{nullptr};  // all of them; null under expert parallelism (released)
   std::vector<Expert> local;               // the experts this rank computes (all without ep)
   int64_t first_local = 0;                 // global index of local[0]
   CommPtr ep;                              // null without expert parallelism

@@ -342,8 +342,11 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(L.net)) {
     L.run = [seq](const at::Tensor& x) -> at::Tensor { return seq->forward(x); };
   }
-  up = engine::make_updater(L, oo);
-  if (experts) up = engine::with_experts(std::move(up), L, *experts, oo);
+  if (experts) {
+    up = engine::with_experts([&] { return engine::make_updater(L, oo); }, L, *experts, oo);
+  } else {
+    up = engine::make_updater(L, oo);
+  }
   if (L.opts.init_from) initialise(*L.opts.init_from);
   L.opts.init_from = nullptr;  // once: what it holds (mapped files) goes now
   comms = {L.world};

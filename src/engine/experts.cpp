@@ -57,11 +57,14 @@ std::vector<at::Tensor> tensors(const std::vector<std::pair<std::string, at::Ten
 // The dense weights through the strategy's updater, the experts through their own optimizer.
 class WithExperts final : public Updater {
  public:
-  WithExperts(std::unique_ptr<Updater> dense, Layout& L, ExpertShards& X, const OptimizerOptions& oo)
-      : dense_(std::move(dense)), X_(X), params_(tensors(X.trained)) {
-    // The masters are taken while the experts are still fp32, as the dense weights' are.
+  WithExperts(const std::function<std::unique_ptr<Updater>()>& make_dense, Layout& L, ExpertShards& X,
+              const OptimizerOptions& oo)
+      : X_(X), params_(tensors(X.trained)) {
+    // The masters are taken while the experts are still fp32, before the dense updater converts
+    // the model (whose MoE layers convert their local experts with it).
     opt_ = std::make_unique<MixedPrecisionOptimizer>(params_, L.cfg.precision, oo, L.cfg.loss_scaler,
                                                      X.edp->size() > 1 ? X.edp : nullptr);
+    dense_ = make_dense();
     if (L.cfg.precision != Precision::kFP32) X.bank->to(compute_dtype(L.cfg.precision));
     if (X.edp->size() > 1) averager_ = std::make_unique<GradientAverager>(params_, X.edp);
   }
@@ -149,9 +152,9 @@ class WithExperts final : public Updater {
 
 }  // namespace
 
-std::unique_ptr<Updater> with_experts(std::unique_ptr<Updater> dense, Layout& L, ExpertShards& X,
-                                      const OptimizerOptions& optimizer) {
-  return std::make_unique<WithExperts>(std::move(dense), L, X, optimizer);
+std::unique_ptr<Updater> with_experts(const std::function<std::unique_ptr<Updater>()>& make_dense, Layout& L,
+                                      ExpertShards& X, const OptimizerOptions& optimizer) {
+  return std::make_unique<WithExperts>(make_dense, L, X, optimizer);
 }
 
 }  // namespace tandem::engine

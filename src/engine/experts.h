@@ -32,10 +32,10 @@ struct ExpertShards {
 // `dense_name` maps a parameter's name in the trained module to the dense model's.
 std::unique_ptr<ExpertShards> split_experts(Layout& L, const std::function<std::string(const std::string&)>& dense_name);
 
-// The strategy's updater `dense` for every weight but the experts, which are stepped by one
-// optimizer per rank (fp32 masters in mixed precision) after their gradients are averaged over
-// X.edp and divided by ep.
-std::unique_ptr<Updater> with_experts(std::unique_ptr<Updater> dense, Layout& L, ExpertShards& X,
-                                      const OptimizerOptions& optimizer);
+// The strategy's updater (made by `make_dense`, after the experts' fp32 masters are taken) for
+// every weight but the experts, which are stepped by one optimizer per rank (fp32 masters in
+// mixed precision) after their gradients are averaged over X.edp and divided by ep.
+std::unique_ptr<Updater> with_experts(const std::function<std::unique_ptr<Updater>()>& make_dense, Layout& L,
+                                      ExpertShards& X, const OptimizerOptions& optimizer);
 
 }  // namespace tandem::engine

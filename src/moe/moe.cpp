@@ -15,15 +15,29 @@
 
 namespace tandem::moe {
 
-// What every MoE layer of a model recorded in its last forward that was not a recomputation
-// (a recomputation records the same routing again and keeps the first forward's scale).
+namespace sparse_block {
+// E * sum_e (C_e / R) * (P_e / R): C the slots routed to each expert, P the sums of its
+// probabilities, over R tokens. NaN when R is 0.
+double balance_loss(const std::vector<int64_t>& counts, const at::Tensor& prob_sums, int64_t rows) {
+  if (rows == 0) return std::nan("");
+  const auto c = torch::tensor(counts, torch::TensorOptions().dtype(at::kLong)).to(at::kDouble);
+  const double s = (c * prob_sums.to(at::kCPU, at::kDouble)).sum().item<double>();
+  const double r = static_cast<double>(rows);
+  return static_cast<double>(counts.size()) * s / (r * r);
+}
+}  // namespace sparse_block
+
+// What every MoE layer of a model recorded in its last forward (a recomputation records the same
+// routing again and keeps the first forward's scale and statistics: on a GPU it runs on
+// autograd's device thread).
 class RouterLog {
  public:
   struct Entry {
     std::vector<int64_t> counts;  // token slots routed to each expert, before drops
-    at::Tensor prob_sums;         // [E] float32, detached; defined where the pooled aux needs it
+    at::Tensor prob_sums;         // [E] detached; defined where the aux loss is on
     int64_t rows = -1;            // tokens; -1: the layer has not run
     double scale = 1.0;           // aux_grad_scale() when the layer ran
+    MoeStats* stats = nullptr;    // the statistics of the thread that ran it
   };
 
   explicit RouterLog(int64_t layers) : entries_(static_cast<size_t>(layers)) {}
@@ -32,12 +46,19 @@ class RouterLog {
   void record(int64_t layer, Entry e, bool recomputation) {
     std::lock_guard<std::mutex> lock(mu_);
     auto& slot = entries_[static_cast<size_t>(layer)];
-    if (recomputation) e.scale = slot.scale;
+    if (recomputation) {
+      e.scale = slot.scale;
+      e.stats = slot.stats;
+    }
     slot = std::move(e);
   }
   double scale(int64_t layer) const {
     std::lock_guard<std::mutex> lock(mu_);
     return entries_[static_cast<size_t>(layer)].scale;
+  }
+  MoeStats* stats(int64_t layer) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return entries_[static_cast<size_t>(layer)].stats;
   }
 
   // Counts and rows summed over the layers (transformers' load_balancing_loss_func pools them).
@@ -59,7 +80,7 @@ class RouterLog {
     return {c, rows};
   }
 
-  // E * sum_e (C_e / R) * (P_e / R), C and P summed over the layers. NaN when no rows.
+  // The balance loss with C, P and R summed over the layers.
   double pooled_aux(int64_t experts) const {
     const auto [c, rows] = pooled_counts(experts);
     at::Tensor p;
@@ -67,11 +88,7 @@ class RouterLog {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& e : entries_) p = p.defined() ? p + e.prob_sums.cpu() : e.prob_sums.cpu();
     }
-    if (rows == 0) return std::nan("");
-    const auto pd = p.to(at::kDouble);
-    double s = 0;
-    for (int64_t i = 0; i < experts; ++i) s += static_cast<double>(c[static_cast<size_t>(i)]) * pd[i].item<double>();
-    return static_cast<double>(experts) * s / (static_cast<double>(rows) * static_cast<double>(rows));
+    return sparse_block::balance_loss(c, p, rows);
   }
 
  private:
@@ -133,7 +150,7 @@ Routing route(torch::nn::Linear& gate, const at::Tensor& x2, int64_t k) {
 // with an expert's slots beyond its capacity left out.
 struct Dispatch {
   at::Tensor tokens;            // [M] token of each kept slot, grouped by expert
-  at::Tensor weights;           // [M] float32 score of each kept slot
+  at::Tensor weights;           // [M] score of each kept slot (the probabilities' dtype)
   std::vector<int64_t> counts;  // [E] slots routed to each expert (before drops)
   std::vector<int64_t> kept;    // [E] of them kept
 };
@@ -175,16 +192,10 @@ at::Tensor run_experts(const std::vector<Expert>& local, const at::Tensor& rows,
 }
 
 // The experts' outputs back on the tokens: y[t] = sum of score * output over t's kept slots.
-at::Tensor combine(const at::Tensor& out, const Dispatch& d, int64_t n) {
-  const auto weighted = (out.to(d.weights.scalar_type()) * d.weights.unsqueeze(1)).to(out.scalar_type());
-  return torch::zeros({n, out.size(1)}, out.options()).index_add(0, d.tokens, weighted);
+at::Tensor combine(const at::Tensor& out, const at::Tensor& tokens, const at::Tensor& weights, int64_t n) {
+  const auto weighted = (out.to(weights.scalar_type()) * weights.unsqueeze(1)).to(out.scalar_type());
+  return torch::zeros({n, out.size(1)}, out.options()).index_add(0, tokens, weighted);
 }
-
-}  // namespace
-}  // namespace sparse_block
-
-namespace sparse_block {
-namespace {
 
 // Expert parallelism: the kept slots' rows (grouped by expert, so by owner) go to the ranks that
 // own their experts, run there grouped by local expert, and come back in the order they left.
@@ -228,7 +239,7 @@ struct AuxState : torch::CustomClassHolder {
   int64_t layer = 0, layers = 1, experts = 0, rows = 0;
   double aux_coef = 0, z_coef = 0, scale = 1;
   std::vector<int64_t> counts;  // this layer's, before drops
-  at::Tensor probs;             // [N, E] float32, detached
+  at::Tensor probs;             // [N, E] detached
   at::Tensor lse;               // [N] logsumexp of the logits, detached (z-loss)
 };
 
@@ -248,13 +259,14 @@ at::Tensor aux_prob_grad(const AuxState& s) {
   return long_tensor(c, s.probs.device()).to(s.probs.scalar_type()) * factor;
 }
 
-// The block's output unchanged; in backward the auxiliary losses' gradients join the router
-// logits' gradient.
+// The kept slots' scores unchanged; in backward the auxiliary losses' gradients join the router
+// logits' gradient. The scores (not the block's output, which the caller may modify in place)
+// are what passes through: every output gradient reaches them, also when no slot was kept.
 struct InjectAuxGrad : torch::autograd::Function<InjectAuxGrad> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y, const at::Tensor& logits,
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& scores, const at::Tensor& logits,
                             const c10::intrusive_ptr<AuxState>& state) {
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    return y;
+    return scores;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -316,25 +328,34 @@ std::vector<ExpertParallel::LocalExpert> SparseMoeBlockImpl::use_expert_parallel
     local.emplace_back(std::dynamic_pointer_cast<ExpertImpl>(m));
     out.push_back({"experts." + std::to_string(e), m});
   }
+  // The other ranks' experts go: the memory expert parallelism saves.
+  experts = nullptr;
   ep = comm;
   return out;
+}
+
+void SparseMoeBlockImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  Module::to(device, dtype, non_blocking);
+  if (ep)
+    for (auto& e : local) e->to(device, dtype, non_blocking);
+}
+void SparseMoeBlockImpl::to(torch::Dtype dtype, bool non_blocking) {
+  Module::to(dtype, non_blocking);
+  if (ep)
+    for (auto& e : local) e->to(dtype, non_blocking);
+}
+void SparseMoeBlockImpl::to(torch::Device device, bool non_blocking) {
+  Module::to(device, non_blocking);
+  if (ep)
+    for (auto& e : local) e->to(device, non_blocking);
 }
 
 namespace sparse_block {
 namespace {
 
-// E * sum_e (C_e / R) * (P_e / R) of one layer.
-double layer_aux(const std::vector<int64_t>& counts, const at::Tensor& prob_sums, int64_t rows) {
-  const auto p = prob_sums.to(at::kCPU, at::kDouble);
-  double s = 0;
-  for (size_t e = 0; e < counts.size(); ++e)
-    s += static_cast<double>(counts[e]) * p[static_cast<int64_t>(e)].item<double>();
-  const double r = static_cast<double>(rows);
-  return static_cast<double>(counts.size()) * s / (r * r);
-}
-
-// The layer's routing into the RouterLog (every forward), and, in a training forward that is not
-// a recomputation, into this thread's statistics.
+// The layer's routing into the RouterLog (every forward), and, in a training forward with grad
+// mode on, into the statistics of the thread that runs the micro-batch. An activation-checkpointed
+// layer counts once: its first forward runs without grad mode, its recomputation with it.
 void note_routing(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d, const at::Tensor& lse,
                   bool recomputation) {
   const auto& c = b.config;
@@ -343,11 +364,12 @@ void note_routing(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d, co
   e.counts = d.counts;
   e.rows = rows;
   e.scale = aux_grad_scale();
+  e.stats = &mutable_moe_stats();
   if (c.aux_loss_coef > 0) e.prob_sums = r.probs.detach().sum(0);
   b.log->record(b.layer, e, recomputation);
-  if (!b.is_training() || recomputation) return;
+  if (!b.is_training() || !at::GradMode::is_enabled()) return;
 
-  auto& s = mutable_moe_stats();
+  auto& s = *b.log->stats(b.layer);
   if (static_cast<int64_t>(s.tokens_per_expert.size()) < c.num_experts) s.tokens_per_expert.resize(c.num_experts, 0);
   int64_t kept = 0;
   for (int64_t i = 0; i < c.num_experts; ++i) {
@@ -360,7 +382,7 @@ void note_routing(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d, co
     s.aux_loss_coef = c.aux_loss_coef;
     double v = std::nan("");
     if (c.aux_form == AuxLossForm::kPooled && b.layer == b.log->layers() - 1) v = b.log->pooled_aux(c.num_experts);
-    if (c.aux_form == AuxLossForm::kPerLayer && rows > 0) v = layer_aux(d.counts, e.prob_sums, rows);
+    if (c.aux_form == AuxLossForm::kPerLayer && rows > 0) v = balance_loss(d.counts, e.prob_sums, rows);
     if (!std::isnan(v)) {
       s.aux_loss_sum += v;
       s.aux_loss_terms += 1;
@@ -375,13 +397,12 @@ void note_routing(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d, co
   }
 }
 
-// The block's output through InjectAuxGrad where a training backward will follow.
-at::Tensor inject_aux(SparseMoeBlockImpl& b, const at::Tensor& y, const Routing& r, const Dispatch& d,
-                      const at::Tensor& lse) {
+// The kept slots' scores through InjectAuxGrad where a training backward will follow.
+at::Tensor inject_aux(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d, const at::Tensor& lse) {
   const auto& c = b.config;
   if ((c.aux_loss_coef <= 0 && c.z_loss_coef <= 0) || !b.is_training() || !at::GradMode::is_enabled() ||
       !r.logits.requires_grad()) {
-    return y;
+    return d.weights;
   }
   auto s = c10::make_intrusive<AuxState>();
   s->log = b.log;
@@ -396,7 +417,7 @@ at::Tensor inject_aux(SparseMoeBlockImpl& b, const at::Tensor& y, const Routing&
   s->counts = d.counts;
   s->probs = r.probs.detach();
   s->lse = lse;
-  return InjectAuxGrad::apply(y, r.logits, s);
+  return InjectAuxGrad::apply(d.weights, r.logits, s);
 }
 
 }  // namespace
@@ -419,9 +440,8 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x) {
   const auto rows = x2.index_select(0, d.tokens);
   const auto out =
       ep ? sparse_block::exchange_and_run(rows, d.kept, local, ep) : sparse_block::run_experts(local, rows, d.kept);
-  auto y = sparse_block::combine(out, d, x2.size(0));
-  y = sparse_block::inject_aux(*this, y, r, d, lse);
-  return y.reshape(x.sizes());
+  const auto weights = sparse_block::inject_aux(*this, r, d, lse);
+  return sparse_block::combine(out, d.tokens, weights, x2.size(0)).reshape(x.sizes());
 }
 
 }  // namespace tandem::moe

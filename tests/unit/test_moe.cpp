@@ -6,14 +6,21 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <map>
 #include <numeric>
 #include <string>
 #include <vector>
 
 #include "tandem/activation_checkpoint.h"
 #include "tandem/moe.h"
+#include "tandem/safetensors.h"
+#include "tests/unit/moe_test_util.h"
+#include "tests/unit/temp_dir.h"
 
 namespace tandem::test {
 namespace {
@@ -23,30 +30,21 @@ using moe::SparseMoeBlock;
 
 constexpr double kTol = 1e-10;
 
-// Relative to the larger of |b| and 1e-6: with top-1 routing the router's gradient is zero up
-// to rounding (the renormalised score is p / p).
-double rel(const at::Tensor& a, const at::Tensor& b) {
-  return (a - b).abs().max().item<double>() / std::max(1e-6, b.abs().max().item<double>());
-}
+double rel(const at::Tensor& a, const at::Tensor& b) { return moe_rel(a, b); }
 
 MoeConfig config(int64_t experts, int64_t k, int64_t hidden = 6, int64_t inter = 5) {
   return MoeConfig{hidden, inter, experts, k};
 }
 
 SparseMoeBlock block(const MoeConfig& c, const std::shared_ptr<moe::RouterLog>& log, int64_t layer, uint64_t seed) {
-  torch::manual_seed(seed);
-  SparseMoeBlock b(c, log, layer);
-  b->to(torch::kDouble);
-  return b;
+  return moe_block(c, log, layer, seed);
 }
 
 // A copy of `from`'s parameters in a block of config `c` (fresh, so its gradients are its own).
 SparseMoeBlock copy_of(SparseMoeBlock from, const MoeConfig& c, const std::shared_ptr<moe::RouterLog>& log,
                        int64_t layer) {
   auto b = block(c, log, layer, 0);
-  torch::NoGradGuard no_grad;
-  auto src = from->named_parameters();
-  for (auto& p : b->named_parameters()) p.value().copy_(src[p.key()]);
+  copy_moe_weights(from, b);
   return b;
 }
 
@@ -232,12 +230,17 @@ TEST(MoeBlock, StatisticsCountTrainingForwardsOnceAlsoWhenRecomputed) {
   EXPECT_EQ(moe::moe_stats().routed, 0) << "evaluation is not counted";
   EXPECT_TRUE(moe::moe_stats().tokens_per_expert.empty());
   b->train();
+  {
+    torch::NoGradGuard no_grad;
+    b->forward(x);
+  }
+  EXPECT_EQ(moe::moe_stats().routed, 0) << "a forward without grad mode is not counted";
   b->forward(x);
   EXPECT_EQ(moe::moe_stats().routed, 10);
   const auto once = moe::moe_stats().tokens_per_expert;
   EXPECT_EQ(std::accumulate(once.begin(), once.end(), int64_t{0}), 10);
 
-  // Checkpointed: the first forward (without grad) counts, the recomputation in backward not.
+  // Checkpointed: the first forward runs without grad mode, the recomputation in backward counts.
   moe::reset_moe_stats();
   auto xc = x.clone().requires_grad_(true);
   auto y = checkpoint([&](const at::Tensor& in) { return b->forward(in); }, xc, b->parameters());
@@ -292,7 +295,8 @@ struct AuxCase {
 };
 
 // Blocks with the auxiliary losses (injected) against copies without them whose test loss adds
-// the explicit losses; every gradient and the recorded values.
+// the explicit losses; every gradient and the recorded values. Two micro-batches of different
+// sizes accumulate, the second with half the first's scale.
 void check_aux(const AuxCase& a) {
   auto c = config(4, 2);
   c.aux_form = a.form;
@@ -303,36 +307,40 @@ void check_aux(const AuxCase& a) {
   const auto plain = config(4, 2);
   auto r0 = copy_of(b0, plain, moe::make_router_log(2), 0);
   auto r1 = copy_of(b1, plain, r0->log, 1);
-  const auto x0 = torch::randn({2, 5, 6}, torch::kDouble);
-  const auto gy = torch::randn({2, 5, 6}, torch::kDouble);
-  auto x = x0.clone().requires_grad_(true), xr = x0.clone().requires_grad_(true);
-
   moe::reset_moe_stats();
-  moe::set_aux_grad_scale(a.scale);
-  (run_two(b0, b1, x).y * gy).sum().backward();
-  moe::set_aux_grad_scale(1.0);
-  const auto stats = moe::moe_stats();
+  double aux_sum = 0, z_sum = 0;
+  for (int mb = 0; mb < 2; ++mb) {
+    const double scale = mb == 0 ? a.scale : a.scale / 2;
+    const auto x0 = torch::randn({2 + mb, 5 - mb, 6}, torch::kDouble);
+    const auto gy = torch::randn_like(x0);
+    auto x = x0.clone().requires_grad_(true), xr = x0.clone().requires_grad_(true);
+    moe::set_aux_grad_scale(scale);
+    (run_two(b0, b1, x).y * gy).sum().backward();
+    moe::set_aux_grad_scale(1.0);
 
-  const auto t = run_two(r0, r1, xr);
-  const auto aux = a.form == moe::AuxLossForm::kPooled
-                       ? pooled_aux({t.logits0, t.logits1}, 2, 4)
-                       : (pooled_aux({t.logits0}, 2, 4) + pooled_aux({t.logits1}, 2, 4)) / 2;
-  const auto z = (z_term(t.logits0) + z_term(t.logits1)) / 2;
-  ((t.y * gy).sum() + a.scale * (a.aux_coef * aux + a.z_coef * z)).backward();
-
-  EXPECT_LE(rel(x.grad(), xr.grad()), kTol);
+    const auto t = run_two(r0, r1, xr);
+    const auto aux = a.form == moe::AuxLossForm::kPooled
+                         ? pooled_aux({t.logits0, t.logits1}, 2, 4)
+                         : (pooled_aux({t.logits0}, 2, 4) + pooled_aux({t.logits1}, 2, 4)) / 2;
+    const auto z = (z_term(t.logits0) + z_term(t.logits1)) / 2;
+    ((t.y * gy).sum() + scale * (a.aux_coef * aux + a.z_coef * z)).backward();
+    EXPECT_LE(rel(x.grad(), xr.grad()), kTol) << "micro-batch " << mb;
+    aux_sum += aux.item<double>() * (a.form == moe::AuxLossForm::kPooled ? 1 : 2);
+    z_sum += z.item<double>() * 2;
+  }
   expect_same_grads(b0, r0);
   expect_same_grads(b1, r1);
 
+  const auto stats = moe::moe_stats();
   EXPECT_DOUBLE_EQ(stats.aux_loss_coef, a.aux_coef);
   EXPECT_DOUBLE_EQ(stats.z_loss_coef, a.z_coef);
   if (a.aux_coef > 0) {
-    EXPECT_EQ(stats.aux_loss_terms, a.form == moe::AuxLossForm::kPooled ? 1 : 2);
-    EXPECT_NEAR(stats.aux_loss_sum / static_cast<double>(stats.aux_loss_terms), aux.item<double>(), 1e-12);
+    EXPECT_EQ(stats.aux_loss_terms, a.form == moe::AuxLossForm::kPooled ? 2 : 4);
+    EXPECT_NEAR(stats.aux_loss_sum, aux_sum, 1e-12);
   }
   if (a.z_coef > 0) {
-    EXPECT_EQ(stats.z_loss_terms, 2);
-    EXPECT_NEAR(stats.z_loss_sum / 2, z.item<double>(), 1e-12);
+    EXPECT_EQ(stats.z_loss_terms, 4);
+    EXPECT_NEAR(stats.z_loss_sum, z_sum, 1e-12);
   }
 }
 
@@ -358,6 +366,21 @@ TEST(MoeAuxLoss, InjectionChangesTheRouterGradient) {
   EXPECT_LE(rel(b->experts[0]->as<moe::ExpertImpl>()->w1->weight.grad(),
                 plain->experts[0]->as<moe::ExpertImpl>()->w1->weight.grad()),
             kTol);
+}
+
+TEST(MoeAuxLoss, OutputMayBeModifiedInPlace) {
+  // A residual added in place (h += moe(h)) keeps the injected gradient.
+  auto c = config(4, 2);
+  c.aux_loss_coef = 0.4;
+  c.z_loss_coef = 0.1;
+  auto b = block(c, moe::make_router_log(1), 0, 6);
+  auto ref = copy_of(b, c, moe::make_router_log(1), 0);
+  const auto x = torch::randn({5, 6}, torch::kDouble);
+  auto y = b->forward(x);
+  y.add_(x);
+  y.square().sum().backward();
+  (ref->forward(x) + x).square().sum().backward();
+  expect_same_grads(b, ref);
 }
 
 TEST(MoeAuxLoss, CheckpointedLayersInjectTheSameGradient) {
@@ -392,6 +415,47 @@ TEST(MoeAuxLoss, PooledNeedsEveryLayer) {
     FAIL() << "expected an error";
   } catch (const std::logic_error& e) {
     EXPECT_NE(std::string(e.what()).find("MoE layer 0 of 3"), std::string::npos) << e.what();
+  }
+}
+
+// transformers' MixtralSparseMoeBlock (tests/hf/moe_reference.py, float32): two stacked blocks
+// with the pooled load-balancing loss; outputs, the loss value and every gradient.
+TEST(MoeBlock, MatchesTransformersMixtralInFloat32) {
+  const char* src = std::getenv("TANDEM_SOURCE_DIR");
+  ASSERT_NE(src, nullptr) << "TANDEM_SOURCE_DIR unset (ctest sets it)";
+  const std::string python = std::string(src) + "/.venv-hf/bin/python";
+  ASSERT_EQ(::access(python.c_str(), X_OK), 0) << python << " missing: run scripts/setup-hf-venv.sh";
+  TempDir d;
+  const std::string file = d.file("moe.safetensors");
+  ASSERT_EQ(std::system(("HF_HUB_OFFLINE=1 " + python + " " + src + "/tests/hf/moe_reference.py make " + file).c_str()),
+            0);
+  std::map<std::string, at::Tensor> ref;
+  for (auto& [name, t] : safetensors::load_file(file)) ref[name] = t;
+
+  auto c = config(4, 2, 16, 24);
+  c.aux_loss_coef = 0.3;
+  auto log = moe::make_router_log(2);
+  std::vector<SparseMoeBlock> blocks{SparseMoeBlock(c, log, 0), SparseMoeBlock(c, log, 1)};
+  for (int l = 0; l < 2; ++l) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : blocks[l]->named_parameters())
+      p.value().copy_(ref.at("layers." + std::to_string(l) + "." + p.key()));
+  }
+  auto x = ref.at("x").clone().requires_grad_(true);
+  moe::reset_moe_stats();
+  const auto h = x + blocks[0]->forward(x);
+  const auto y = h + blocks[1]->forward(h);
+  (y * ref.at("gy")).sum().backward();
+
+  constexpr double kF32 = 1e-5;
+  EXPECT_LE(rel(y, ref.at("y")), kF32);
+  EXPECT_NEAR(moe::moe_stats().aux_loss_sum, ref.at("aux").item<double>(), 1e-5);
+  EXPECT_LE(rel(x.grad(), ref.at("grad.x")), kF32);
+  for (int l = 0; l < 2; ++l) {
+    for (const auto& p : blocks[l]->named_parameters()) {
+      EXPECT_LE(rel(p.value().grad(), ref.at("grad.layers." + std::to_string(l) + "." + p.key())), kF32)
+          << "layer " << l << " " << p.key();
+    }
   }
 }
 
