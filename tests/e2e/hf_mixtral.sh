@@ -5,8 +5,10 @@
 # (the LM loss plus 0.02 x the load-balancing loss pooled over the layers) within rel 1e-5, and
 # the step's aux_loss equals transformers' aux_loss; the checkpoint after 5 steps, exported with
 # `tandem export --to hf` and loaded by transformers as a MixtralForCausalLM, gives Tandem's
-# step-6 loss and aux loss. --moe-aux-loss per-layer gives the mean of each layer's loss, and
-# --moe-aux-loss-coef replaces the config's coefficient. The training set is 8 documents and the
+# step-6 loss and aux loss. --moe-aux-loss per-layer gives the mean of each layer's loss,
+# --moe-aux-loss-coef replaces the config's coefficient, --moe-z-loss-coef adds the router z-loss
+# (checked against the router logits transformers returns), --capacity-factor 0.5 drops slots, and
+# zero3 on 2 workers gives ddp's losses. The training set is 8 documents and the
 # global batch 8, so every step's batch is all of them, in an order neither loss depends on. Bad
 # input (router_jitter_noise, num_experts_per_tok above num_local_experts, MoE flags on a dense
 # model, --tp, pooled aux under --pp, classify, LoRA) is refused naming the problem.
@@ -29,6 +31,10 @@ if run pooled --steps 6 --checkpoint-dir "$tmp/ck" --checkpoint-every 5 &&
   timeout 120 "$tandem" export --to hf "$tmp/export" --checkpoint "$tmp/ck/step-00000005" >"$tmp/export.log" 2>&1; then
   run per_layer --steps 1 --moe-aux-loss per-layer
   run coef --steps 1 --moe-aux-loss-coef 0.5
+  run z --steps 1 --moe-z-loss-coef 0.01
+  run capacity --steps 1 --capacity-factor 0.5
+  common[-1]=2  # -n 2: the same 6 steps on 2 workers under ddp and zero3 (per-layer units)
+  run ddp2 --steps 6 && run zero3 --steps 6 --strategy zero3
   grep -q "token slots dropped" "$tmp/pooled.log" ||
     { echo "FAIL the report names no experts:"; tail -30 "$tmp/pooled.log"; fails=$((fails + 1)); }
   "$py" - "$tmp" "$src/tests/e2e" <<'PY' || fails=$((fails + 1))
@@ -51,7 +57,9 @@ def losses(path, coef=None):
     with torch.no_grad():
         out = m(ids, labels=labels, output_router_logits=True)
     per_layer = sum(load_balancing_loss_func((g,), 4, 2) for g in out.router_logits) / len(out.router_logits)
-    return type(m).__name__, out.loss.item(), out.aux_loss.item(), per_layer.item()
+    # ST-MoE's router z-loss: each layer's mean over tokens of logsumexp(logits)^2, averaged.
+    zl = sum(torch.logsumexp(g.float(), -1).pow(2).mean() for g in out.router_logits) / len(out.router_logits)
+    return type(m).__name__, out.loss.item(), out.aux_loss.item(), per_layer.item(), zl.item()
 ok = True
 def check(what, got, want):
     global ok
@@ -59,11 +67,11 @@ def check(what, got, want):
     good = rel <= 1e-5
     ok = ok and good
     print(f"{'ok  ' if good else 'FAIL'} {what}: Tandem {got:.6f}, transformers {want:.6f} (relative {rel:.1e})")
-pooled, per_layer, coef = steps("pooled"), steps("per_layer"), steps("coef")
-if len(pooled) != 6 or len(per_layer) != 1 or len(coef) != 1:
-    sys.exit(f"FAIL steps: {len(pooled)}, {len(per_layer)}, {len(coef)}")
+pooled, per_layer, coef, z, ddp2, zero3 = map(steps, ("pooled", "per_layer", "coef", "z", "ddp2", "zero3"))
+if [len(x) for x in (pooled, per_layer, coef, z, ddp2, zero3)] != [6, 1, 1, 1, 6, 6]:
+    sys.exit(f"FAIL steps: {[len(x) for x in (pooled, per_layer, coef, z, ddp2, zero3)]}")
 for step, path in ((1, f"{tmp}/fx/mixtral"), (6, f"{tmp}/export")):
-    cls, loss, aux, layers = losses(path)
+    cls, loss, aux, layers, zl = losses(path)
     if cls != "MixtralForCausalLM":
         ok = False
         print("FAIL", path, "loads as", cls)
@@ -72,6 +80,8 @@ for step, path in ((1, f"{tmp}/fx/mixtral"), (6, f"{tmp}/export")):
     if step == 1:
         check("step 1 per-layer aux loss", per_layer[0]["aux_loss"], layers)
         check("step 1 loss with --moe-aux-loss-coef 0.5", coef[0]["loss"], losses(path, 0.5)[1])
+        check("step 1 z-loss", z[0]["z_loss"], zl)
+        check("step 1 loss with --moe-z-loss-coef 0.01", z[0]["loss"], loss + 0.01 * zl)
         if abs(aux - layers) < 1e-3 * aux:
             ok = False
             print("FAIL pooled and per-layer aux losses too close to tell apart:", aux, layers)
@@ -83,6 +93,13 @@ report = [d for d in map(json.loads, open(f"{tmp}/pooled.jsonl")) if d.get("repo
 if report.get("moe_routed", 0) != 6 * 8 * 32 * 2 * 2 or report.get("moe_dropped") != 0:
     ok = False
     print("FAIL routed/dropped slots in the report:", report.get("moe_routed"), report.get("moe_dropped"))
+dropped = [d for d in map(json.loads, open(f"{tmp}/capacity.jsonl")) if d.get("report")][0].get("moe_dropped", 0)
+if not 0 < dropped < 1024:
+    ok = False
+    print(f"FAIL --capacity-factor 0.5 dropped {dropped} of 1024 token slots")
+worst = max(max(abs(a["loss"] - b["loss"]), abs(a["aux_loss"] - b["aux_loss"])) for a, b in zip(ddp2, zero3))
+print(f"{'ok  ' if worst <= 1e-6 else 'FAIL'} zero3 on 2 workers vs ddp: max |loss or aux difference| {worst:.2g}")
+ok = ok and worst <= 1e-6
 sys.exit(0 if ok else 1)
 PY
 else
