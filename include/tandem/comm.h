@@ -90,6 +90,16 @@ class Communicator {
   virtual WorkPtr send_async(at::Tensor tensor, int dst, int tag = 0) = 0;
   virtual WorkPtr recv_async(at::Tensor tensor, int src, int tag = 0) = 0;
   virtual WorkPtr barrier_async() = 0;
+  // All-to-all of rows (dim 0): input holds sum(input_splits) rows in rank order, the
+  // input_splits[j] of them sent to rank j; output receives output_splits[j] rows from rank j,
+  // in rank order. Any split may be 0 (a rank may send or receive nothing, and still takes
+  // part). Rank j's input_splits[r] must equal rank r's output_splits[j] (exchange the counts
+  // first: moe::exchange_counts). Both tensors contiguous, of one dtype and device, with equal
+  // trailing dimensions, not overlapping; one split per rank, sum(input_splits) ==
+  // input.size(0), sum(output_splits) == output.size(0): else std::invalid_argument naming the
+  // rank and the sizes.
+  virtual WorkPtr alltoall_async(at::Tensor output, at::Tensor input, std::vector<int64_t> output_splits,
+                                 std::vector<int64_t> input_splits) = 0;
 
   // Collective over this communicator: ranks with the same color form a new communicator,
   // ordered by key (ties by current rank). A negative color returns nullptr for that rank.
@@ -105,6 +115,10 @@ class Communicator {
   void send(const at::Tensor& t, int dst, int tag = 0) { send_async(t, dst, tag)->wait(); }
   void recv(const at::Tensor& t, int src, int tag = 0) { recv_async(t, src, tag)->wait(); }
   void barrier() { barrier_async()->wait(); }
+  void alltoall(const at::Tensor& out, const at::Tensor& in, std::vector<int64_t> out_splits,
+                std::vector<int64_t> in_splits) {
+    alltoall_async(out, in, std::move(out_splits), std::move(in_splits))->wait();
+  }
 
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }

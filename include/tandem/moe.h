@@ -2,9 +2,9 @@
 // block_sparse_moe) and expert parallelism, its experts spread over the ranks of an ep group with
 // tokens dispatched to them and combined back by all-to-all.
 //
-// Routing (Mixtral): probabilities softmax(x W_gate^T) in float32, the top k of them per token,
-// renormalised to sum to 1; the token's output is the weighted sum of its k experts'
-// down(silu(w1 x) * w3 x). Tokens are sorted by expert and every expert runs one matrix product
+// Routing (Mixtral): probabilities softmax(x W_gate^T) in float32 (float64 input: float64), the
+// top k of them per token, renormalised to sum to 1; the token's output is the weighted sum of
+// its k experts' down(silu(w1 x) * w3 x). Tokens are sorted by expert and every expert runs one matrix product
 // per projection over its contiguous block of tokens (grouped computation, never a loop over
 // tokens). Dropless by default; a capacity factor c > 0 lets each expert take at most
 // ceil(c * tokens * k / experts) of a micro-batch's token slots (this rank's tokens, in token
@@ -16,9 +16,10 @@
 // backward, weighted by the micro-batch's share of the replica's loss (set_aux_grad_scale, which
 // tandem::Engine sets), so they work under gradient accumulation and in every pipeline stage.
 // The loss a loop reports is the language-model loss plus coef * aux_loss (moe_stats()).
-// Load balancing (Switch / Mixtral): aux = E * sum_e f_e * P_e, f_e the share of token slots
-// routed to expert e and P_e the mean router probability of e, over the tokens of one
-// micro-batch on one rank (as transformers computes it in one forward).
+// Load balancing (Switch / Mixtral): aux = E * sum_e f_e * P_e, f_e the token slots routed to
+// expert e (before any drop) per token (so sum_e f_e = k, as transformers counts them) and P_e
+// the mean router probability of e, over the tokens of one micro-batch on one rank (as
+// transformers computes it in one forward). Only the probabilities carry a gradient.
 //  - kPooled: f and P pooled over all MoE layers of the model, as transformers'
 //    load_balancing_loss_func (MixtralForCausalLM(output_router_logits=True)). Needs every MoE
 //    layer in this process for the micro-batch (no pipeline).
@@ -76,6 +77,8 @@ at::Tensor all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_
                       const std::vector<int64_t>& recv_counts, const CommPtr& comm);
 
 // ---- statistics (this thread's, since reset_moe_stats) ---------------------------------------
+// A layer adds to them in each forward in training mode (Module::is_training()) that is not the
+// recomputation of an activation-checkpointed layer in backward, so once per micro-batch.
 
 struct MoeStats {
   // Token slots routed to each expert (global index) from this rank's tokens, summed over layers
@@ -91,7 +94,8 @@ struct MoeStats {
   int64_t z_loss_terms = 0;
   double aux_loss_coef = 0.0;  // the coefficients the layers ran with
   double z_loss_coef = 0.0;
-  // all_to_all(): calls, seconds on the communication engine, bytes sent (forward and backward).
+  // all_to_all(): calls, seconds on the communication engine, bytes sent to the other ranks
+  // (forward and backward).
   int64_t all_to_alls = 0;
   double all_to_all_seconds = 0.0;
   int64_t all_to_all_bytes = 0;
@@ -111,13 +115,15 @@ double aux_grad_scale();
 
 // What the MoE layers of one model share for kPooled: each layer's routing counts and
 // probability sums of the last micro-batch, by layer index (a recomputation in backward writes
-// the same values again).
+// the same values again and keeps the aux_grad_scale() of the first forward). Its layer count is
+// the L that kPerLayer and the z-loss average over.
 class RouterLog;
 
 // One expert: down(silu(w1 x) * w3 x), Mixtral's names (w1 gate, w3 up, w2 down; no biases).
 class ExpertImpl : public torch::nn::Module {
  public:
   ExpertImpl(int64_t hidden, int64_t intermediate);
+  at::Tensor forward(const at::Tensor& x);  // [rows, hidden] -> [rows, hidden]
   torch::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
 };
 TORCH_MODULE(Expert);

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <sstream>
+#include <stdexcept>
 
 #include "comm/backends.h"
 #include "tandem/comm.h"
@@ -85,6 +86,31 @@ std::string describe(int rank, const std::string& op, const at::Tensor& t) {
 
 namespace {
 
+// "[2, 0, 1]"
+std::string list_text(const std::vector<int64_t>& v) {
+  std::ostringstream os;
+  os << c10::IntArrayRef(v);
+  return os.str();
+}
+
+// One side's splits against its tensor: one per rank, none negative, summing to its rows.
+void check_splits(const std::string& what, int size, const char* name, const std::vector<int64_t>& splits,
+                  const char* tensor, int64_t rows) {
+  if (static_cast<int64_t>(splits.size()) != size) {
+    throw std::invalid_argument(what + ": " + name + " " + list_text(splits) + " has " + std::to_string(splits.size()) +
+                                " entries, expected one per rank (" + std::to_string(size) + ")");
+  }
+  int64_t sum = 0;
+  for (int64_t n : splits) {
+    if (n < 0) throw std::invalid_argument(what + ": " + name + " " + list_text(splits) + " has a negative count");
+    sum += n;
+  }
+  if (sum != rows) {
+    throw std::invalid_argument(what + ": " + name + " " + list_text(splits) + " sum to " + std::to_string(sum) +
+                                " rows but the " + tensor + " has " + std::to_string(rows));
+  }
+}
+
 class CompletedWork : public Work {
  public:
   explicit CompletedWork(std::exception_ptr e) : error_(std::move(e)) {}
@@ -135,6 +161,17 @@ class SelfCommunicator : public Communicator {
     throw CommError(describe(0, "recv", t) + ": no peer " + std::to_string(src) + " in a world of size 1");
   }
   WorkPtr barrier_async() override { return completed_work(); }
+  WorkPtr alltoall_async(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits,
+                         std::vector<int64_t> in_splits) override {
+    check_alltoall(0, 1, out, in, out_splits, in_splits);
+    if (out_splits[0] != in_splits[0]) {
+      throw std::invalid_argument(describe(0, "alltoall", in) + ": sends " + std::to_string(in_splits[0]) +
+                                  " rows to itself but expects " + std::to_string(out_splits[0]));
+    }
+    record("alltoall", in.numel() * in.element_size());
+    out.copy_(in);
+    return completed_work();
+  }
   CommPtr split(int color, int) override {
     if (color < 0) return nullptr;
     return std::make_shared<SelfCommunicator>(CommOptions{timeout()});
@@ -156,6 +193,39 @@ class SelfCommunicator : public Communicator {
 }  // namespace
 
 WorkPtr completed_work(std::exception_ptr error) { return std::make_shared<CompletedWork>(std::move(error)); }
+
+int64_t check_alltoall(int rank, int size, const at::Tensor& out, const at::Tensor& in,
+                       const std::vector<int64_t>& out_splits, const std::vector<int64_t>& in_splits) {
+  const std::string what = describe(rank, "alltoall", in);
+  if (!in.defined() || !out.defined()) throw std::invalid_argument(what + ": undefined input or output tensor");
+  std::ostringstream shapes;
+  shapes << "input " << c10::toString(in.scalar_type()) << in.sizes() << " on " << in.device() << ", output "
+         << c10::toString(out.scalar_type()) << out.sizes() << " on " << out.device();
+  if (in.dim() < 1 || out.dim() != in.dim() || in.sizes().slice(1) != out.sizes().slice(1)) {
+    throw std::invalid_argument(what + ": input and output must be rows (dim 0) of one shape: " + shapes.str());
+  }
+  if (in.scalar_type() != out.scalar_type() || in.device() != out.device()) {
+    throw std::invalid_argument(what + ": input and output differ in dtype or device: " + shapes.str());
+  }
+  if (!in.is_contiguous() || !out.is_contiguous()) {
+    throw std::invalid_argument(what + ": input and output must be contiguous (" + shapes.str() +
+                                "); call .contiguous() first");
+  }
+  if (in.numel() > 0 && out.numel() > 0 && out.is_alias_of(in)) {
+    throw std::invalid_argument(what + ": output shares memory with the input; give it a buffer of its own");
+  }
+  check_splits(what, size, "input_splits", in_splits, "input", in.size(0));
+  check_splits(what, size, "output_splits", out_splits, "output", out.size(0));
+  int64_t row = 1;
+  for (auto d : in.sizes().slice(1)) row *= d;
+  return row;
+}
+
+std::vector<int64_t> split_offsets(const std::vector<int64_t>& splits) {
+  std::vector<int64_t> off(splits.size(), 0);
+  for (size_t j = 1; j < splits.size(); ++j) off[j] = off[j - 1] + splits[j - 1];
+  return off;
+}
 
 }  // namespace detail
 

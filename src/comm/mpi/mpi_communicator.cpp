@@ -81,11 +81,16 @@ CommPtr MpiCommunicator::split(int color, int key) {
 // compare: a program whose ranks disagree gets a CommError naming the ranks and their
 // operations instead of a hang or a wrong result. Costs one small all-gather per collective.
 std::string MpiCommunicator::describe_fingerprint(const int64_t* f) {
-  static const char* names[] = {"?", "allreduce", "reduce_scatter", "allgather", "broadcast", "barrier", "split"};
-  std::string s = names[(f[1] >= 1 && f[1] <= 6) ? f[1] : 0];
+  static const char* names[] = {"?",         "allreduce", "reduce_scatter", "allgather",
+                                "broadcast", "barrier",   "split",          "alltoall"};
+  std::string s = names[(f[1] >= 1 && f[1] <= kOpAlltoall) ? f[1] : 0];
   if (f[1] == kOpAllreduce || f[1] == kOpReduceScatter)
     s += std::string("(") + to_string(static_cast<ReduceOp>(f[5])) + ")";
   if (f[1] == kOpBroadcast) s += "(root " + std::to_string(f[5]) + ")";
+  if (f[1] == kOpAlltoall) {  // the ranks' row counts differ; the row's type and shape may not
+    return s + " of " + c10::toString(static_cast<at::ScalarType>(f[2])) + " rows of " + std::to_string(f[5]) +
+           " elements (collective #" + std::to_string(f[0]) + ")";
+  }
   if (f[2] >= 0)
     s += std::string(" of ") + c10::toString(static_cast<at::ScalarType>(f[2])) + " x " + std::to_string(f[3]);
   return s + " (collective #" + std::to_string(f[0]) + ")";

@@ -67,6 +67,8 @@ class MpiCommunicator : public Communicator {
   WorkPtr send_async(at::Tensor t, int dst, int tag) override;
   WorkPtr recv_async(at::Tensor t, int src, int tag) override;
   WorkPtr barrier_async() override;
+  WorkPtr alltoall_async(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits,
+                         std::vector<int64_t> in_splits) override;
 
   CommPtr split(int color, int key) override;  // mpi_communicator.cpp
 
@@ -74,7 +76,7 @@ class MpiCommunicator : public Communicator {
 
  private:
   // ---- collective-mismatch guard and argument checks (mpi_communicator.cpp)
-  enum : int64_t { kOpAllreduce = 1, kOpReduceScatter, kOpAllgather, kOpBroadcast, kOpBarrier, kOpSplit };
+  enum : int64_t { kOpAllreduce = 1, kOpReduceScatter, kOpAllgather, kOpBroadcast, kOpBarrier, kOpSplit, kOpAlltoall };
   static std::string describe_fingerprint(const int64_t* f);
   void verify(int64_t op, int64_t extra, const at::Tensor* t, const std::string& what);
 

@@ -309,6 +309,51 @@ WorkPtr MpiCommunicator::recv_async(at::Tensor t, int src, int tag) {
       });
 }
 
+WorkPtr MpiCommunicator::alltoall_async(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits,
+                                        std::vector<int64_t> in_splits) {
+  auto what = describe(rank_, "alltoall", in);
+  check_cpu(in, what);
+  check_cpu(out, what);
+  // The fingerprint of a row: the ranks' row counts differ, the row's dtype and shape must not.
+  std::vector<int64_t> row_shape = in.sizes().vec();
+  int64_t row_elems = 1;
+  for (size_t d = 1; d < row_shape.size(); ++d) row_elems *= row_shape[d];
+  if (!row_shape.empty()) row_shape[0] = 0;
+  at::Tensor rows = at::empty(row_shape, in.options());
+  verify(kOpAlltoall, row_elems, &rows, what);
+  const int64_t row = check_alltoall(rank_, size_, out, in, out_splits, in_splits);
+  auto type = mpi_type(in.scalar_type(), what);
+  // MPI counts and displacements are ints, in elements: they fit when both totals do.
+  checked_count(in.numel(), what);
+  checked_count(out.numel(), "rank " + std::to_string(rank_) + ": alltoall's output of " +
+                                 c10::toString(out.scalar_type()) + " x " + std::to_string(out.numel()));
+  // counts, displacements: sends at [0, n), [n, 2n); receives at [2n, 3n), [3n, 4n).
+  const int n = size_;
+  auto cd = std::make_shared<std::vector<int>>(4 * static_cast<size_t>(n));
+  const auto soff = split_offsets(in_splits), roff = split_offsets(out_splits);
+  for (int j = 0; j < n; ++j) {
+    (*cd)[j] = static_cast<int>(in_splits[j] * row);
+    (*cd)[n + j] = static_cast<int>(soff[j] * row);
+    (*cd)[2 * n + j] = static_cast<int>(out_splits[j] * row);
+    (*cd)[3 * n + j] = static_cast<int>(roff[j] * row);
+  }
+  // An empty tensor may have no storage: MPI gets distinct placeholders, never read or written.
+  static char no_send, no_recv;
+  void* sbuf = in.numel() > 0 ? in.data_ptr() : &no_send;
+  void* rbuf = out.numel() > 0 ? out.data_ptr() : &no_recv;
+  const int* c = cd->data();
+  return enqueue(
+      "alltoall", what, in.numel() * in.element_size(),
+      [=](std::vector<MPI_Request>& r) {
+        r.resize(1);
+        check(MPI_Ialltoallv(sbuf, c, c + n, type, rbuf, c + 2 * n, c + 3 * n, type, comm_, &r[0]), what);
+      },
+      [cd, in, out] {  // holds the arrays and buffers until MPI is done with them
+        (void)cd, (void)in, (void)out;
+      },
+      [=] { check(MPI_Alltoallv(sbuf, c, c + n, type, rbuf, c + 2 * n, c + 3 * n, type, comm_), what); });
+}
+
 WorkPtr MpiCommunicator::barrier_async() {
   auto what = "rank " + std::to_string(rank_) + ": barrier";
   verify(kOpBarrier, 0, nullptr, what);

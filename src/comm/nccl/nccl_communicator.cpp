@@ -774,6 +774,39 @@ class NcclCommunicator : public Communicator {
         {buf}, nullptr, /*host_wait=*/true);
   }
 
+  // One group of a send and a receive per peer with rows to move (NCCL has no all-to-all-v);
+  // a send to this rank itself pairs with its own receive inside the group.
+  WorkPtr alltoall_async(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits,
+                         std::vector<int64_t> in_splits) override {
+    auto what = describe(rank(), "alltoall", in);
+    check_tensor(in, what);
+    check_tensor(out, what);
+    const int64_t row = check_alltoall(rank(), size(), out, in, out_splits, in_splits);
+    auto type = nccl_type(in.scalar_type(), what);
+    const int64_t row_bytes = row * static_cast<int64_t>(in.element_size());
+    const auto soff = split_offsets(in_splits), roff = split_offsets(out_splits);
+    const int n = size();
+    return launch(
+        "alltoall", what, in.numel() * in.element_size(),
+        [=](ncclComm_t c, cudaStream_t s) {
+          auto* src = static_cast<char*>(in.data_ptr());
+          auto* dst = static_cast<char*>(out.data_ptr());
+          ncclResult_t rc = ncclGroupStart();
+          if (rc != ncclSuccess) return rc;
+          for (int j = 0; j < n && (rc == ncclSuccess || rc == ncclInProgress); ++j) {
+            if (in_splits[j] > 0) {
+              rc = ncclSend(src + soff[j] * row_bytes, static_cast<size_t>(in_splits[j] * row), type, j, c, s);
+            }
+            if (out_splits[j] > 0 && (rc == ncclSuccess || rc == ncclInProgress)) {
+              rc = ncclRecv(dst + roff[j] * row_bytes, static_cast<size_t>(out_splits[j] * row), type, j, c, s);
+            }
+          }
+          ncclResult_t end = ncclGroupEnd();
+          return rc == ncclSuccess || rc == ncclInProgress ? end : rc;
+        },
+        {in, out}, nullptr);
+  }
+
   CommPtr split(int color, int key) override {
     std::string what = "rank " + std::to_string(rank()) + ": split(color " + std::to_string(color) + ", key " +
                        std::to_string(key) + ")";

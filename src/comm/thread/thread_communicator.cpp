@@ -59,6 +59,9 @@ struct Call {
   int root = 0;
   int color = 0, key = 0;
   std::shared_ptr<Group>* split_result = nullptr;
+  // alltoall: the ranks' row counts differ, so their calls agree on the rows' type and shape.
+  bool rows = false;
+  std::vector<int64_t> in_splits, out_splits;
 };
 
 // A message in flight: the sender's copy, taken in post order by the receiver's recvs.
@@ -127,22 +130,51 @@ struct Group {
   }
 };
 
+void describe_call(std::ostream& os, const Call& c) {
+  os << c.op;
+  if (!c.in.defined()) return;
+  os << " of " << c10::toString(c.in.scalar_type());
+  if (c.rows) {
+    os << " rows of shape " << c.in.sizes().slice(1);
+  } else {
+    os << " x " << c.in.numel();
+  }
+}
+
+// Every rank's alltoall sends each peer the rows that peer expects from it.
+void check_alltoall_splits(const Group& g, const std::string& what) {
+  for (int src = 0; src < g.size; ++src) {
+    for (int dst = 0; dst < g.size; ++dst) {
+      const int64_t sent = g.calls[src]->in_splits[dst], expected = g.calls[dst]->out_splits[src];
+      if (sent != expected) {
+        throw CommError(what + ": rank " + std::to_string(src) + " sends " + std::to_string(sent) + " rows to rank " +
+                        std::to_string(dst) + ", which expects " + std::to_string(expected) +
+                        " from it; exchange the counts first");
+      }
+    }
+  }
+}
+
 // The ranks' calls must agree, else every rank throws the same description.
 void check_calls(const Group& g, int rank, const std::string& what) {
   const Call& a = *g.calls[0];
   for (int r = 1; r < g.size; ++r) {
     const Call& b = *g.calls[r];
-    const bool same = a.op == b.op && a.root == b.root && a.in.defined() == b.in.defined() &&
-                      (!a.in.defined() || (a.in.numel() == b.in.numel() && a.in.scalar_type() == b.in.scalar_type()));
+    bool same = a.op == b.op && a.root == b.root && a.rows == b.rows && a.in.defined() == b.in.defined();
+    if (same && a.in.defined()) {
+      same = a.in.scalar_type() == b.in.scalar_type() &&
+             (a.rows ? a.in.sizes().slice(1) == b.in.sizes().slice(1) : a.in.numel() == b.in.numel());
+    }
     if (!same) {
       std::ostringstream os;
-      os << what << ": the ranks' collectives differ: rank 0 calls " << a.op;
-      if (a.in.defined()) os << " of " << c10::toString(a.in.scalar_type()) << " x " << a.in.numel();
-      os << ", rank " << r << " calls " << b.op;
-      if (b.in.defined()) os << " of " << c10::toString(b.in.scalar_type()) << " x " << b.in.numel();
+      os << what << ": the ranks' collectives differ: rank 0 calls ";
+      describe_call(os, a);
+      os << ", rank " << r << " calls ";
+      describe_call(os, b);
       throw CommError(os.str());
     }
   }
+  if (a.rows) check_alltoall_splits(g, what);
 }
 
 // Elements [lo, hi) of n owned by `rank` of `size`.
@@ -421,6 +453,27 @@ class ThreadCommunicator : public Communicator {
                       [this, what](Call& c) { exchange(c, what, [] {}); });
   }
 
+  WorkPtr alltoall_async(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits,
+                         std::vector<int64_t> in_splits) override {
+    auto what = describe(rank_, "alltoall", in);
+    check_tensor(in, what);
+    check_alltoall(rank_, size(), out, in, out_splits, in_splits);
+    return collective("alltoall", "alltoall", what, in, out, 0, [this, what, out_splits, in_splits](Call& c) {
+      c.rows = true;
+      c.in_splits = in_splits;
+      c.out_splits = out_splits;
+      exchange(c, what, [&] {
+        // Each rank writes only its own output, reading its rows from the peers' inputs.
+        const auto roff = split_offsets(c.out_splits);
+        for (int j = 0; j < g_->size; ++j) {
+          const Call& peer = *g_->calls[j];
+          const int64_t from = split_offsets(peer.in_splits)[rank_];
+          c.out.narrow(0, roff[j], c.out_splits[j]).copy_(peer.in.narrow(0, from, c.out_splits[j]));
+        }
+      });
+    });
+  }
+
   WorkPtr send_async(at::Tensor t, int dst, int tag) override {
     auto what = describe(rank_, "send to rank " + std::to_string(dst) + " (tag " + std::to_string(tag) + ")", t);
     check_tensor(t, what);
@@ -633,14 +686,39 @@ class HierarchicalCommunicator : public Communicator {
   WorkPtr send_async(at::Tensor t, int dst, int tag) override {
     check_peer(dst, "send", t);
     record("send", t.numel() * t.element_size());
-    if (dst / kk_ == p_) return local_->send_async(t, dst % kk_, tag);
-    return procs_->send_async(t, dst / kk_, pair_tag(tag, k_, dst % kk_));
+    return routed_send(t, dst, tag);
   }
   WorkPtr recv_async(at::Tensor t, int src, int tag) override {
     check_peer(src, "recv", t);
     record("recv", t.numel() * t.element_size());
-    if (src / kk_ == p_) return local_->recv_async(t, src % kk_, tag);
-    return procs_->recv_async(t, src / kk_, pair_tag(tag, src % kk_, k_));
+    return routed_recv(t, src, tag);
+  }
+
+  // A send and a receive per peer with rows to move, on a tag of its own; the worker runs one
+  // collective at a time, so successive all-to-alls between two ranks match in order.
+  WorkPtr alltoall_async(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits,
+                         std::vector<int64_t> in_splits) override {
+    auto what = describe(rank(), "alltoall", in);
+    check_alltoall(rank(), size(), out, in, out_splits, in_splits);
+    return submit("alltoall", what, in, [this, out, in, out_splits, in_splits]() mutable {
+      const auto soff = split_offsets(in_splits), roff = split_offsets(out_splits);
+      const int me = rank();
+      std::vector<WorkPtr> works;
+      for (int j = 0; j < size(); ++j) {
+        if (j != me && out_splits[j] > 0)
+          works.push_back(routed_recv(out.narrow(0, roff[j], out_splits[j]), j, kAlltoallTag));
+      }
+      for (int j = 0; j < size(); ++j) {
+        if (j != me && in_splits[j] > 0)
+          works.push_back(routed_send(in.narrow(0, soff[j], in_splits[j]), j, kAlltoallTag));
+      }
+      if (out_splits[me] != in_splits[me]) {
+        throw CommError(describe(me, "alltoall", in) + ": sends " + std::to_string(in_splits[me]) +
+                        " rows to itself but expects " + std::to_string(out_splits[me]));
+      }
+      out.narrow(0, roff[me], out_splits[me]).copy_(in.narrow(0, soff[me], in_splits[me]));
+      for (auto& w : works) w->wait();
+    });
   }
 
   CommPtr split(int, int) override {
@@ -666,6 +744,17 @@ class HierarchicalCommunicator : public Communicator {
   }
 
   int pair_tag(int tag, int from, int to) const { return (tag * kk_ + from) * kk_ + to; }
+
+  // All-to-all's messages: a tag above those of the pipelines' point-to-point traffic.
+  static constexpr int kAlltoallTag = 1 << 20;
+  WorkPtr routed_send(const at::Tensor& t, int dst, int tag) {
+    if (dst / kk_ == p_) return local_->send_async(t, dst % kk_, tag);
+    return procs_->send_async(t, dst / kk_, pair_tag(tag, k_, dst % kk_));
+  }
+  WorkPtr routed_recv(const at::Tensor& t, int src, int tag) {
+    if (src / kk_ == p_) return local_->recv_async(t, src % kk_, tag);
+    return procs_->recv_async(t, src / kk_, pair_tag(tag, src % kk_, k_));
+  }
 
   void check_peer(int peer, const char* op, const at::Tensor& t) const {
     if (peer < 0 || peer >= size() || peer == rank()) {
