@@ -128,7 +128,7 @@ refused tp 'use --ep' "$tandem" finetune --init-from "$tmp/fx/mixtral" "${data[@
 refused pp_pooled 'use --moe-aux-loss per-layer' "$tandem" finetune --init-from "$tmp/fx/mixtral" "${data[@]}" -n 2 --pp 2
 refused classify 'use --task lm' "$tandem" finetune --init-from "$tmp/fx/mixtral" "${data[@]}" --task classify
 refused lora 'LoRA' "$tandem" finetune --init-from "$tmp/fx/mixtral" "${data[@]}" --lora-rank 4
-refused aux_form "--moe-aux-loss 'mean'" "$tandem" finetune --init-from "$tmp/fx/mixtral" "${data[@]}" --moe-aux-loss mean
+refused aux_form "--moe-aux-loss: unknown load-balancing loss form 'mean'" "$tandem" finetune --init-from "$tmp/fx/mixtral" "${data[@]}" --moe-aux-loss mean
 refused capacity '--capacity-factor must be >= 0' "$tandem" finetune --init-from "$tmp/fx/mixtral" "${data[@]}" --capacity-factor -1
 [ $fails -eq 0 ] && echo "all passed" || echo "$fails failed"
 exit $((fails > 0))

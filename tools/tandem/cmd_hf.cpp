@@ -149,7 +149,7 @@ void set_moe(HfFlags& f, const CLI::App& app) {
   try {
     if (app.count("--moe-aux-loss")) o.aux_form = moe::parse_aux_loss_form(f.moe_aux_form);
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument("--moe-aux-loss '" + f.moe_aux_form + "': use pooled or per-layer (" + e.what() + ")");
+    throw std::invalid_argument(std::string("--moe-aux-loss: ") + e.what());
   }
 }
 
@@ -179,6 +179,8 @@ int cmd_finetune_hf(int argc, char** argv) {
       {"long sequences: context parallel 2 x tensor parallel 2 with sequence parallelism",
        {"tandem finetune --init-from ./my-llama --data train.jsonl -n 4 --cp 2 --tp 2 --sequence-parallel --seq 4096"}},
       {"a classifier", {"tandem finetune --init-from ./my-llama --task classify --data labelled.jsonl -n 2"}},
+      {"a Mixtral (mixture of experts) in a pipeline, its load-balancing loss per layer",
+       {"tandem finetune --init-from ./my-mixtral --data train.jsonl -n 2 --pp 2 --moe-aux-loss per-layer"}},
   }));
   if (auto rc = parse_command_line(app, argc, argv)) return *rc;
   auto& cfg = f.cfg;
