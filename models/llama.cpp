@@ -20,6 +20,8 @@ using nlohmann::json;
   throw std::invalid_argument("Llama config '" + where + "': " + what);
 }
 
+bool is_mixtral(const json& j) { return j.contains("model_type") && j["model_type"] == "mixtral"; }
+
 // A field that may be absent or null (then `fallback`), else of type T.
 template <typename T>
 T field(const json& j, const char* key, T fallback, const std::string& where) {
@@ -40,7 +42,7 @@ int64_t required(const json& j, const char* key, const std::string& where) {
 
 // The rope theta of either spelling (top-level rope_theta, or transformers 5's rope_parameters),
 // refusing any scaling other than the default.
-double rope_theta(const json& j, const std::string& where) {
+double rope_theta(const json& j, const std::string& where, double fallback) {
   auto check_type = [&](const json& p, const char* key) {
     if (!p.is_object()) return;
     const auto type = p.value("rope_type", p.value("type", std::string("default")));
@@ -51,9 +53,9 @@ double rope_theta(const json& j, const std::string& where) {
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) check_type(j["rope_scaling"], "rope_scaling");
   if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
     check_type(j["rope_parameters"], "rope_parameters");
-    return field<double>(j["rope_parameters"], "rope_theta", field<double>(j, "rope_theta", 10000.0, where), where);
+    return field<double>(j["rope_parameters"], "rope_theta", field<double>(j, "rope_theta", fallback, where), where);
   }
-  return field<double>(j, "rope_theta", 10000.0, where);
+  return field<double>(j, "rope_theta", fallback, where);
 }
 
 void validate(const LlamaConfig& c, const std::string& where) {
@@ -77,6 +79,34 @@ void validate(const LlamaConfig& c, const std::string& where) {
   if (c.rms_norm_eps <= 0) bad_config(where, "\"rms_norm_eps\" must be positive");
   if (c.rope_theta <= 0) bad_config(where, "\"rope_theta\" must be positive");
   if (c.pad_token_id >= c.vocab_size) bad_config(where, "\"pad_token_id\" is outside the vocabulary");
+  if (c.num_local_experts < 0) bad_config(where, "\"num_local_experts\" must be positive");
+  if (c.is_moe() && (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_local_experts))
+    bad_config(where, "\"num_experts_per_tok\" is " + std::to_string(c.num_experts_per_tok) +
+                          "; each token is routed to between 1 and num_local_experts (" +
+                          std::to_string(c.num_local_experts) + ") experts");
+  if (c.is_moe() && c.router_aux_loss_coef < 0) bad_config(where, "\"router_aux_loss_coef\" must not be negative");
+}
+
+// Mixtral's fields (model_type "mixtral"), refusing what its layers cannot run.
+void parse_mixtral(const json& j, const std::string& where, LlamaConfig& c) {
+  c.num_local_experts = field<int64_t>(j, "num_local_experts", 8, where);
+  if (c.num_local_experts <= 0)
+    bad_config(where, "\"num_local_experts\" must be positive, not " + std::to_string(c.num_local_experts));
+  c.num_experts_per_tok = field<int64_t>(j, "num_experts_per_tok", 2, where);
+  c.router_aux_loss_coef = field<double>(j, "router_aux_loss_coef", 0.001, where);
+  c.output_router_logits = field<bool>(j, "output_router_logits", false, where);
+  const double jitter = field<double>(j, "router_jitter_noise", 0.0, where);
+  if (jitter != 0.0)
+    bad_config(where, "\"router_jitter_noise\" is " + j["router_jitter_noise"].dump() +
+                          "; random noise on the router's input is not supported: set it to 0");
+  const int64_t window = field<int64_t>(j, "sliding_window", 0, where);
+  if (window > 0 && window < c.max_position_embeddings)
+    bad_config(where, "\"sliding_window\" is " + std::to_string(window) + ", shorter than max_position_embeddings " +
+                          std::to_string(c.max_position_embeddings) +
+                          "; sliding-window attention is not supported (set it to null, or "
+                          "max_position_embeddings to at most the window)");
+  if (j.value("attention_bias", false) || j.value("mlp_bias", false))
+    bad_config(where, "a Mixtral config with biases (attention_bias, mlp_bias) is not supported");
 }
 
 std::string read_text(const std::string& path) {
@@ -189,8 +219,8 @@ LlamaConfig parse_config(const std::string& json_text, const std::string& where)
     bad_config(where, std::string("not valid JSON: ") + e.what());
   }
   if (!j.is_object()) bad_config(where, "must be a JSON object");
-  if (j.contains("model_type") && j["model_type"] != "llama")
-    bad_config(where, "model_type is " + j["model_type"].dump() + ", not \"llama\"");
+  if (j.contains("model_type") && j["model_type"] != "llama" && !is_mixtral(j))
+    bad_config(where, "model_type is " + j["model_type"].dump() + ", not \"llama\" or \"mixtral\"");
   const auto act = j.value("hidden_act", std::string("silu"));
   if (act != "silu") bad_config(where, "\"hidden_act\" is '" + act + "'; only silu (SwiGLU) is supported");
   LlamaConfig c;
@@ -203,13 +233,14 @@ LlamaConfig parse_config(const std::string& json_text, const std::string& where)
   c.head_dim = field<int64_t>(j, "head_dim", 0, where);
   c.max_position_embeddings = field<int64_t>(j, "max_position_embeddings", 2048, where);
   c.rms_norm_eps = field<double>(j, "rms_norm_eps", 1e-6, where);
-  c.rope_theta = rope_theta(j, where);
+  c.rope_theta = rope_theta(j, where, is_mixtral(j) ? 1e6 : 10000.0);  // each config class's default
   c.tie_word_embeddings = field<bool>(j, "tie_word_embeddings", false, where);
   c.attention_bias = field<bool>(j, "attention_bias", false, where);
   c.mlp_bias = field<bool>(j, "mlp_bias", false, where);
   c.pad_token_id = field<int64_t>(j, "pad_token_id", -1, where);
   if (j.contains("id2label") && j["id2label"].is_object()) c.num_labels = static_cast<int64_t>(j["id2label"].size());
   else c.num_labels = field<int64_t>(j, "num_labels", 2, where);
+  if (is_mixtral(j)) parse_mixtral(j, where, c);
   validate(c, where);
   return c;
 }
@@ -225,8 +256,10 @@ std::string config_json(const LlamaConfig& c, const std::string& architecture) {
     id2label[std::to_string(i)] = "LABEL_" + std::to_string(i);
     label2id["LABEL_" + std::to_string(i)] = i;
   }
-  json j = {{"architectures", {architecture}},
-            {"model_type", "llama"},
+  std::string arch = architecture;
+  if (c.is_moe() && arch.rfind("Llama", 0) == 0) arch = "Mixtral" + arch.substr(5);
+  json j = {{"architectures", {arch}},
+            {"model_type", c.is_moe() ? "mixtral" : "llama"},
             {"vocab_size", c.vocab_size},
             {"hidden_size", c.hidden_size},
             {"intermediate_size", c.intermediate_size},
@@ -246,7 +279,30 @@ std::string config_json(const LlamaConfig& c, const std::string& architecture) {
             {"id2label", id2label},
             {"label2id", label2id},
             {"dtype", "float32"}};
+  if (c.is_moe()) {  // MixtralConfig has no biases; its MoE fields instead
+    j.erase("attention_bias");
+    j.erase("mlp_bias");
+    j["num_local_experts"] = c.num_local_experts;
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+    j["router_aux_loss_coef"] = c.router_aux_loss_coef;
+    j["router_jitter_noise"] = 0.0;
+    j["output_router_logits"] = c.output_router_logits;
+    j["sliding_window"] = nullptr;
+  }
   return j.dump(2);
+}
+
+moe::MoeConfig moe_config(const LlamaConfig& c) {
+  moe::MoeConfig m;
+  m.hidden_size = c.hidden_size;
+  m.intermediate_size = c.intermediate_size;
+  m.num_experts = c.num_local_experts;
+  m.top_k = c.num_experts_per_tok;
+  m.aux_loss_coef = c.router_aux_loss_coef;
+  m.z_loss_coef = c.moe_z_loss_coef;
+  m.capacity_factor = c.moe_capacity_factor;
+  m.aux_form = c.moe_aux_form;
+  return m;
 }
 
 // ---- modules --------------------------------------------------------------------------------
@@ -291,9 +347,14 @@ torch::Tensor MLPImpl::forward(const torch::Tensor& x) {
   return lora::linear(down_proj, swiglu(selective, lora::linear(gate_proj, x), lora::linear(up_proj, x)));
 }
 
-DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c) {
+DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c, std::shared_ptr<moe::RouterLog> router_log, int64_t layer) {
   self_attn = register_module("self_attn", Attention(c));
-  mlp = register_module("mlp", MLP(c));
+  if (c.is_moe()) {
+    if (!router_log) router_log = moe::make_router_log(c.num_hidden_layers);
+    block_sparse_moe = register_module("block_sparse_moe", moe::SparseMoeBlock(moe_config(c), router_log, layer));
+  } else {
+    mlp = register_module("mlp", MLP(c));
+  }
   input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
   post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
 }
@@ -301,16 +362,21 @@ DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& c) {
 torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                         const torch::Tensor& mask) {
   auto h = x + self_attn(normed(selective, input_layernorm, x), cos, sin, mask);
-  return h + mlp(normed(selective, post_attention_layernorm, h));
+  const auto n = normed(selective, post_attention_layernorm, h);
+  return h + (mlp ? mlp(n) : block_sparse_moe(n));
 }
 
-void DecoderLayerImpl::set_selective(bool on) { selective = self_attn->selective = mlp->selective = on; }
+void DecoderLayerImpl::set_selective(bool on) {
+  selective = self_attn->selective = on;
+  if (mlp) mlp->selective = on;
+}
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) : config(c) {
   validate(c, "LlamaConfig");
   embed_tokens = register_module("embed_tokens", embedding(c));
   layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c));
+  const auto router_log = c.is_moe() ? moe::make_router_log(c.num_hidden_layers) : nullptr;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c, router_log, i));
   norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
 }
 
@@ -455,11 +521,21 @@ void SequentialDecoderLayerImpl::use_context_parallel(const CommPtr& cp) { self_
 
 // ---- tensor parallelism ----------------------------------------------------------------------
 
+namespace {
+[[noreturn]] void refuse_moe_tensor_parallel(const LlamaConfig& c) {
+  throw std::invalid_argument(
+      "Llama: tensor parallelism of a mixture-of-experts layer is not supported (this Mixtral config has " +
+      std::to_string(c.num_local_experts) +
+      " experts per layer); use --ep to spread the experts over ranks, and --tp 1");
+}
+}  // namespace
+
 void check_tensor_parallel(const LlamaConfig& c, int tp_size) {
   const std::pair<const char*, int64_t> sizes[] = {{"num_attention_heads", c.num_attention_heads},
                                                    {"num_key_value_heads", c.num_key_value_heads},
                                                    {"intermediate_size", c.intermediate_size},
                                                    {"vocab_size", c.vocab_size}};
+  if (c.is_moe() && tp_size > 1) refuse_moe_tensor_parallel(c);
   for (auto& [name, v] : sizes) {
     if (tp_size >= 1 && v % tp_size == 0) continue;
     std::string fits;
@@ -480,6 +556,7 @@ void SequentialDecoderLayerImpl::check_tensor_parallel(int tp_size) const {
 }
 
 torch::nn::AnyModule SequentialDecoderLayerImpl::to_tensor_parallel(const CommPtr& tp) const {
+  if (config.is_moe()) refuse_moe_tensor_parallel(config);
   return torch::nn::AnyModule(ParallelDecoderLayer(*this, tp));
 }
 
@@ -642,8 +719,9 @@ torch::nn::Sequential decoder_sequential(const LlamaConfig& c) {
   } else {
     seq->push_back("embed_tokens", embedding(c));
   }
+  const auto router_log = c.is_moe() ? moe::make_router_log(c.num_hidden_layers) : nullptr;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    SequentialDecoderLayer layer(c);
+    SequentialDecoderLayer layer(c, router_log, i);
     layer->documents = documents;
     seq->push_back("layer" + std::to_string(i), layer);
   }

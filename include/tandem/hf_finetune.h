@@ -1,5 +1,5 @@
 // Fine-tuning a local Hugging Face Llama-architecture directory (config.json, safetensors
-// weights, SentencePiece tokenizer.model) on JSON lines, on the text commands' Engine and loop,
+// weights, SentencePiece tokenizer.model; Llama or Mixtral) on JSON lines, on the text commands' Engine and loop,
 // under ddp, zero1-3, a pipeline or tensor parallelism (and their combinations); and exporting any of its checkpoints
 // (whatever layout saved it) back to a directory transformers' from_pretrained loads. Every error names the file (and
 // line) at fault and what to do.
@@ -7,10 +7,13 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "tandem/llama.h"
 #include "tandem/lora.h"
+#include "tandem/moe.h"
 #include "tandem/runtime.h"
 #include "tandem/text.h"
 
@@ -46,6 +49,16 @@ bool blank_line(const std::string& line);  // only spaces, tabs, '\r'
 std::vector<std::string> map_labels(const std::vector<JsonlExample>& data, const std::vector<std::string>& model_labels,
                                     const std::string& path);
 
+// The mixture-of-experts options of a Mixtral run (tandem/moe.h); unset: the default. A dense
+// model refuses each of them.
+struct HfMoeOptions {
+  std::optional<double> aux_loss_coef;       // default: config.json's router_aux_loss_coef
+  std::optional<double> z_loss_coef;         // router z-loss weight; default 0 (none)
+  std::optional<double> capacity_factor;     // default 0: dropless
+  std::optional<moe::AuxLossForm> aux_form;  // default pooled (as transformers); pp > 1 needs per-layer
+  bool any() const { return aux_loss_coef || z_loss_coef || capacity_factor || aux_form; }
+};
+
 struct HfFinetuneConfig {
   std::string model_dir;  // --init-from: the Hugging Face directory
   HfTask task = HfTask::kLm;
@@ -69,6 +82,7 @@ struct HfFinetuneConfig {
   // and "positions" (document_layout's) of the rows it trained on}. For tests and debugging of
   // the data order; it grows with steps x batch x seq. "": none.
   std::string data_record;
+  HfMoeOptions moe;
   // Layout, batch, steps, optimizer, progress, metrics, trace and checkpoints (loop.checkpoints:
   // step-N/ checkpoints in any layout, which tandem export reads; its corpus, tokenizer and shape
   // fields are not used).
@@ -79,12 +93,20 @@ struct HfFinetuneConfig {
 // checkpoint settings); std::invalid_argument.
 void validate(const HfFinetuneConfig& cfg, int world);
 
+// The model's config.json (cfg.model_dir) with cfg.moe applied to a Mixtral's. Throws
+// std::invalid_argument naming the flag and what to do for MoE options given to a dense model,
+// and for a Mixtral run with --task classify, LoRA, --tp or --cp > 1 (not supported), the pooled
+// load-balancing loss under --pp > 1 (use --moe-aux-loss per-layer), or an option out of range.
+llama::LlamaConfig hf_model_config(const HfFinetuneConfig& cfg);
+
 // True when `data` is a directory (a preprocessed dataset) rather than a JSON lines file.
 bool is_preprocessed(const std::string& data);
 
 // Collective: every rank reads the model directory and the data, trains, and, with a
 // checkpoint directory, saves step-N checkpoints whose metadata records the model's config, the
-// task and the labels, and copies the tokenizer files into checkpoint_dir/tokenizer.
+// task and the labels, and copies the tokenizer files into checkpoint_dir/tokenizer. A Mixtral
+// model's reported loss is transformers' (the LM loss plus the coefficients times the auxiliary
+// losses), its auxiliary losses also reported alone (TextReport::moe_aux_losses).
 TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg);
 
 // From a checkpoint of finetune_hf (a step-N directory or its root, whose newest is taken) to

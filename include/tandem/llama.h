@@ -1,8 +1,10 @@
 // A Llama-architecture causal language model (RMSNorm, rotary position embeddings, SwiGLU MLP,
 // grouped-query attention, tied or untied embeddings) and its sequence-classification variant,
 // built from a Hugging Face config.json and loaded from / saved to a Hugging Face checkpoint
-// directory. The module tree mirrors transformers' LlamaForCausalLM, so every parameter name
-// is the Hugging Face name itself (model.embed_tokens.weight, model.layers.N.self_attn.q_proj.weight,
+// directory; with num_local_experts > 0 it is Mixtral (MixtralForCausalLM): each decoder layer's
+// SwiGLU MLP replaced by a sparse mixture of experts (block_sparse_moe, tandem/moe.h). The module tree mirrors
+// transformers' LlamaForCausalLM, so every parameter name is the Hugging Face name itself (model.embed_tokens.weight,
+// model.layers.N.self_attn.q_proj.weight,
 // ..., model.norm.weight, lm_head.weight / score.weight) and the decoder layers are the children
 // of one ModuleList (model.layers), one unit each for per-layer sharding or pipeline cuts.
 #pragma once
@@ -23,16 +25,17 @@
 #include "tandem/activation_checkpoint.h"
 #include "tandem/context_parallel.h"
 #include "tandem/lora.h"
+#include "tandem/moe.h"
 #include "tandem/safetensors.h"
 #include "tandem/tensor_parallel.h"
 
 namespace tandem::llama {
 
-// The fields of a Hugging Face LlamaConfig that the architecture uses.
+// The fields of a Hugging Face LlamaConfig (or MixtralConfig) that the architecture uses.
 struct LlamaConfig {
   int64_t vocab_size = 32000;
   int64_t hidden_size = 4096;
-  int64_t intermediate_size = 11008;  // SwiGLU width
+  int64_t intermediate_size = 11008;  // SwiGLU width (Mixtral: each expert's)
   int64_t num_hidden_layers = 32;
   int64_t num_attention_heads = 32;
   int64_t num_key_value_heads = 32;  // divides num_attention_heads (grouped-query attention)
@@ -50,17 +53,38 @@ struct LlamaConfig {
   // (document_layout); -1: one sequence per row.
   int64_t document_separator = -1;
 
+  // Mixtral (model_type "mixtral"): > 0 makes every decoder layer's FFN a sparse mixture of this
+  // many SwiGLU experts (block_sparse_moe), each token routed to num_experts_per_tok of them.
+  int64_t num_local_experts = 0;  // 0: dense (Llama)
+  int64_t num_experts_per_tok = 2;
+  double router_aux_loss_coef = 0.001;  // the load-balancing loss's weight in the training loss
+  bool output_router_logits = false;    // as config.json says (written back unchanged)
+  // Run options of the MoE layers, not Hugging Face fields (config.json neither holds nor gets
+  // them): the router z-loss's weight, the experts' capacity factor (0: dropless) and the form
+  // of the load-balancing loss (pooled over the layers as transformers, or per layer).
+  double moe_z_loss_coef = 0.0;
+  double moe_capacity_factor = 0.0;
+  moe::AuxLossForm moe_aux_form = moe::AuxLossForm::kPooled;
+
+  bool is_moe() const { return num_local_experts > 0; }
   int64_t head_size() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
 };
 
-// Parses config.json's text. Throws std::invalid_argument naming `where` and the field for a
-// missing or ill-typed required field, a non-positive size, heads that do not divide the
-// width or each other, an activation other than silu, or rope scaling (not supported).
+// Parses config.json's text (model_type "llama", or "mixtral"). Throws std::invalid_argument
+// naming `where` and the field for a missing or ill-typed required field, a non-positive size,
+// heads that do not divide the width or each other, an activation other than silu, or rope
+// scaling (not supported); for Mixtral also for num_experts_per_tok outside
+// [1, num_local_experts], router_jitter_noise other than 0 (random noise on the router's input
+// in training, not supported), and a sliding_window shorter than max_position_embeddings.
 LlamaConfig parse_config(const std::string& json_text, const std::string& where = "config.json");
 // config.json of a checkpoint directory (or the file itself).
 LlamaConfig load_config(const std::string& path);
-// As transformers writes it (model_type "llama", architectures given), for save_pretrained.
+// As transformers writes it (model_type "llama", architectures given), for save_pretrained; a
+// Mixtral config as MixtralConfig writes it (model_type "mixtral", the MoE fields, the
+// architecture's "Llama" prefix read as "Mixtral").
 std::string config_json(const LlamaConfig& config, const std::string& architecture = "LlamaForCausalLM");
+// The MoE layers' configuration of a Mixtral config (is_moe()).
+moe::MoeConfig moe_config(const LlamaConfig& config);
 
 // x * rsqrt(mean(x^2) + eps) * weight, computed in float32 as transformers does.
 class RMSNormImpl : public torch::nn::Module {
@@ -130,23 +154,29 @@ std::pair<torch::Tensor, torch::Tensor> rotary_tables(const LlamaConfig& config,
 // [B, T] per row, giving [B, 1, T, head_dim] to broadcast over the heads).
 std::pair<torch::Tensor, torch::Tensor> rotary_tables_at(const LlamaConfig& config, const torch::Tensor& positions);
 
-// x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).
+// x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)); a Mixtral layer
+// (config.is_moe()) has block_sparse_moe instead of mlp, layer `layer` of the MoE layers that
+// share `router_log` (moe::make_router_log(num_hidden_layers); null makes one of its own).
 class DecoderLayerImpl : public torch::nn::Module {
  public:
-  explicit DecoderLayerImpl(const LlamaConfig& config);
+  explicit DecoderLayerImpl(const LlamaConfig& config, std::shared_ptr<moe::RouterLog> router_log = nullptr,
+                            int64_t layer = 0);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask = {});
   // Selective recomputation (tandem/activation_checkpoint.h): the norms, the attention core and
-  // the SwiGLU product recomputed in backward; the projections' outputs kept.
+  // the SwiGLU product recomputed in backward; the projections' outputs kept. A Mixtral layer's
+  // experts are not recomputed (their routed activations are kept).
   void set_selective(bool on);
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
-  MLP mlp{nullptr};
+  MLP mlp{nullptr};                               // null in a Mixtral layer
+  moe::SparseMoeBlock block_sparse_moe{nullptr};  // Mixtral's, else null
   bool selective = false;
 };
 TORCH_MODULE(DecoderLayer);
 
 // Token ids int64 [B, T] (T <= max_position_embeddings) -> the final norm's output [B, T, hidden].
+// Mixtral's layers share one moe::RouterLog.
 class LlamaModelImpl : public torch::nn::Module {
  public:
   explicit LlamaModelImpl(const LlamaConfig& config);
@@ -197,10 +227,12 @@ class SequentialDecoderLayerImpl : public DecoderLayerImpl,
                                    public cp::ContextParallel,
                                    public SelectiveRecompute {
  public:
-  explicit SequentialDecoderLayerImpl(const LlamaConfig& config) : DecoderLayerImpl(config), config(config) {}
+  explicit SequentialDecoderLayerImpl(const LlamaConfig& config, std::shared_ptr<moe::RouterLog> router_log = nullptr,
+                                      int64_t layer = 0)
+      : DecoderLayerImpl(config, std::move(router_log), layer), config(config) {}
   torch::Tensor forward(const torch::Tensor& x);
   // Throws std::invalid_argument unless tp_size divides num_attention_heads,
-  // num_key_value_heads and intermediate_size.
+  // num_key_value_heads and intermediate_size, and for a Mixtral layer when tp_size > 1.
   void check_tensor_parallel(int tp_size) const override;
   torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
   void use_context_parallel(const CommPtr& cp) override;
@@ -288,7 +320,9 @@ class DocumentVocabEmbeddingImpl : public tp::VocabParallelEmbeddingImpl {
 TORCH_MODULE(DocumentVocabEmbedding);
 
 // Throws std::invalid_argument naming the field (num_attention_heads, num_key_value_heads,
-// intermediate_size, vocab_size) that tp_size does not divide, and the tp sizes that would.
+// intermediate_size, vocab_size) that tp_size does not divide, and the tp sizes that would; for
+// a Mixtral config whenever tp_size > 1 (tensor parallelism of a mixture-of-experts layer is not
+// supported: its experts spread over ranks by expert parallelism instead).
 void check_tensor_parallel(const LlamaConfig& config, int tp_size);
 
 // The Engine's converter (EngineOptions::tensor_parallel) for the causal LM's Sequential:
@@ -307,7 +341,8 @@ torch::nn::Sequential tensor_parallel(torch::nn::Sequential dense, const CommPtr
 // children embed_tokens, layer0 .. layer<N-1> (SequentialDecoderLayer), norm, lm_head; the same
 // function of ids [B, T] as LlamaForCausalLM. Parameter names differ from the Hugging Face
 // ones only by prefix (sequential_to_hf maps them). Throws std::invalid_argument for tied
-// embeddings, which a pipeline cannot share between its first and last stage.
+// embeddings, which a pipeline cannot share between its first and last stage. The layers of a
+// Mixtral config share one moe::RouterLog, as LlamaModel's.
 torch::nn::Sequential causal_lm_sequential(const LlamaConfig& config);
 // The tied LM head as the last child of a Sequential: logits x W^T with W the weight of the
 // embedding (the Sequential's first child), held without registering it, so the parameter list

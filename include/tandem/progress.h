@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <string>
 
 namespace tandem {
 
@@ -14,9 +15,9 @@ class Progress {
   // total_steps: steps of the whole run (for the bar and the ETA); log_every <= 0: every 50.
   Progress(bool enabled, int64_t total_steps, int64_t log_every);
   // After step `step` (1-based, counted over the whole run) of epoch `epoch` of `epochs`:
-  // `samples` processed so far in `elapsed`.
+  // `samples` processed so far in `elapsed`; `note` follows the loss (e.g. its parts).
   void update(int epoch, int epochs, int64_t step, double loss, int64_t samples,
-              std::chrono::steady_clock::duration elapsed);
+              std::chrono::steady_clock::duration elapsed, const std::string& note = {});
   // Ends the bar's line (a terminal) so that later output starts on its own line.
   void finish();
 

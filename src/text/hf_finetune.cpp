@@ -123,6 +123,56 @@ void validate(const HfFinetuneConfig& cfg, int world) {
   validate(cfg.loop, world);
 }
 
+namespace {
+
+[[noreturn]] void refuse_for_moe(const HfFinetuneConfig& cfg, const std::string& what) {
+  throw std::invalid_argument("'" + cfg.model_dir + "' is a mixture-of-experts model (Mixtral), which " + what);
+}
+
+// cfg.moe into a Mixtral's config, and the layouts and tasks its layers do not run under refused.
+void apply_moe_options(const HfFinetuneConfig& cfg, llama::LlamaConfig& mc) {
+  const auto& o = cfg.moe;
+  const auto& pc = cfg.loop.parallel;
+  if (cfg.task != HfTask::kLm) refuse_for_moe(cfg, "fine-tunes as a language model only: use --task lm");
+  if (cfg.use_lora || !cfg.init_adapter.empty())
+    refuse_for_moe(cfg, "LoRA does not adapt (its experts are not adaptable modules): fine-tune every weight, "
+                        "without --lora-rank or --init-adapter");
+  if (pc.cp > 1) refuse_for_moe(cfg, "context parallelism does not split: use --cp 1");
+  if (pc.tp > 1) llama::check_tensor_parallel(mc, pc.tp);  // refuses, naming --ep
+  const std::pair<const char*, std::optional<double>> given[] = {{"--moe-aux-loss-coef", o.aux_loss_coef},
+                                                                 {"--moe-z-loss-coef", o.z_loss_coef},
+                                                                 {"--capacity-factor", o.capacity_factor}};
+  for (const auto& [flag, v] : given)
+    if (v && !(*v >= 0)) throw std::invalid_argument(std::string(flag) + " must be >= 0, got " + std::to_string(*v));
+  mc.router_aux_loss_coef = o.aux_loss_coef.value_or(mc.router_aux_loss_coef);
+  mc.moe_z_loss_coef = o.z_loss_coef.value_or(0.0);
+  mc.moe_capacity_factor = o.capacity_factor.value_or(0.0);
+  mc.moe_aux_form = o.aux_form.value_or(moe::AuxLossForm::kPooled);
+  if (pc.pp > 1 && mc.moe_aux_form == moe::AuxLossForm::kPooled)
+    throw std::invalid_argument("--moe-aux-loss pooled (the default: transformers' load-balancing loss, over all "
+                                "layers at once) needs every layer in one process; with --pp " +
+                                std::to_string(pc.pp) + " use --moe-aux-loss per-layer");
+  try {
+    moe::validate(llama::moe_config(mc));
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("--moe-aux-loss-coef, --moe-z-loss-coef, --capacity-factor: " + std::string(e.what()));
+  }
+}
+
+}  // namespace
+
+llama::LlamaConfig hf_model_config(const HfFinetuneConfig& cfg) {
+  auto mc = llama::load_config(cfg.model_dir);
+  if (mc.is_moe()) {
+    apply_moe_options(cfg, mc);
+  } else if (cfg.moe.any()) {
+    throw std::invalid_argument("--moe-aux-loss-coef, --moe-z-loss-coef, --capacity-factor and --moe-aux-loss apply "
+                                "to a mixture-of-experts model; '" +
+                                cfg.model_dir + "' is dense (no num_local_experts): leave them out");
+  }
+  return mc;
+}
+
 namespace hf_impl {
 
 // The model's class names from config.json's id2label, unless they are transformers' defaults.
@@ -354,6 +404,25 @@ void copy_tokenizer(const std::string& from, const std::string& to) {
   }
 }
 
+// The report's line of a Mixtral run: the auxiliary losses of the last step and the run's drops.
+std::string moe_summary(const llama::LlamaConfig& mc, const TextReport& rep) {
+  std::ostringstream os;
+  os << mc.num_local_experts << " per layer, top " << mc.num_experts_per_tok << ", load-balancing loss "
+     << moe::to_string(mc.moe_aux_form) << " x " << mc.router_aux_loss_coef;
+  if (!rep.moe_aux_losses.empty()) os << " (last step " << rep.moe_aux_losses.back() << ")";
+  if (mc.moe_z_loss_coef > 0)
+    os << ", z-loss x " << mc.moe_z_loss_coef << " (last step "
+       << (rep.moe_z_losses.empty() ? 0.0 : rep.moe_z_losses.back()) << ")";
+  os << "; capacity factor ";
+  if (mc.moe_capacity_factor > 0) {
+    os << mc.moe_capacity_factor;
+  } else {
+    os << "none (dropless)";
+  }
+  os << ", " << rep.moe_dropped << " of " << rep.moe_routed << " token slots dropped";
+  return os.str();
+}
+
 // Validation: loss per predicted token (LM) or accuracy (classify). Collective.
 void evaluate(Runtime& rt, Engine& eng, const Encoded& valid, bool lm, int64_t limit, TextReport& rep) {
   const int64_t n = limit >= 0 ? std::min<int64_t>(limit, valid.ids.size(0)) : valid.ids.size(0);
@@ -384,7 +453,7 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
   validate(cfg, rt.world_size());
   const bool lm = cfg.task == HfTask::kLm;
   auto tok = hf::Tokenizer::load(cfg.model_dir);
-  auto mc = llama::load_config(cfg.model_dir);
+  auto mc = hf_model_config(cfg);
   if (tok.vocab_size() > mc.vocab_size) {
     throw std::runtime_error("'" + cfg.model_dir + "': tokenizer.model has " + std::to_string(tok.vocab_size()) +
                              " pieces, more than config.json's vocab_size " + std::to_string(mc.vocab_size));
@@ -470,7 +539,11 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
   Engine& eng = *model.engine;
   TextReport rep;
   rep.command = "finetune";
-  rep.model = "Llama " + std::to_string(mc.num_hidden_layers) + " layers, hidden " + std::to_string(mc.hidden_size) +
+  rep.model = std::string(mc.is_moe() ? "Mixtral " : "Llama ") + std::to_string(mc.num_hidden_layers) +
+              " layers, hidden " + std::to_string(mc.hidden_size) +
+              (mc.is_moe() ? ", " + std::to_string(mc.num_local_experts) + " experts (top " +
+                                 std::to_string(mc.num_experts_per_tok) + ")"
+                           : "") +
               ", vocabulary " + std::to_string(mc.vocab_size) + ", seq " + std::to_string(cfg.seq) + " (" +
               to_string(cfg.task) + ")";
   rep.global_batch = cfg.loop.batch;
@@ -505,6 +578,9 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
   tensorboard::Log tb(cfg.loop.tensorboard, rt.rank() == 0);
   LoopHooks hooks = checkpoints.start();
   hooks.tensorboard = &tb;
+  hooks.moe = mc.is_moe();
+  hooks.moe_aux_coef = mc.router_aux_loss_coef;
+  hooks.moe_z_coef = mc.moe_z_loss_coef;
   if (packed)
     packed->start(hooks.first_step, hooks.first_sample >= 0 ? hooks.first_sample : hooks.first_step * cfg.loop.batch,
                   cfg.loop.batch);
@@ -553,7 +629,8 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
     plan::add_planned_memory(spec, cfg.loop.parallel, rt.world_size(), cfg.loop.batch, "adamw", {}, rep);
     rep.plan_memory_bytes_per_stage.clear();
   }
-  if (rt.rank() == 0 && !cfg.loop.metrics_path.empty()) write_metrics(cfg.loop.metrics_path, rep);
+  if (mc.is_moe()) rep.context.emplace_back("experts", moe_summary(mc, rep));
+  if (rt.rank() == 0 && !cfg.loop.metrics_path.empty()) write_text_metrics(cfg.loop.metrics_path, rep);
   tb.finish(rep);
   return rep;
 }

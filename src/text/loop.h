@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tandem/engine.h"
+#include "tandem/moe.h"
 #include "tandem/progress.h"
 #include "tandem/tensorboard.h"
 #include "tandem/text.h"
@@ -36,7 +37,28 @@ struct LoopHooks {
   int64_t first_sample = -1;  // -1: first_step whole global batches
   std::function<bool(int64_t steps_done, int64_t samples_done)> after_step;
   tensorboard::Log* tensorboard = nullptr;
+  // A mixture-of-experts model (tandem/moe.h): after each step the loop reads the layers'
+  // auxiliary losses (moe_step_losses: one more all-reduce) and reports lm + moe_aux_coef x aux +
+  // moe_z_coef x z as the step's loss (transformers' with the z-loss off), each also alone.
+  bool moe = false;
+  double moe_aux_coef = 0.0, moe_z_coef = 0.0;
 };
+
+// The auxiliary losses of the step that just ran (moe::moe_stats of this thread since
+// moe::reset_moe_stats): each the mean of its terms over every rank of `world` (collective), so
+// averaged over the data-parallel replicas and the stages' layers. Adds the step's routed and
+// dropped token slots to rep's.
+struct MoeStepLosses {
+  double aux = 0.0, z = 0.0;
+};
+MoeStepLosses moe_step_losses(Communicator& world, const c10::Device& device, TextReport& rep);
+// "(aux 2.0385)" or, with the z-loss, "(aux 2.0385, z 0.1234)": the progress line's note.
+std::string moe_note(const MoeStepLosses& m, bool with_z);
+
+// write_metrics with a mixture-of-experts run's figures added: "aux_loss" and "z_loss" on each
+// step's line, and "moe_aux_losses", "moe_z_losses", the coefficients and the routed and dropped
+// slots on the report's.
+void write_text_metrics(const std::string& path, const TextReport& rep);
 
 // The checkpoints of a text loop (TextTrainConfig::checkpoints) on `eng`. Each records `run`
 // under `key` in its metadata, with the sampler position; a resumed checkpoint's entries
@@ -183,10 +205,19 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
     StepOptions so;
     so.reduction = LossReduction::kSum;
     so.terms = terms_of(idx, 0, dp * per);
+    if (hooks.moe) moe::reset_moe_stats();
     torch::Tensor loss = eng.step(x, y, loss_sum_fn, so);
     torch::Tensor l = loss.detach().reshape({1}).to(torch::kFloat).clone();
     if (world > 1) eng.world()->allreduce(l, ReduceOp::kAvg);
     last = l.item<double>();
+    std::string note;
+    if (hooks.moe) {
+      const auto m = moe_step_losses(*eng.world(), l.device(), rep);
+      last += hooks.moe_aux_coef * m.aux + hooks.moe_z_coef * m.z;
+      rep.moe_aux_losses.push_back(m.aux);
+      rep.moe_z_losses.push_back(m.z);
+      note = moe_note(m, hooks.moe_z_coef > 0);
+    }
     rep.losses.push_back(last);
     if (!std::isfinite(last)) {
       throw std::runtime_error("loss is " + std::to_string(last) + " at step " + std::to_string(step) + "; lower --lr");
@@ -197,7 +228,7 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
       hooks.tensorboard->step(step + 1, last, rep.step_figures.back());
     }
     const int64_t done = step + 1 - hooks.first_step;
-    progress.update(1, 1, done, last, done * cfg.batch, Clock::now() - t_start);
+    progress.update(1, 1, done, last, done * cfg.batch, Clock::now() - t_start, note);
     if (hooks.after_step && hooks.after_step(step + 1, first_sample + done * cfg.batch)) {
       rep.stopped = true;
       break;
@@ -211,6 +242,8 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
     trace::write(cfg.trace, *rt.cpu_world());
   }
   rep.final_loss = last;
+  rep.moe_aux_coef = hooks.moe_aux_coef;
+  rep.moe_z_coef = hooks.moe_z_coef;
   const int64_t ran = static_cast<int64_t>(rep.losses.size());
   record_loop(rep, ran, ran * cfg.batch, wall, step_ms);
   return eng.stats();

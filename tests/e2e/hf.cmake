@@ -38,3 +38,9 @@ set_tests_properties(e2e_pretrain_packed PROPERTIES TIMEOUT 300 PROCESSORS 2 LAB
 # of the same script is a benchmark (docs/BENCHMARKS.md, "Data at scale").
 add_test(NAME e2e_hf_packed_large COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_packed_2gb.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR} 256000000)
 set_tests_properties(e2e_hf_packed_large PROPERTIES TIMEOUT 900 PROCESSORS 2 LABELS "e2e;slow")
+# A tiny random Mixtral (mixture of experts, tests/hf/hf_fixture.py) fine-tuned on one worker: the
+# step-1 loss (LM loss + router_aux_loss_coef x the pooled load-balancing loss) and aux loss are
+# transformers', the export after 5 steps loads as a MixtralForCausalLM and gives step 6's, the
+# per-layer form and --moe-aux-loss-coef reach the loss; bad Mixtral configs and flags are refused.
+add_test(NAME e2e_hf_mixtral COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_mixtral.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
+set_tests_properties(e2e_hf_mixtral PROPERTIES TIMEOUT 300 PROCESSORS 2 LABELS e2e)

@@ -29,26 +29,15 @@ for layout in "tp2_zero3:--tp 2 --strategy zero3" "tp2_sp_zero3:--tp 2 --sequenc
     echo "FAIL $name: export failed:"; tail -20 "$tmp/export_$name.log"; fails=$((fails + 1)); continue
   fi
   "$py" - "$src/tests/e2e" "$tmp" "$name" <<'PY' || fails=$((fails + 1))
-import json, sys, torch
+import sys, torch
 sys.path.insert(0, sys.argv[1])
 import metrics
+from hf_batch import lm_batch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 tmp, name = sys.argv[2], sys.argv[3]
 losses, _ = metrics.load(f"{tmp}/{name}.jsonl")
 tok = AutoTokenizer.from_pretrained(f"{tmp}/fx/lm")
-# Tandem's encoding: the tokenizer's ids, EOS after the text when the tokenizer adds none,
-# truncated to --seq 32, padding ignored by the loss.
-rows = []
-for line in open(f"{tmp}/lm8.jsonl"):
-    ids = tok(json.loads(line)["text"])["input_ids"]
-    if not ids or ids[-1] != tok.eos_token_id:
-        ids.append(tok.eos_token_id)
-    rows.append(ids[:32])
-ids = torch.zeros(len(rows), 32, dtype=torch.long)
-labels = torch.full((len(rows), 32), -100, dtype=torch.long)
-for i, r in enumerate(rows):
-    ids[i, :len(r)] = torch.tensor(r)
-    labels[i, :len(r)] = torch.tensor(r)
+ids, labels = lm_batch(tok, f"{tmp}/lm8.jsonl", 32, 0)  # padding ignored by the loss
 def loss_of(path):
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -10,6 +10,8 @@
         DIR/lm_tp3  width 96, 6 heads, 3 KV heads, MLP 192 and the vocabulary padded to 804 rows:
                  every cut dimension divides by 3 (and 2), for tensor parallelism over 3 ranks
         DIR/cls  a tiny random LlamaForSequenceClassification (3 labels, pad token) + tokenizer
+        DIR/mixtral  a tiny random MixtralForCausalLM (2 layers, 4 experts, top-2, router aux
+                 coefficient 0.02) + tokenizer
       and DIR/tokens.json: for each of some texts, the ids of transformers' tokenizer (loaded back
       from DIR/lm with AutoTokenizer) with and without special tokens, and its decoding.
 
@@ -28,6 +30,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import MixtralConfig, MixtralForCausalLM
 from transformers import LlamaTokenizer
 from transformers.tokenization_utils_base import generate_merges
 
@@ -114,7 +117,15 @@ def make(d, root):
     # The classifier pads with EOS and ends every text with it (pooling reads the last real token).
     transformers_tokenizer(sp_file, add_bos_token=True, add_eos_token=True, pad_token="</s>").save_pretrained(
         os.path.join(d, "cls"))
-    for sub in ("lm", "lm_tied", "lm_tp3", "cls"):  # Tandem reads the SentencePiece model itself, as Llama 1/2 ship it
+    torch.manual_seed(4)
+    MixtralForCausalLM(MixtralConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.1,
+        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02, bos_token_id=1,
+        eos_token_id=2)).save_pretrained(os.path.join(d, "mixtral"))
+    transformers_tokenizer(sp_file, add_bos_token=True, add_eos_token=False).save_pretrained(
+        os.path.join(d, "mixtral"))
+    for sub in ("lm", "lm_tied", "lm_tp3", "cls", "mixtral"):  # Tandem reads the SentencePiece model itself, as Llama 1/2 ship it
         with open(sp_file, "rb") as src, open(os.path.join(d, sub, "tokenizer.model"), "wb") as dst:
             dst.write(src.read())
     sp = spm.SentencePieceProcessor(model_file=sp_file)

@@ -20,6 +20,7 @@
 #include "tandem/launcher.h"
 #include "tandem/llama.h"
 #include "tandem/lora.h"
+#include "tandem/moe.h"
 #include "tandem/runtime.h"
 #include "text_elastic.h"
 #include "worker_options.h"
@@ -33,6 +34,8 @@ struct HfFlags {
   std::string task = "lm";
   WorkerFlags workers;
   std::string elastic_lr = "keep";
+  double moe_aux_coef = 0, moe_z_coef = 0, capacity_factor = 0;
+  std::string moe_aux_form = "pooled";
   int64_t lora_rank = 0;
   std::string lora_targets = "q_proj,v_proj";
   int threads = 0;
@@ -79,6 +82,17 @@ void add_hf_flags(CLI::App& app, HfFlags& f) {
       ->excludes(dropout)
       ->excludes(targets)
       ->excludes(rslora);
+  app.add_option("--moe-aux-loss-coef", f.moe_aux_coef,
+                 "mixture of experts (Mixtral): the load-balancing loss's weight (default: config.json's "
+                 "router_aux_loss_coef)");
+  app.add_option("--moe-z-loss-coef", f.moe_z_coef, "mixture of experts: the router z-loss's weight (default 0: none)");
+  app.add_option("--capacity-factor", f.capacity_factor,
+                 "mixture of experts: each expert takes at most ceil(F x tokens x top-k / experts) token slots of a "
+                 "micro-batch, the rest dropped (default 0: dropless)");
+  app.add_option("--moe-aux-loss", f.moe_aux_form,
+                 "mixture of experts: pooled (transformers' load-balancing loss over all layers at once) | "
+                 "per-layer (each layer's, averaged; needed with --pp)")
+      ->capture_default_str();
   add_worker_options(app, f.workers, "2");
   add_parallel_options(app, l.parallel);
   app.add_option("--batch", l.batch, "global batch size (split across workers)")->capture_default_str();
@@ -125,6 +139,20 @@ void set_lora(HfFlags& f, const CLI::App& app) {
   lora::validate(c.lora);
 }
 
+// The mixture-of-experts flags given (finetune_hf applies them to a Mixtral, refuses them for a
+// dense model).
+void set_moe(HfFlags& f, const CLI::App& app) {
+  auto& o = f.cfg.moe;
+  if (app.count("--moe-aux-loss-coef")) o.aux_loss_coef = f.moe_aux_coef;
+  if (app.count("--moe-z-loss-coef")) o.z_loss_coef = f.moe_z_coef;
+  if (app.count("--capacity-factor")) o.capacity_factor = f.capacity_factor;
+  try {
+    if (app.count("--moe-aux-loss")) o.aux_form = moe::parse_aux_loss_form(f.moe_aux_form);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("--moe-aux-loss: ") + e.what());
+  }
+}
+
 }  // namespace
 
 int cmd_finetune_hf(int argc, char** argv) {
@@ -151,11 +179,14 @@ int cmd_finetune_hf(int argc, char** argv) {
       {"long sequences: context parallel 2 x tensor parallel 2 with sequence parallelism",
        {"tandem finetune --init-from ./my-llama --data train.jsonl -n 4 --cp 2 --tp 2 --sequence-parallel --seq 4096"}},
       {"a classifier", {"tandem finetune --init-from ./my-llama --task classify --data labelled.jsonl -n 2"}},
+      {"a Mixtral (mixture of experts) in a pipeline, its load-balancing loss per layer",
+       {"tandem finetune --init-from ./my-mixtral --data train.jsonl -n 2 --pp 2 --moe-aux-loss per-layer"}},
   }));
   if (auto rc = parse_command_line(app, argc, argv)) return *rc;
   auto& cfg = f.cfg;
   try {
     set_lora(f, app);
+    set_moe(f, app);
   } catch (const std::exception& e) {
     std::cerr << "tandem finetune: " << e.what() << "\n";
     return 2;
@@ -179,7 +210,7 @@ int cmd_finetune_hf(int argc, char** argv) {
       cfg.task = text::parse_hf_task(f.task);
       if (!range.elastic()) text::validate(cfg, nprocs);  // elastic: at each worker count, below
       hf::Tokenizer::load(cfg.model_dir);                 // finetune_hf reads both again on every worker
-      llama::load_config(cfg.model_dir);
+      text::hf_model_config(cfg);
       if (text::is_preprocessed(cfg.data)) {
         const auto info = data::read_dataset_info(cfg.data);
         const data::IndexedDataset ds(cfg.data + "/" + info.prefix);

@@ -155,6 +155,19 @@ validation split, then `tandem export` writes the result back in Hugging Face's 
   `--init-adapter DIR` starts from a PEFT adapter. Checkpoints hold the adapters only (a resume
   re-reads the base from `--init-from`). The report gives trainable against total parameters and
   the optimizer state per rank.
+- **Mixture of experts (Mixtral).** A `model_type: "mixtral"` checkpoint
+  (`MixtralForCausalLM`: each layer's `block_sparse_moe`, a router over `num_local_experts`
+  SwiGLU experts of which each token takes `num_experts_per_tok`) trains as a language model. Its
+  loss is transformers' with `output_router_logits=True`: the LM loss plus
+  `--moe-aux-loss-coef` (default: `router_aux_loss_coef`) times the load-balancing loss, pooled
+  over all layers as transformers computes it (`--moe-aux-loss pooled`), or each layer's averaged
+  (`per-layer`, needed with `--pp`); `--moe-z-loss-coef` adds the router z-loss,
+  `--capacity-factor F` caps each expert's token slots (default 0: dropless). The progress line,
+  `--metrics` (`aux_loss`, `z_loss` per step) and the report give the auxiliary losses alone, and
+  the report the token slots dropped. `--tp`, `--cp`, LoRA and `--task classify` are refused, as
+  are `router_jitter_noise` other than 0 and a `sliding_window` shorter than
+  `max_position_embeddings`. Selective recomputation recomputes the attention and norms, not the
+  experts. `tandem export --to hf` writes a directory `MixtralForCausalLM.from_pretrained` loads.
 - **Checkpoints and elastic runs** as for `tandem pretrain`.
 )md";
 
