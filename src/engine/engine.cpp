@@ -56,8 +56,9 @@ double wire_bytes(const std::map<std::string, OpStats>& st, int n) {
     return it == st.end() ? 0.0 : static_cast<double>(it->second.bytes);
   };
   const double f = n > 1 ? static_cast<double>(n - 1) / n : 0.0;
+  // An all-to-all's rows are spread over the ranks, its own share staying (balanced routing).
   return 2 * f * get("allreduce") + f * get("reduce_scatter") + (n - 1) * get("allgather") +
-         (n > 1 ? get("broadcast") : 0.0) + get("send");
+         (n > 1 ? get("broadcast") : 0.0) + get("send") + f * get("alltoall");
 }
 
 // Every child of the Sequential whose forward depends on where its tokens lie learns the cp

@@ -40,8 +40,9 @@ std::unique_ptr<ExpertShards> split_experts(Layout& L,
     }
   }
   if (layers == 0) {
-    throw std::invalid_argument("--ep " + std::to_string(ep) +
-                                " spreads the experts of mixture-of-experts layers, and this model has none; use --ep 1");
+    throw std::invalid_argument(
+        "--ep " + std::to_string(ep) +
+        " spreads the experts of mixture-of-experts layers, and this model has none; use --ep 1");
   }
   return X;
 }

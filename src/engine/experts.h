@@ -21,8 +21,8 @@
 namespace tandem::engine {
 
 struct ExpertShards {
-  CommPtr ep, edp;                           // the ep group, and the ranks holding the same experts
-  std::shared_ptr<torch::nn::Module> bank;   // the local experts as children "0", "1", ...
+  CommPtr ep, edp;                                          // the ep group, and the ranks holding the same experts
+  std::shared_ptr<torch::nn::Module> bank;                  // the local experts as children "0", "1", ...
   std::vector<std::pair<std::string, at::Tensor>> trained;  // the bank's trainable parameters, in order
   std::map<std::string, ParameterPlacement> placed;         // by name in the bank
 };
@@ -30,7 +30,8 @@ struct ExpertShards {
 // Collective over L.data: splits the ep and edp groups, calls use_expert_parallel on every
 // moe::ExpertParallel module of L.trained_module and gathers the experts each rank keeps.
 // `dense_name` maps a parameter's name in the trained module to the dense model's.
-std::unique_ptr<ExpertShards> split_experts(Layout& L, const std::function<std::string(const std::string&)>& dense_name);
+std::unique_ptr<ExpertShards> split_experts(Layout& L,
+                                            const std::function<std::string(const std::string&)>& dense_name);
 
 // The strategy's updater (made by `make_dense`, after the experts' fp32 masters are taken) for
 // every weight but the experts, which are stepped by one optimizer per rank (fp32 masters in

@@ -340,10 +340,10 @@ void format_communication(std::ostringstream& os, const Report& r) {
     out << "\n";
   }
   if (r.moe_experts > 0) {
-    line(os, "experts") << r.moe_experts << (r.ep > 1 ? " per MoE layer over --ep " + std::to_string(r.ep) : std::string(" per MoE layer"))
-                        << ": " << r.moe_tokens_min << " to " << r.moe_tokens_max
-                        << " token slots per expert (least and most loaded), " << r.moe_dropped << " of "
-                        << r.moe_routed << " dropped over capacity; aux loss " << std::setprecision(4)
+    line(os, "routing") << r.moe_tokens_min << " to " << r.moe_tokens_max << " token slots per expert of "
+                        << r.moe_experts << " (least and most loaded, all layers and steps"
+                        << (r.ep > 1 ? ", experts over --ep " + std::to_string(r.ep) : std::string()) << "), "
+                        << r.moe_dropped << " of " << r.moe_routed << " dropped; mean aux loss " << std::setprecision(4)
                         << r.moe_aux_loss;
     if (r.moe_z_loss > 0) os << ", z-loss " << r.moe_z_loss;
     os << "\n";

@@ -113,13 +113,16 @@ void LoopCheckpoints::finish() {
   if (stopped_) acknowledge_elastic_stop(eng_.world()->rank(), c.stop_file, steps_);
 }
 
-MoeStepLosses moe_step_losses(Communicator& world, const c10::Device& device, TextReport& rep) {
+MoeStepLosses moe_step_losses(Communicator& world, const c10::Device& device, TextReport& rep,
+                              const moe::MoeStats& before) {
   const auto s = moe::moe_stats();
-  auto t = torch::tensor({s.aux_loss_sum, static_cast<double>(s.aux_loss_terms), s.z_loss_sum,
-                          static_cast<double>(s.z_loss_terms), static_cast<double>(s.routed),
-                          static_cast<double>(s.dropped)},
-                         torch::kDouble)
-               .to(device);
+  auto t =
+      torch::tensor({s.aux_loss_sum - before.aux_loss_sum,
+                     static_cast<double>(s.aux_loss_terms - before.aux_loss_terms), s.z_loss_sum - before.z_loss_sum,
+                     static_cast<double>(s.z_loss_terms - before.z_loss_terms),
+                     static_cast<double>(s.routed - before.routed), static_cast<double>(s.dropped - before.dropped)},
+                    torch::kDouble)
+          .to(device);
   if (world.size() > 1) world.allreduce(t, ReduceOp::kSum);
   const auto h = t.cpu();
   const auto* v = h.data_ptr<double>();

@@ -44,14 +44,15 @@ struct LoopHooks {
   double moe_aux_coef = 0.0, moe_z_coef = 0.0;
 };
 
-// The auxiliary losses of the step that just ran (moe::moe_stats of this thread since
-// moe::reset_moe_stats): each the mean of its terms over every rank of `world` (collective), so
-// averaged over the data-parallel replicas and the stages' layers. Adds the step's routed and
-// dropped token slots to rep's.
+// The auxiliary losses of the step that just ran (moe::moe_stats of this thread less `before`,
+// taken before the step, so that the Engine's figures of the whole run stay whole): each the
+// mean of its terms over every rank of `world` (collective), so averaged over the data-parallel
+// replicas and the stages' layers. Adds the step's routed and dropped token slots to rep's.
 struct MoeStepLosses {
   double aux = 0.0, z = 0.0;
 };
-MoeStepLosses moe_step_losses(Communicator& world, const c10::Device& device, TextReport& rep);
+MoeStepLosses moe_step_losses(Communicator& world, const c10::Device& device, TextReport& rep,
+                              const moe::MoeStats& before);
 // "(aux 2.0385)" or, with the z-loss, "(aux 2.0385, z 0.1234)": the progress line's note.
 std::string moe_note(const MoeStepLosses& m, bool with_z);
 
@@ -205,14 +206,14 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
     StepOptions so;
     so.reduction = LossReduction::kSum;
     so.terms = terms_of(idx, 0, dp * per);
-    if (hooks.moe) moe::reset_moe_stats();
+    const auto moe_before = hooks.moe ? moe::moe_stats() : moe::MoeStats{};
     torch::Tensor loss = eng.step(x, y, loss_sum_fn, so);
     torch::Tensor l = loss.detach().reshape({1}).to(torch::kFloat).clone();
     if (world > 1) eng.world()->allreduce(l, ReduceOp::kAvg);
     last = l.item<double>();
     std::string note;
     if (hooks.moe) {
-      const auto m = moe_step_losses(*eng.world(), l.device(), rep);
+      const auto m = moe_step_losses(*eng.world(), l.device(), rep, moe_before);
       last += hooks.moe_aux_coef * m.aux + hooks.moe_z_coef * m.z;
       rep.moe_aux_losses.push_back(m.aux);
       rep.moe_z_losses.push_back(m.z);

@@ -92,7 +92,8 @@ Run reference(moe::AuxLossForm form, int64_t micro_batches) {
   auto n = torch::tensor({static_cast<int64_t>(r.losses.size())});
   world()->broadcast(n, 0);
   std::vector<double> losses(static_cast<size_t>(n.item<int64_t>()));
-  auto l = world()->rank() == 0 ? torch::tensor(r.losses, torch::kDouble) : torch::zeros({n.item<int64_t>()}, torch::kDouble);
+  auto l = world()->rank() == 0 ? torch::tensor(r.losses, torch::kDouble)
+                                : torch::zeros({n.item<int64_t>()}, torch::kDouble);
   world()->broadcast(l, 0);
   for (size_t i = 0; i < losses.size(); ++i) losses[i] = l[static_cast<int64_t>(i)].item<double>();
   r.losses = losses;
@@ -169,8 +170,7 @@ TEST(ExpertParallel, FollowsOneWorkerWithZero1) {
 TEST(ExpertParallel, FollowsOneWorkerWithPipeline) {
   ASSERT_EQ(world()->size(), 4) << "ep 2 x pp 2 runs on 4 ranks (registered there only)";
   auto want = reference(moe::AuxLossForm::kPerLayer, 4);
-  Engine eng(runtime(), make_model(moe::AuxLossForm::kPerLayer), adamw(),
-             ep_config(Strategy::kDDP, 2, /*pp=*/2));
+  Engine eng(runtime(), make_model(moe::AuxLossForm::kPerLayer), adamw(), ep_config(Strategy::kDDP, 2, /*pp=*/2));
   expect_same(train(eng), want, "ep 2 x pp 2");
 }
 
@@ -210,8 +210,8 @@ TEST(ExpertParallel, RefusesWhatItCannotSplit) {
       "has none");
   auto c = ep_config(Strategy::kDDP, 2);
   c.max_grad_norm = 1.0;
-  expect_invalid_argument(
-      [&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c); }, "--max-grad-norm");
+  expect_invalid_argument([&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c); },
+                          "--max-grad-norm");
   expect_invalid_argument(
       [&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 3)); },
       "--ep 3 does not divide");

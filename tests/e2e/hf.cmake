@@ -44,3 +44,7 @@ set_tests_properties(e2e_hf_packed_large PROPERTIES TIMEOUT 900 PROCESSORS 2 LAB
 # per-layer form and --moe-aux-loss-coef reach the loss; bad Mixtral configs and flags are refused.
 add_test(NAME e2e_hf_mixtral COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_mixtral.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
 set_tests_properties(e2e_hf_mixtral PROPERTIES TIMEOUT 300 PROCESSORS 2 LABELS e2e)
+# The tiny Mixtral under --ep 2 (alone, with zero3, with dp 2 and with pp 2) against one worker
+# running the same micro-batches; the ep 2 export against transformers; --ep it cannot split refused.
+add_test(NAME e2e_hf_mixtral_ep COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/e2e/hf_mixtral_ep.sh $<TARGET_FILE:tandem_cli> ${CMAKE_SOURCE_DIR})
+set_tests_properties(e2e_hf_mixtral_ep PROPERTIES TIMEOUT 300 PROCESSORS 2 LABELS e2e)

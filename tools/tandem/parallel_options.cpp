@@ -53,13 +53,14 @@ void add_parallel_options(CLI::App& app, ParallelConfig& pc) {
                  "of 2 x cp. Llama models (finetune --init-from); composes with --tp, --pp and every --strategy but "
                  "single")
       ->capture_default_str();
-  app.add_option("--ep", pc.ep,
-                 "expert-parallel ranks: the experts of every mixture-of-experts layer spread over groups of ep "
-                 "consecutive data-parallel ranks, tokens dispatched to them and combined back by all-to-all (dense "
-                 "weights data-parallel over all of them, experts over the dp / ep ranks holding the same ones); it must "
-                 "divide the data-parallel ranks and the experts. Mixtral models (finetune --init-from); composes with "
-                 "--pp, ddp or zero1-3 and selective recomputation, not --tp, --cp, hsdp, fp16, --max-grad-norm or whole-layer "
-                 "--activation-checkpointing")
+  app.add_option(
+         "--ep", pc.ep,
+         "expert-parallel ranks: the experts of every mixture-of-experts layer spread over groups of ep "
+         "consecutive data-parallel ranks, tokens dispatched to them and combined back by all-to-all (dense "
+         "weights data-parallel over all of them, experts over the dp / ep ranks holding the same ones); it must "
+         "divide the data-parallel ranks and the experts. Mixtral models (finetune --init-from); composes with "
+         "--pp, ddp or zero1-3 and selective recomputation, not --tp, --cp, hsdp, fp16, --max-grad-norm or whole-layer "
+         "--activation-checkpointing")
       ->capture_default_str();
   app.add_option("--micro-batches", pc.micro_batches, "pipeline micro-batches per step and replica (with --pp)")
       ->capture_default_str();
