@@ -106,7 +106,8 @@ bool is_preprocessed(const std::string& data);
 // checkpoint directory, saves step-N checkpoints whose metadata records the model's config, the
 // task and the labels, and copies the tokenizer files into checkpoint_dir/tokenizer. A Mixtral
 // model's reported loss is transformers' (the LM loss plus the coefficients times the auxiliary
-// losses), its auxiliary losses also reported alone (TextReport::moe_aux_losses).
+// losses), its auxiliary losses also reported alone (each step's StepFigures::aux_loss, z_loss; the
+// run's routing in Report::moe_*).
 TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& cfg);
 
 // From a checkpoint of finetune_hf (a step-N directory or its root, whose newest is taken) to

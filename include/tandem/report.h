@@ -37,6 +37,10 @@ struct StepFigures {
   // Seconds on the communication engine during the step over the step's wall seconds (what
   // overlaps compute counts too).
   double comm_share = 0.0;
+  // A mixture-of-experts model: the step's load-balancing and router z-loss (without their
+  // coefficients; the step's loss includes coef x each), the mean of the MoE layers' terms over
+  // every rank. Negative: none.
+  double aux_loss = -1.0, z_loss = -1.0;
 };
 
 // Reads a loop's StepFigures off the engine's counters, step after step. Local.
@@ -147,6 +151,7 @@ struct Report {
   int ep = 1;
   int64_t moe_experts = 0, moe_tokens_min = 0, moe_tokens_max = 0, moe_routed = 0, moe_dropped = 0;
   double moe_aux_loss = 0.0, moe_z_loss = 0.0;
+  double moe_aux_coef = 0.0, moe_z_coef = 0.0;  // their coefficients
   double all_to_all_seconds = 0.0, all_to_all_bytes_per_step = 0.0;
   // Pipeline (pp > 1), the stages of rank 0's replica over the steps after the first: idle over
   // compute time of each stage (theory for balanced stages: (pp - 1) / micro-batches), mean

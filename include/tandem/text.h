@@ -222,14 +222,6 @@ struct TextReport : Report {
   bool initialised_from_checkpoint = false;
   // Ended at a checkpoint because TextCheckpoints::stop_file asked (no evaluation, no --out).
   bool stopped = false;
-  // A mixture-of-experts model, per step beside `losses` (which include coef x each): the
-  // load-balancing and router z-loss (without their coefficients) averaged over the MoE layers'
-  // terms of every rank, and the coefficients. Empty for a dense model.
-  std::vector<double> moe_aux_losses, moe_z_losses;
-  double moe_aux_coef = 0.0, moe_z_coef = 0.0;
-  // Over the run and every rank: token slots routed to experts, and those over an expert's
-  // capacity (dropped).
-  int64_t moe_routed = 0, moe_dropped = 0;
 };
 
 // Checks the configuration without reading anything (strategy, precision, the tp x pp layout

@@ -730,6 +730,8 @@ void fill_moe(EngineStats::MixtureOfExperts& m) {
   m.z_loss_terms = s.z_loss_terms;
   m.aux_loss = s.aux_loss_terms > 0 ? s.aux_loss_sum / static_cast<double>(s.aux_loss_terms) : 0.0;
   m.z_loss = s.z_loss_terms > 0 ? s.z_loss_sum / static_cast<double>(s.z_loss_terms) : 0.0;
+  m.aux_loss_coef = s.aux_loss_coef;
+  m.z_loss_coef = s.z_loss_coef;
   m.all_to_alls = s.all_to_alls;
   m.all_to_all_seconds = s.all_to_all_seconds;
   m.all_to_all_bytes = s.all_to_all_bytes;

@@ -85,9 +85,13 @@ void gather_moe(Engine& eng, const EngineStats::MixtureOfExperts& s, Report& rep
   rep.moe_dropped = static_cast<int64_t>(at(k + 1));
   rep.moe_aux_loss = at(k + 3) > 0 ? at(k + 2) / at(k + 3) : 0.0;
   rep.moe_z_loss = at(k + 5) > 0 ? at(k + 4) / at(k + 5) : 0.0;
-  auto seconds = torch::tensor({s.all_to_all_seconds}, torch::kDouble).to(eng.device());
-  world->allreduce(seconds, ReduceOp::kMax);
-  rep.all_to_all_seconds = seconds.cpu().item<double>();
+  // A stage without MoE layers ran none: 0 seconds and coefficients.
+  auto most = torch::tensor({s.all_to_all_seconds, s.aux_loss_coef, s.z_loss_coef}, torch::kDouble).to(eng.device());
+  world->allreduce(most, ReduceOp::kMax);
+  const auto m = most.cpu();
+  rep.all_to_all_seconds = m[0].item<double>();
+  rep.moe_aux_coef = m[1].item<double>();
+  rep.moe_z_coef = m[2].item<double>();
   rep.all_to_all_bytes_per_step =
       static_cast<double>(s.all_to_all_bytes) / static_cast<double>(std::max<int64_t>(eng.stats().steps, 1));
 }
@@ -540,6 +544,8 @@ std::string report_json(const Report& r) {
                 {"dropped", r.moe_dropped},
                 {"aux_loss", r.moe_aux_loss},
                 {"z_loss", r.moe_z_loss},
+                {"aux_loss_coef", r.moe_aux_coef},
+                {"z_loss_coef", r.moe_z_coef},
                 {"all_to_all_seconds", r.all_to_all_seconds},
                 {"all_to_all_bytes_per_step", r.all_to_all_bytes_per_step}};
   }
@@ -580,6 +586,8 @@ void write_metrics(const std::string& path, const Report& rep) {
       line["loss_scale"] = s.loss_scale;
       line["peak_rss_bytes"] = s.peak_rss_bytes;
       line["comm_share"] = s.comm_share;
+      if (s.aux_loss >= 0) line["aux_loss"] = s.aux_loss;
+      if (s.z_loss >= 0) line["z_loss"] = s.z_loss;
     }
     f << line.dump() << '\n';
   }

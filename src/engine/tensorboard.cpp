@@ -203,6 +203,8 @@ void Log::step(int64_t step, double loss, const StepFigures& f) {
   w.scalar("train/loss_scale", f.loss_scale, step);
   w.scalar("train/peak_rss_bytes", static_cast<double>(f.peak_rss_bytes), step);
   w.scalar("train/comm_share", f.comm_share, step);
+  if (f.aux_loss >= 0) w.scalar("train/aux_loss", f.aux_loss, step);
+  if (f.z_loss >= 0) w.scalar("train/z_loss", f.z_loss, step);
   w.flush();
 }
 

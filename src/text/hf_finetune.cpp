@@ -404,22 +404,18 @@ void copy_tokenizer(const std::string& from, const std::string& to) {
   }
 }
 
-// The report's line of a Mixtral run: the auxiliary losses of the last step and the run's drops.
-std::string moe_summary(const llama::LlamaConfig& mc, const TextReport& rep) {
+// The report's line of a Mixtral run: how it routes (the Engine's "routing" line has the figures).
+std::string moe_summary(const llama::LlamaConfig& mc) {
   std::ostringstream os;
   os << mc.num_local_experts << " per layer, top " << mc.num_experts_per_tok << ", load-balancing loss "
      << moe::to_string(mc.moe_aux_form) << " x " << mc.router_aux_loss_coef;
-  if (!rep.moe_aux_losses.empty()) os << " (last step " << rep.moe_aux_losses.back() << ")";
-  if (mc.moe_z_loss_coef > 0)
-    os << ", z-loss x " << mc.moe_z_loss_coef << " (last step "
-       << (rep.moe_z_losses.empty() ? 0.0 : rep.moe_z_losses.back()) << ")";
+  if (mc.moe_z_loss_coef > 0) os << ", z-loss x " << mc.moe_z_loss_coef;
   os << "; capacity factor ";
   if (mc.moe_capacity_factor > 0) {
     os << mc.moe_capacity_factor;
   } else {
     os << "none (dropless)";
   }
-  os << ", " << rep.moe_dropped << " of " << rep.moe_routed << " token slots dropped";
   return os.str();
 }
 
@@ -629,8 +625,8 @@ TextReport finetune_hf(Runtime& rt, const HfFinetuneConfig& given) {
     plan::add_planned_memory(spec, cfg.loop.parallel, rt.world_size(), cfg.loop.batch, "adamw", {}, rep);
     rep.plan_memory_bytes_per_stage.clear();
   }
-  if (mc.is_moe()) rep.context.emplace_back("experts", moe_summary(mc, rep));
-  if (rt.rank() == 0 && !cfg.loop.metrics_path.empty()) write_text_metrics(cfg.loop.metrics_path, rep);
+  if (mc.is_moe()) rep.context.emplace_back("experts", moe_summary(mc));
+  if (rt.rank() == 0 && !cfg.loop.metrics_path.empty()) write_metrics(cfg.loop.metrics_path, rep);
   tb.finish(rep);
   return rep;
 }

@@ -2,7 +2,6 @@
 #include "text/loop.h"
 
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 
 #include "tandem/checkpoint.h"
@@ -113,21 +112,16 @@ void LoopCheckpoints::finish() {
   if (stopped_) acknowledge_elastic_stop(eng_.world()->rank(), c.stop_file, steps_);
 }
 
-MoeStepLosses moe_step_losses(Communicator& world, const c10::Device& device, TextReport& rep,
-                              const moe::MoeStats& before) {
+MoeStepLosses moe_step_losses(Communicator& world, const c10::Device& device, const moe::MoeStats& before) {
   const auto s = moe::moe_stats();
-  auto t =
-      torch::tensor({s.aux_loss_sum - before.aux_loss_sum,
-                     static_cast<double>(s.aux_loss_terms - before.aux_loss_terms), s.z_loss_sum - before.z_loss_sum,
-                     static_cast<double>(s.z_loss_terms - before.z_loss_terms),
-                     static_cast<double>(s.routed - before.routed), static_cast<double>(s.dropped - before.dropped)},
-                    torch::kDouble)
-          .to(device);
+  auto t = torch::tensor({s.aux_loss_sum - before.aux_loss_sum,
+                          static_cast<double>(s.aux_loss_terms - before.aux_loss_terms),
+                          s.z_loss_sum - before.z_loss_sum, static_cast<double>(s.z_loss_terms - before.z_loss_terms)},
+                         torch::kDouble)
+               .to(device);
   if (world.size() > 1) world.allreduce(t, ReduceOp::kSum);
   const auto h = t.cpu();
   const auto* v = h.data_ptr<double>();
-  rep.moe_routed += static_cast<int64_t>(v[4]);
-  rep.moe_dropped += static_cast<int64_t>(v[5]);
   return {v[1] > 0 ? v[0] / v[1] : 0.0, v[3] > 0 ? v[2] / v[3] : 0.0};
 }
 
@@ -139,35 +133,6 @@ std::string moe_note(const MoeStepLosses& m, bool with_z) {
     std::snprintf(buf, sizeof buf, "(aux %.4f)", m.aux);
   }
   return buf;
-}
-
-void write_text_metrics(const std::string& path, const TextReport& rep) {
-  write_metrics(path, rep);
-  if (rep.moe_aux_losses.empty()) return;
-  // The engine's lines, each step's with its auxiliary losses and the report's with the run's.
-  std::ifstream in(path);
-  std::vector<nlohmann::json> lines;
-  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-  in.close();
-  std::ofstream out(path);
-  for (auto& j : lines) {
-    if (j.value("report", false)) {
-      j["moe_aux_losses"] = rep.moe_aux_losses;
-      j["moe_z_losses"] = rep.moe_z_losses;
-      j["moe_aux_coef"] = rep.moe_aux_coef;
-      j["moe_z_coef"] = rep.moe_z_coef;
-      j["moe_routed"] = rep.moe_routed;
-      j["moe_dropped"] = rep.moe_dropped;
-    } else if (j.contains("step")) {
-      const auto i = static_cast<size_t>(j["step"].get<int64_t>() - rep.first_step - 1);
-      if (i < rep.moe_aux_losses.size()) {
-        j["aux_loss"] = rep.moe_aux_losses[i];
-        j["z_loss"] = rep.moe_z_losses[i];
-      }
-    }
-    out << j.dump() << '\n';
-  }
-  if (!out) throw std::runtime_error("writing metrics to '" + path + "' failed (disk full?)");
 }
 
 }  // namespace tandem::text

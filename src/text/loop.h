@@ -47,19 +47,13 @@ struct LoopHooks {
 // The auxiliary losses of the step that just ran (moe::moe_stats of this thread less `before`,
 // taken before the step, so that the Engine's figures of the whole run stay whole): each the
 // mean of its terms over every rank of `world` (collective), so averaged over the data-parallel
-// replicas and the stages' layers. Adds the step's routed and dropped token slots to rep's.
+// replicas and the stages' layers.
 struct MoeStepLosses {
   double aux = 0.0, z = 0.0;
 };
-MoeStepLosses moe_step_losses(Communicator& world, const c10::Device& device, TextReport& rep,
-                              const moe::MoeStats& before);
+MoeStepLosses moe_step_losses(Communicator& world, const c10::Device& device, const moe::MoeStats& before);
 // "(aux 2.0385)" or, with the z-loss, "(aux 2.0385, z 0.1234)": the progress line's note.
 std::string moe_note(const MoeStepLosses& m, bool with_z);
-
-// write_metrics with a mixture-of-experts run's figures added: "aux_loss" and "z_loss" on each
-// step's line, and "moe_aux_losses", "moe_z_losses", the coefficients and the routed and dropped
-// slots on the report's.
-void write_text_metrics(const std::string& path, const TextReport& rep);
 
 // The checkpoints of a text loop (TextTrainConfig::checkpoints) on `eng`. Each records `run`
 // under `key` in its metadata, with the sampler position; a resumed checkpoint's entries
@@ -212,11 +206,10 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
     if (world > 1) eng.world()->allreduce(l, ReduceOp::kAvg);
     last = l.item<double>();
     std::string note;
+    MoeStepLosses m;
     if (hooks.moe) {
-      const auto m = moe_step_losses(*eng.world(), l.device(), rep, moe_before);
+      m = moe_step_losses(*eng.world(), l.device(), moe_before);
       last += hooks.moe_aux_coef * m.aux + hooks.moe_z_coef * m.z;
-      rep.moe_aux_losses.push_back(m.aux);
-      rep.moe_z_losses.push_back(m.z);
       note = moe_note(m, hooks.moe_z_coef > 0);
     }
     rep.losses.push_back(last);
@@ -224,7 +217,11 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
       throw std::runtime_error("loss is " + std::to_string(last) + " at step " + std::to_string(step) + "; lower --lr");
     }
     step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-    if (measure) rep.step_figures.push_back(meter.next(step_ms.back(), cfg.batch));
+    if (measure) {
+      rep.step_figures.push_back(meter.next(step_ms.back(), cfg.batch));
+      if (hooks.moe) rep.step_figures.back().aux_loss = m.aux;
+      if (hooks.moe && hooks.moe_z_coef > 0) rep.step_figures.back().z_loss = m.z;
+    }
     if (hooks.tensorboard && hooks.tensorboard->active()) {
       hooks.tensorboard->step(step + 1, last, rep.step_figures.back());
     }
@@ -243,8 +240,6 @@ EngineStats train_loop(Runtime& rt, const TextTrainConfig& cfg, Engine& eng, int
     trace::write(cfg.trace, *rt.cpu_world());
   }
   rep.final_loss = last;
-  rep.moe_aux_coef = hooks.moe_aux_coef;
-  rep.moe_z_coef = hooks.moe_z_coef;
   const int64_t ran = static_cast<int64_t>(rep.losses.size());
   record_loop(rep, ran, ran * cfg.batch, wall, step_ms);
   return eng.stats();

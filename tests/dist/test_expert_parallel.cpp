@@ -2,16 +2,18 @@
 // --ep 2 alone, with dp (ep 2 x dp 2), under ZeRO-3 and with a pipeline (ep 2 x pp 2) follows
 // one worker that runs the same micro-batches (the auxiliary losses are per micro-batch and
 // rank, as transformers computes them per forward): losses and parameters. A checkpoint saved
-// under ep 2 loads whole on one worker; experts not divisible by ep, and --ep on a model
-// without MoE layers, are refused.
+// under ep 2 loads whole on one worker; initial values from a source are read by the experts'
+// owners only; experts not divisible by ep, and --ep on a model without MoE layers, are refused.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "tandem/checkpoint.h"
 #include "tandem/engine.h"
 #include "tandem/moe.h"
 #include "tests/dist/dist_env.h"
@@ -133,7 +135,7 @@ ParallelConfig ep_config(Strategy s, int ep, int pp = 1) {
 }
 
 // ep 2 on the first two ranks, and on all four (ep 2 x dp 2).
-TEST(ExpertParallel, FollowsOneWorkerWithDdp) {
+TEST(EngineExpertParallel, FollowsOneWorkerWithDdp) {
   const int world_size = world()->size();
   auto want = reference(moe::AuxLossForm::kPooled, world_size);
   Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 2));
@@ -141,7 +143,8 @@ TEST(ExpertParallel, FollowsOneWorkerWithDdp) {
   EXPECT_EQ(eng.ep_group()->size(), 2);
   auto got = train(eng);
   expect_same(got, want, "ep 2 x dp " + std::to_string(world_size / 2));
-  // The experts moved: this rank holds two of the four experts of each layer.
+  // The experts left the module the strategy wraps (each rank keeps two of each layer's four
+  // apart, in the Engine's expert bank).
   int64_t experts_held = 0;
   for (auto& p : eng.module().named_parameters())
     if (p.key().find("experts") != std::string::npos) ++experts_held;
@@ -153,13 +156,13 @@ TEST(ExpertParallel, FollowsOneWorkerWithDdp) {
   EXPECT_GT(s.moe.aux_loss, 0.0);
 }
 
-TEST(ExpertParallel, FollowsOneWorkerUnderZero3) {
+TEST(EngineExpertParallel, FollowsOneWorkerUnderZero3) {
   auto want = reference(moe::AuxLossForm::kPooled, world()->size());
   Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kZero3, 2));
   expect_same(train(eng), want, "ep 2 x zero3");
 }
 
-TEST(ExpertParallel, FollowsOneWorkerWithZero1) {
+TEST(EngineExpertParallel, FollowsOneWorkerWithZero1) {
   auto want = reference(moe::AuxLossForm::kPooled, world()->size());
   Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kZero1, 2));
   expect_same(train(eng), want, "ep 2 x zero1");
@@ -167,14 +170,14 @@ TEST(ExpertParallel, FollowsOneWorkerWithZero1) {
 
 // ep 2 x pp 2 on four ranks: per-layer auxiliary losses (pooling needs every layer in one
 // process); one worker runs the 2 replicas x 2 micro-batches as 4 micro-batches.
-TEST(ExpertParallel, FollowsOneWorkerWithPipeline) {
+TEST(EngineExpertParallel, FollowsOneWorkerWithPipeline) {
   ASSERT_EQ(world()->size(), 4) << "ep 2 x pp 2 runs on 4 ranks (registered there only)";
   auto want = reference(moe::AuxLossForm::kPerLayer, 4);
   Engine eng(runtime(), make_model(moe::AuxLossForm::kPerLayer), adamw(), ep_config(Strategy::kDDP, 2, /*pp=*/2));
   expect_same(train(eng), want, "ep 2 x pp 2");
 }
 
-TEST(ExpertParallel, CheckpointLoadsWholeOnOneWorker) {
+TEST(EngineExpertParallel, CheckpointLoadsWholeOnOneWorker) {
   Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 2));
   auto trained = train(eng, 2);
   const auto dir = shared_dir(*world(), "ep_ckpt");
@@ -193,15 +196,56 @@ TEST(ExpertParallel, CheckpointLoadsWholeOnOneWorker) {
   world()->barrier();
 }
 
-TEST(ExpertParallel, RefusesWhatItCannotSplit) {
+// Initial values from a source (EngineOptions::init_from, as `finetune --init-from` reads a
+// Hugging Face directory): a rank asks for the experts it keeps only, every expert is asked for
+// by some rank, and the model then holds the source's values.
+class RecordingSource : public ParameterSource {
+ public:
+  std::map<std::string, at::Tensor> values;
+  mutable std::set<std::string> asked;
+  bool find(const std::string& name, std::vector<int64_t>* shape) const override {
+    if (!values.count(name)) return false;
+    if (shape) *shape = values.at(name).sizes().vec();
+    return true;
+  }
+  void read(const std::string& name, int64_t first, at::Tensor dest) const override {
+    asked.insert(name);
+    dest.copy_(values.at(name).reshape({-1}).narrow(0, first, dest.numel()));
+  }
+};
+
+TEST(EngineExpertParallel, InitFromReadsOnlyThisRanksExperts) {
+  auto source = std::make_shared<RecordingSource>();
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : make_model(moe::AuxLossForm::kPooled)->named_parameters())
+      source->values[p.key()] = torch::randn_like(p.value());
+  }
+  EngineOptions eo;
+  eo.init_from = source;
+  Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 2), eo);
+  const int64_t mine = eng.ep_group()->rank(), per_rank = 4 / 2;
+  std::vector<std::string> names;
+  for (auto& [name, v] : source->values) names.push_back(name);
+  auto asked = torch::zeros({static_cast<int64_t>(names.size())}, torch::kLong);
+  for (size_t i = 0; i < names.size(); ++i) {
+    const auto at = names[i].find("experts.");
+    if (!source->asked.count(names[i])) continue;
+    asked[static_cast<int64_t>(i)] = 1;
+    if (at == std::string::npos) continue;
+    const int64_t expert = std::stoll(names[i].substr(at + 8));
+    EXPECT_EQ(expert / per_rank, mine) << "ep rank " << mine << " read " << names[i];
+  }
+  world()->allreduce(asked);
+  for (size_t i = 0; i < names.size(); ++i) EXPECT_GT(asked[static_cast<int64_t>(i)].item<int64_t>(), 0) << names[i];
+  const auto full = eng.full_parameters();
+  for (auto& [name, v] : source->values) EXPECT_TRUE(torch::equal(full.at(name), v)) << name;
+}
+
+TEST(EngineExpertParallel, RefusesWhatItCannotSplit) {
   expect_invalid_argument(
       [&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled, 3), adamw(), ep_config(Strategy::kDDP, 2)); },
-      "3");
-  try {
-    Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled, 3), adamw(), ep_config(Strategy::kDDP, 2));
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--ep 2"), std::string::npos) << e.what();
-  }
+      "num_local_experts 3 is not divisible by --ep 2");
   torch::manual_seed(1);
   expect_invalid_argument(
       [&] {

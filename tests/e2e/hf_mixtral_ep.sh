@@ -60,7 +60,7 @@ with torch.no_grad():
     lm = m(ids, labels=labels).loss.item()
 report = [d for d in map(json.loads, open(f"{tmp}/ep2.jsonl")) if d.get("report")][0]
 s6 = steps("ep2")[5]
-tandem_lm = s6["loss"] - report["moe_aux_coef"] * s6["aux_loss"]
+tandem_lm = s6["loss"] - report["moe"]["aux_loss_coef"] * s6["aux_loss"]
 rel = abs(tandem_lm - lm) / abs(lm)
 good = type(m).__name__ == "MixtralForCausalLM" and rel <= 1e-5
 ok = ok and good

@@ -4,7 +4,8 @@
 # scale, memory and communication share and the final figures equal the --metrics file of the
 # same run, for `tandem train` (2 workers, DDP, clipping, test accuracy), `tandem pretrain`
 # (validation loss), `tandem finetune` (2 workers, ZeRO-2, fp16 loss scaling) and `tandem
-# finetune --init-from` (a tiny Llama, tensor parallel); a run killed midway leaves its steps
+# finetune --init-from` (a tiny Llama, tensor parallel; a tiny Mixtral under --ep 2 with its
+# load-balancing and z-losses); a run killed midway leaves its steps
 # readable; a directory that cannot be made is refused, naming it, before training.
 # Fails without .venv-hf (with tensorboard) or the fortunes corpus: both are test setup.
 # usage: tensorboard.sh TANDEM SOURCE_DIR
@@ -35,6 +36,10 @@ fortunes_jsonl "$tmp/lm.jsonl" 64
 run init_from train/loss,final/eval_loss \
   "$tandem" finetune -n 2 --strategy ddp --tp 2 --init-from "$tmp/fx/lm" --data "$tmp/lm.jsonl" --seq 32 --batch 8 \
   --steps 4 --eval-limit 16 "${quiet[@]}"
+# A mixture of experts (the tiny Mixtral, --ep 2): its load-balancing and router z-losses too.
+run moe train/loss,train/aux_loss,train/z_loss \
+  "$tandem" finetune -n 2 --ep 2 --init-from "$tmp/fx/mixtral" --data "$tmp/lm.jsonl" --seq 32 --batch 8 \
+  --steps 3 --no-eval --moe-z-loss-coef 0.01 "${quiet[@]}"
 
 # Killed midway (SIGKILL, nothing flushed at exit): the steps written so far read back whole.
 "$tandem" train -n 1 --max-steps 100000 --batch 32 --no-eval --no-baseline "${quiet[@]}" \

@@ -15,7 +15,8 @@ import sys
 
 from tensorboard.backend.event_processing import event_accumulator, event_file_loader
 
-STEP_TAGS = ["loss", "lr", "samples_per_second", "grad_norm", "loss_scale", "peak_rss_bytes", "comm_share"]
+STEP_TAGS = ["loss", "lr", "samples_per_second", "grad_norm", "loss_scale", "peak_rss_bytes", "comm_share", "aux_loss",
+             "z_loss"]
 FINAL_TAGS = ["samples_per_second", "test_accuracy", "eval_loss"]
 
 
