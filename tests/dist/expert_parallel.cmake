@@ -2,6 +2,6 @@
 # with a pipeline (4 ranks) against one worker running the same micro-batches; a checkpoint
 # saved under ep 2 loaded whole; initial values read by the experts' owners only; the splits it
 # cannot make refused.
-tandem_add_dist_test(dist_expert_parallel_np2 2 "EngineExpertParallel.*:-EngineExpertParallel.FollowsOneWorkerWithPipeline"
+tandem_add_dist_test(dist_expert_parallel_np2 2 "ExpertParallelLayouts.*:-ExpertParallelLayouts.FollowsOneWorkerWithPipeline"
                      TIMEOUT 150)
-tandem_add_dist_test(dist_expert_parallel_np4 4 "EngineExpertParallel.*" TIMEOUT 200)
+tandem_add_dist_test(dist_expert_parallel_np4 4 "ExpertParallelLayouts.*" TIMEOUT 200)

@@ -135,7 +135,7 @@ ParallelConfig ep_config(Strategy s, int ep, int pp = 1) {
 }
 
 // ep 2 on the first two ranks, and on all four (ep 2 x dp 2).
-TEST(EngineExpertParallel, FollowsOneWorkerWithDdp) {
+TEST(ExpertParallelLayouts, FollowsOneWorkerWithDdp) {
   const int world_size = world()->size();
   auto want = reference(moe::AuxLossForm::kPooled, world_size);
   Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 2));
@@ -156,13 +156,13 @@ TEST(EngineExpertParallel, FollowsOneWorkerWithDdp) {
   EXPECT_GT(s.moe.aux_loss, 0.0);
 }
 
-TEST(EngineExpertParallel, FollowsOneWorkerUnderZero3) {
+TEST(ExpertParallelLayouts, FollowsOneWorkerUnderZero3) {
   auto want = reference(moe::AuxLossForm::kPooled, world()->size());
   Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kZero3, 2));
   expect_same(train(eng), want, "ep 2 x zero3");
 }
 
-TEST(EngineExpertParallel, FollowsOneWorkerWithZero1) {
+TEST(ExpertParallelLayouts, FollowsOneWorkerWithZero1) {
   auto want = reference(moe::AuxLossForm::kPooled, world()->size());
   Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kZero1, 2));
   expect_same(train(eng), want, "ep 2 x zero1");
@@ -170,14 +170,14 @@ TEST(EngineExpertParallel, FollowsOneWorkerWithZero1) {
 
 // ep 2 x pp 2 on four ranks: per-layer auxiliary losses (pooling needs every layer in one
 // process); one worker runs the 2 replicas x 2 micro-batches as 4 micro-batches.
-TEST(EngineExpertParallel, FollowsOneWorkerWithPipeline) {
+TEST(ExpertParallelLayouts, FollowsOneWorkerWithPipeline) {
   ASSERT_EQ(world()->size(), 4) << "ep 2 x pp 2 runs on 4 ranks (registered there only)";
   auto want = reference(moe::AuxLossForm::kPerLayer, 4);
   Engine eng(runtime(), make_model(moe::AuxLossForm::kPerLayer), adamw(), ep_config(Strategy::kDDP, 2, /*pp=*/2));
   expect_same(train(eng), want, "ep 2 x pp 2");
 }
 
-TEST(EngineExpertParallel, CheckpointLoadsWholeOnOneWorker) {
+TEST(ExpertParallelLayouts, CheckpointLoadsWholeOnOneWorker) {
   Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 2));
   auto trained = train(eng, 2);
   const auto dir = shared_dir(*world(), "ep_ckpt");
@@ -214,7 +214,7 @@ class RecordingSource : public ParameterSource {
   }
 };
 
-TEST(EngineExpertParallel, InitFromReadsOnlyThisRanksExperts) {
+TEST(ExpertParallelLayouts, InitFromReadsOnlyThisRanksExperts) {
   auto source = std::make_shared<RecordingSource>();
   {
     torch::NoGradGuard ng;
@@ -242,7 +242,7 @@ TEST(EngineExpertParallel, InitFromReadsOnlyThisRanksExperts) {
   for (auto& [name, v] : source->values) EXPECT_TRUE(torch::equal(full.at(name), v)) << name;
 }
 
-TEST(EngineExpertParallel, RefusesWhatItCannotSplit) {
+TEST(ExpertParallelLayouts, RefusesWhatItCannotSplit) {
   expect_invalid_argument(
       [&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled, 3), adamw(), ep_config(Strategy::kDDP, 2)); },
       "num_local_experts 3 is not divisible by --ep 2");
