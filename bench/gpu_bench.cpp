@@ -910,8 +910,9 @@ bool check_hsdp(tandem::Runtime& rt, int rank) {
 // Mixture of experts on CUDA: a model of two MoE layers (top-2 of 4 experts, load-balancing and
 // z-losses). One rank: a forward and backward against the same on the CPU (the router's top-k
 // picks the same experts; loss and every gradient, the injected auxiliary ones included, agree).
-// Several: 3 steps with --ep = ranks (tokens dispatched by NCCL's all-to-all) against every rank
-// holding all experts, which computes the same losses.
+// Several: 3 steps with --ep = ranks (tokens dispatched by NCCL's all-to-all), and with --tp =
+// ranks (every expert cut over them; one replica running the ranks' rows as micro-batches),
+// against every rank holding all experts, which computes the same losses.
 bool check_moe(tandem::Runtime& rt, int rank) {
   NoTf32 exact;
   const int world = rt.world()->size();
@@ -928,15 +929,15 @@ bool check_moe(tandem::Runtime& rt, int rank) {
     mc.z_loss_coef = 0.01;
     return torch::nn::Sequential(torch::nn::Linear(8, 8), tandem::moe::SparseMoeBlock(mc, log, 0),
                                  torch::nn::Linear(8, 8), tandem::moe::SparseMoeBlock(mc, log, 1),
-                                 torch::nn::Linear(8, 5));
+                                 torch::nn::Linear(8, 6));  // 6 classes: a head tp 2 can cut
   };
   auto token_loss = [](const at::Tensor& out, const at::Tensor& y) {
-    return torch::nn::functional::cross_entropy(out.reshape({-1, 5}), y.reshape({-1}));
+    return torch::nn::functional::cross_entropy(out.reshape({-1, 6}), y.reshape({-1}));
   };
   auto batch = [&](int64_t s) {
     auto g = at::detail::createCPUGenerator(900 + static_cast<uint64_t>(s));
     auto x = torch::randn({8 * world, 3, 8}, g);
-    return std::make_pair(x, torch::randint(0, 5, {8 * world, 3}, g));
+    return std::make_pair(x, torch::randint(0, 6, {8 * world, 3}, g));
   };
   std::ostringstream text;
   text << "mixture of experts on " << dev.str();
@@ -959,18 +960,21 @@ bool check_moe(tandem::Runtime& rt, int rank) {
     text << ", loss and gradients vs the CPU rel " << worst;
     return verdict(worst <= 1e-5, rank, text.str());
   }
-  auto run = [&](int ep) {
+  auto run = [&](int ep, int tp) {
     tandem::OptimizerOptions adamw;
     adamw.kind = "adamw";
     adamw.lr = 1e-2;
     tandem::ParallelConfig c;
     c.strategy = tandem::Strategy::kDDP;
     c.ep = ep;
+    c.tp = tp;
+    c.grad_accum = tp;  // the auxiliary losses are per micro-batch: the rows each rank runs
     tandem::Engine eng(rt, make(), adamw, c);
+    const int dp = eng.dp_size(), r = eng.dp_rank();
     std::vector<double> losses;
     for (int64_t s = 0; s < 3; ++s) {
       auto [x, y] = batch(s);
-      auto l = eng.step(slice_rows(x, rank, world).to(dev), slice_rows(y, rank, world).to(dev), token_loss)
+      auto l = eng.step(slice_rows(x, r, dp).to(dev), slice_rows(y, r, dp).to(dev), token_loss)
                    .detach()
                    .reshape({1})
                    .clone();
@@ -979,10 +983,15 @@ bool check_moe(tandem::Runtime& rt, int rank) {
     }
     return losses;
   };
-  const auto got = run(world), want = run(1);
-  for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, rel_diff(got[i], want[i]));
-  text << ", --ep " << world << " vs all experts on every rank: losses rel " << worst;
-  return verdict(worst <= 1e-5, rank, text.str());
+  const auto want = run(1, 1), ep = run(world, 1), tp = run(1, world);
+  double worst_tp = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    worst = std::max(worst, rel_diff(ep[i], want[i]));
+    worst_tp = std::max(worst_tp, rel_diff(tp[i], want[i]));
+  }
+  text << ", vs all experts on every rank: --ep " << world << " losses rel " << worst << ", --tp " << world << " rel "
+       << worst_tp;
+  return verdict(worst <= 1e-5 && worst_tp <= 1e-5, rank, text.str());
 }
 
 // Zero-bubble pipelines on NCCL with pp = the world's ranks: one step of zb-h1 and of zb-v

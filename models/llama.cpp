@@ -521,21 +521,11 @@ void SequentialDecoderLayerImpl::use_context_parallel(const CommPtr& cp) { self_
 
 // ---- tensor parallelism ----------------------------------------------------------------------
 
-namespace {
-[[noreturn]] void refuse_moe_tensor_parallel(const LlamaConfig& c) {
-  throw std::invalid_argument(
-      "Llama: tensor parallelism of a mixture-of-experts layer is not supported (this Mixtral config has " +
-      std::to_string(c.num_local_experts) +
-      " experts per layer); use --ep to spread the experts over ranks, and --tp 1");
-}
-}  // namespace
-
 void check_tensor_parallel(const LlamaConfig& c, int tp_size) {
   const std::pair<const char*, int64_t> sizes[] = {{"num_attention_heads", c.num_attention_heads},
                                                    {"num_key_value_heads", c.num_key_value_heads},
                                                    {"intermediate_size", c.intermediate_size},
                                                    {"vocab_size", c.vocab_size}};
-  if (c.is_moe() && tp_size > 1) refuse_moe_tensor_parallel(c);
   for (auto& [name, v] : sizes) {
     if (tp_size >= 1 && v % tp_size == 0) continue;
     std::string fits;
@@ -556,7 +546,6 @@ void SequentialDecoderLayerImpl::check_tensor_parallel(int tp_size) const {
 }
 
 torch::nn::AnyModule SequentialDecoderLayerImpl::to_tensor_parallel(const CommPtr& tp) const {
-  if (config.is_moe()) refuse_moe_tensor_parallel(config);
   return torch::nn::AnyModule(ParallelDecoderLayer(*this, tp));
 }
 
@@ -593,7 +582,9 @@ torch::Tensor ParallelMLPImpl::forward(const torch::Tensor& x) {
 ParallelDecoderLayerImpl::ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& d, const CommPtr& tp)
     : config(d.config), documents(d.documents) {
   self_attn = register_module("self_attn", ParallelAttention(*d.self_attn, tp));
-  mlp = register_module("mlp", ParallelMLP(*d.mlp, tp));
+  if (d.mlp) mlp = register_module("mlp", ParallelMLP(*d.mlp, tp));
+  if (d.block_sparse_moe)
+    block_sparse_moe = register_module("block_sparse_moe", moe::SparseMoeBlock(*d.block_sparse_moe, tp));
   input_layernorm = register_module("input_layernorm", d.input_layernorm);
   post_attention_layernorm = register_module("post_attention_layernorm", d.post_attention_layernorm);
   recompute_selectively(d.selective);
@@ -601,12 +592,16 @@ ParallelDecoderLayerImpl::ParallelDecoderLayerImpl(const SequentialDecoderLayerI
 
 void ParallelDecoderLayerImpl::use_context_parallel(const CommPtr& cp) { self_attn->cp = cp; }
 
-void ParallelDecoderLayerImpl::recompute_selectively(bool on) { self_attn->selective = mlp->selective = on; }
+void ParallelDecoderLayerImpl::recompute_selectively(bool on) {
+  self_attn->selective = on;
+  if (mlp) mlp->selective = on;  // a Mixtral layer's experts keep their activations, as the dense layer's
+}
 
 void ParallelDecoderLayerImpl::split_sequence() {
   const auto& tp = self_attn->tp;
-  self_attn->sequence_parallel = mlp->sequence_parallel = true;
-  self_attn->o_proj->sequence_parallel = mlp->down_proj->sequence_parallel = true;
+  self_attn->sequence_parallel = self_attn->o_proj->sequence_parallel = true;
+  if (mlp) mlp->sequence_parallel = mlp->down_proj->sequence_parallel = true;
+  if (block_sparse_moe) block_sparse_moe->sequence_parallel = true;
   input_layernorm = replace_module("input_layernorm", RMSNorm(input_layernorm->weight, input_layernorm->eps, tp));
   post_attention_layernorm = replace_module("post_attention_layernorm", RMSNorm(post_attention_layernorm->weight,
                                                                                 post_attention_layernorm->eps, tp));
@@ -619,7 +614,8 @@ torch::Tensor ParallelDecoderLayerImpl::forward(const torch::Tensor& x) {
   const auto t = layer_tables(config, x, T, self_attn->cp, documents.get());
   const bool selective = self_attn->selective;
   auto h = x + self_attn(normed(selective, input_layernorm, x), t.cos, t.sin, t.mask);
-  return h + mlp(normed(selective, post_attention_layernorm, h));
+  const auto n = normed(selective, post_attention_layernorm, h);
+  return h + (mlp ? mlp(n) : block_sparse_moe(n));
 }
 
 namespace {

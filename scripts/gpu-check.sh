@@ -9,7 +9,8 @@
 #       ring attention and a Llama under context parallelism over the ranks, PowerSGD at full
 #       rank against the exact average, hsdp against DDP, zb-h1 and zb-v pipelines against
 #       1F1B with 2 ranks, selective recomputation of a Llama against none with less memory,
-#       mixture-of-experts layers against the CPU and --ep over the ranks against all experts):
+#       mixture-of-experts layers against the CPU, --ep and --tp over the ranks against all
+#       experts on every rank):
 #       world size 1 (non-blocking and blocking NCCL), and 2 processes
 #       sharing the GPU through the file bootstrap (skipped if NCCL refuses)  -> 1x-check-*.log
 #   (d) benchmarks: bf16 matmul rate; CNN and transformer, Tandem DDP vs torch DDP -> 2x-*.log

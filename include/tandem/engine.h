@@ -99,9 +99,10 @@ struct ParallelConfig {
   // experts' owners and combined back by all-to-all. The dense weights stay data-parallel over
   // the dp ranks, the experts over the dp / ep ranks holding the same ones (their gradients
   // averaged there, without overlap, and their optimizer state kept whole on each of them). ep
-  // must divide the data-parallel ranks and every MoE layer's experts. Not with --tp or --cp
-  // (MoE layers are not tensor- or context-parallel), hsdp, fp16 or gradient clipping (the dense
-  // and expert updates do not share one norm or loss scale), nor whole-layer activation
+  // must divide the data-parallel ranks and every MoE layer's experts. With --tp each tp rank
+  // has its ep groups, whose experts are that rank's parts (the tp form of moe::SparseMoeBlock).
+  // Not with --cp (MoE layers are not context-parallel), hsdp, fp16 or gradient clipping (the
+  // dense and expert updates do not share one norm or loss scale), nor whole-layer activation
   // checkpointing (selective recomputation works).
   int ep = 1;
   int64_t micro_batches = 1;  // per replica and step, when pp > 1

@@ -232,7 +232,7 @@ class SequentialDecoderLayerImpl : public DecoderLayerImpl,
       : DecoderLayerImpl(config, std::move(router_log), layer), config(config) {}
   torch::Tensor forward(const torch::Tensor& x);
   // Throws std::invalid_argument unless tp_size divides num_attention_heads,
-  // num_key_value_heads and intermediate_size, and for a Mixtral layer when tp_size > 1.
+  // num_key_value_heads and intermediate_size (a Mixtral expert's width).
   void check_tensor_parallel(int tp_size) const override;
   torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
   void use_context_parallel(const CommPtr& cp) override;
@@ -290,7 +290,9 @@ class ParallelMLPImpl : public torch::nn::Module {
 };
 TORCH_MODULE(ParallelMLP);
 
-// The tensor-parallel SequentialDecoderLayer; its RMSNorms are the dense layer's (replicated).
+// The tensor-parallel SequentialDecoderLayer; its RMSNorms are the dense layer's (replicated). A
+// Mixtral layer's block_sparse_moe is the dense block's tp form (tandem/moe.h: every expert cut as
+// ParallelMLP cuts the MLP, the router replicated).
 class ParallelDecoderLayerImpl : public torch::nn::Module, public cp::ContextParallel, public SelectiveRecompute {
  public:
   ParallelDecoderLayerImpl(const SequentialDecoderLayerImpl& dense, const CommPtr& tp);
@@ -303,7 +305,8 @@ class ParallelDecoderLayerImpl : public torch::nn::Module, public cp::ContextPar
   void recompute_selectively(bool on) override;  // as DecoderLayerImpl::set_selective
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   ParallelAttention self_attn{nullptr};
-  ParallelMLP mlp{nullptr};
+  ParallelMLP mlp{nullptr};                       // null in a Mixtral layer
+  moe::SparseMoeBlock block_sparse_moe{nullptr};  // Mixtral's, else null
   LlamaConfig config;
   std::shared_ptr<DocumentState> documents;  // the dense layer's
 };
@@ -320,9 +323,7 @@ class DocumentVocabEmbeddingImpl : public tp::VocabParallelEmbeddingImpl {
 TORCH_MODULE(DocumentVocabEmbedding);
 
 // Throws std::invalid_argument naming the field (num_attention_heads, num_key_value_heads,
-// intermediate_size, vocab_size) that tp_size does not divide, and the tp sizes that would; for
-// a Mixtral config whenever tp_size > 1 (tensor parallelism of a mixture-of-experts layer is not
-// supported: its experts spread over ranks by expert parallelism instead).
+// intermediate_size, vocab_size) that tp_size does not divide, and the tp sizes that would.
 void check_tensor_parallel(const LlamaConfig& config, int tp_size);
 
 // The Engine's converter (EngineOptions::tensor_parallel) for the causal LM's Sequential:

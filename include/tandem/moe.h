@@ -41,6 +41,8 @@
 #include <vector>
 
 #include "tandem/comm.h"
+#include "tandem/parallelizable.h"
+#include "tandem/placement.h"
 
 namespace tandem::moe {
 
@@ -121,11 +123,20 @@ double aux_grad_scale();
 class RouterLog;
 
 // One expert: down(silu(w1 x) * w3 x), Mixtral's names (w1 gate, w3 up, w2 down; no biases).
-class ExpertImpl : public torch::nn::Module {
+class ExpertImpl : public torch::nn::Module, public PlacedModule {
  public:
   ExpertImpl(int64_t hidden, int64_t intermediate);
+  // Part `part` of `parts` of a dense expert (Megatron's cut of a SwiGLU MLP): w1 and w3 rows
+  // [part * I / parts, (part + 1) * I / parts), w2 the same columns, copied (the dense expert is
+  // left as it was; the generator is not drawn from). Its output is a partial sum: the parts'
+  // outputs add up to the dense expert's. Throws std::invalid_argument naming intermediate_size
+  // when parts does not divide it.
+  ExpertImpl(const ExpertImpl& dense, int part, int parts);
   at::Tensor forward(const at::Tensor& x);  // [rows, hidden] -> [rows, hidden]
+  // A part's blocks of the dense weights (w1, w3: rows; w2: columns); a whole expert lists none.
+  std::vector<ParameterPlacement> parameter_placements() const override;
   torch::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+  int part = 0, parts = 1;
 };
 TORCH_MODULE(Expert);
 
@@ -152,13 +163,31 @@ class ExpertParallel {
 // and the weighted sum stay on the token's rank (the router's gradient is local); each forward
 // makes one all-gather of the per-expert counts and two all_to_all() (the rows out, the outputs
 // back; their reverse in backward) on every rank of the ep group, whatever it routes or holds.
-class SparseMoeBlockImpl : public torch::nn::Module, public ExpertParallel {
+//
+// Tensor parallelism (the tp form, made from a dense block): every tp rank routes the same tokens
+// with the same (shared, replicated) gate and runs its part of every expert (ExpertImpl's cut), so
+// the weighted sum is a partial sum, all-reduced over tp once per layer (under sequence
+// parallelism the input's shards are all-gathered first and the sum reduce-scattered back). In
+// backward each rank's gradient of the scores is a partial sum too: the input's gradient is
+// all-reduced over tp as a column-parallel layer's, the gate's is summed over tp (its weight
+// enters through tp::copy_to_tp), and the auxiliary losses' gradients, whole on every rank, enter
+// with weight 1/tp. Expert parallelism composes: the ep group is ranks of one tp rank, each
+// dispatching its part's rows.
+class SparseMoeBlockImpl : public torch::nn::Module, public ExpertParallel, public tp::Parallelizable {
  public:
   // `layer`: this layer's index among the model's MoE layers (0-based); `log` shared by them all.
   SparseMoeBlockImpl(const MoeConfig& config, std::shared_ptr<RouterLog> log, int64_t layer);
+  // The tp form of `dense` (before expert parallelism): its gate, RouterLog and layer shared, its
+  // experts cut over `tp` (tp rank r keeps part r). Throws std::invalid_argument naming
+  // intermediate_size when tp's size does not divide it, std::logic_error after use_expert_parallel.
+  SparseMoeBlockImpl(const SparseMoeBlockImpl& dense, const CommPtr& tp);
   torch::Tensor forward(const torch::Tensor& x);
   std::vector<LocalExpert> use_expert_parallel(const CommPtr& ep) override;
   int64_t num_experts() const override { return config.num_experts; }
+  // As a child of a Sequential that tp::tensor_parallel converts: the tp form. Throws
+  // std::invalid_argument naming intermediate_size when tp_size does not divide it.
+  void check_tensor_parallel(int tp_size) const override;
+  torch::nn::AnyModule to_tensor_parallel(const CommPtr& tp) const override;
   // Also the local experts once they are no longer children (expert parallelism).
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Dtype dtype, bool non_blocking = false) override;
@@ -170,6 +199,8 @@ class SparseMoeBlockImpl : public torch::nn::Module, public ExpertParallel {
   std::vector<Expert> local;               // the experts this rank computes (all without ep)
   int64_t first_local = 0;                 // global index of local[0]
   CommPtr ep;                              // null without expert parallelism
+  CommPtr tp;                              // the tp form's group; null in a dense block
+  bool sequence_parallel = false;          // tp form: x is tp's sequence shard [B, T / tp, hidden]
   std::shared_ptr<RouterLog> log;
   int64_t layer = 0;
 };

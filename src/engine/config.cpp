@@ -216,7 +216,6 @@ void validate_expert_parallel(const ParallelConfig& c, int world) {
   auto refuse = [&](const std::string& what, const std::string& why) {
     throw std::invalid_argument(e + " does not compose with " + what + ": " + why);
   };
-  if (c.tp > 1) refuse("--tp " + std::to_string(c.tp), "mixture-of-experts layers are not tensor-parallel; use --tp 1");
   if (c.cp > 1) refuse("--cp " + std::to_string(c.cp), "the experts' tokens would be parts of sequences; use --cp 1");
   if (is_hybrid(c.strategy)) refuse(std::string("--strategy ") + to_string(c.strategy), "use ddp or zero1-3");
   if (c.precision == Precision::kFP16) {

@@ -30,13 +30,14 @@ std::unique_ptr<ExpertShards> split_experts(Layout& L,
     for (auto& local : layer->use_expert_parallel(X->ep)) {
       const std::string child = std::to_string(index++);
       X->bank->register_module(child, local.module);
-      for (auto& p : local.module->named_parameters(/*recurse=*/true)) {
-        auto placement = Placement::whole(p.value().sizes().vec());
-        placement.replica = X->edp->rank();
-        const std::string name = child + "." + p.key();
-        X->placed[name] = {name, dense_name(prefix + local.name + "." + p.key()), placement};
-        if (p.value().requires_grad()) X->trained.emplace_back(name, p.value());
+      // Whole, or a tensor-parallel expert's blocks; the edp ranks hold them again.
+      for (auto& p : parameter_placements(*local.module, 0)) {
+        p.placement.replica = p.placement.replica * X->edp->size() + X->edp->rank();
+        X->placed[child + "." + p.name] = {child + "." + p.name, dense_name(prefix + local.name + "." + p.dense_name),
+                                           p.placement};
       }
+      for (auto& p : local.module->named_parameters(/*recurse=*/true))
+        if (p.value().requires_grad()) X->trained.emplace_back(child + "." + p.key(), p.value());
     }
   }
   if (layers == 0) {

@@ -57,8 +57,9 @@ void gather_pipeline(Engine& eng, const EngineStats::PipelineStage& s, Report& r
 }
 
 // Every rank's peaks, model state and pipeline stage; rank 0's model state alone as well.
-// Collective over the world: the MoE figures summed (tokens), averaged (losses) or the slowest
-// (seconds) over the ranks; a rank whose stage has no MoE layer adds nothing.
+// Collective over the world: the MoE figures summed (tokens: the tp ranks route the same ones,
+// so once per tp group), averaged (losses) or the slowest (seconds) over the ranks; a rank whose
+// stage has no MoE layer adds nothing.
 void gather_moe(Engine& eng, const EngineStats::MixtureOfExperts& s, Report& rep) {
   auto world = eng.world();
   auto experts = torch::tensor({static_cast<int64_t>(s.tokens_per_expert.size())}, torch::kLong).to(eng.device());
@@ -77,6 +78,7 @@ void gather_moe(Engine& eng, const EngineStats::MixtureOfExperts& s, Report& rep
   auto sums = torch::tensor(v, torch::kDouble).to(eng.device());
   world->allreduce(sums);
   auto h = sums.cpu();
+  h.narrow(0, 0, rep.moe_experts + 2).div_(eng.config().tp);
   auto at = [&](size_t i) { return h[static_cast<int64_t>(i)].item<double>(); };
   auto tokens = h.narrow(0, 0, rep.moe_experts);
   rep.moe_tokens_min = static_cast<int64_t>(tokens.min().item<double>());

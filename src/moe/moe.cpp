@@ -3,6 +3,7 @@
 // backward.
 #include "tandem/moe.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>
@@ -12,6 +13,8 @@
 #include <numeric>
 #include <stdexcept>
 #include <utility>
+
+#include "tandem/tensor_parallel.h"
 
 namespace tandem::moe {
 
@@ -108,8 +111,56 @@ ExpertImpl::ExpertImpl(int64_t hidden, int64_t intermediate) {
   w3 = register_module("w3", torch::nn::Linear(torch::nn::LinearOptions(hidden, intermediate).bias(false)));
 }
 
+namespace {
+// The CPU generator's state, put back when this goes: a Linear draws its initial weight, which a
+// cut of existing weights overwrites at once (so that converting a model changes no random stream).
+class KeepGenerator {
+ public:
+  KeepGenerator() : g_(at::detail::getDefaultCPUGenerator()) {
+    std::lock_guard<std::mutex> lock(g_.mutex());
+    state_ = g_.get_state();
+  }
+  ~KeepGenerator() {
+    std::lock_guard<std::mutex> lock(g_.mutex());
+    g_.set_state(state_);
+  }
+  KeepGenerator(const KeepGenerator&) = delete;
+  KeepGenerator& operator=(const KeepGenerator&) = delete;
+
+ private:
+  at::Generator g_;
+  at::Tensor state_;
+};
+
+// A Linear (no bias) over a copy of `w` [out, in], trained when `trained`.
+torch::nn::Linear linear_over(const at::Tensor& w, bool trained) {
+  torch::nn::Linear l(torch::nn::LinearOptions(w.size(1), w.size(0)).bias(false));
+  torch::NoGradGuard no_grad;
+  l->weight.set_data(w.detach().clone());
+  l->weight.requires_grad_(trained);
+  return l;
+}
+}  // namespace
+
+ExpertImpl::ExpertImpl(const ExpertImpl& dense, int part_, int parts_) : part(part_), parts(parts_) {
+  const int64_t n = tp::shard_size(dense.w1->weight.size(0), parts, "intermediate_size");
+  const int64_t at = n * part;
+  KeepGenerator keep;
+  w1 = register_module("w1", linear_over(dense.w1->weight.narrow(0, at, n), dense.w1->weight.requires_grad()));
+  w2 = register_module("w2", linear_over(dense.w2->weight.narrow(1, at, n), dense.w2->weight.requires_grad()));
+  w3 = register_module("w3", linear_over(dense.w3->weight.narrow(0, at, n), dense.w3->weight.requires_grad()));
+}
+
 at::Tensor ExpertImpl::forward(const at::Tensor& x) {
   return w2->forward(torch::silu(w1->forward(x)) * w3->forward(x));
+}
+
+std::vector<ParameterPlacement> ExpertImpl::parameter_placements() const {
+  if (parts == 1) return {};
+  const int64_t hidden = w1->weight.size(1), width = w1->weight.size(0) * parts;
+  return {{"w1.weight", "w1.weight", Placement::split({width, hidden}, 0, part, parts)},
+          {"w2.weight", "w2.weight", Placement::split({hidden, width}, 1, part, parts)},
+          {"w3.weight", "w3.weight", Placement::split({width, hidden}, 0, part, parts)}};
 }
 
 namespace sparse_block {
@@ -134,10 +185,10 @@ struct Routing {
   at::Tensor experts;  // [N, k] their experts
 };
 
-Routing route(torch::nn::Linear& gate, const at::Tensor& x2, int64_t k) {
+Routing route(const at::Tensor& gate_weight, const at::Tensor& x2, int64_t k) {
   Routing r;
   // float32 (float64 stays float64), as transformers' router_logits.float().
-  r.logits = gate->forward(x2);
+  r.logits = torch::linear(x2, gate_weight);
   r.logits = r.logits.to(at::promote_types(r.logits.scalar_type(), at::kFloat));
   r.probs = torch::softmax(r.logits, -1);
   auto [top, idx] = torch::topk(r.probs, k, -1);
@@ -309,6 +360,31 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(const MoeConfig& c, std::shared_ptr<Route
   }
 }
 
+SparseMoeBlockImpl::SparseMoeBlockImpl(const SparseMoeBlockImpl& dense, const CommPtr& comm)
+    : config(dense.config), tp(comm), log(dense.log), layer(dense.layer) {
+  if (!tp) throw std::invalid_argument("tandem::moe::SparseMoeBlock: no tensor-parallel communicator given");
+  if (dense.ep || !dense.experts) {
+    throw std::logic_error("tandem::moe::SparseMoeBlock: the tp form is made from a block that holds all its "
+                           "experts (before use_expert_parallel)");
+  }
+  tp::shard_size(config.intermediate_size, tp->size(), "intermediate_size");  // before any copy
+  gate = register_module("gate", dense.gate);
+  experts = register_module("experts", torch::nn::ModuleList());
+  for (const auto& m : *dense.experts) {
+    Expert part(std::make_shared<ExpertImpl>(*m->as<ExpertImpl>(), tp->rank(), tp->size()));
+    experts->push_back(part);
+    local.push_back(part);
+  }
+}
+
+void SparseMoeBlockImpl::check_tensor_parallel(int tp_size) const {
+  tp::shard_size(config.intermediate_size, tp_size, "intermediate_size");
+}
+
+torch::nn::AnyModule SparseMoeBlockImpl::to_tensor_parallel(const CommPtr& comm) const {
+  return torch::nn::AnyModule(SparseMoeBlock(*this, comm));
+}
+
 std::vector<ExpertParallel::LocalExpert> SparseMoeBlockImpl::use_expert_parallel(const CommPtr& comm) {
   if (!comm) throw std::invalid_argument("tandem::moe::SparseMoeBlock::use_expert_parallel: no communicator");
   if (ep) throw std::logic_error("tandem::moe::SparseMoeBlock::use_expert_parallel: called twice on one layer");
@@ -413,7 +489,9 @@ at::Tensor inject_aux(SparseMoeBlockImpl& b, const Routing& r, const Dispatch& d
   s->rows = r.probs.size(0);
   s->aux_coef = c.aux_loss_coef;
   s->z_coef = c.z_loss_coef;
-  s->scale = b.log->scale(b.layer);  // the first forward's, also in a recomputation
+  // The first forward's, also in a recomputation; under tp every rank injects 1/tp of it, since
+  // the scores' gradients (into which it goes) are summed over tp.
+  s->scale = b.log->scale(b.layer) / (b.tp ? static_cast<double>(b.tp->size()) : 1.0);
   s->counts = d.counts;
   s->probs = r.probs.detach();
   s->lse = lse;
@@ -430,8 +508,11 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x) {
                                 (x.dim() < 1 ? std::string("missing") : std::to_string(x.size(-1))) +
                                 ", the block's hidden_size is " + std::to_string(h));
   }
-  const auto x2 = x.reshape({-1, h});
-  const auto r = sparse_block::route(gate, x2, config.top_k);
+  // The tp form: the tokens every tp rank routes (gathered under sequence parallelism), whose
+  // gradient sums the ranks' partial ones.
+  const auto in = tp ? tp::column_input(x, tp, sequence_parallel).in : x;
+  const auto x2 = in.reshape({-1, h});
+  const auto r = sparse_block::route(tp ? tp::copy_to_tp(gate->weight, tp) : gate->weight, x2, config.top_k);
   const auto d = sparse_block::plan_dispatch(r, config.num_experts, config.capacity_factor);
   at::Tensor lse;
   if (config.z_loss_coef > 0) lse = torch::logsumexp(r.logits.detach(), -1);
@@ -441,7 +522,9 @@ torch::Tensor SparseMoeBlockImpl::forward(const torch::Tensor& x) {
   const auto out =
       ep ? sparse_block::exchange_and_run(rows, d.kept, local, ep) : sparse_block::run_experts(local, rows, d.kept);
   const auto weights = sparse_block::inject_aux(*this, r, d, lse);
-  return sparse_block::combine(out, d.tokens, weights, x2.size(0)).reshape(x.sizes());
+  const auto y = sparse_block::combine(out, d.tokens, weights, x2.size(0)).reshape(in.sizes());
+  if (!tp) return y;
+  return sequence_parallel ? tp::reduce_scatter_seq_to_tp(y, tp) : tp::reduce_from_tp(y, tp);
 }
 
 }  // namespace tandem::moe

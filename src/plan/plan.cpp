@@ -1055,9 +1055,10 @@ Estimate estimate(const ModelSpec& m, const ClusterSpec& c, const Layout& l, con
     if (m.hidden % tp != 0)
       return infeasible("hidden size " + std::to_string(m.hidden) + " does not split over tensor-parallel " +
                         std::to_string(tp));
+    if (is_moe(m) && m.moe.intermediate % tp != 0)
+      return infeasible("expert width " + std::to_string(m.moe.intermediate) + " does not split over tensor-parallel " +
+                        std::to_string(tp));
   }
-  if (l.ep > 1 && tp > 1)
-    return infeasible("expert parallelism beside tensor parallelism is not modelled (nor run by tandem finetune)");
   if (tp > 1 && !c.cpu) {
     if (tp > dpn)
       return infeasible("tensor-parallel group of " + std::to_string(tp) + " spans nodes (" + std::to_string(dpn) +
@@ -1293,13 +1294,13 @@ std::vector<std::tuple<int, int, int, int>> layout_shapes(const PlanOptions& o, 
   return shapes;
 }
 
-// The expert-parallel degrees plan() prices with `dp` replicas of `tp` ranks: o.ep where it
-// divides dp, else every power of two up to o.max_ep dividing dp and the experts (1 for dense
-// models); ep > 1 only without tensor parallelism, which Tandem does not combine with it.
-std::vector<int> expert_degrees(const ModelSpec& m, const PlanOptions& o, int dp, int tp) {
-  if (o.ep > 0) return dp % o.ep == 0 && (o.ep == 1 || tp == 1) ? std::vector<int>{o.ep} : std::vector<int>{};
+// The expert-parallel degrees plan() prices with `dp` replicas: o.ep where it divides dp, else
+// every power of two up to o.max_ep dividing dp and the experts (1 for dense models). With tp
+// each tp rank has its ep groups, of its parts of the experts.
+std::vector<int> expert_degrees(const ModelSpec& m, const PlanOptions& o, int dp) {
+  if (o.ep > 0) return dp % o.ep == 0 ? std::vector<int>{o.ep} : std::vector<int>{};
   std::vector<int> eps = {1};
-  if (!is_moe(m) || tp > 1) return eps;
+  if (!is_moe(m)) return eps;
   for (int ep = 2; ep <= std::min(o.max_ep, dp); ep *= 2)
     if (dp % ep == 0 && m.moe.experts % ep == 0) eps.push_back(ep);
   return eps;
@@ -1373,16 +1374,16 @@ std::vector<Estimate> plan(const ModelSpec& m, const ClusterSpec& c, const PlanO
   if (o.ep < 0) throw std::invalid_argument("expert-parallel degree must be at least 1, got " + std::to_string(o.ep));
   if (o.ep > 0) {
     bool any = false;
-    for (auto [dp, cp, tp, pp] : shapes) any = any || (dp % o.ep == 0 && tp == 1);
+    for (auto [dp, cp, tp, pp] : shapes) any = any || dp % o.ep == 0;
     check_expert_parallel(m, o.ep, o.ep);  // a dense model, or an ep that does not divide the experts
     if (!any)
       throw std::invalid_argument("expert-parallel degree " + std::to_string(o.ep) +
-                                  " divides no tensor-parallel-free layout's data-parallel replicas (its groups "
+                                  " divides no layout's data-parallel replicas (its groups "
                                   "are made of them): use more devices or a smaller ep");
   }
   std::vector<Estimate> best_feasible, best_infeasible;
   for (auto [dp, cp, tp, pp] : shapes) {
-    for (int ep : expert_degrees(m, o, dp, tp)) {
+    for (int ep : expert_degrees(m, o, dp)) {
       for (int z : o.zero_stages) {
         if (z > 0 && dp * cp == 1) continue;  // nothing to shard
         Layout l;

@@ -138,7 +138,6 @@ void apply_moe_options(const HfFinetuneConfig& cfg, llama::LlamaConfig& mc) {
     refuse_for_moe(cfg, "LoRA does not adapt (its experts are not adaptable modules): fine-tune every weight, "
                         "without --lora-rank or --init-adapter");
   if (pc.cp > 1) refuse_for_moe(cfg, "context parallelism does not split: use --cp 1");
-  if (pc.tp > 1) llama::check_tensor_parallel(mc, pc.tp);  // refuses, naming --ep
   const std::pair<const char*, std::optional<double>> given[] = {{"--moe-aux-loss-coef", o.aux_loss_coef},
                                                                  {"--moe-z-loss-coef", o.z_loss_coef},
                                                                  {"--capacity-factor", o.capacity_factor}};

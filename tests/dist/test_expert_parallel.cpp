@@ -1,9 +1,10 @@
 // Expert parallelism through the Engine: a model with two MoE layers trained for 5 steps with
-// --ep 2 alone, with dp (ep 2 x dp 2), under ZeRO-3 and with a pipeline (ep 2 x pp 2) follows
-// one worker that runs the same micro-batches (the auxiliary losses are per micro-batch and
-// rank, as transformers computes them per forward): losses and parameters. A checkpoint saved
-// under ep 2 loads whole on one worker; initial values from a source are read by the experts'
-// owners only; experts not divisible by ep, and --ep on a model without MoE layers, are refused.
+// --ep 2 alone, with dp (ep 2 x dp 2), under ZeRO-3 and with a pipeline (ep 2 x pp 2), and with
+// tensor-parallel experts (tp 2; tp 2 x ep 2 on 4 ranks), follows one worker that runs the same
+// micro-batches (the auxiliary losses are per micro-batch and rank, as transformers computes
+// them per forward): losses and parameters. A checkpoint saved under ep 2 (and tp 2 x ep 2) loads
+// whole on one worker; initial values from a source are read by the experts' owners only;
+// experts not divisible by ep, and --ep on a model without MoE layers, are refused.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -22,7 +23,8 @@
 namespace tandem::test {
 namespace {
 
-constexpr int64_t kHidden = 8, kClasses = 5, kTokens = 3, kRows = 16;
+// kClasses even: under tp the last Linear is cut over its outputs (tp::tensor_parallel's head).
+constexpr int64_t kHidden = 8, kClasses = 6, kTokens = 3, kRows = 16;
 
 moe::MoeConfig moe_config(moe::AuxLossForm form, int64_t experts = 4) {
   moe::MoeConfig c;
@@ -177,8 +179,31 @@ TEST(ExpertParallelLayouts, FollowsOneWorkerWithPipeline) {
   expect_same(train(eng), want, "ep 2 x pp 2");
 }
 
+// Tensor-parallel experts: tp 2 on 2 ranks; tp 2 x ep 2 (dp 2) on 4, each tp rank's ep group
+// holding its parts of half the experts.
+TEST(ExpertParallelLayouts, FollowsOneWorkerWithTensorParallelExperts) {
+  const int ep = world()->size() / 2;
+  auto want = reference(moe::AuxLossForm::kPooled, ep);
+  auto c = ep_config(Strategy::kDDP, ep);
+  c.tp = 2;
+  Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c);
+  int64_t parts = 0;
+  for (auto& p : eng.module().named_parameters())
+    if (p.key().find("experts.") != std::string::npos) ++parts;
+  EXPECT_EQ(parts, ep > 1 ? 0 : 2 * 4 * 3) << "experts in the wrapped module";
+  auto got = train(eng);
+  expect_same(got, want, "tp 2 x ep " + std::to_string(ep));
+  const auto s = eng.stats();
+  EXPECT_EQ(s.moe.tokens_per_expert.size(), 4u);
+  EXPECT_GT(s.moe.aux_loss, 0.0);
+}
+
+// A checkpoint saved under ep 2 (on 4 ranks, tp 2 x ep 2: the experts' parts) loads whole on one
+// worker.
 TEST(ExpertParallelLayouts, CheckpointLoadsWholeOnOneWorker) {
-  Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 2));
+  auto c = ep_config(Strategy::kDDP, 2);
+  if (world()->size() == 4) c.tp = 2;
+  Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c);
   auto trained = train(eng, 2);
   const auto dir = shared_dir(*world(), "ep_ckpt");
   eng.save(dir);

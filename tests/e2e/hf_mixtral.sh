@@ -11,7 +11,7 @@
 # zero3 on 2 workers gives ddp's losses. The training set is 8 documents and the
 # global batch 8, so every step's batch is all of them, in an order neither loss depends on. Bad
 # input (router_jitter_noise, num_experts_per_tok above num_local_experts, MoE flags on a dense
-# model, --tp, pooled aux under --pp, classify, LoRA) is refused naming the problem.
+# model, pooled aux under --pp, classify, LoRA) is refused naming the problem.
 # usage: hf_mixtral.sh TANDEM SOURCE_DIR
 set -uo pipefail
 tandem=$1
@@ -125,7 +125,6 @@ refused jitter '"router_jitter_noise" is 0.1' "$tandem" finetune --init-from "$t
 refused topk '"num_experts_per_tok" is 5' "$tandem" finetune --init-from "$tmp/topk" "${data[@]}" -n 1
 refused window '"sliding_window" is 16' "$tandem" finetune --init-from "$tmp/window" "${data[@]}" -n 1
 refused dense_flags 'is dense' "$tandem" finetune --init-from "$tmp/fx/lm" "${data[@]}" --moe-aux-loss-coef 0.1
-refused tp 'use --ep' "$tandem" finetune --init-from "$tmp/fx/mixtral" "${data[@]}" -n 2 --tp 2
 refused pp_pooled 'use --moe-aux-loss per-layer' "$tandem" finetune --init-from "$tmp/fx/mixtral" "${data[@]}" -n 2 --pp 2
 refused classify 'use --task lm' "$tandem" finetune --init-from "$tmp/fx/mixtral" "${data[@]}" --task classify
 refused lora 'LoRA' "$tandem" finetune --init-from "$tmp/fx/mixtral" "${data[@]}" --lora-rank 4

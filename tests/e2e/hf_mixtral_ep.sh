@@ -2,8 +2,9 @@
 # `tandem finetune --init-from` the tiny random Mixtral (tests/hf/hf_fixture.py: 2 layers, 4
 # experts, top-2) under expert parallelism, against one worker running the same micro-batches
 # (--grad-accum: the load-balancing loss is per forward, as transformers computes it, so a
-# replica's rows are its own micro-batch): ep 2 and ep 2 x zero3 on 2 workers, ep 2 x dp 2 and
-# ep 2 x pp 2 (per-layer loss) on 4, 5 steps each, losses and aux losses within rel 1e-5. The
+# replica's rows are its own micro-batch): ep 2, ep 2 x zero3 and tensor-parallel experts (tp 2)
+# on 2 workers, ep 2 x dp 2, ep 2 x pp 2 (per-layer loss) and tp 2 x ep 2 with sequence
+# parallelism on 4, 5 steps each, losses and aux losses within rel 1e-5. The
 # ep 2 checkpoint after 5 steps, exported with `tandem export --to hf`, loads in transformers as
 # a MixtralForCausalLM and gives Tandem's step-6 language-model loss (rel 1e-5). The report
 # names the experts' routing and the all-to-all. --ep that does not divide the experts (or the
@@ -23,7 +24,7 @@ run() {  # run NAME ARGS...: a finetune run, its metrics in $tmp/NAME.jsonl
     echo "FAIL $name: exit non-zero; output:"; tail -20 "$tmp/$name.log"; fails=$((fails + 1)); return 1
   fi
 }
-run one2 -n 1 --steps 6 --grad-accum 2  # 6 steps: the learning-rate schedule of ep2's
+run one2 -n 1 --steps 6 --grad-accum 2  # 6 steps: the learning-rate schedule of ep2, tp2 and tp2_ep2
 run one4 -n 1 --steps 5 --grad-accum 4
 run one4_layer -n 1 --steps 5 --grad-accum 4 --moe-aux-loss per-layer
 run ep2 -n 2 --ep 2 --steps 6 --checkpoint-dir "$tmp/ck" --checkpoint-every 5 &&
@@ -32,6 +33,8 @@ run ep2 -n 2 --ep 2 --steps 6 --checkpoint-dir "$tmp/ck" --checkpoint-every 5 &&
 run ep2_zero3 -n 2 --ep 2 --strategy zero3 --steps 6
 run ep2_dp2 -n 4 --ep 2 --steps 5
 run ep2_pp2 -n 4 --ep 2 --pp 2 --micro-batches 2 --moe-aux-loss per-layer --steps 5
+run tp2 -n 2 --tp 2 --grad-accum 2 --steps 6
+run tp2_ep2 -n 4 --tp 2 --ep 2 --sequence-parallel --steps 6
 for want in "routing .* token slots per expert of 4 .*experts over --ep 2" "all-to-all .* dispatching and combining"; do
   grep -q "$want" "$tmp/ep2.log" || { echo "FAIL the ep2 report has no line like '$want':"; tail -30 "$tmp/ep2.log"; fails=$((fails + 1)); }
 done
@@ -44,7 +47,8 @@ tmp = sys.argv[1]
 def steps(name):
     return [d for d in map(json.loads, open(f"{tmp}/{name}.jsonl")) if "step" in d and not d.get("report")]
 ok = True
-for name, ref in (("ep2", "one2"), ("ep2_zero3", "one2"), ("ep2_dp2", "one4"), ("ep2_pp2", "one4_layer")):
+for name, ref in (("ep2", "one2"), ("ep2_zero3", "one2"), ("ep2_dp2", "one4"), ("ep2_pp2", "one4_layer"),
+                  ("tp2", "one2"), ("tp2_ep2", "one2")):
     got, want = steps(name)[:5], steps(ref)[:5]
     if len(got) != 5 or len(want) != 5:
         print(f"FAIL {name}: {len(got)} steps against {len(want)}"); ok = False; continue
@@ -82,6 +86,5 @@ AutoModelForCausalLM.from_config(m.config).save_pretrained(sys.argv[1])
 PY
 refused not_divisible "num_local_experts 6 is not divisible by --ep 4" "$tandem" finetune "${data[@]}" --init-from "$tmp/six" -n 4 --ep 4
 refused workers "--ep 3 does not divide the 2 data-parallel ranks" "$tandem" finetune "${data[@]}" --init-from "$tmp/fx/mixtral" -n 2 --ep 3
-refused tp_ep "does not compose with --tp 2" "$tandem" finetune "${data[@]}" --init-from "$tmp/fx/mixtral" -n 4 --ep 2 --tp 2
 [ $fails -eq 0 ] && echo "all passed" || echo "$fails failed"
 exit $((fails > 0))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `tandem plan` on mixture-of-experts models: Mixtral 8x7B (the preset, and its config.json) with
 # expert parallelism fixed and searched, the table's ep and all-to-all columns, and JSON whose expert memory and all-to-all
-# figures obey the model's rules (ep halves the experts' state, all-to-alls only with ep > 1).
+# figures obey the model's rules (ep and tp divide the experts' state, all-to-alls only with ep > 1,
+# ep x tp layouts searched).
 # usage: plan_moe.sh TANDEM
 set -euo pipefail
 tandem=$1
@@ -32,9 +33,11 @@ j = json.load(open(sys.argv[1]))
 assert j["model"]["moe"]["experts"] == 8 and j["model"]["moe"]["top_k"] == 2, j["model"]
 lay = j["layouts"]
 assert {l["ep"] for l in lay} == {1, 2, 4, 8}, sorted({l["ep"] for l in lay})
+assert any(l["ep"] > 1 and l["tp"] > 1 for l in lay), "no ep x tp layout searched"
 for l in lay:
     assert l["dp"] % l["ep"] == 0 and 8 % l["ep"] == 0, l
-    assert l["ep"] == 1 or l["tp"] == 1, l
+    if l["tp"] > 1:
+        assert 14336 % l["tp"] == 0, l
     if l["feasible"]:
         assert ("all_to_all_seconds" in l) == (l["ep"] > 1), l
         if l["ep"] > 1:
@@ -44,14 +47,14 @@ for l in lay:
     m = l["memory_bytes"]
     assert 0 < ex["states"] < m["parameters"] + m["gradients"] + m["optimizer"], l
     assert 0 < ex["activations"] < m["activations"], l
-# Without ZeRO the experts' state per rank is 1/ep of ep 1's; the dense part is the same.
-t = {(l["dp"], l["pp"], l["ep"]): l for l in json.load(open(sys.argv[2]))["layouts"] if l["tp"] == 1}
+# Without ZeRO the experts' state per rank is 1/(ep tp) of ep 1 tp 1's at the same dp and pp.
+t = {(l["dp"], l["pp"], l["ep"], l["tp"]): l for l in json.load(open(sys.argv[2]))["layouts"]}
 pairs = 0
-for (dp, pp, ep), l in t.items():
-    if ep > 1 and (dp, pp, 1) in t:
-        one = t[(dp, pp, 1)]["memory_bytes"]
-        assert abs(l["memory_bytes"]["experts"]["states"] * ep - one["experts"]["states"]) <= 1e-6 * one["experts"]["states"], (l, one)
+for (dp, pp, ep, tp), l in t.items():
+    if ep * tp > 1 and (dp, pp, 1, 1) in t:
+        one = t[(dp, pp, 1, 1)]["memory_bytes"]
+        assert abs(l["memory_bytes"]["experts"]["states"] * ep * tp - one["experts"]["states"]) <= 1e-6 * one["experts"]["states"], (l, one)
         pairs += 1
 assert pairs >= 3, pairs
-print("plan MoE ok:", len(lay), "Mixtral layouts,", pairs, "moe_tiny ep/ep1 pairs")
+print("plan MoE ok:", len(lay), "Mixtral layouts,", pairs, "moe_tiny (ep, tp) / (1, 1) pairs")
 PY

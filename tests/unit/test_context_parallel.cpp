@@ -5,35 +5,18 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <functional>
 #include <limits>
 #include <string>
-#include <thread>
 
 #include "tandem/backends.h"
 #include "tandem/context_parallel.h"
+#include "tests/unit/thread_ranks.h"
 
 namespace {
 
 using tandem::CommPtr;
+using tandem::test::on_threads;
 namespace cp = tandem::cp;
-
-void on_threads(const std::vector<CommPtr>& comms, const std::function<void(const CommPtr&, int)>& fn) {
-  std::vector<std::thread> ts;
-  std::vector<std::exception_ptr> errors(comms.size());
-  for (size_t r = 0; r < comms.size(); ++r) {
-    ts.emplace_back([&, r] {
-      try {
-        fn(comms[r], static_cast<int>(r));
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : ts) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
 
 // softmax(q k^T / sqrt(D), causal) v over the whole sequence, each key/value head serving
 // H / KV consecutive query heads: the definition, not the code under test.

@@ -152,18 +152,22 @@ TEST(Mixtral, ParameterNamesAreTheHuggingFaceNames) {
   EXPECT_EQ(mapped, names);
 }
 
-TEST(Mixtral, TensorParallelismIsRefusedNamingEp) {
-  const auto c = ll::parse_config(mixtral_json());
+// A Mixtral layer is tensor-parallel when tp divides the heads and each expert's width
+// (intermediate_size), as a Llama layer's MLP.
+TEST(Mixtral, TensorParallelChecksTheExpertWidth) {
+  auto c = ll::parse_config(mixtral_json());
+  EXPECT_NO_THROW(ll::check_tensor_parallel(c, 2));
+  ll::SequentialDecoderLayer layer(c);
+  EXPECT_NO_THROW(layer->check_tensor_parallel(2));
+  c.intermediate_size = 50;
+  c.num_key_value_heads = 4;
   try {
-    ll::check_tensor_parallel(c, 2);
+    ll::check_tensor_parallel(c, 4);
     FAIL() << "accepted";
   } catch (const std::invalid_argument& e) {
-    EXPECT_TRUE(mentions(e.what(), "tensor parallelism of a mixture-of-experts layer is not supported")) << e.what();
-    EXPECT_TRUE(mentions(e.what(), "use --ep")) << e.what();
+    EXPECT_TRUE(mentions(e.what(), "does not divide intermediate_size (50)")) << e.what();
+    EXPECT_TRUE(mentions(e.what(), "a --tp of 2")) << e.what();
   }
-  EXPECT_NO_THROW(ll::check_tensor_parallel(c, 1));
-  ll::SequentialDecoderLayer layer(c);
-  EXPECT_THROW(layer->check_tensor_parallel(2), std::invalid_argument);
 }
 
 // Selective recomputation recomputes the attention core and the norms and leaves the experts
