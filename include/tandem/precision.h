@@ -79,8 +79,10 @@ class MixedPrecisionOptimizer {
   ~MixedPrecisionOptimizer();
 
   at::Tensor scale_loss(const at::Tensor& loss) const;
-  // Returns false when the step was skipped (fp16 overflow). max_grad_norm > 0 clips.
-  bool step(double max_grad_norm = 0.0);
+  // Returns false when the step was skipped (fp16 overflow). max_grad_norm > 0 clips: by
+  // `norm` when it is given (>= 0: the caller's global norm, which these parameters are part of),
+  // else by the norm of these gradients (global under set_model_parallel, with add_squared_norm's).
+  bool step(double max_grad_norm = 0.0, double norm = -1.0);
   void zero_grad();
   void set_lr(double lr);
   double last_grad_norm() const { return last_norm_; }
@@ -97,6 +99,9 @@ class MixedPrecisionOptimizer {
   // too. Either communicator may be null (no such split). Collective in step() when
   // max_grad_norm > 0, in mixed precision, or with LARS or LAMB and `tp`.
   void set_model_parallel(std::vector<bool> sharded, CommPtr tp, CommPtr pp);
+  // Squares of gradients outside these parameters (expert parallelism's experts, already summed
+  // over every rank holding a distinct part of them), added to the next step's squared norm.
+  void add_squared_norm(double sq) { extra_sq_ += sq; }
   // Bytes of the fp32 masters (0 in fp32) and of the optimizer state.
   int64_t master_bytes() const;
   int64_t optimizer_state_bytes() const;
@@ -110,8 +115,9 @@ class MixedPrecisionOptimizer {
   std::vector<bool> sharded_;
   CommPtr mp_tp_, mp_pp_;
   bool model_parallel_ = false;
-  // The global norm from the squares of this rank's sharded and other gradients (see above).
-  double global_norm(const at::Tensor& sq_sharded, const at::Tensor& sq_other) const;
+  double extra_sq_ = 0.0;  // add_squared_norm's, for the next step
+  // The global sum of squares from this rank's sharded and other gradients' (see above).
+  double global_squares(const at::Tensor& sq_sharded, const at::Tensor& sq_other) const;
 };
 
 }  // namespace tandem

@@ -210,6 +210,10 @@ class ZeroDataParallel {
   // the flagged parameters' norms over `tp` too. Either may be null. Collective in step() over
   // both groups.
   void set_model_parallel(const std::vector<bool>& sharded, CommPtr tp, CommPtr pp);
+  // Squares of gradients outside this module (expert parallelism's experts, already summed over
+  // every rank that holds a distinct part of them), added to the next step()'s global squared
+  // norm before clipping, then forgotten.
+  void add_squared_norm(double sq);
   const LossScaler& loss_scaler() const;
   Precision precision() const;
   // Stage 3: the number of units (1 for a module that is not a Sequential); 0 otherwise.

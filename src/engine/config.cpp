@@ -226,9 +226,6 @@ void validate_expert_parallel(const ParallelConfig& c, int world) {
     refuse("--activation-checkpointing " + to_string(c.activation_checkpointing),
            "a recomputed layer would not see the experts it keeps apart; use --activation-checkpointing selective");
   }
-  if (c.max_grad_norm > 0) {
-    refuse("--max-grad-norm", "the experts and the dense weights are updated apart, without one global norm; drop it");
-  }
 }
 
 void validate_batch(const ParallelConfig& c, int world, int64_t batch) {

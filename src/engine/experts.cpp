@@ -61,7 +61,7 @@ class WithExperts final : public Updater {
  public:
   WithExperts(const std::function<std::unique_ptr<Updater>()>& make_dense, Layout& L, ExpertShards& X,
               const OptimizerOptions& oo)
-      : X_(X), params_(tensors(X.trained)) {
+      : L_(L), X_(X), params_(tensors(X.trained)) {
     // The masters are taken while the experts are still fp32, before the dense updater converts
     // the model (whose MoE layers convert their local experts with it).
     opt_ = std::make_unique<MixedPrecisionOptimizer>(params_, L.cfg.precision, oo, L.cfg.loss_scaler,
@@ -80,10 +80,14 @@ class WithExperts final : public Updater {
   at::Tensor forward(const at::Tensor& x) override { return dense_->forward(x); }
   at::Tensor scale_loss(const at::Tensor& loss) const override { return dense_->scale_loss(loss); }
   void after_pipeline_backward() override { dense_->after_pipeline_backward(); }
+  // Clipping: the experts' squares join the dense updater's global norm, and the experts are
+  // clipped by that norm too (one coefficient for the whole model).
   bool step() override {
     reduce_expert_gradients();
+    const double clip = L_.cfg.max_grad_norm;
+    if (clip > 0) dense_->add_squared_norm(expert_squares());
     const bool stepped = dense_->step();
-    opt_->step();
+    opt_->step(clip, clip > 0 ? dense_->last_grad_norm() : -1.0);
     return stepped;
   }
   void set_lr(double lr) override {
@@ -92,6 +96,7 @@ class WithExperts final : public Updater {
   }
   double lr() const override { return dense_->lr(); }
   double last_grad_norm() const override { return dense_->last_grad_norm(); }
+  void add_squared_norm(double sq) override { dense_->add_squared_norm(sq); }
   const LossScaler& scaler() const override { return dense_->scaler(); }
   double gather_wait_seconds() const override { return dense_->gather_wait_seconds(); }
   // The experts' gradients accumulate over the micro-batches and are reduced once, in step().
@@ -143,8 +148,24 @@ class WithExperts final : public Updater {
     const double ep = static_cast<double>(X_.ep->size());
     for (auto& p : params_) p.mutable_grad().div_(ep);
   }
+  // The experts' gradient squares of the whole model: the ranks of an ep group hold distinct
+  // experts, tp ranks distinct parts of them, pipeline stages distinct layers (the edp ranks
+  // the same values again, counted once).
+  double expert_squares() const {
+    torch::NoGradGuard ng;
+    const auto dev = params_.empty() ? at::Device(at::kCPU) : params_[0].device();
+    auto sq = torch::zeros({1}, torch::TensorOptions().dtype(at::kDouble).device(dev));
+    for (auto& p : params_) sq += p.grad().to(at::kDouble).pow(2).sum();
+    X_.ep->allreduce(sq, ReduceOp::kSum);
+    if (L_.grid) {
+      for (const auto& c : {L_.grid->tp(), L_.grid->pp()})
+        if (c->size() > 1) c->allreduce(sq, ReduceOp::kSum);
+    }
+    return sq.cpu().item<double>();
+  }
   std::vector<at::Tensor> optimizer_tensors() const { return opt_->optimizer().param_groups().at(0).params(); }
 
+  Layout& L_;
   std::unique_ptr<Updater> dense_;
   ExpertShards& X_;
   std::vector<at::Tensor> params_;

@@ -137,6 +137,7 @@ class Replicated final : public Updater {
   void set_lr(double lr) override { opt_->set_lr(lr); }
   double lr() const override { return lr_of(opt_->optimizer()); }
   double last_grad_norm() const override { return opt_->last_grad_norm(); }
+  void add_squared_norm(double sq) override { opt_->add_squared_norm(sq); }
   const LossScaler& scaler() const override { return opt_->scaler(); }
   at::Tensor accumulate(const at::Tensor& x, const at::Tensor& y, int64_t k, const MicroBatchPass& pass) override {
     return accumulate_gradients(x, y, k, ddp_.get(), nullptr, pass);
@@ -237,6 +238,7 @@ class Sharded final : public Updater {
   void set_lr(double lr) override { zero_->set_lr(lr); }
   double lr() const override { return zero_->lr(); }
   double last_grad_norm() const override { return zero_->last_grad_norm(); }
+  void add_squared_norm(double sq) override { zero_->add_squared_norm(sq); }
   const LossScaler& scaler() const override { return zero_->loss_scaler(); }
   double gather_wait_seconds() const override { return zero_->gather_wait_seconds(); }
   at::Tensor accumulate(const at::Tensor& x, const at::Tensor& y, int64_t k, const MicroBatchPass& pass) override {

@@ -86,6 +86,9 @@ class Updater {
   virtual void set_lr(double lr) = 0;
   virtual double lr() const = 0;
   virtual double last_grad_norm() const = 0;  // negative: not computed by the last step
+  // Squares of gradients this updater does not step (the experts' under --ep, summed over the
+  // ranks holding distinct parts of them), joining the next step()'s global norm for clipping.
+  virtual void add_squared_norm(double sq) = 0;
   virtual const LossScaler& scaler() const = 0;
   // Seconds this rank waited for other ranks' parameters (ZeRO-3), for timing its own compute.
   virtual double gather_wait_seconds() const { return 0.0; }

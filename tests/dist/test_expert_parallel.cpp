@@ -1,6 +1,7 @@
 // Expert parallelism through the Engine: a model with two MoE layers trained for 5 steps with
-// --ep 2 alone, with dp (ep 2 x dp 2), under ZeRO-3 and with a pipeline (ep 2 x pp 2), and with
-// tensor-parallel experts (tp 2; tp 2 x ep 2 on 4 ranks), follows one worker that runs the same
+// --ep 2 alone, with dp (ep 2 x dp 2), under ZeRO-3 and with a pipeline (ep 2 x pp 2), with
+// tensor-parallel experts (tp 2; tp 2 x ep 2 on 4 ranks), and clipped by the whole model's
+// gradient norm, follows one worker that runs the same
 // micro-batches (the auxiliary losses are per micro-batch and rank, as transformers computes
 // them per forward): losses and parameters. A checkpoint saved under ep 2 (and tp 2 x ep 2) loads
 // whole on one worker; initial values from a source are read by the experts' owners only;
@@ -60,6 +61,7 @@ std::pair<at::Tensor, at::Tensor> batch(int step) {
 
 struct Run {
   std::vector<double> losses;
+  std::vector<double> norms;  // Engine::last_grad_norm() after each step
   std::map<std::string, at::Tensor> params;
 };
 
@@ -75,32 +77,36 @@ Run train(Engine& eng, int steps = 5) {
     auto sum = torch::tensor({out ? loss.item<double>() : 0.0, out ? 1.0 : 0.0}, torch::kDouble);
     eng.world()->allreduce(sum);
     r.losses.push_back(sum[0].item<double>() / sum[1].item<double>());
+    r.norms.push_back(eng.last_grad_norm());
   }
   r.params = eng.full_parameters();
   return r;
 }
 
+// Rank 0's figures on every rank.
+std::vector<double> from_rank0(const std::vector<double>& v) {
+  auto n = torch::tensor({static_cast<int64_t>(v.size())});
+  world()->broadcast(n, 0);
+  auto t = world()->rank() == 0 ? torch::tensor(v, torch::kDouble) : torch::zeros({n.item<int64_t>()}, torch::kDouble);
+  world()->broadcast(t, 0);
+  return {t.data_ptr<double>(), t.data_ptr<double>() + t.numel()};
+}
+
 // One worker running the global batch as `micro_batches` micro-batches: the slices the
-// data-parallel replicas (and their pipeline micro-batches) run, in order.
-Run reference(moe::AuxLossForm form, int64_t micro_batches) {
+// data-parallel replicas (and their pipeline micro-batches) run, in order; clipping at `clip`.
+Run reference(moe::AuxLossForm form, int64_t micro_batches, double clip = 0.0) {
   Run r;
   if (auto one = world()->split(world()->rank() == 0 ? 0 : -1, world()->rank())) {
     Runtime rt = runtime_over(one);
     ParallelConfig c;
     c.strategy = Strategy::kSingle;
     c.grad_accum = micro_batches;
+    c.max_grad_norm = clip;
     Engine eng(rt, make_model(form), adamw(), c);
     r = train(eng);
   }
-  // Every rank gets rank 0's figures.
-  auto n = torch::tensor({static_cast<int64_t>(r.losses.size())});
-  world()->broadcast(n, 0);
-  std::vector<double> losses(static_cast<size_t>(n.item<int64_t>()));
-  auto l = world()->rank() == 0 ? torch::tensor(r.losses, torch::kDouble)
-                                : torch::zeros({n.item<int64_t>()}, torch::kDouble);
-  world()->broadcast(l, 0);
-  for (size_t i = 0; i < losses.size(); ++i) losses[i] = l[static_cast<int64_t>(i)].item<double>();
-  r.losses = losses;
+  r.losses = from_rank0(r.losses);
+  r.norms = from_rank0(r.norms);
   auto shapes = make_model(form)->named_parameters();
   std::map<std::string, at::Tensor> params;
   for (auto& p : shapes) {
@@ -177,6 +183,31 @@ TEST(ExpertParallelLayouts, FollowsOneWorkerWithPipeline) {
   auto want = reference(moe::AuxLossForm::kPerLayer, 4);
   Engine eng(runtime(), make_model(moe::AuxLossForm::kPerLayer), adamw(), ep_config(Strategy::kDDP, 2, /*pp=*/2));
   expect_same(train(eng), want, "ep 2 x pp 2");
+}
+
+// --max-grad-norm clips by the whole model's norm, the experts' included: ep 2 under DDP and
+// ZeRO-1 (and on 4 ranks tp 2 x ep 2) against one worker clipping at the same norm, below the
+// gradients' (every step clips): the norms, losses and parameters.
+TEST(ExpertParallelLayouts, ClipsByTheWholeModelsNorm) {
+  const int world_size = world()->size();
+  const double clip = 0.02;
+  for (auto [strategy, tp] :
+       {std::pair{Strategy::kDDP, 1}, std::pair{Strategy::kZero1, 1}, std::pair{Strategy::kDDP, 2}}) {
+    const int ep = world_size / tp;
+    if (ep < 2) continue;  // tp 2 x ep 2 needs 4 ranks
+    const std::string what =
+        std::string(to_string(strategy)) + " ep " + std::to_string(ep) + " tp " + std::to_string(tp);
+    auto want = reference(moe::AuxLossForm::kPooled, ep, clip);  // ep = dp: each replica's rows a micro-batch
+    for (double n : want.norms) ASSERT_GT(n, 1.5 * clip) << what << ": every step must clip";
+    auto c = ep_config(strategy, ep);
+    c.tp = tp;
+    c.max_grad_norm = clip;
+    Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c);
+    const auto got = train(eng);
+    expect_same(got, want, what);
+    for (size_t i = 0; i < want.norms.size(); ++i)
+      EXPECT_LE(std::abs(got.norms.at(i) - want.norms[i]), 1e-5 * want.norms[i]) << what << " step " << i;
+  }
 }
 
 // Tensor-parallel experts: tp 2 on 2 ranks; tp 2 x ep 2 (dp 2) on 4, each tp rank's ep group
@@ -278,9 +309,9 @@ TEST(ExpertParallelLayouts, RefusesWhatItCannotSplit) {
       },
       "has none");
   auto c = ep_config(Strategy::kDDP, 2);
-  c.max_grad_norm = 1.0;
+  c.precision = Precision::kFP16;
   expect_invalid_argument([&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c); },
-                          "--max-grad-norm");
+                          "--precision fp16");
   expect_invalid_argument(
       [&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 3)); },
       "--ep 3 does not divide");

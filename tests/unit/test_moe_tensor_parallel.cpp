@@ -29,7 +29,9 @@ at::Tensor randn(std::vector<int64_t> shape, uint64_t seed) {
   return torch::randn(shape, g, torch::kDouble);
 }
 
-moe::ExpertImpl& expert(SparseMoeBlock b, int64_t e) { return *b->experts[static_cast<size_t>(e)]->as<moe::ExpertImpl>(); }
+moe::ExpertImpl& expert(SparseMoeBlock b, int64_t e) {
+  return *b->experts[static_cast<size_t>(e)]->as<moe::ExpertImpl>();
+}
 
 // Part `r` of `parts` of each of the dense expert's gradients: w1 and w3 rows, w2 columns.
 void expect_part_gradients(const moe::ExpertImpl& part, const moe::ExpertImpl& dense, int r, int parts,
@@ -190,12 +192,10 @@ TEST(MoeTensorParallel, ComposesWithExpertParallelism) {
       auto& z = expert(ref[1], e);
       const int64_t n = 2;
       const std::string w = where + " expert " + std::to_string(e);
-      EXPECT_LE(moe_rel(mine.w1->weight.grad(),
-                        (a.w1->weight.grad() + z.w1->weight.grad()).narrow(0, part * n, n)),
+      EXPECT_LE(moe_rel(mine.w1->weight.grad(), (a.w1->weight.grad() + z.w1->weight.grad()).narrow(0, part * n, n)),
                 kTol)
           << w;
-      EXPECT_LE(moe_rel(mine.w2->weight.grad(),
-                        (a.w2->weight.grad() + z.w2->weight.grad()).narrow(1, part * n, n)),
+      EXPECT_LE(moe_rel(mine.w2->weight.grad(), (a.w2->weight.grad() + z.w2->weight.grad()).narrow(1, part * n, n)),
                 kTol)
           << w;
     }

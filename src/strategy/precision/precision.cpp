@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <stdexcept>
+#include <utility>
 
 #include "strategy/precision/layerwise.h"
 #include "tandem/optim.h"
@@ -204,27 +205,32 @@ void MixedPrecisionOptimizer::set_model_parallel(std::vector<bool> sharded, Comm
   model_parallel_ = true;
 }
 
-double MixedPrecisionOptimizer::global_norm(const at::Tensor& sq_sharded, const at::Tensor& sq_other) const {
+double MixedPrecisionOptimizer::global_squares(const at::Tensor& sq_sharded, const at::Tensor& sq_other) const {
   // One float64 pair per reduction (the communicators take tensors on their device).
   auto dev = params_.empty() ? at::Device(at::kCPU) : params_[0].device();
   auto sh = sq_sharded.to(dev, at::kDouble).reshape({1}).clone();
   if (mp_tp_ && mp_tp_->size() > 1) mp_tp_->allreduce(sh, ReduceOp::kSum);
   auto total = sh + sq_other.to(dev, at::kDouble).reshape({1});
   if (mp_pp_ && mp_pp_->size() > 1) mp_pp_->allreduce(total, ReduceOp::kSum);
-  return std::sqrt(total.item<double>());
+  return total.item<double>();
 }
 
-bool MixedPrecisionOptimizer::step(double max_grad_norm) {
+bool MixedPrecisionOptimizer::step(double max_grad_norm, double given_norm) {
   torch::NoGradGuard ng;
+  const double extra = std::exchange(extra_sq_, 0.0);
   if (precision_ == Precision::kFP32) {
-    if (max_grad_norm > 0 && model_parallel_) {
-      const auto opts = (params_.empty() ? at::TensorOptions() : params_[0].options()).dtype(at::kDouble);
-      auto sh = at::zeros({}, opts), other = at::zeros({}, opts);
-      for (size_t i = 0; i < params_.size(); ++i) {
-        const auto& g = params_[i].grad();
-        if (g.defined()) (sharded_[i] ? sh : other) += g.to(at::kDouble).pow(2).sum();
+    if (max_grad_norm > 0 && (model_parallel_ || given_norm >= 0 || extra > 0)) {
+      if (given_norm >= 0) {
+        last_norm_ = given_norm;
+      } else {
+        const auto opts = (params_.empty() ? at::TensorOptions() : params_[0].options()).dtype(at::kDouble);
+        auto sh = at::zeros({}, opts), other = at::zeros({}, opts);
+        for (size_t i = 0; i < params_.size(); ++i) {
+          const auto& g = params_[i].grad();
+          if (g.defined()) (model_parallel_ && sharded_[i] ? sh : other) += g.to(at::kDouble).pow(2).sum();
+        }
+        last_norm_ = std::sqrt(global_squares(sh, other) + extra);
       }
-      last_norm_ = global_norm(sh, other);
       const double coef = max_grad_norm / (last_norm_ + 1e-6);
       if (coef < 1.0)
         for (auto& p : params_)
@@ -257,7 +263,9 @@ bool MixedPrecisionOptimizer::step(double max_grad_norm) {
     (model_parallel_ && sharded_[i] ? sq_sharded : sq) += g32.to(at::kDouble).pow(2).sum();
     masters_[i].mutable_grad() = g32;
   }
-  double norm = model_parallel_ ? global_norm(sq_sharded, sq) : std::sqrt(sq.item<double>());
+  const double norm = given_norm >= 0
+                          ? given_norm
+                          : std::sqrt((model_parallel_ ? global_squares(sq_sharded, sq) : sq.item<double>()) + extra);
   bool found_inf = !std::isfinite(norm);
   scaler_.update(found_inf);
   if (found_inf) {

@@ -197,6 +197,8 @@ double ZeroDataParallel::lr() const { return impl_->optim->param_groups().at(0).
 
 double ZeroDataParallel::last_grad_norm() const { return impl_->last_norm; }
 
+void ZeroDataParallel::add_squared_norm(double sq) { impl_->extra_sq += sq; }
+
 double ZeroDataParallel::gather_wait_seconds() const { return impl_->gather_wait_s; }
 
 void ZeroDataParallel::set_model_parallel(const std::vector<bool>& sharded, CommPtr tp, CommPtr pp) {

@@ -127,6 +127,7 @@ struct ZeroDataParallel::Impl {
   bool owned_summed = false;    // stage 1: the owned chunks hold sums over ranks, not means
   std::deque<size_t> inflight;  // stages 2, 3: launched, scratch still held
   double last_norm = -1.0;
+  double extra_sq = 0.0;  // add_squared_norm's, for the next step
   // set_model_parallel: per bucket, the ranges of this rank's chunk (chunk-local) that hold
   // tensor-parallel shards; the groups over which the norm's parts are summed.
   bool model_parallel = false;

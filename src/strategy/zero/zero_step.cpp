@@ -78,7 +78,8 @@ bool ZeroDataParallel::Impl::step() {
     } else {
       total = sq[0].cpu().item<double>();
     }
-    double norm = std::sqrt(total);
+    double norm = std::sqrt(total + extra_sq);
+    extra_sq = 0.0;
     const bool found_inf = !std::isfinite(norm);
     scaler.update(found_inf);
     if (found_inf) {
