@@ -67,7 +67,9 @@ class SelectiveRecompute {
 // A module whose forward is checkpointed. It takes the wrapped module's children, parameters
 // and buffers as its own, under the same names, so the model keeps its parameter names
 // (checkpoints, ZeRO-3 units and tensor-parallel conversions see the same model), and train()
-// and eval() reach the wrapped module.
+// and eval() reach the wrapped module. The experts a MoE layer inside keeps apart under expert
+// parallelism (moe::ExpertParallel::local_experts, when it is split before the wrapping) are
+// inputs of the recomputation too, so their gradients arrive as well.
 class CheckpointedImpl : public torch::nn::Module {
  public:
   explicit CheckpointedImpl(torch::nn::AnyModule inner);

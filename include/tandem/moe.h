@@ -155,6 +155,8 @@ class ExpertParallel {
     std::shared_ptr<torch::nn::Module> module;
   };
   virtual std::vector<LocalExpert> use_expert_parallel(const CommPtr& ep) = 0;
+  // What use_expert_parallel returned (empty before it).
+  virtual std::vector<LocalExpert> local_experts() const = 0;
   virtual int64_t num_experts() const = 0;
 };
 
@@ -183,6 +185,7 @@ class SparseMoeBlockImpl : public torch::nn::Module, public ExpertParallel, publ
   SparseMoeBlockImpl(const SparseMoeBlockImpl& dense, const CommPtr& tp);
   torch::Tensor forward(const torch::Tensor& x);
   std::vector<LocalExpert> use_expert_parallel(const CommPtr& ep) override;
+  std::vector<LocalExpert> local_experts() const override;
   int64_t num_experts() const override { return config.num_experts; }
   // As a child of a Sequential that tp::tensor_parallel converts: the tp form. Throws
   // std::invalid_argument naming intermediate_size when tp_size does not divide it.

@@ -221,11 +221,6 @@ void validate_expert_parallel(const ParallelConfig& c, int world) {
   if (c.precision == Precision::kFP16) {
     refuse("--precision fp16", "the experts and the dense weights would need one loss scale; use bf16 or fp32");
   }
-  if (c.activation_checkpointing.enabled() &&
-      c.activation_checkpointing.mode != ActivationCheckpointing::Mode::kSelective) {
-    refuse("--activation-checkpointing " + to_string(c.activation_checkpointing),
-           "a recomputed layer would not see the experts it keeps apart; use --activation-checkpointing selective");
-  }
 }
 
 void validate_batch(const ParallelConfig& c, int world, int64_t batch) {

@@ -323,6 +323,7 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
     L.net = convert(L.dense_sequential(), L.grid->tp(), o).ptr();
   }
   if (L.cp) use_context_parallel(L.net_sequential(), L.cp);
+  if (cfg.ep > 1) experts = engine::split_experts(L);  // before wrappers adopt the layers' children
   if (cfg.activation_checkpointing.enabled()) checkpoint_layers(cut);
   if (cfg.pp > 1) {
     PipelineOptions po;
@@ -335,7 +336,7 @@ void Engine::Impl::build(std::shared_ptr<torch::nn::Module> model, ForwardFn for
   }
   L.trained_module = L.pipe ? L.pipe->stage_module().ptr() : L.net;
   map_child_names();
-  if (cfg.ep > 1) experts = engine::split_experts(L, [this](const std::string& n) { return dense_name(n); });
+  if (experts) engine::bank_experts(L, *experts, [this](const std::string& n) { return dense_name(n); });
   place_parameters();
   for (auto& p : L.trained_module->parameters())
     if (p.requires_grad()) L.trained.push_back(p);

@@ -5,39 +5,26 @@
 
 #include <stdexcept>
 
+#include "tandem/activation_checkpoint.h"
 #include "tandem/moe.h"
 #include "tandem/optim.h"
 #include "tandem/precision.h"
+#include "tandem/zero.h"
 
 namespace tandem::engine {
 
-std::unique_ptr<ExpertShards> split_experts(Layout& L,
-                                            const std::function<std::string(const std::string&)>& dense_name) {
+std::unique_ptr<ExpertShards> split_experts(Layout& L) {
   const int ep = L.cfg.ep, r = L.data->rank();
   auto X = std::make_unique<ExpertShards>();
   X->ep = L.data->split(/*color=*/r / ep, /*key=*/r % ep);
   X->edp = L.data->split(/*color=*/r % ep, /*key=*/r / ep);
-  X->bank = std::make_shared<torch::nn::Module>("ExpertBank");
   // A snapshot: the layers unregister their experts while we go.
-  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> modules;
-  for (auto& m : L.trained_module->named_modules("", /*include_self=*/true)) modules.emplace_back(m.key(), m.value());
-  int64_t layers = 0, index = 0;
-  for (auto& [path, module] : modules) {
-    auto* layer = dynamic_cast<moe::ExpertParallel*>(module.get());
-    if (!layer) continue;
-    ++layers;
-    const std::string prefix = path.empty() ? "" : path + ".";
-    for (auto& local : layer->use_expert_parallel(X->ep)) {
-      const std::string child = std::to_string(index++);
-      X->bank->register_module(child, local.module);
-      // Whole, or a tensor-parallel expert's blocks; the edp ranks hold them again.
-      for (auto& p : parameter_placements(*local.module, 0)) {
-        p.placement.replica = p.placement.replica * X->edp->size() + X->edp->rank();
-        X->placed[child + "." + p.name] = {child + "." + p.name, dense_name(prefix + local.name + "." + p.dense_name),
-                                           p.placement};
-      }
-      for (auto& p : local.module->named_parameters(/*recurse=*/true))
-        if (p.value().requires_grad()) X->trained.emplace_back(child + "." + p.key(), p.value());
+  std::vector<std::shared_ptr<torch::nn::Module>> modules = L.net->modules(/*include_self=*/true);
+  int64_t layers = 0;
+  for (auto& module : modules) {
+    if (auto* layer = dynamic_cast<moe::ExpertParallel*>(module.get())) {
+      ++layers;
+      layer->use_expert_parallel(X->ep);
     }
   }
   if (layers == 0) {
@@ -46,6 +33,39 @@ std::unique_ptr<ExpertShards> split_experts(Layout& L,
         " spreads the experts of mixture-of-experts layers, and this model has none; use --ep 1");
   }
   return X;
+}
+
+namespace {
+// The MoE layer a module is, or wraps (activation checkpointing and ZeRO-3 units adopt the wrapped
+// module's children, not the module itself).
+const moe::ExpertParallel* expert_layer(torch::nn::Module& m) {
+  if (auto* e = dynamic_cast<const moe::ExpertParallel*>(&m)) return e;
+  if (auto* c = m.as<CheckpointedImpl>()) return dynamic_cast<const moe::ExpertParallel*>(c->inner().ptr().get());
+  if (auto* u = m.as<ShardedUnitImpl>()) return dynamic_cast<const moe::ExpertParallel*>(u->inner().ptr().get());
+  return nullptr;
+}
+}  // namespace
+
+void bank_experts(Layout& L, ExpertShards& X, const std::function<std::string(const std::string&)>& dense_name) {
+  X.bank = std::make_shared<torch::nn::Module>("ExpertBank");
+  int64_t index = 0;
+  for (auto& m : L.trained_module->named_modules("", /*include_self=*/true)) {
+    const auto* layer = expert_layer(*m.value());
+    if (!layer) continue;
+    const std::string prefix = m.key().empty() ? "" : m.key() + ".";
+    for (auto& local : layer->local_experts()) {
+      const std::string child = std::to_string(index++);
+      X.bank->register_module(child, local.module);
+      // Whole, or a tensor-parallel expert's blocks; the edp ranks hold them again.
+      for (auto& p : parameter_placements(*local.module, 0)) {
+        p.placement.replica = p.placement.replica * X.edp->size() + X.edp->rank();
+        X.placed[child + "." + p.name] = {child + "." + p.name, dense_name(prefix + local.name + "." + p.dense_name),
+                                          p.placement};
+      }
+      for (auto& p : local.module->named_parameters(/*recurse=*/true))
+        if (p.value().requires_grad()) X.trained.emplace_back(child + "." + p.key(), p.value());
+    }
+  }
 }
 
 namespace {

@@ -27,11 +27,16 @@ struct ExpertShards {
   std::map<std::string, ParameterPlacement> placed;         // by name in the bank
 };
 
-// Collective over L.data: splits the ep and edp groups, calls use_expert_parallel on every
-// moe::ExpertParallel module of L.trained_module and gathers the experts each rank keeps.
-// `dense_name` maps a parameter's name in the trained module to the dense model's.
-std::unique_ptr<ExpertShards> split_experts(Layout& L,
-                                            const std::function<std::string(const std::string&)>& dense_name);
+// Collective over L.data: splits the ep and edp groups and calls use_expert_parallel on every
+// moe::ExpertParallel module of L.net (after its tensor-parallel conversion, before activation
+// checkpointing wraps its layers, so that the wrappers adopt the layers without the experts they
+// released, and before the pipeline cut). Throws std::invalid_argument when there is none.
+std::unique_ptr<ExpertShards> split_experts(Layout& L);
+
+// The experts the MoE layers of L.trained_module (this rank's stage) keep, into X's bank, with
+// their placements; `dense_name` maps a parameter's name in the trained module to the dense
+// model's.
+void bank_experts(Layout& L, ExpertShards& X, const std::function<std::string(const std::string&)>& dense_name);
 
 // The strategy's updater (made by `make_dense`, after the experts' fp32 masters are taken) for
 // every weight but the experts, which are stepped by one optimizer per rank (fp32 masters in

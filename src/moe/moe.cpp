@@ -410,6 +410,14 @@ std::vector<ExpertParallel::LocalExpert> SparseMoeBlockImpl::use_expert_parallel
   return out;
 }
 
+std::vector<ExpertParallel::LocalExpert> SparseMoeBlockImpl::local_experts() const {
+  std::vector<LocalExpert> out;
+  if (!ep) return out;
+  for (size_t i = 0; i < local.size(); ++i)
+    out.push_back({"experts." + std::to_string(first_local + static_cast<int64_t>(i)), local[i].ptr()});
+  return out;
+}
+
 void SparseMoeBlockImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
   Module::to(device, dtype, non_blocking);
   if (ep)

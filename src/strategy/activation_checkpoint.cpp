@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "strategy/module_wrapper.h"
+#include "tandem/moe.h"
 
 namespace tandem {
 
@@ -182,6 +183,13 @@ CheckpointedImpl::CheckpointedImpl(torch::nn::AnyModule inner) : inner_(std::mov
   detail::adopt_members(*this, *m);
   Module::train(m->is_training());
   params_ = parameters();
+  auto subs = modules(/*include_self=*/false);
+  subs.push_back(m);  // the wrapped module itself is not among its adopted children
+  for (auto& sub : subs) {
+    if (auto* layer = dynamic_cast<moe::ExpertParallel*>(sub.get()))
+      for (auto& e : layer->local_experts())
+        for (auto& p : e.module->parameters()) params_.push_back(p);
+  }
 }
 
 at::Tensor CheckpointedImpl::forward(const at::Tensor& x) {

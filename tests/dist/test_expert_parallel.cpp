@@ -1,7 +1,7 @@
 // Expert parallelism through the Engine: a model with two MoE layers trained for 5 steps with
 // --ep 2 alone, with dp (ep 2 x dp 2), under ZeRO-3 and with a pipeline (ep 2 x pp 2), with
-// tensor-parallel experts (tp 2; tp 2 x ep 2 on 4 ranks), and clipped by the whole model's
-// gradient norm, follows one worker that runs the same
+// tensor-parallel experts (tp 2; tp 2 x ep 2 on 4 ranks), with every layer recomputed in
+// backward, and clipped by the whole model's gradient norm, follows one worker that runs the same
 // micro-batches (the auxiliary losses are per micro-batch and rank, as transformers computes
 // them per forward): losses and parameters. A checkpoint saved under ep 2 (and tp 2 x ep 2) loads
 // whole on one worker; initial values from a source are read by the experts' owners only;
@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/activation_checkpoint.h"
 #include "tandem/checkpoint.h"
 #include "tandem/engine.h"
 #include "tandem/moe.h"
@@ -208,6 +209,19 @@ TEST(ExpertParallelLayouts, ClipsByTheWholeModelsNorm) {
     for (size_t i = 0; i < want.norms.size(); ++i)
       EXPECT_LE(std::abs(got.norms.at(i) - want.norms[i]), 1e-5 * want.norms[i]) << what << " step " << i;
   }
+}
+
+// Whole-layer activation checkpointing: every layer recomputed in backward, the MoE layers with
+// the experts they keep (inputs of the recomputation though the Engine banks them apart).
+TEST(ExpertParallelLayouts, FollowsOneWorkerWithWholeLayerCheckpointing) {
+  const int world_size = world()->size();
+  auto want = reference(moe::AuxLossForm::kPooled, world_size);
+  auto c = ep_config(Strategy::kDDP, 2);
+  c.activation_checkpointing = parse_activation_checkpointing("every");
+  Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c);
+  for (auto& p : eng.module().named_parameters())
+    EXPECT_EQ(p.key().find("experts"), std::string::npos) << p.key() << ": the wrappers adopt no released expert";
+  expect_same(train(eng), want, "ep 2 on " + std::to_string(world_size) + " ranks, every layer recomputed");
 }
 
 // Tensor-parallel experts: tp 2 on 2 ranks; tp 2 x ep 2 (dp 2) on 4, each tp rank's ep group

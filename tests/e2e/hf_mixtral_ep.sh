@@ -2,9 +2,10 @@
 # `tandem finetune --init-from` the tiny random Mixtral (tests/hf/hf_fixture.py: 2 layers, 4
 # experts, top-2) under expert parallelism, against one worker running the same micro-batches
 # (--grad-accum: the load-balancing loss is per forward, as transformers computes it, so a
-# replica's rows are its own micro-batch): ep 2, ep 2 x zero3 and tensor-parallel experts (tp 2)
-# on 2 workers, ep 2 x dp 2, ep 2 x pp 2 (per-layer loss) and tp 2 x ep 2 with sequence
-# parallelism on 4, 5 steps each, losses and aux losses within rel 1e-5. The
+# replica's rows are its own micro-batch): ep 2, ep 2 x zero3 with every layer recomputed and
+# tensor-parallel experts (tp 2) on 2 workers, ep 2 x dp 2, ep 2 x pp 2 (per-layer loss) and
+# tp 2 x ep 2 with sequence parallelism on 4, 5 steps each, losses and aux losses within rel
+# 1e-5. The
 # ep 2 checkpoint after 5 steps, exported with `tandem export --to hf`, loads in transformers as
 # a MixtralForCausalLM and gives Tandem's step-6 language-model loss (rel 1e-5). The report
 # names the experts' routing and the all-to-all. --ep that does not divide the experts (or the
@@ -30,7 +31,7 @@ run one4_layer -n 1 --steps 5 --grad-accum 4 --moe-aux-loss per-layer
 run ep2 -n 2 --ep 2 --steps 6 --checkpoint-dir "$tmp/ck" --checkpoint-every 5 &&
   { timeout 120 "$tandem" export --to hf "$tmp/export" --checkpoint "$tmp/ck/step-00000005" >"$tmp/export.log" 2>&1 ||
     { echo "FAIL export:"; tail -20 "$tmp/export.log"; fails=$((fails + 1)); }; }
-run ep2_zero3 -n 2 --ep 2 --strategy zero3 --steps 6
+run ep2_zero3 -n 2 --ep 2 --strategy zero3 --activation-checkpointing every --steps 6
 run ep2_dp2 -n 4 --ep 2 --steps 5
 run ep2_pp2 -n 4 --ep 2 --pp 2 --micro-batches 2 --moe-aux-loss per-layer --steps 5
 run tp2 -n 2 --tp 2 --grad-accum 2 --steps 6
