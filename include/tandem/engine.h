@@ -101,10 +101,10 @@ struct ParallelConfig {
   // averaged there, without overlap, and their optimizer state kept whole on each of them). ep
   // must divide the data-parallel ranks and every MoE layer's experts. With --tp each tp rank
   // has its ep groups, whose experts are that rank's parts (the tp form of moe::SparseMoeBlock).
-  // --max-grad-norm clips by the whole model's norm, the experts' included; recomputed layers
-  // (activation checkpointing, whole or selective) recompute their kept experts. Not with --cp
-  // (MoE layers are not context-parallel), hsdp or fp16 (the dense and expert updates do not
-  // share one loss scale).
+  // --max-grad-norm clips by the whole model's norm, the experts' included, and fp16 skips an
+  // overflowed step for the whole model; recomputed layers (activation checkpointing, whole or
+  // selective) recompute their kept experts. Not with --cp (MoE layers are not
+  // context-parallel) or hsdp.
   int ep = 1;
   int64_t micro_batches = 1;  // per replica and step, when pp > 1
   PipelineSchedule schedule = PipelineSchedule::k1F1B;

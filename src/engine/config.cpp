@@ -218,9 +218,6 @@ void validate_expert_parallel(const ParallelConfig& c, int world) {
   };
   if (c.cp > 1) refuse("--cp " + std::to_string(c.cp), "the experts' tokens would be parts of sequences; use --cp 1");
   if (is_hybrid(c.strategy)) refuse(std::string("--strategy ") + to_string(c.strategy), "use ddp or zero1-3");
-  if (c.precision == Precision::kFP16) {
-    refuse("--precision fp16", "the experts and the dense weights would need one loss scale; use bf16 or fp32");
-  }
 }
 
 void validate_batch(const ParallelConfig& c, int world, int64_t batch) {

@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include <limits>
 #include <stdexcept>
 
 #include "tandem/activation_checkpoint.h"
@@ -100,14 +101,21 @@ class WithExperts final : public Updater {
   at::Tensor forward(const at::Tensor& x) override { return dense_->forward(x); }
   at::Tensor scale_loss(const at::Tensor& loss) const override { return dense_->scale_loss(loss); }
   void after_pipeline_backward() override { dense_->after_pipeline_backward(); }
-  // Clipping: the experts' squares join the dense updater's global norm, and the experts are
-  // clipped by that norm too (one coefficient for the whole model).
+  // One global norm: the experts' (unscaled) squares join the dense updater's, which clips by
+  // it and in fp16 skips an overflowed step. The experts take its verdict: skipped with it (their
+  // loss scaler backs off as the dense one does, so the two stay equal), else clipped by the
+  // same norm.
   bool step() override {
     reduce_expert_gradients();
     const double clip = L_.cfg.max_grad_norm;
-    if (clip > 0) dense_->add_squared_norm(expert_squares());
+    const bool fp16 = L_.cfg.precision == Precision::kFP16;
+    if (clip > 0 || fp16) {
+      const double s = dense_->scaler().scale();
+      dense_->add_squared_norm(expert_squares() / (s * s));
+    }
     const bool stepped = dense_->step();
-    opt_->step(clip, clip > 0 ? dense_->last_grad_norm() : -1.0);
+    const double norm = !stepped ? std::numeric_limits<double>::infinity() : clip > 0 ? dense_->last_grad_norm() : 0.0;
+    opt_->step(clip, norm);
     return stepped;
   }
   void set_lr(double lr) override {
@@ -148,7 +156,10 @@ class WithExperts final : public Updater {
     for (size_t i = 0; i < masters.size(); ++i)
       if (!masters[i].is_same(params_[i])) params_[i].detach().copy_(masters[i]);
   }
-  void restore_loss_scaler(const CheckpointMeta& m) override { dense_->restore_loss_scaler(m); }
+  void restore_loss_scaler(const CheckpointMeta& m) override {
+    dense_->restore_loss_scaler(m);
+    opt_->restore_loss_scaler(m.loss_scale, m.loss_scale_good_steps, m.skipped_steps);
+  }
   void memory(EngineStats::Memory& s) const override {
     dense_->memory(s);
     for (auto& p : X_.bank->parameters()) {

@@ -94,16 +94,17 @@ std::vector<double> from_rank0(const std::vector<double>& v) {
 }
 
 // One worker running the global batch as `micro_batches` micro-batches: the slices the
-// data-parallel replicas (and their pipeline micro-batches) run, in order; clipping at `clip`.
-Run reference(moe::AuxLossForm form, int64_t micro_batches, double clip = 0.0) {
+// data-parallel replicas (and their pipeline micro-batches) run, in order; otherwise as `base`
+// (precision, clipping) with `optimizer`.
+Run reference(moe::AuxLossForm form, int64_t micro_batches, ParallelConfig base = {},
+              const OptimizerOptions& optimizer = adamw()) {
   Run r;
   if (auto one = world()->split(world()->rank() == 0 ? 0 : -1, world()->rank())) {
     Runtime rt = runtime_over(one);
-    ParallelConfig c;
+    ParallelConfig c = base;
     c.strategy = Strategy::kSingle;
     c.grad_accum = micro_batches;
-    c.max_grad_norm = clip;
-    Engine eng(rt, make_model(form), adamw(), c);
+    Engine eng(rt, make_model(form), optimizer, c);
     r = train(eng);
   }
   r.losses = from_rank0(r.losses);
@@ -198,7 +199,9 @@ TEST(ExpertParallelLayouts, ClipsByTheWholeModelsNorm) {
     if (ep < 2) continue;  // tp 2 x ep 2 needs 4 ranks
     const std::string what =
         std::string(to_string(strategy)) + " ep " + std::to_string(ep) + " tp " + std::to_string(tp);
-    auto want = reference(moe::AuxLossForm::kPooled, ep, clip);  // ep = dp: each replica's rows a micro-batch
+    ParallelConfig clipped;
+    clipped.max_grad_norm = clip;
+    auto want = reference(moe::AuxLossForm::kPooled, ep, clipped);  // ep = dp: each replica's rows a micro-batch
     for (double n : want.norms) ASSERT_GT(n, 1.5 * clip) << what << ": every step must clip";
     auto c = ep_config(strategy, ep);
     c.tp = tp;
@@ -208,6 +211,39 @@ TEST(ExpertParallelLayouts, ClipsByTheWholeModelsNorm) {
     expect_same(got, want, what);
     for (size_t i = 0; i < want.norms.size(); ++i)
       EXPECT_LE(std::abs(got.norms.at(i) - want.norms[i]), 1e-5 * want.norms[i]) << what << " step " << i;
+  }
+}
+
+// fp16: one loss scale for the whole model. A first scale of 2^20 overflows fp16's gradients, so
+// the first steps are skipped (the experts with the dense weights: their own scaler backs off
+// with the dense one's) until the scale fits; then ep 2 trains as one worker in fp16. SGD, whose
+// step (unlike Adam's) is proportional to the unscaled gradient, so that a wrong scale shows.
+TEST(ExpertParallelLayouts, Fp16SkipsOverflowedStepsForTheWholeModel) {
+  const int world_size = world()->size();
+  ParallelConfig fp16;
+  fp16.precision = Precision::kFP16;
+  fp16.loss_scaler.init_scale = 1048576.0;  // 2^20, then 2^17, 2^14, ... on each overflow
+  fp16.loss_scaler.backoff_factor = 0.125;
+  OptimizerOptions sgd;
+  sgd.kind = "sgd";
+  sgd.lr = 0.5;
+  sgd.momentum = 0.9;
+  auto want = reference(moe::AuxLossForm::kPooled, world_size, fp16, sgd);
+  auto c = ep_config(Strategy::kDDP, 2);
+  c.precision = fp16.precision;
+  c.loss_scaler = fp16.loss_scaler;
+  Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), sgd, c);
+  const auto got = train(eng);
+  const auto skipped = eng.loss_scaler().skipped_steps();
+  EXPECT_GT(skipped, 0) << "the first scale must overflow";
+  EXPECT_LT(skipped, 5) << "and some steps must train";
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t i = 0; i < want.losses.size(); ++i)
+    EXPECT_LE(std::abs(got.losses[i] - want.losses[i]), 2e-3 * std::abs(want.losses[i])) << "step " << i;
+  for (const auto& [name, t] : want.params) {
+    ASSERT_TRUE(got.params.count(name)) << name;
+    EXPECT_TRUE(torch::isfinite(got.params.at(name)).all().item<bool>()) << name;
+    EXPECT_LE(rel_err(got.params.at(name), t), 1e-2) << name;
   }
 }
 
@@ -322,10 +358,9 @@ TEST(ExpertParallelLayouts, RefusesWhatItCannotSplit) {
         Engine eng(runtime(), torch::nn::Sequential(torch::nn::Linear(4, 4)), adamw(), ep_config(Strategy::kDDP, 2));
       },
       "has none");
-  auto c = ep_config(Strategy::kDDP, 2);
-  c.precision = Precision::kFP16;
+  auto c = ep_config(Strategy::kHsdp, 2);
   expect_invalid_argument([&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c); },
-                          "--precision fp16");
+                          "does not compose with --strategy hsdp");
   expect_invalid_argument(
       [&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 3)); },
       "--ep 3 does not divide");
