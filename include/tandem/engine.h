@@ -103,8 +103,8 @@ struct ParallelConfig {
   // has its ep groups, whose experts are that rank's parts (the tp form of moe::SparseMoeBlock).
   // --max-grad-norm clips by the whole model's norm, the experts' included, and fp16 skips an
   // overflowed step for the whole model; recomputed layers (activation checkpointing, whole or
-  // selective) recompute their kept experts. Not with --cp (MoE layers are not
-  // context-parallel) or hsdp.
+  // selective) recompute their kept experts. Any strategy shards the dense weights (ddp, zero1-3,
+  // hsdp, hsdp2). Not with --cp (MoE layers are not context-parallel).
   int ep = 1;
   int64_t micro_batches = 1;  // per replica and step, when pp > 1
   PipelineSchedule schedule = PipelineSchedule::k1F1B;

@@ -216,8 +216,10 @@ void validate_expert_parallel(const ParallelConfig& c, int world) {
   auto refuse = [&](const std::string& what, const std::string& why) {
     throw std::invalid_argument(e + " does not compose with " + what + ": " + why);
   };
-  if (c.cp > 1) refuse("--cp " + std::to_string(c.cp), "the experts' tokens would be parts of sequences; use --cp 1");
-  if (is_hybrid(c.strategy)) refuse(std::string("--strategy ") + to_string(c.strategy), "use ddp or zero1-3");
+  if (c.cp > 1) {
+    refuse("--cp " + std::to_string(c.cp),
+           "the load-balancing loss would be over parts of sequences, not a micro-batch's tokens; use --cp 1");
+  }
 }
 
 void validate_batch(const ParallelConfig& c, int world, int64_t batch) {

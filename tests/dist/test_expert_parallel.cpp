@@ -1,11 +1,12 @@
 // Expert parallelism through the Engine: a model with two MoE layers trained for 5 steps with
-// --ep 2 alone, with dp (ep 2 x dp 2), under ZeRO-3 and with a pipeline (ep 2 x pp 2), with
-// tensor-parallel experts (tp 2; tp 2 x ep 2 on 4 ranks), with every layer recomputed in
-// backward, and clipped by the whole model's gradient norm, follows one worker that runs the same
-// micro-batches (the auxiliary losses are per micro-batch and rank, as transformers computes
-// them per forward): losses and parameters. A checkpoint saved under ep 2 (and tp 2 x ep 2) loads
-// whole on one worker; initial values from a source are read by the experts' owners only;
-// experts not divisible by ep, and --ep on a model without MoE layers, are refused.
+// --ep 2 alone, with dp (ep 2 x dp 2), under ZeRO-1, ZeRO-3, hsdp and hsdp2, with a pipeline
+// (ep 2 x pp 2), with tensor-parallel experts (tp 2; tp 2 x ep 2 on 4 ranks), with every layer
+// recomputed in backward, clipped by the whole model's gradient norm, and in fp16 with skipped
+// steps, follows one worker that runs the same micro-batches (the auxiliary losses are per
+// micro-batch and rank, as transformers computes them per forward): losses and parameters. A
+// checkpoint saved under ep 2 (and tp 2 x ep 2) loads whole on one worker; initial values from a
+// source are read by the experts' owners only; experts not divisible by ep, --ep on a model
+// without MoE layers and --ep with --cp are refused.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -214,6 +215,19 @@ TEST(ExpertParallelLayouts, ClipsByTheWholeModelsNorm) {
   }
 }
 
+// Hybrid sharding of the dense weights (hsdp and hsdp2: shard groups of 2, replicated over the
+// 2 groups on 4 ranks; one group of both ranks on 2) beside ep 2.
+TEST(ExpertParallelLayouts, FollowsOneWorkerWithHybridSharding) {
+  const int world_size = world()->size();
+  auto want = reference(moe::AuxLossForm::kPooled, world_size);
+  for (auto s : {Strategy::kHsdp, Strategy::kHsdp2}) {
+    auto c = ep_config(s, 2);
+    c.shard_group = 2;
+    Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c);
+    expect_same(train(eng), want, std::string(to_string(s)) + " x ep 2");
+  }
+}
+
 // fp16: one loss scale for the whole model. A first scale of 2^20 overflows fp16's gradients, so
 // the first steps are skipped (the experts with the dense weights: their own scaler backs off
 // with the dense one's) until the scale fits; then ep 2 trains as one worker in fp16. SGD, whose
@@ -358,12 +372,15 @@ TEST(ExpertParallelLayouts, RefusesWhatItCannotSplit) {
         Engine eng(runtime(), torch::nn::Sequential(torch::nn::Linear(4, 4)), adamw(), ep_config(Strategy::kDDP, 2));
       },
       "has none");
-  auto c = ep_config(Strategy::kHsdp, 2);
-  expect_invalid_argument([&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c); },
-                          "does not compose with --strategy hsdp");
   expect_invalid_argument(
       [&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(Strategy::kDDP, 3)); },
       "--ep 3 does not divide");
+  if (world()->size() == 4) {
+    auto c = ep_config(Strategy::kDDP, 2);
+    c.cp = 2;
+    expect_invalid_argument([&] { Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), c); },
+                            "does not compose with --cp 2");
+  }
 }
 
 }  // namespace

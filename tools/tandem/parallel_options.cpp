@@ -59,8 +59,8 @@ void add_parallel_options(CLI::App& app, ParallelConfig& pc) {
          "consecutive data-parallel ranks, tokens dispatched to them and combined back by all-to-all (dense "
          "weights data-parallel over all of them, experts over the dp / ep ranks holding the same ones); it must "
          "divide the data-parallel ranks and the experts. Mixtral models (finetune --init-from); composes with "
-         "--tp (each expert cut over the tp ranks), --pp, ddp or zero1-3, fp16, --max-grad-norm and "
-         "--activation-checkpointing, not --cp or hsdp")
+         "--tp (each expert cut over the tp ranks), --pp, every --strategy, fp16, --max-grad-norm and "
+         "--activation-checkpointing, not --cp")
       ->capture_default_str();
   app.add_option("--micro-batches", pc.micro_batches, "pipeline micro-batches per step and replica (with --pp)")
       ->capture_default_str();
