@@ -24,6 +24,7 @@
 #include "tandem/checkpoint.h"
 #include "tandem/comm.h"
 #include "tandem/ddp.h"
+#include "tandem/moe.h"
 #include "tandem/optim.h"
 #include "tandem/pipeline.h"
 #include "tandem/precision.h"
@@ -261,17 +262,7 @@ struct EngineStats {
 
   // Mixture-of-experts layers (tandem/moe.h) on this rank's thread: their routing and
   // auxiliary losses, and the all-to-all of expert parallelism.
-  struct MixtureOfExperts {
-    std::vector<int64_t> tokens_per_expert;         // token slots routed from this rank's tokens, by expert
-    int64_t routed = 0, dropped = 0;                // token slots, and those over capacity
-    double aux_loss = 0.0, z_loss = 0.0;            // mean load-balancing and router z-loss (no coefficients)
-    double aux_loss_coef = 0.0, z_loss_coef = 0.0;  // the coefficients the layers ran with
-    double aux_loss_sum = 0.0, z_loss_sum = 0.0;
-    int64_t aux_loss_terms = 0, z_loss_terms = 0;
-    int64_t all_to_alls = 0;
-    double all_to_all_seconds = 0.0;
-    int64_t all_to_all_bytes = 0;
-  } moe;
+  moe::MoeStats moe;
 
   // Checkpoints saved with save().
   struct Checkpointing {

@@ -102,6 +102,9 @@ struct MoeStats {
   int64_t all_to_alls = 0;
   double all_to_all_seconds = 0.0;
   int64_t all_to_all_bytes = 0;
+  // The means of the terms (0 without any).
+  double aux_loss() const { return aux_loss_terms > 0 ? aux_loss_sum / static_cast<double>(aux_loss_terms) : 0.0; }
+  double z_loss() const { return z_loss_terms > 0 ? z_loss_sum / static_cast<double>(z_loss_terms) : 0.0; }
 };
 MoeStats moe_stats();
 void reset_moe_stats();

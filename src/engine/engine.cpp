@@ -719,26 +719,6 @@ std::map<std::string, at::Tensor> Engine::full_parameters() {
 
 // ---- statistics
 
-namespace {
-void fill_moe(EngineStats::MixtureOfExperts& m) {
-  const auto s = moe::moe_stats();
-  m.tokens_per_expert = s.tokens_per_expert;
-  m.routed = s.routed;
-  m.dropped = s.dropped;
-  m.aux_loss_sum = s.aux_loss_sum;
-  m.aux_loss_terms = s.aux_loss_terms;
-  m.z_loss_sum = s.z_loss_sum;
-  m.z_loss_terms = s.z_loss_terms;
-  m.aux_loss = s.aux_loss_terms > 0 ? s.aux_loss_sum / static_cast<double>(s.aux_loss_terms) : 0.0;
-  m.z_loss = s.z_loss_terms > 0 ? s.z_loss_sum / static_cast<double>(s.z_loss_terms) : 0.0;
-  m.aux_loss_coef = s.aux_loss_coef;
-  m.z_loss_coef = s.z_loss_coef;
-  m.all_to_alls = s.all_to_alls;
-  m.all_to_all_seconds = s.all_to_all_seconds;
-  m.all_to_all_bytes = s.all_to_all_bytes;
-}
-}  // namespace
-
 EngineStats Engine::stats() const {
   const auto& I = *impl_;
   EngineStats s;
@@ -775,7 +755,7 @@ EngineStats Engine::stats() const {
     s.cp.hidden_fraction =
         ring.transfer_seconds > 0 ? std::clamp(1.0 - ring.exposed_seconds / ring.transfer_seconds, 0.0, 1.0) : 0.0;
   }
-  fill_moe(s.moe);
+  s.moe = moe::moe_stats();
   I.up->memory(s.memory);
   s.memory.peak_rss_bytes = peak_rss_bytes();
   s.memory.peak_activation_bytes = I.peak_activation;

@@ -60,7 +60,7 @@ void gather_pipeline(Engine& eng, const EngineStats::PipelineStage& s, Report& r
 // Collective over the world: the MoE figures summed (tokens: the tp ranks route the same ones,
 // so once per tp group), averaged (losses) or the slowest (seconds) over the ranks; a rank whose
 // stage has no MoE layer adds nothing.
-void gather_moe(Engine& eng, const EngineStats::MixtureOfExperts& s, Report& rep) {
+void gather_moe(Engine& eng, const moe::MoeStats& s, Report& rep) {
   auto world = eng.world();
   auto experts = torch::tensor({static_cast<int64_t>(s.tokens_per_expert.size())}, torch::kLong).to(eng.device());
   world->allreduce(experts, ReduceOp::kMax);
