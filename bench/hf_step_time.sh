@@ -20,44 +20,19 @@ py=$src/.venv-hf/bin/python
 [ -x "$py" ] || { echo "$py missing: run scripts/setup-hf-venv.sh"; exit 1; }
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+. "$src/bench/llama_lib.sh"
 "$py" "$src/tests/hf/hf_fixture.py" make "$out/fx" >"$out/fx.log" 2>&1 || { cat "$out/fx.log"; exit 1; }
-"$py" - "$out" "$layers" "$batch" <<'PY'
-import json, os, shutil, sys, torch
-import sentencepiece as spm
+"$py" - "$out" "$layers" <<'PY'
+import os, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-out, layers, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-fx = os.path.join(out, "fx", "lm")
-sp = spm.SentencePieceProcessor(model_file=os.path.join(fx, "tokenizer.model"))
+out, layers = sys.argv[1], int(sys.argv[2])
 torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=sp.get_piece_size(), hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
+cfg = LlamaConfig(vocab_size=800, hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 LlamaForCausalLM(cfg).save_pretrained(os.path.join(out, "model"))
-for f in os.listdir(fx):
-    if f.startswith("tokenizer") or f == "special_tokens_map.json":
-        shutil.copy(os.path.join(fx, f), os.path.join(out, "model", f))
-# Texts of >= 128 tokens: fortune cookies joined until long enough.
-root, docs = "/usr/share/games/fortunes", []
-for name in sorted(os.listdir(root)):
-    p = os.path.join(root, name)
-    if os.path.isfile(p) and not os.path.islink(p) and not name.endswith((".dat", ".u8")):
-        docs += [d.strip() for d in open(p, encoding="utf-8", errors="replace").read().split("\n%\n") if d.strip()]
-texts, cur = [], ""
-for d in docs:
-    cur = (cur + " " + d).strip()
-    if len(sp.encode(cur)) >= 140:
-        texts.append(cur)
-        cur = ""
-    if len(texts) == batch:
-        break
-with open(os.path.join(out, "data.jsonl"), "w") as f:
-    for t in texts:
-        f.write(json.dumps({"text": t}) + "\n")
-# The ids Tandem trains on: BOS, the pieces, cut at 128.
-ids = torch.tensor([([1] + sp.encode(t))[:128] for t in texts])
-torch.save(ids, os.path.join(out, "ids.pt"))
 PY
+fortune_batch "$out" "$batch" 128
 cat >"$out/torch_ddp.py" <<'PY'
 import json, math, os, sys, time, torch
 import torch.distributed as dist

@@ -30,44 +30,20 @@ py=$src/.venv-hf/bin/python
 [ -x "$tandem" ] || { echo "$tandem missing: build it first (cmake --build build --target tandem_cli)"; exit 1; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+. "$src/bench/llama_lib.sh"
 "$py" "$src/tests/hf/hf_fixture.py" make "$work/fx" >"$work/fx.log" 2>&1 || { cat "$work/fx.log"; exit 1; }
-"$py" - "$work" "$batch" "$seq" "$aux" <<'PY'
-import json, os, shutil, sys, torch
-import sentencepiece as spm
+"$py" - "$work" "$aux" <<'PY'
+import os, sys, torch
 from transformers import MixtralConfig, MixtralForCausalLM
-work, batch, seq, aux = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-fx = os.path.join(work, "fx", "lm")
-sp = spm.SentencePieceProcessor(model_file=os.path.join(fx, "tokenizer.model"))
+work, aux = sys.argv[1], float(sys.argv[2])
 torch.manual_seed(0)
 cfg = MixtralConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
                     router_aux_loss_coef=aux, output_router_logits=True, max_position_embeddings=256,
                     rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 MixtralForCausalLM(cfg).save_pretrained(os.path.join(work, "model"))
-for f in os.listdir(fx):
-    if f.startswith("tokenizer") or f == "special_tokens_map.json":
-        shutil.copy(os.path.join(fx, f), os.path.join(work, "model", f))
-# BATCH texts of >= SEQ tokens: fortune cookies joined until long enough.
-root, docs = "/usr/share/games/fortunes", []
-for name in sorted(os.listdir(root)):
-    p = os.path.join(root, name)
-    if os.path.isfile(p) and not os.path.islink(p) and not name.endswith((".dat", ".u8")):
-        docs += [d.strip() for d in open(p, encoding="utf-8", errors="replace").read().split("\n%\n") if d.strip()]
-texts, cur = [], ""
-for d in docs:
-    cur = (cur + " " + d).strip()
-    if len(sp.encode(cur)) >= seq + 12:
-        texts.append(cur)
-        cur = ""
-    if len(texts) == batch:
-        break
-with open(os.path.join(work, "data.jsonl"), "w") as f:
-    for t in texts:
-        f.write(json.dumps({"text": t}) + "\n")
-# The ids Tandem trains on: BOS, the pieces, cut at SEQ.
-torch.save(torch.tensor([([1] + sp.encode(t))[:seq] for t in texts]), os.path.join(work, "ids.pt"))
 PY
+fortune_batch "$work" "$batch" "$seq"
 cat >"$work/hf_train.py" <<'PY'
 import json, os, resource, sys, time, torch
 from transformers import MixtralForCausalLM
