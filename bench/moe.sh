@@ -5,7 +5,8 @@
 # describes the same shape), float32, AdamW, sequence 128, global batch 8, dropless routing and
 # the load-balancing loss at coefficient 0.02 on both sides. The runs alternate, REPS times:
 #  (a) tandem finetune --init-from, 2 workers: --ep 2 (4 experts per rank, tokens exchanged by
-#      all-to-all) against plain data parallelism (ddp: every expert on both ranks);
+#      all-to-all) against plain data parallelism (ddp: every expert on both ranks) and against
+#      --tp 2 (every expert, as every layer, cut over both ranks; one replica);
 #  (b) one worker: tandem finetune against transformers' MixtralForCausalLM trained by a plain
 #      PyTorch loop on the same ids (output_router_logits, so that it pays the same auxiliary loss);
 #  (c) each run's peak RSS per rank (Tandem's report; getrusage for PyTorch).
@@ -80,6 +81,7 @@ echo "Mixtral 4 layers, hidden 256, 8 experts of 512, top 2, seq $seq, batch $ba
 for rep in $(seq 1 "$reps"); do
   tandem_run ep2 "$rep" -n 2 --strategy ddp --ep 2 "${cf[@]}"
   tandem_run dp2 "$rep" -n 2 --strategy ddp "${cf[@]}"
+  tandem_run tp2 "$rep" -n 2 --strategy ddp --tp 2 "${cf[@]}"
   tandem_run one "$rep" -n 1 --strategy single
   OMP_NUM_THREADS=$threads "$py" "$work/hf_train.py" "$work" "$steps" "$threads" "$work/hf-$rep.json" \
     >"$work/hf-$rep.log" 2>&1 || { tail -20 "$work/hf-$rep.log"; exit 1; }
@@ -97,6 +99,7 @@ def hf(k):
     return statistics.median(j["step_ms"][skip:]), j["peak_rss_bytes"]
 runs = {"tandem -n 2 --ep 2": [tandem("ep2", k) for k in range(1, reps + 1)],
         "tandem -n 2 (dp2)": [tandem("dp2", k) for k in range(1, reps + 1)],
+        "tandem -n 2 --tp 2": [tandem("tp2", k) for k in range(1, reps + 1)],
         "tandem -n 1": [tandem("one", k) for k in range(1, reps + 1)],
         "transformers -n 1": [hf(k) for k in range(1, reps + 1)]}
 print(f"{'run':20s} {'step ms (runs)':>26s} {'median':>9s} {'tokens/s':>9s}  peak RSS MiB per rank (max of runs)")
@@ -107,5 +110,6 @@ for name, rs in runs.items():
     print(f"{name:20s} {' '.join(f'{ms:.1f}' for ms, _ in rs):>26s} {med[name]:9.1f} "
           f"{batch * seq * 1e3 / med[name]:9.0f}  {' / '.join(f'{x:.0f}' for x in rss)}")
 print(f"{'ep2 / dp2 step':20s} {'':>26s} {med['tandem -n 2 --ep 2'] / med['tandem -n 2 (dp2)']:9.3f}")
+print(f"{'tp2 / dp2 step':20s} {'':>26s} {med['tandem -n 2 --tp 2'] / med['tandem -n 2 (dp2)']:9.3f}")
 print(f"{'Tandem / transformers':20s} {'':>26s} {med['tandem -n 1'] / med['transformers -n 1']:9.3f}")
 PY
