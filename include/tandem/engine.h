@@ -370,13 +370,14 @@ class Engine {
   int dp_rank() const;
   c10::Device device() const;  // this rank's (the Runtime's)
   CommPtr world() const;
-  CommPtr dp_group() const;                            // the data-parallel replicas' group (size dp_size())
-  CommPtr ep_group() const;                            // expert parallelism's group (null when ep == 1)
-  const ProcessGrid* grid() const;                     // null when tp * pp * cp == 1
-  const Pipeline* pipeline() const;                    // null when pp == 1
-  std::vector<int64_t> partition() const;              // layers per stage (pp > 1)
-  torch::nn::Module& module();                         // what runs on this rank (its stage, its shards)
-  std::vector<at::Tensor> trained_parameters() const;  // this rank's (stage's, shard's) trainable parameters
+  CommPtr dp_group() const;                // the data-parallel replicas' group (size dp_size())
+  CommPtr ep_group() const;                // expert parallelism's group (null when ep == 1)
+  const ProcessGrid* grid() const;         // null when tp * pp * cp == 1
+  const Pipeline* pipeline() const;        // null when pp == 1
+  std::vector<int64_t> partition() const;  // layers per stage (pp > 1)
+  torch::nn::Module& module();             // what runs on this rank (its stage, its shards)
+  // This rank's (stage's, shard's) trainable parameters; under --ep its kept experts too, last.
+  std::vector<at::Tensor> trained_parameters() const;
   const LossScaler& loss_scaler() const;
   int64_t parameters() const;            // scalar parameters of the whole dense model
   int64_t trainable_parameters() const;  // those of them that require gradients

@@ -809,7 +809,12 @@ std::vector<int64_t> Engine::partition() const {
   return impl_->L.pipe ? impl_->L.pipe->partition() : std::vector<int64_t>{};
 }
 torch::nn::Module& Engine::module() { return *impl_->L.trained_module; }
-std::vector<at::Tensor> Engine::trained_parameters() const { return impl_->L.trained; }
+std::vector<at::Tensor> Engine::trained_parameters() const {
+  auto out = impl_->L.trained;
+  if (impl_->experts)  // the experts this rank keeps, banked apart from the module the strategy wraps
+    for (auto& [name, p] : impl_->experts->trained) out.push_back(p);
+  return out;
+}
 const LossScaler& Engine::loss_scaler() const { return impl_->up->scaler(); }
 int64_t Engine::parameters() const { return impl_->parameters; }
 int64_t Engine::trainable_parameters() const { return impl_->trainable; }

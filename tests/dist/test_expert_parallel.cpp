@@ -160,6 +160,8 @@ TEST(ExpertParallelLayouts, FollowsOneWorkerWithDdp) {
   for (auto& p : eng.module().named_parameters())
     if (p.key().find("experts") != std::string::npos) ++experts_held;
   EXPECT_EQ(experts_held, 0) << "the experts leave the module the strategy wraps";
+  // The dense weights (3 Linear x 2, 2 routers) and the kept experts (2 layers x 2 x w1, w2, w3).
+  EXPECT_EQ(eng.trained_parameters().size(), 8u + 12u) << "trained_parameters() lists the kept experts";
   const auto s = eng.stats();
   EXPECT_GT(s.moe.all_to_alls, 0);
   EXPECT_GT(s.moe.all_to_all_bytes, 0);
