@@ -12,7 +12,7 @@ cd "$tmp"
 "$tandem" plan --model mixtral-8x7b --cluster h100-ib --batch 64 --ep 8 --top 3 | tee fixed.txt
 grep -qE '^experts +8 of width 14336 in 32 MoE blocks, top 2, dropless' fixed.txt || { echo "no experts line"; exit 1; }
 grep -qE '^rank +layout +ep .*a2a ms' fixed.txt || { echo "no ep / a2a columns"; exit 1; }
-grep -qE '^1 +dp[0-9]+ ep8 tp1 pp[0-9]+.* +8 +' fixed.txt || { echo "rank 1 is not an ep 8 layout"; exit 1; }
+grep -qE '^1 +dp[0-9]+ ep8 tp[0-9]+ pp[0-9]+.* +8 +' fixed.txt || { echo "rank 1 is not an ep 8 layout"; exit 1; }
 grep -qE '^a2a ms: the MoE layers. all-to-alls' fixed.txt || { echo "no all-to-all note"; exit 1; }
 grep -qE '\(experts [0-9.]+ [GMk]B / [0-9.]+ [GMk]B\)' fixed.txt || { echo "no expert memory"; exit 1; }
 # A Hugging Face checkpoint's config.json (Mixtral 8x7B's fields) plans as the preset does.
