@@ -191,8 +191,10 @@ class ZeroDataParallel {
   // before the first backward of every step): unscales
   // (fp16), checks for inf/NaN, clips (when max_grad_norm > 0), steps the owned shard, and
   // (stages 1, 2) all-gathers the parameters. Returns false when an fp16 overflow skipped
-  // the step (the loss scale is backed off).
-  bool step();
+  // the step (the loss scale is backed off). `norm` >= 0: the caller's global gradient norm
+  // (these parameters are part of a larger model) for the overflow check and clipping, instead
+  // of the norm of these gradients.
+  bool step(double norm = -1.0);
 
   void set_lr(double lr);
   double lr() const;

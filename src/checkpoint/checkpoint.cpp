@@ -78,10 +78,6 @@ void set_cpu_rng_state(const at::Tensor& t) {
   g.set_state(t);
 }
 
-json tensor_desc(const std::string& name, const at::Tensor& t) {
-  return json{{"name", name}, {"shape", t.sizes().vec()}, {"dtype", c10::toString(t.scalar_type())}};
-}
-
 std::string shape_str(at::IntArrayRef s) {
   std::ostringstream os;
   os << s;

@@ -253,13 +253,8 @@ class Sharded final : public Updater {
     // those it leaves whole on every rank are the replicas'.
     std::vector<StatePiece> out;
     if (zero_->frozen_numel() == 0) out = L_.frozen_state();
-    for (auto& z : zero_->owned_pieces()) {
-      const auto& placed = L_.placed.at(z.name);
-      auto p = placed.placement.flat_range(z.first, z.first + z.count);
-      if (L_.replicate) p.replica += static_cast<int64_t>(L_.cfg.tp) * L_.replicate->rank();
-      out.push_back({"param/" + placed.dense_name, p, z.value});
-      for (auto& [k, v] : z.slots) out.push_back({k + "/" + placed.dense_name, p, v});
-    }
+    append_zero_pieces(out, *zero_, L_.placed,
+                       L_.replicate ? static_cast<int64_t>(L_.cfg.tp) * L_.replicate->rank() : 0);
     return out;
   }
   std::string optimizer_kind() const override { return tandem::optimizer_kind(zero_->optimizer()); }
@@ -301,6 +296,17 @@ class Sharded final : public Updater {
 };
 
 }  // namespace
+
+void append_zero_pieces(std::vector<StatePiece>& out, ZeroDataParallel& zero,
+                        const std::map<std::string, ParameterPlacement>& placed, int64_t replica) {
+  for (auto& z : zero.owned_pieces()) {
+    const auto& pl = placed.at(z.name);
+    auto p = pl.placement.flat_range(z.first, z.first + z.count);
+    p.replica += replica;
+    out.push_back({"param/" + pl.dense_name, p, z.value});
+    for (auto& [k, v] : z.slots) out.push_back({k + "/" + pl.dense_name, p, v});
+  }
+}
 
 std::unique_ptr<Updater> make_updater(Layout& L, const OptimizerOptions& oo) {
   if (zero_stage(L.cfg.strategy) > 0) return std::make_unique<Sharded>(L, oo);

@@ -117,5 +117,11 @@ class Updater {
 
 std::unique_ptr<Updater> make_updater(Layout& layout, const OptimizerOptions& optimizer);
 
+// The pieces `zero` owns (each a flat range of the parameter as this rank holds it, with its
+// optimizer slots) under the dense names and placements of `placed` (by name in zero's module),
+// their replica ids raised by `replica`.
+void append_zero_pieces(std::vector<StatePiece>& out, ZeroDataParallel& zero,
+                        const std::map<std::string, ParameterPlacement>& placed, int64_t replica = 0);
+
 }  // namespace engine
 }  // namespace tandem

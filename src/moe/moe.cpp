@@ -398,16 +398,12 @@ std::vector<ExpertParallel::LocalExpert> SparseMoeBlockImpl::use_expert_parallel
   unregister_module("experts");
   first_local = comm->rank() * per_rank;
   local.clear();
-  std::vector<LocalExpert> out;
-  for (int64_t e = first_local; e < first_local + per_rank; ++e) {
-    auto m = experts->ptr(static_cast<size_t>(e));
-    local.emplace_back(std::dynamic_pointer_cast<ExpertImpl>(m));
-    out.push_back({"experts." + std::to_string(e), m});
-  }
+  for (int64_t e = first_local; e < first_local + per_rank; ++e)
+    local.emplace_back(std::dynamic_pointer_cast<ExpertImpl>(experts->ptr(static_cast<size_t>(e))));
   // The other ranks' experts go: the memory expert parallelism saves.
   experts = nullptr;
   ep = comm;
-  return out;
+  return local_experts();
 }
 
 std::vector<ExpertParallel::LocalExpert> SparseMoeBlockImpl::local_experts() const {

@@ -570,15 +570,15 @@ void fill_stage_memory(const ModelSpec& m, const std::vector<double>& stage_para
 }
 
 // One rank's model state: `dense` parameters sharded by ZeRO over the dp * cp ranks, `experts`
-// (the rank's experts / ep of the model's) the same without expert parallelism; with it, whole
-// on each of the dp * cp / ep ranks that hold the same experts, as Tandem keeps them (the
-// Engine's expert bank is not sharded by ZeRO).
+// (the rank's experts / ep of the model's) the same without expert parallelism; with it, over
+// the dp * cp / ep ranks that hold the same experts by ZeRO-1 whatever the stage (the Engine's
+// expert bank: weights and gradients whole, masters and optimizer state sharded).
 MemoryBreakdown rank_model_states(const ModelSpec& m, const Layout& l, double dense, double experts, StateBytes sb) {
   const int group = l.dp * l.cp;
   MemoryBreakdown b = zero_model_states(dense, l.zero, group, sb);
   frozen_share(m, b);
   if (experts > 0) {
-    MemoryBreakdown x = zero_model_states(experts, l.ep > 1 ? 0 : l.zero, group / l.ep, sb);
+    MemoryBreakdown x = zero_model_states(experts, l.ep > 1 ? std::min(l.zero, 1) : l.zero, group / l.ep, sb);
     frozen_share(m, x);
     b.parameters += x.parameters;
     b.gradients += x.gradients;

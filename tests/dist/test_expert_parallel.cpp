@@ -4,7 +4,8 @@
 // recomputed in backward, clipped by the whole model's gradient norm, and in fp16 with skipped
 // steps, follows one worker that runs the same micro-batches (the auxiliary losses are per
 // micro-batch and rank, as transformers computes them per forward): losses and parameters. A
-// checkpoint saved under ep 2 (and tp 2 x ep 2) loads whole on one worker; initial values from a
+// checkpoint saved under ep 2 (and tp 2 x ep 2) loads whole on one worker; under ZeRO the experts'
+// optimizer state is sharded over the ranks holding them, and resumes; initial values from a
 // source are read by the experts' owners only; experts not divisible by ep, --ep on a model
 // without MoE layers and --ep with --cp are refused.
 #include <gtest/gtest.h>
@@ -316,6 +317,35 @@ TEST(ExpertParallelLayouts, CheckpointLoadsWholeOnOneWorker) {
     for (const auto& [name, t] : trained.params) EXPECT_LE(rel_err(got.at(name), t), 1e-7) << name;
   }
   world()->barrier();
+}
+
+// Under ZeRO the experts' fp32 optimizer state is sharded over the edp ranks holding the same
+// experts (ZeRO-1 for experts whatever the stage): on 4 ranks (dp 4 / ep 2 = 2 hold each) a rank
+// keeps less than its experts' whole AdamW moments, on 2 (1 holds each) all of them. A checkpoint
+// of the shards resumes: one more step after loading equals one more step of the original.
+TEST(ExpertParallelLayouts, ZeroShardsTheExpertsOptimizerStateAndResumes) {
+  for (auto s : {Strategy::kZero1, Strategy::kZero3}) {
+    const std::string what = to_string(s);
+    Engine eng(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(s, 2));
+    train(eng, 2);
+    // 2 layers x 2 kept experts x 3 weights of 8 x 12: 1152 parameters, two fp32 moments each.
+    const int64_t whole = 1152 * 2 * 4, held = eng.stats().memory.optimizer_state_bytes;
+    if (world()->size() == 4) EXPECT_LT(held, whole) << what << ": sharded over the 2 edp ranks";
+    if (world()->size() == 2) EXPECT_GE(held, whole) << what << ": one edp rank holds it all";
+    const auto dir = shared_dir(*world(), "ep_zero_ckpt_" + what);
+    eng.save(dir);
+    eng.wait_checkpoint();
+    world()->barrier();
+    Engine back(runtime(), make_model(moe::AuxLossForm::kPooled), adamw(), ep_config(s, 2));
+    back.load(dir);
+    auto [x, y] = batch(7);
+    const int dp = eng.dp_size(), r = eng.dp_rank();
+    const auto a = eng.step(slice_for_rank(x, r, dp), slice_for_rank(y, r, dp), kTokenCrossEntropy).item<double>();
+    const auto b = back.step(slice_for_rank(x, r, dp), slice_for_rank(y, r, dp), kTokenCrossEntropy).item<double>();
+    EXPECT_DOUBLE_EQ(a, b) << what;
+    const auto pa = eng.full_parameters(), pb = back.full_parameters();
+    for (const auto& [name, t] : pa) EXPECT_LE(rel_err(pb.at(name), t), 1e-7) << what << " " << name;
+  }
 }
 
 // Initial values from a source (EngineOptions::init_from, as `finetune --init-from` reads a

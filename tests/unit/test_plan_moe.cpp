@@ -95,17 +95,21 @@ TEST(PlanMoe, ExpertParallelismDividesTheExpertState) {
   EXPECT_DOUBLE_EQ(e2.memory.activations, e1.memory.activations);
   EXPECT_GT(e2.memory.expert_activations, 0.0);
   EXPECT_LT(e2.memory.expert_activations, e2.memory.activations);
-  // ZeRO-1 on dp 4, ep 2: the dense moments over 4 ranks (46400 * 8 / 4 = 92800); the experts'
-  // whole on each of the dp / ep = 2 ranks holding the same ones (98304 * 8 = 786432), as the
-  // Engine keeps its expert bank (ZeRO does not shard it). Without ep ZeRO shards them too.
+  // ZeRO-1 on dp 4, ep 2: the dense moments over 4 ranks (46400 * 8 / 4 = 92800), the experts'
+  // over the dp / ep = 2 ranks holding the same ones (98304 * 8 / 2 = 393216).
   o.global_batch = 16;
   auto z1 = tp::estimate(m, c, layout(4, 2, 1, 4), o);
   ASSERT_TRUE(z1.feasible) << z1.why;
-  EXPECT_DOUBLE_EQ(z1.memory.optimizer, 92800.0 + 786432.0);
-  EXPECT_DOUBLE_EQ(z1.memory.expert_states, 98304.0 * 16);
-  auto z1_ep1 = tp::estimate(m, c, layout(4, 1, 1, 4), o);
-  ASSERT_TRUE(z1_ep1.feasible) << z1_ep1.why;
-  EXPECT_DOUBLE_EQ(z1_ep1.memory.expert_states, 196608.0 * (4 + 4 + 8.0 / 4));
+  EXPECT_DOUBLE_EQ(z1.memory.optimizer, 92800.0 + 393216.0);
+  EXPECT_DOUBLE_EQ(z1.memory.expert_states, 98304.0 * 8 + 393216.0);
+  // ZeRO-3 with ep: the experts stay at ZeRO-1 (the Engine's expert bank keeps its weights and
+  // gradients whole); without ep ZeRO-3 shards them with the dense weights.
+  auto z3 = tp::estimate(m, c, layout(4, 2, 3, 4), o);
+  ASSERT_TRUE(z3.feasible) << z3.why;
+  EXPECT_DOUBLE_EQ(z3.memory.expert_states, z1.memory.expert_states);
+  auto z3_ep1 = tp::estimate(m, c, layout(4, 1, 3, 4), o);
+  ASSERT_TRUE(z3_ep1.feasible) << z3_ep1.why;
+  EXPECT_DOUBLE_EQ(z3_ep1.memory.expert_states, 196608.0 * 16 / 4);
 }
 
 TEST(PlanMoe, AllToAllBytesAndSecondsByHand) {

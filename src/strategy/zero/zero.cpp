@@ -187,7 +187,7 @@ NoSyncGuard ZeroDataParallel::no_sync() {
   return NoSyncGuard(&I.no_sync);
 }
 
-bool ZeroDataParallel::step() { return impl_->step(); }
+bool ZeroDataParallel::step(double norm) { return impl_->step(norm); }
 
 void ZeroDataParallel::set_lr(double lr) {
   for (auto& g : impl_->optim->param_groups()) g.options().set_lr(lr);

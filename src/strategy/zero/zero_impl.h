@@ -206,7 +206,8 @@ struct ZeroDataParallel::Impl {
   void average_over_replicas();  // hybrid sharding: each owned gradient chunk over the groups
   static void wait_all(std::vector<WorkPtr>& works);
   void drop_master_grads();
-  bool step();
+  bool step(double given_norm);
+  double global_squares();
   void publish_shards();
 };
 

@@ -45,7 +45,29 @@ void ZeroDataParallel::Impl::drop_master_grads() {
   for (auto& bk : buckets) bk.master.mutable_grad() = at::Tensor();
 }
 
-bool ZeroDataParallel::Impl::step() {
+// The whole model's sum of squares of the (unscaled) gradients: [all of this rank's chunk, its
+// tensor-parallel shards' part] summed over the data-parallel ranks, the shards' part then over
+// tp (the rest is the same on every tp rank), and the whole over the pipeline's stages.
+double ZeroDataParallel::Impl::global_squares() {
+  auto sq =
+      at::zeros({2}, buckets.empty() ? at::TensorOptions(at::kDouble) : buckets[0].master.options().dtype(at::kDouble));
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const auto g = buckets[b].master.grad();
+    sq[0] += g.to(at::kDouble).pow(2).sum();
+    if (model_parallel)
+      for (const auto& [from, to] : sharded_ranges[b])
+        sq[1] += g.narrow(0, from, to - from).to(at::kDouble).pow(2).sum();
+  }
+  comm->allreduce(sq, ReduceOp::kSum);
+  if (!model_parallel) return sq[0].cpu().item<double>();
+  auto sh = sq.narrow(0, 1, 1).clone();
+  if (mp_tp && mp_tp->size() > 1) mp_tp->allreduce(sh, ReduceOp::kSum);
+  auto t = sq.narrow(0, 0, 1) - sq.narrow(0, 1, 1) + sh;
+  if (mp_pp && mp_pp->size() > 1) mp_pp->allreduce(t, ReduceOp::kSum);
+  return t.cpu().item<double>();
+}
+
+bool ZeroDataParallel::Impl::step(double given_norm) {
   torch::NoGradGuard ng;
   release_all();  // stage 3: gathered values are about to be stale
   link_master_grads();
@@ -55,30 +77,7 @@ bool ZeroDataParallel::Impl::step() {
   const bool clipping = opts.max_grad_norm > 0;
   last_norm = -1.0;
   if (clipping || scaler.dynamic()) {
-    // [all of this rank's chunk, its tensor-parallel shards' part]: summed over the
-    // data-parallel ranks, the shards' part then over tp (the rest is the same on every tp
-    // rank), and the whole over the pipeline's stages.
-    auto sq = at::zeros({2}, buckets.empty() ? at::TensorOptions(at::kDouble)
-                                             : buckets[0].master.options().dtype(at::kDouble));
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      const auto g = buckets[b].master.grad();
-      sq[0] += g.to(at::kDouble).pow(2).sum();
-      if (model_parallel)
-        for (const auto& [from, to] : sharded_ranges[b])
-          sq[1] += g.narrow(0, from, to - from).to(at::kDouble).pow(2).sum();
-    }
-    comm->allreduce(sq, ReduceOp::kSum);
-    double total = 0.0;
-    if (model_parallel) {
-      auto sh = sq.narrow(0, 1, 1).clone();
-      if (mp_tp && mp_tp->size() > 1) mp_tp->allreduce(sh, ReduceOp::kSum);
-      auto t = sq.narrow(0, 0, 1) - sq.narrow(0, 1, 1) + sh;
-      if (mp_pp && mp_pp->size() > 1) mp_pp->allreduce(t, ReduceOp::kSum);
-      total = t.cpu().item<double>();
-    } else {
-      total = sq[0].cpu().item<double>();
-    }
-    double norm = std::sqrt(total + extra_sq);
+    const double norm = given_norm >= 0 ? given_norm : std::sqrt(global_squares() + extra_sq);
     extra_sq = 0.0;
     const bool found_inf = !std::isfinite(norm);
     scaler.update(found_inf);
