@@ -99,10 +99,10 @@ struct ParallelConfig {
   // over groups of ep consecutive data-parallel ranks, each rank's tokens dispatched to their
   // experts' owners and combined back by all-to-all. The dense weights stay data-parallel over
   // the dp ranks, the experts over the dp / ep ranks holding the same ones: under zero1-3 by
-  // ZeRO-1 whatever the stage (weights and gradients whole, gradients all-reduced in buckets during
-  // backward, fp32 masters and optimizer state sharded), else whole on each, their gradients
-  // averaged at the step. ep
-  // must divide the data-parallel ranks and every MoE layer's experts. With --tp each tp rank
+  // ZeRO-1 whatever the stage (weights and gradients whole, gradients all-reduced in buckets
+  // during backward, fp32 masters and optimizer state sharded), else whole on each, their
+  // gradients averaged at the step. ep must divide the data-parallel ranks and every MoE
+  // layer's experts. With --tp each tp rank
   // has its ep groups, whose experts are that rank's parts (the tp form of moe::SparseMoeBlock).
   // --max-grad-norm clips by the whole model's norm, the experts' included, and fp16 skips an
   // overflowed step for the whole model; recomputed layers (activation checkpointing, whole or

@@ -6,7 +6,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "tandem/activation_checkpoint.h"
+#include "engine/wrapped.h"
 #include "tandem/moe.h"
 #include "tandem/optim.h"
 #include "tandem/precision.h"
@@ -36,22 +36,11 @@ std::unique_ptr<ExpertShards> split_experts(Layout& L) {
   return X;
 }
 
-namespace {
-// The MoE layer a module is, or wraps (activation checkpointing and ZeRO-3 units adopt the wrapped
-// module's children, not the module itself).
-const moe::ExpertParallel* expert_layer(torch::nn::Module& m) {
-  if (auto* e = dynamic_cast<const moe::ExpertParallel*>(&m)) return e;
-  if (auto* c = m.as<CheckpointedImpl>()) return dynamic_cast<const moe::ExpertParallel*>(c->inner().ptr().get());
-  if (auto* u = m.as<ShardedUnitImpl>()) return dynamic_cast<const moe::ExpertParallel*>(u->inner().ptr().get());
-  return nullptr;
-}
-}  // namespace
-
 void bank_experts(Layout& L, ExpertShards& X, const std::function<std::string(const std::string&)>& dense_name) {
   X.bank = std::make_shared<torch::nn::Module>("ExpertBank");
   int64_t index = 0;
   for (auto& m : L.trained_module->named_modules("", /*include_self=*/true)) {
-    const auto* layer = expert_layer(*m.value());
+    const auto* layer = as_or_wrapped<moe::ExpertParallel>(*m.value());
     if (!layer) continue;
     const std::string prefix = m.key().empty() ? "" : m.key() + ".";
     for (auto& local : layer->local_experts()) {
@@ -103,6 +92,7 @@ class WholeExperts final : public ExpertStepper {
   WholeExperts(Layout& L, ExpertShards& X, const OptimizerOptions& oo) : X_(X), params_(tensors(X.trained)) {
     opt_ = std::make_unique<MixedPrecisionOptimizer>(params_, L.cfg.precision, oo, L.cfg.loss_scaler,
                                                      X.edp->size() > 1 ? X.edp : nullptr);
+    if (L.cfg.precision != Precision::kFP32) X.bank->to(compute_dtype(L.cfg.precision));
     if (X.edp->size() > 1) averager_ = std::make_unique<GradientAverager>(params_, X.edp);
   }
   void zero_grad() override { opt_->zero_grad(); }
@@ -203,11 +193,12 @@ class WithExperts final : public Updater {
   WithExperts(const std::function<std::unique_ptr<Updater>()>& make_dense, Layout& L, ExpertShards& X,
               const OptimizerOptions& oo)
       : L_(L), X_(X), params_(tensors(X.trained)) {
+    // Hybrid sharding keeps its collectives inside host groups, and edp spans them: its experts
+    // stay whole, as ddp's.
     if (zero_stage(L.cfg.strategy) > 0 && !is_hybrid(L.cfg.strategy)) {
       experts_ = std::make_unique<ShardedExperts>(L, X, oo);
     } else {
       experts_ = std::make_unique<WholeExperts>(L, X, oo);
-      if (L.cfg.precision != Precision::kFP32) X.bank->to(compute_dtype(L.cfg.precision));
     }
     dense_ = make_dense();
   }

@@ -39,8 +39,9 @@ std::unique_ptr<ExpertShards> split_experts(Layout& L);
 void bank_experts(Layout& L, ExpertShards& X, const std::function<std::string(const std::string&)>& dense_name);
 
 // The strategy's updater (made by `make_dense`, after the experts' fp32 masters are taken) for
-// every weight but the experts, which are stepped by one optimizer per rank (fp32 masters in
-// mixed precision) after their gradients are averaged over X.edp and divided by ep.
+// every weight but the experts, whose gradients are averaged over X.edp and divided by ep: under
+// zero1-3 stepped by ZeRO-1 over X.edp (optimizer state and masters sharded), else whole by one
+// optimizer per rank. Both clip by, and in fp16 skip with, the whole model's norm.
 std::unique_ptr<Updater> with_experts(const std::function<std::unique_ptr<Updater>()>& make_dense, Layout& L,
                                       ExpertShards& X, const OptimizerOptions& optimizer);
 

@@ -5,26 +5,16 @@
 #include <map>
 #include <set>
 
-#include "tandem/activation_checkpoint.h"
+#include "engine/wrapped.h"
 #include "tandem/placement.h"
-#include "tandem/zero.h"
 
 namespace tandem {
 namespace {
 
-// The PlacedModule a module is, or wraps (activation checkpointing and ZeRO-3 units keep the
-// wrapped module's parameters under the same names).
-const PlacedModule* placed_module(torch::nn::Module& m) {
-  if (auto* p = dynamic_cast<const PlacedModule*>(&m)) return p;
-  if (auto* c = m.as<CheckpointedImpl>()) return dynamic_cast<const PlacedModule*>(c->inner().ptr().get());
-  if (auto* u = m.as<ShardedUnitImpl>()) return dynamic_cast<const PlacedModule*>(u->inner().ptr().get());
-  return nullptr;
-}
-
 // Outer modules first: what a PlacedModule lists for its descendants wins over theirs.
 void walk(torch::nn::Module& m, const std::string& prefix, int64_t replica, std::set<std::string>& seen,
           std::vector<ParameterPlacement>& out) {
-  if (const auto* placed = placed_module(m)) {
+  if (const auto* placed = engine::as_or_wrapped<PlacedModule>(m)) {
     for (auto& p : prefixed(placed->parameter_placements(), prefix, prefix))
       if (seen.insert(p.name).second) out.push_back(std::move(p));
   }
