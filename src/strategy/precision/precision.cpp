@@ -244,7 +244,7 @@ bool MixedPrecisionOptimizer::step(double max_grad_norm, double given_norm) {
   const auto dtype = compute_dtype(precision_);
   const double inv = 1.0 / scaler_.scale();
   // fp32 gradients for the masters, unscaled; one sum of squares gives both the overflow
-  // check and the norm for clipping.
+  // check and the norm for clipping (none when the caller gives the norm).
   auto sq = at::zeros({}, masters_.empty() ? at::TensorOptions(at::kDouble) : masters_[0].options().dtype(at::kDouble));
   auto sq_sharded = at::zeros_like(sq);  // model parallelism: the shards' part of sq
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -260,7 +260,7 @@ bool MixedPrecisionOptimizer::step(double max_grad_norm, double given_norm) {
     }
     auto g32 = g.to(at::kFloat);
     if (inv != 1.0) g32.mul_(inv);
-    (model_parallel_ && sharded_[i] ? sq_sharded : sq) += g32.to(at::kDouble).pow(2).sum();
+    if (given_norm < 0) (model_parallel_ && sharded_[i] ? sq_sharded : sq) += g32.to(at::kDouble).pow(2).sum();
     masters_[i].mutable_grad() = g32;
   }
   const double norm = given_norm >= 0
